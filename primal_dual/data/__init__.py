@@ -1,0 +1,9 @@
+"""Data sets and the input pipeline.
+
+Modules are imported on demand (TFDS, grain and JAX are slow to import):
+
+* ``uea``: UEA multivariate archive (`.ts` reading, preprocessing, ``uea_sources``, ``uea_info``).
+* ``listops``: the seeded ListOps generator.
+* ``builders``: TFDS builders (array_record, read without TensorFlow), ``listops_sources``.
+* ``pipeline``: ``make_loader`` (checkpointable grain iterator) and ``iterate_eval``.
+"""

@@ -1,0 +1,285 @@
+"""TFDS builders for the UEA archive and ListOps, stored as array_record, read without TensorFlow.
+
+What was checked with tensorflow-datasets 4.9.10, TensorFlow absent:
+  * ``GeneratorBasedBuilder.download_and_prepare`` with ``file_format='array_record'`` works, and
+    ``builder.as_data_source()`` returns random-access sources that decode to NumPy.
+  * ``tfds.features.Tensor`` with more than one unknown dimension needs ``encoding='zlib'`` (or
+    ``'bytes'``), which also works without TF; ``Scalar`` decodes to a Python ``int``, so the
+    sources here cast every field to its declared NumPy dtype.
+  * ``self.dataset_info_from_configs`` reads metadata files next to the builder's module (there are
+    none), so ``_info`` builds ``tfds.core.DatasetInfo`` directly.
+  * ``DatasetInfo(metadata=tfds.core.MetadataDict())`` filled in ``_split_generators`` is saved
+    with the data and restored when a prepared builder is opened: it carries the UEA statistics,
+    class names and TRAIN labels (used for the clean-protocol carve without reading every record).
+  * ``disable_shuffling=True`` keeps the generator's order (TFDS otherwise orders records by a
+    hash of their key), so record ``i`` of ``train`` is case ``i`` of the ``.ts`` file.
+  * ``dl_manager.manual_dir`` raises AssertionError when the folder is missing or empty; the UEA
+    builder turns that into the FileNotFoundError of :func:`primal_dual.data.uea.ts_paths`.
+
+The builders are registered with TFDS as ``uea_multivariate`` (one config per archive name) and
+``listops`` (configs ``full``, ``short``, ``tiny``; other seeds get a custom config
+``<preset>_seed<n>``), so after importing this module ``tfds.data_source('uea_multivariate/
+JapaneseVowels', data_dir=...)`` also works. Preparing is not safe to run from several processes at
+once into the same ``data_dir``: prepare once (e.g. on process 0) before a multi-host run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from primal_dual.data import listops
+from primal_dual.data import uea
+
+FILE_FORMAT = "array_record"
+
+
+# ------------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class DecodedSource:
+  """A split of a prepared TFDS data set whose records are dicts of NumPy arrays.
+
+  Attributes:
+    source: the TFDS data source (``__len__``, ``__getitem__``, ``__getitems__``).
+    dtypes: NumPy dtype of each field; every field is cast (TFDS gives a Python int for scalars).
+    description: stable text for ``repr``; grain compares ``repr(source)`` when restoring an
+      iterator, so it must not contain memory addresses.
+  """
+  source: Any
+  dtypes: Mapping[str, Any]
+  description: str
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def _cast(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=self.dtypes.get(k)) for k, v in record.items()}
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return self._cast(self.source[index])
+
+  def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    return [self._cast(r) for r in self.source.__getitems__([int(i) for i in indices])]
+
+  def __repr__(self) -> str:
+    return f"DecodedSource({self.description}, len={len(self)})"
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class SubsetSource:
+  """The records ``indices`` of ``source``, in that order (e.g. a carved validation split).
+
+  Attributes:
+    source: any random-access source.
+    indices: int ``[n]`` positions in ``source``.
+    description: stable text for ``repr``.
+  """
+  source: Any
+  indices: np.ndarray
+  description: str
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, index: int) -> Any:
+    return self.source[int(self.indices[index])]
+
+  def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    positions = [int(self.indices[i]) for i in indices]
+    if hasattr(self.source, "__getitems__"):
+      return list(self.source.__getitems__(positions))
+    return [self.source[p] for p in positions]
+
+  def __repr__(self) -> str:
+    return f"SubsetSource({self.description} of {self.source!r}, len={len(self)})"
+
+
+def _field_dtypes(features: tfds.features.FeaturesDict) -> dict[str, np.dtype]:
+  return {k: np.dtype(f.np_dtype) for k, f in features.items()}
+
+
+def decoded_sources(builder: tfds.core.DatasetBuilder,
+                    splits: Sequence[str]) -> dict[str, DecodedSource]:
+  """``{split: DecodedSource}`` of a prepared array_record builder."""
+  available = set(builder.info.splits.keys())
+  missing = [s for s in splits if s not in available]
+  if missing:
+    raise ValueError(f"{builder.info.full_name} has no split(s) {missing}; it has "
+                     f"{sorted(available)}.")
+  raw = builder.as_data_source(split=list(splits))
+  dtypes = _field_dtypes(builder.info.features)
+  return {s: DecodedSource(r, dtypes, f"{builder.info.full_name}, split={s}")
+          for s, r in zip(splits, raw)}
+
+
+def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
+                     config: str | tfds.core.BuilderConfig, *,
+                     data_dir: str | os.PathLike[str] | None = None,
+                     manual_dir: str | os.PathLike[str] | None = None
+                     ) -> tfds.core.GeneratorBasedBuilder:
+  """Opens ``builder_cls`` with ``config`` in ``data_dir``, preparing it first if needed."""
+  builder = builder_cls(config=config, data_dir=None if data_dir is None else os.fspath(data_dir),
+                        file_format=FILE_FORMAT)
+  if not builder.is_prepared():
+    download_config = tfds.download.DownloadConfig(
+        manual_dir=None if manual_dir is None else os.fspath(manual_dir))
+    builder.download_and_prepare(download_config=download_config)
+  return builder
+
+
+# ------------------------------------------------------------------------------------------------
+# UEA
+
+
+def _uea_features() -> tfds.features.FeaturesDict:
+  # T and C differ per data set and are only known after reading the files, hence unknown dims
+  # (which need zlib/bytes encoding); every record of one data set has the same [T, C].
+  return tfds.features.FeaturesDict({
+      "inputs": tfds.features.Tensor(shape=(None, None), dtype=np.float32, encoding="zlib"),
+      "mask": tfds.features.Tensor(shape=(None,), dtype=np.bool_, encoding="zlib"),
+      "label": tfds.features.Scalar(dtype=np.int32),
+  })
+
+
+class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
+  """UEA multivariate archive, one config per data set, preprocessed by :func:`uea.load_uea`."""
+
+  name = "uea_multivariate"
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Train-statistics standardisation, NaN -> channel mean, padded to the "
+                            "longest series with a mask."}
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=n, description=f"UEA {n}")
+                     for n in uea.ARCHIVE_DATASETS]
+  MANUAL_DOWNLOAD_INSTRUCTIONS = uea.DOWNLOAD_HELP
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="UEA multivariate time-series classification (.ts archive).",
+        features=_uea_features(),
+        homepage="https://www.timeseriesclassification.com",
+        disable_shuffling=True,
+        metadata=tfds.core.MetadataDict(),
+    )
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
+    name = self.builder_config.name
+    try:
+      manual_dir = dl_manager.manual_dir
+    except AssertionError:
+      # TFDS asserts on a missing or empty folder. Bundled sets do not need it, and for the others
+      # ts_paths reports the exact files expected there, which says more than TFDS's message.
+      manual_dir = dl_manager._manual_dir  # pylint: disable=protected-access
+    data = uea.load_uea(name, manual_dir=manual_dir)
+    self.info.metadata.update(data.metadata())
+    return {split: self._generate_examples(arrays) for split, arrays in data.splits.items()}
+
+  def _generate_examples(self, arrays: Mapping[str, np.ndarray]
+                         ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    for i in range(len(arrays["label"])):
+      yield i, {k: v[i] for k, v in arrays.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# ListOps
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ListOpsConfig(tfds.core.BuilderConfig):
+  """A ListOps preset plus the generator seed (see :func:`listops.generate_splits`)."""
+  seed: int = 0
+  min_length: int = 0
+  max_length: int = 0
+  num_train: int = 0
+  num_validation: int = 0
+  num_test: int = 0
+  max_depth: int = 10
+  max_args: int = 10
+
+
+def listops_config(preset: str, seed: int = 0) -> ListOpsConfig:
+  """The config of ``preset`` (a key of ``listops.PRESETS``) generated with ``seed``."""
+  if preset not in listops.PRESETS:
+    raise ValueError(f"Unknown ListOps preset {preset!r}; choose from {sorted(listops.PRESETS)}.")
+  if seed < 0:
+    raise ValueError(f"ListOps seed must be >= 0, got {seed}.")
+  name = preset if seed == 0 else f"{preset}_seed{seed}"
+  return ListOpsConfig(name=name, description=f"ListOps preset {preset}, seed {seed}", seed=seed,
+                       **listops.PRESETS[preset])
+
+
+class ListOps(tfds.core.GeneratorBasedBuilder):
+  """ListOps expressions from :func:`listops.generate_splits`, padded to the preset's max_length."""
+
+  name = "listops"
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Vectorised seeded generator, deduplicated and sorted before split."}
+  BUILDER_CONFIGS = [listops_config(preset) for preset in listops.PRESETS]
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    length = self.builder_config.max_length
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="ListOps (Long Range Arena task), token ids padded with PAD_ID.",
+        features=tfds.features.FeaturesDict({
+            "inputs": tfds.features.Tensor(shape=(length,), dtype=np.int32, encoding="zlib"),
+            "mask": tfds.features.Tensor(shape=(length,), dtype=np.bool_, encoding="zlib"),
+            "label": tfds.features.Scalar(dtype=np.int32),
+        }),
+        disable_shuffling=True,
+        metadata=tfds.core.MetadataDict(vocab_size=listops.VOCAB_SIZE, pad_id=listops.PAD_ID,
+                                        num_classes=listops.NUM_CLASSES),
+    )
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
+    del dl_manager  # generated, nothing to download
+    c = self.builder_config
+    splits = listops.generate_splits(
+        seed=c.seed, num_train=c.num_train, num_validation=c.num_validation,
+        num_test=c.num_test, min_length=c.min_length, max_length=c.max_length,
+        max_depth=c.max_depth, max_args=c.max_args)
+    return {split: self._generate_examples(examples) for split, examples in splits.items()}
+
+  def _generate_examples(self, examples: Sequence[tuple[np.ndarray, int]]
+                         ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    length = self.builder_config.max_length
+    for i, (ids, label) in enumerate(examples):
+      yield i, pad_tokens(ids, label, length)
+
+
+def pad_tokens(ids: np.ndarray, label: int, length: int) -> dict[str, np.ndarray]:
+  """One ListOps record: ``inputs`` int32 ``[length]`` padded with PAD_ID, ``mask``, ``label``."""
+  ids = np.asarray(ids, np.int32)
+  if ids.ndim != 1 or len(ids) > length:
+    raise ValueError(f"token ids must be 1-D with at most {length} entries; got shape {ids.shape}.")
+  inputs = np.full((length,), listops.PAD_ID, np.int32)
+  inputs[:len(ids)] = ids
+  return {"inputs": inputs, "mask": np.arange(length) < len(ids), "label": np.int32(label)}
+
+
+def listops_sources(preset: str, *, seed: int = 0, data_dir: str | os.PathLike[str] | None = None,
+                    splits: Sequence[str] = ("train", "validation", "test")
+                    ) -> dict[str, DecodedSource]:
+  """Random-access ListOps sources, generated and prepared with TFDS on first use.
+
+  Args:
+    preset: ``'full'`` (LRA: 96k/2k/2k, 500-2000 tokens), ``'short'`` or ``'tiny'``.
+    seed: generator seed (0 is the registered config; others use ``<preset>_seed<n>``).
+    data_dir: TFDS data folder (default: TFDS's).
+    splits: any of ``'train', 'validation', 'test'``.
+
+  Returns:
+    ``{split: source}``, records ``{'inputs': int32 [max_length], 'mask': bool [max_length],
+    'label': int32 []}``.
+  """
+  config = listops_config(preset, seed)
+  registered = ListOps.builder_configs.get(config.name)
+  builder = prepared_builder(ListOps, registered or config, data_dir=data_dir)
+  return decoded_sources(builder, list(splits))
