@@ -1,0 +1,129 @@
+"""Orbax checkpoints of the whole training run: state, data-iterator position and metadata.
+
+A checkpoint at step s (directory `workdir/checkpoints/<s>/`) holds three items:
+
+  state   the TrainState pytree (params, batch_stats, opt_state, step, rng), `StandardSave`;
+  data    the grain iterator position, one JSON file per process (`grain.checkpoint`);
+  meta    JSON: step and the evaluation tracker (best / selected metrics so far).
+
+Restoring all three and continuing gives bit-for-bit the run that was never interrupted: the
+per-step dropout key is `fold_in(state.rng, state.step)` and the iterator resumes at the next
+batch. The trainer decides *when* to save (`periodic.PeriodicActions`); this module only saves,
+keeps the last K and restores.
+"""
+
+import os
+from typing import Any, Iterator
+
+import jax
+import orbax.checkpoint as ocp
+
+from primal_dual.training import errors
+
+CHECKPOINT_DIR = 'checkpoints'
+SELECTED_DIR = 'checkpoints_selected'
+
+
+def _grain_args():
+  """grain's Orbax argument classes (registered with Orbax when grain is imported)."""
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointRestore
+
+
+def abstract_with_shardings(abstract_tree: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying shardings: the restore target that places arrays directly."""
+  return jax.tree.map(
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+      abstract_tree, shardings)
+
+
+class Checkpointer:
+  """Saves and restores (state, data iterator, meta) under `directory`.
+
+  Args:
+    directory: where step folders go (made absolute; created if missing).
+    keep: how many of the most recent checkpoints to keep (None: all).
+    async_save: write in a background thread. Arrays are copied to host memory before `save`
+      returns, so the caller may donate or overwrite the state right away.
+  """
+
+  def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(
+        create=True,
+        enable_async_checkpointing=async_save,
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+        cleanup_tmp_directories=True,
+    )
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=('state', 'data', 'meta'))
+
+  def latest_step(self) -> int | None:
+    """Step of the newest complete checkpoint, or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, *, meta: dict, data_iterator: Iterator | None = None
+           ) -> None:
+    """Saves a checkpoint at `step` (all processes must call this together).
+
+    Args:
+      step: the completed training step.
+      state: the TrainState pytree.
+      meta: JSON-serialisable dict (e.g. the evaluation tracker).
+      data_iterator: a grain iterator (`get_state`/`set_state`), or None to skip the data item.
+    """
+    items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    if data_iterator is not None:
+      grain_save, _ = _grain_args()
+      items['data'] = grain_save(data_iterator)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int | None, abstract_state: Any, *,
+              data_iterator: Iterator | None = None) -> tuple[Any, dict]:
+    """Restores a checkpoint; sets `data_iterator`'s position in place when given.
+
+    Args:
+      step: which step (None: the latest).
+      abstract_state: the TrainState as ShapeDtypeStructs with shardings
+        (`abstract_with_shardings`); arrays come back with those shardings.
+      data_iterator: the freshly built training iterator to move to the saved position.
+
+    Returns:
+      (state, meta).
+
+    Raises:
+      errors.CheckpointNotFoundError: no checkpoint (at `step`) in the directory.
+    """
+    if step is None:
+      step = self.latest_step()
+    if step is None or step not in self.all_steps():
+      raise errors.CheckpointNotFoundError(
+          f'no checkpoint{"" if step is None else f" at step {step}"} in {self.directory}')
+    items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+    if data_iterator is not None:
+      _, grain_restore = _grain_args()
+      items['data'] = grain_restore(data_iterator)
+    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    return restored['state'], dict(restored['meta'])
+
+  def delete_after(self, step: int) -> None:
+    """Deletes checkpoints later than `step` (left by a run that crashed and is now resumed)."""
+    for later in [s for s in self.all_steps() if s > step]:
+      self._manager.delete(later)
+
+  def wait(self) -> None:
+    """Blocks until pending asynchronous saves are on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()

@@ -1,0 +1,212 @@
+"""Config helpers: the `key=value,flag` argument of `configs/*.py`, defaults, locking, saving.
+
+Every config file follows one pattern::
+
+  from primal_dual.training import config_lib
+
+  def get_config(arg=None):
+    arg = config_lib.parse_arg(arg, dataset='JapaneseVowels', attention='softmax', runlocal=False)
+    config = config_lib.training_defaults()
+    config.task = 'uea'
+    ...
+    if arg.runlocal:
+      config.num_train_steps = 20
+    return config_lib.lock(config)
+
+`train.py --config=configs/uea.py:dataset=Heartbeat,runlocal` passes `'dataset=Heartbeat,runlocal'`
+as `arg`. Values are typed by the defaults' types (int, float, bool, str); a bare name sets a bool
+default to True. Values cannot contain commas.
+"""
+
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from primal_dual.training import errors
+
+_TRUE = frozenset({'1', 'true', 'yes', 'on', 't', 'y'})
+_FALSE = frozenset({'0', 'false', 'no', 'off', 'f', 'n'})
+
+
+def _parse_bool(raw: str, key: str) -> bool:
+  lowered = raw.strip().lower()
+  if lowered in _TRUE:
+    return True
+  if lowered in _FALSE:
+    return False
+  raise errors.ConfigError(f'config argument {key}={raw!r}: expected a boolean (true/false)')
+
+
+def _parse_number(cast):
+  def parse(raw: str, key: str):
+    try:
+      return cast(raw)
+    except ValueError:
+      raise errors.ConfigError(
+          f'config argument {key}={raw!r}: expected a value of type {cast.__name__}') from None
+  return parse
+
+
+# Keyed by the exact type of the default, so that `bool` never falls through to `int`.
+_PARSERS = {
+    bool: _parse_bool,
+    int: _parse_number(int),
+    float: _parse_number(float),
+    str: lambda raw, key: raw,
+}
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """Parses a `key=value,key=value,flag` string into a ConfigDict typed by `defaults`.
+
+  Args:
+    arg: the string after `:` in `--config=configs/x.py:arg`, or None / '' for all defaults.
+    **defaults: every accepted key with its default value; the default's type (bool, int, float,
+      str; None means str) decides how the value is parsed.
+
+  Returns:
+    An unlocked ConfigDict holding every key of `defaults`, overridden by `arg`.
+
+  Raises:
+    errors.ConfigError (a ValueError): unknown key, unparsable value, or a bare name whose default
+      is not a bool.
+  """
+  parsed = dict(defaults)
+  for item in (arg or '').split(','):
+    item = item.strip()
+    if not item:
+      continue
+    key, has_value, raw = item.partition('=')
+    key = key.strip()
+    if key not in defaults:
+      known = ', '.join(sorted(defaults)) or '(none)'
+      raise errors.ConfigError(f'unknown config argument {key!r} in {arg!r}; known: {known}')
+    default = defaults[key]
+    if not has_value:
+      if not isinstance(default, bool):
+        raise errors.ConfigError(f'config argument {key!r} needs a value: {key}=...')
+      parsed[key] = True
+      continue
+    parser = _PARSERS.get(type(default), _PARSERS[str])
+    parsed[key] = parser(raw.strip(), key)
+  return ml_collections.ConfigDict(parsed)
+
+
+def training_defaults() -> ml_collections.ConfigDict:
+  """Every field the trainer reads, with its default. Configs start from this.
+
+  Returns:
+    An unlocked ConfigDict. `model` and `data` are empty: they belong to the task.
+  """
+  config = ml_collections.ConfigDict()
+  config.task = 'synthetic'
+  config.seed = 0
+  # Global batch size (all processes together); must divide by the mesh's `data` size.
+  config.batch_size = 32
+  config.eval_batch_size = 0  # 0: same as batch_size.
+  # Length of training: num_train_steps if > 0, else num_epochs (> 0) of the train split.
+  config.num_train_steps = -1
+  config.num_epochs = -1
+  # Periodic actions; 0 means "only at the final step".
+  # *_every_epochs (> 0) overrides *_every_steps.
+  config.log_every_steps = 50
+  config.eval_every_steps = 0
+  config.eval_every_epochs = 0
+  config.checkpoint_every_steps = 500
+  config.checkpoint_every_epochs = 0
+  config.keep_checkpoints = 3
+  config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.
+  config.async_checkpointing = True
+  config.progress_bar = True
+  # Splits evaluated periodically and at the end; empty: the task's `eval_splits`.
+  config.eval_splits = ()  # e.g. ('validation', 'test')
+  # Model selection: the 'clean' protocol picks the evaluation with the best `metric` on `split`.
+  config.selection = ml_collections.ConfigDict(dict(split='validation', metric='', mode=''))
+
+  config.optimizer = ml_collections.ConfigDict(dict(
+      name='adamw', lr=1e-3, schedule='constant', warmup_steps=0, end_lr=0.0,
+      weight_decay=0.0, grad_clip_norm=0.0, b1=0.9, b2=0.999, eps=1e-8,
+      momentum=0.9, nesterov=False))
+  # Device mesh: -1 = all remaining devices. data * model must equal the device count.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+  # Multi-process launch; empty values defer to environment variables / cluster auto-detection.
+  config.distributed = ml_collections.ConfigDict(dict(
+      coordinator_address='', num_processes=0, process_id=-1))
+
+  # Training input pipeline (grain): worker processes, reader threads, records read ahead.
+  config.loader = ml_collections.ConfigDict(dict(
+      worker_count=0, num_threads=2, prefetch_buffer_size=64))
+
+  config.model = ml_collections.ConfigDict()
+  config.data = ml_collections.ConfigDict()
+  return config
+
+
+def merge(base: ml_collections.ConfigDict,
+          override: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
+  """Returns a copy of `base` with every field of `override` set, recursing into sub-dicts.
+
+  Keys of `override` absent from `base` are added; this lets a config carry task-specific fields.
+  """
+  merged = ml_collections.ConfigDict(base.to_dict() if hasattr(base, 'to_dict') else base)
+  for key, value in override.items():
+    current = merged.get(key)
+    is_mapping = isinstance(value, (dict, ml_collections.ConfigDict))
+    if is_mapping and isinstance(current, ml_collections.ConfigDict):
+      value = merge(current, value)
+    elif isinstance(value, ml_collections.ConfigDict):
+      value = ml_collections.ConfigDict(value.to_dict())
+    # Replace rather than assign: ConfigDict's type check refuses e.g. str → int changes, which
+    # the override is allowed to make for fields it owns (model/data).
+    with merged.ignore_type():
+      merged[key] = value
+  return merged
+
+
+def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Locks `config` in place (adding a field raises; existing fields may still be overridden).
+
+  Locking is what `configs/*.py` return: command-line overrides of existing fields still work,
+  a misspelt override raises.
+  """
+  config.lock()
+  return config
+
+
+def freeze(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+  """Returns an immutable, hashable copy: any assignment raises. The trainer reads only this."""
+  return ml_collections.FrozenConfigDict(config)
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  """Serialises a (frozen or not) config to indented JSON; tuples become lists."""
+  as_dict = config.as_configdict().to_dict() if isinstance(
+      config, ml_collections.FrozenConfigDict) else config.to_dict()
+  return json.dumps(as_dict, indent=2, sort_keys=True, default=str)
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Writes `config` to `workdir/config.json` (creating workdir) and returns the path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, 'config.json')
+  tmp_path = path + '.tmp'
+  with open(tmp_path, 'w') as f:
+    f.write(to_json(config))
+  os.replace(tmp_path, path)  # atomic: a crash never leaves half a config.
+  return path
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+  """Reads `workdir/config.json` written by `write_config`.
+
+  Raises:
+    errors.CheckpointNotFoundError: the file does not exist.
+  """
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise errors.CheckpointNotFoundError(
+        f'{path} not found: is {workdir!r} the workdir of a training run?')
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))

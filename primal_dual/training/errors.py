@@ -1,0 +1,60 @@
+"""Errors a user can cause, reported by `train.py` / `eval.py` as one line.
+
+Everything a user can fix (a bad config value, a missing data folder, a run that diverged, a
+workdir without a checkpoint) raises a subclass of `UserError`. The command-line entry points catch
+`UserError`, print `error: <message>` and exit with status 2; any other exception is a bug and
+keeps its traceback.
+"""
+
+
+class UserError(ValueError):
+  """A problem the user can fix; the message says what to do."""
+
+
+class ConfigError(UserError):
+  """A config value is missing, unknown or out of range."""
+
+
+class UnknownNameError(ConfigError):
+  """A registry lookup (task, optimizer, schedule, ...) got a name it does not know."""
+
+
+class DataNotFoundError(UserError):
+  """A data folder or file the task needs is not there."""
+
+
+class CheckpointNotFoundError(UserError):
+  """A workdir holds no checkpoint (or not the requested one)."""
+
+
+class NonFiniteLossError(UserError):
+  """The training loss became NaN or infinite; the run stopped.
+
+  Attributes:
+    step: the 1-based training step whose loss was not finite.
+  """
+
+  def __init__(self, step: int, loss: float, last_checkpoint_step: int | None = None):
+    kept = ('no checkpoint was saved' if last_checkpoint_step is None else
+            f'the last good checkpoint (step {last_checkpoint_step}) is kept')
+    super().__init__(
+        f'training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. '
+        'Lower the learning rate, enable gradient clipping (optimizer.grad_clip_norm) or '
+        'check the inputs for NaN.')
+    self.step = step
+    self.loss = loss
+
+
+def lookup(registry: dict, name: str, what: str):
+  """Returns `registry[name]` or raises `UnknownNameError` listing the known names.
+
+  Args:
+    registry: a name → value dict.
+    name: the requested name.
+    what: what the names denote, for the message (e.g. 'task', 'optimizer').
+  """
+  try:
+    return registry[name]
+  except (KeyError, TypeError):
+    known = ', '.join(sorted(registry))
+    raise UnknownNameError(f'unknown {what} {name!r}; known: {known}') from None

@@ -1,0 +1,150 @@
+"""Optimizer and learning-rate schedule from `config.optimizer`.
+
+Every optimizer is the same chain, so the options mean the same thing whatever the name::
+
+  clip_by_global_norm(grad_clip_norm)     # if grad_clip_norm > 0
+  → direction[name]                       # adam / radam moments, or SGD momentum
+  → add_decayed_weights(weight_decay, mask=non-vector parameters)   # if weight_decay > 0
+  → scale_by_learning_rate(schedule)
+
+Weight decay is therefore *decoupled* (AdamW-style: `p ← p − lr·(update + wd·p)`) for all three.
+Only parameters of rank ≥ 2 decay: kernels, embedding tables and positional embeddings. Rank ≤ 1
+parameters — biases, LayerNorm/BatchNorm scales and offsets, and any learned scalar — do not, as
+shrinking them toward zero changes what the layer computes rather than its capacity (SPEC §4 sRAVEN:
+"weight decay on non-vector parameters").
+
+Config fields (`config.optimizer`): name ('adamw' | 'radam' | 'sgd'), lr, b1, b2, eps (adam
+family), momentum, nesterov (sgd; momentum 0 = plain SGD), weight_decay, grad_clip_norm,
+schedule ('constant' | 'warmup_cosine' | 'rsqrt'), warmup_steps, end_lr.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from primal_dual.training import errors
+
+
+# ------------------------------------------------------------------------------------------------
+# Schedules: (opt_config, total_steps) -> optax.Schedule. All start with a linear warm-up from 0
+# to `lr` over `warmup_steps` (none if 0).
+
+
+def _linear_warmup(lr: float, warmup_steps: int) -> optax.Schedule:
+  return optax.linear_schedule(0.0, lr, max(warmup_steps, 1))
+
+
+def _constant(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """`lr` after warm-up. `end_lr` is ignored."""
+  del total_steps
+  if opt.warmup_steps <= 0:
+    return optax.constant_schedule(opt.lr)
+  return optax.join_schedules(
+      [_linear_warmup(opt.lr, opt.warmup_steps), optax.constant_schedule(opt.lr)],
+      [opt.warmup_steps])
+
+
+def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Warm-up, then half a cosine from `lr` to `end_lr` at `total_steps`."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt.lr, warmup_steps=max(opt.warmup_steps, 0),
+      decay_steps=max(total_steps, opt.warmup_steps + 1), end_value=opt.end_lr)
+
+
+def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Warm-up, then `lr·sqrt(warmup/step)` (inverse square root), floored at `end_lr`."""
+  del total_steps
+  pivot = max(opt.warmup_steps, 1)
+
+  def decay(step):
+    step = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)
+    value = opt.lr * jnp.sqrt(pivot / jnp.maximum(step, pivot))
+    return jnp.maximum(value, opt.end_lr)
+
+  if opt.warmup_steps <= 0:
+    return decay
+  # join_schedules passes `step - boundary` to the second schedule; shift it back.
+  return optax.join_schedules(
+      [_linear_warmup(opt.lr, opt.warmup_steps), lambda s: decay(s + opt.warmup_steps)],
+      [opt.warmup_steps])
+
+
+SCHEDULES: dict[str, Callable[[ml_collections.ConfigDict, int], optax.Schedule]] = {
+    'constant': _constant,
+    'warmup_cosine': _warmup_cosine,
+    'rsqrt': _rsqrt,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Update directions: opt_config -> GradientTransformation (before weight decay and learning rate).
+
+
+def _sgd_direction(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  if opt.momentum <= 0:
+    return optax.identity()
+  return optax.trace(decay=opt.momentum, nesterov=opt.nesterov)
+
+
+OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict], optax.GradientTransformation]] = {
+    'adamw': lambda opt: optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+    'radam': lambda opt: optax.scale_by_radam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+    'sgd': _sgd_direction,
+}
+
+
+def weight_decay_mask(params: Any) -> Any:
+  """True for the parameters that decay: those of rank ≥ 2 (see the module docstring).
+
+  Args:
+    params: a pytree of arrays (or ShapeDtypeStructs), unboxed or boxed in `nn.Partitioned`.
+
+  Returns:
+    A pytree of Python bools with the structure of `params`.
+  """
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def _check(opt: ml_collections.ConfigDict) -> None:
+  if not opt.lr > 0:
+    raise errors.ConfigError(f'optimizer.lr must be > 0, got {opt.lr}')
+  if opt.weight_decay < 0 or opt.grad_clip_norm < 0 or opt.warmup_steps < 0:
+    raise errors.ConfigError(
+        'optimizer.weight_decay, grad_clip_norm and warmup_steps must be ≥ 0; got '
+        f'{opt.weight_decay}, {opt.grad_clip_norm}, {opt.warmup_steps}')
+
+
+def make_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Learning-rate schedule `step -> lr` (float32 scalar) named by `opt.schedule`."""
+  return errors.lookup(SCHEDULES, opt.schedule, 'learning-rate schedule')(opt, total_steps)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict,
+                   total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Builds the optimizer chain described in the module docstring.
+
+  Args:
+    opt: `config.optimizer`.
+    total_steps: number of training steps (the cosine schedule ends there).
+
+  Returns:
+    (transformation, schedule); the schedule is returned for logging the learning rate.
+
+  Raises:
+    errors.UnknownNameError: unknown optimizer or schedule name.
+    errors.ConfigError: lr ≤ 0 or a negative weight decay / clip norm / warm-up.
+  """
+  direction = errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
+  _check(opt)
+  schedule = make_schedule(opt, total_steps)
+  chain = []
+  if opt.grad_clip_norm > 0:
+    chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
+  chain.append(direction(opt))
+  if opt.weight_decay > 0:
+    chain.append(optax.add_decayed_weights(opt.weight_decay, mask=weight_decay_mask))
+  chain.append(optax.scale_by_learning_rate(schedule))
+  return optax.chain(*chain), schedule

@@ -1,0 +1,607 @@
+"""The training loop: `train_and_evaluate(config, workdir)` and `evaluate_workdir(workdir, ...)`.
+
+Usable from the command line (`train.py`, `eval.py`) and from a notebook::
+
+  from primal_dual.training import config_lib, trainer
+  config = config_lib.training_defaults()
+  config.task, config.num_train_steps = 'synthetic', 100
+  final = trainer.train_and_evaluate(config, '/tmp/run')   # {'test/accuracy': ..., ...}
+
+What one run does:
+
+1. Fills the config's missing fields from `config_lib.training_defaults()`, freezes it and writes
+   it to `workdir/config.json`.
+2. Builds the task's data and model, a `('data', 'model')` mesh, the optimizer, and jits
+   `train_step` / `eval_step` once with shardings (`sharding.py`).
+3. Resumes from the newest checkpoint in `workdir/checkpoints` if there is one (state, data
+   iterator position, evaluation tracker), else initialises from `config.seed`.
+4. Trains to `config.num_train_steps` (or `config.num_epochs` × steps per epoch), with logging,
+   evaluation and checkpointing decided by `periodic.PeriodicActions` (all happen after the final
+   step). A non-finite loss raises `errors.NonFiniteLossError` naming the step; no checkpoint is
+   written from that point, so the last good one stays.
+5. Returns the final metrics: `'{split}/{metric}'` of the last evaluation, `'train/{metric}'` of
+   the last log, and from the evaluation tracker `'best/{split}_{metric}'` (best value of the
+   selection metric over all evaluations: the optimistic "best test accuracy over epochs" of
+   the UEA tables) and `'selected/{split}_{metric}'` (every split's metrics at the evaluation where
+   `config.selection.split` was best: the clean protocol), plus `'selected/step'`.
+
+Per-step randomness is `fold_in(state.rng, state.step)`, so a resumed run reproduces an
+uninterrupted one exactly.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import operator
+import os
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import flax
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from primal_dual.data import pipeline
+from primal_dual.training import checkpointing
+from primal_dual.training import config_lib
+from primal_dual.training import errors
+from primal_dual.training import metrics_logging
+from primal_dual.training import optim
+from primal_dual.training import periodic
+from primal_dual.training import sharding
+from primal_dual.training import tasks as tasks_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes during training (a pytree; checkpointed whole).
+
+  Attributes:
+    step: int32 [] completed steps.
+    params: the model's 'params' collection (unboxed arrays).
+    batch_stats: the 'batch_stats' collection, {} for models without one.
+    opt_state: the optax state.
+    rng: uint32 [2] base key; step s uses `fold_in(rng, s)` for dropout.
+  """
+  step: jax.Array
+  params: Any
+  batch_stats: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+def model_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
+  """The variables dict for `model.apply`, with 'batch_stats' only if the model has any."""
+  variables = {'params': params}
+  if batch_stats:
+    variables['batch_stats'] = batch_stats
+  return variables
+
+
+def _apply_model(model: nn.Module, params, batch_stats, batch, **kwargs):
+  return model.apply(model_variables(params, batch_stats), batch['inputs'],
+                     mask=batch.get('mask'), **kwargs)
+
+
+def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module,
+               tx: optax.GradientTransformation, loss_fn: Callable
+               ) -> tuple[TrainState, jax.Array, dict]:
+  """One optimisation step (pure; jit it with the keyword arguments bound).
+
+  Args:
+    state: the current TrainState.
+    batch: the global batch, dict of arrays with leading axis `batch_size`.
+    model: the Linen model.
+    tx: the optax transformation.
+    loss_fn: `task.loss_and_metrics`.
+
+  Returns:
+    (new state, float32 [] loss, metrics dict of (sum, count) pairs incl. 'grad_norm').
+  """
+  dropout_rng = jax.random.fold_in(state.rng, state.step)
+
+  def compute_loss(params):
+    outputs, updates = _apply_model(model, params, state.batch_stats, batch, train=True,
+                                    rngs={'dropout': dropout_rng}, mutable=['batch_stats'])
+    loss, metrics = loss_fn(outputs, batch)
+    return loss, (metrics, updates.get('batch_stats', state.batch_stats))
+
+  (loss, (metrics, batch_stats)), grads = jax.value_and_grad(compute_loss, has_aux=True)(
+      state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
+  new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
+                            opt_state=opt_state)
+  return new_state, loss, metrics
+
+
+def eval_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module,
+              loss_fn: Callable) -> dict:
+  """Metric (sum, count) pairs of one padded eval batch (rows with `valid` False count 0)."""
+  outputs = _apply_model(model, state.params, state.batch_stats, batch, train=False)
+  _, metrics = loss_fn(outputs, batch)
+  return metrics
+
+
+def _stack(records: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  return {key: np.stack([np.asarray(r[key]) for r in records]) for key in records[0]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Best / selected metric tracking.
+
+_MODES: dict[str, Callable[[float, float], bool]] = {'max': operator.gt, 'min': operator.lt}
+
+
+class EvalTracker:
+  """Tracks the best value of one metric per split and the evaluation chosen on one split.
+
+  Ties keep the earlier evaluation. Non-finite values are ignored.
+
+  Args:
+    metric: metric name, e.g. 'accuracy'.
+    mode: 'max' or 'min'.
+    selection_split: the split whose metric chooses the 'selected' evaluation.
+  """
+
+  def __init__(self, metric: str, mode: str, selection_split: str):
+    self.metric = metric
+    self.mode = mode
+    self._better = errors.lookup(_MODES, mode, 'selection mode (config.selection.mode)')
+    self.selection_split = selection_split
+    self.best: dict[str, float] = {}
+    self.best_step: dict[str, int] = {}
+    self.selected: dict[str, float] = {}
+    self.selected_step: int | None = None
+
+  def update(self, step: int, results: Mapping[str, Mapping[str, float]]) -> bool:
+    """Records one evaluation (split → metric → value); True if the selection improved."""
+    for split, metrics in results.items():
+      value = metrics.get(self.metric)
+      if value is None or not math.isfinite(value):
+        continue
+      if split not in self.best or self._better(value, self.best[split]):
+        self.best[split], self.best_step[split] = value, step
+    value = results.get(self.selection_split, {}).get(self.metric)
+    if value is None or not math.isfinite(value):
+      return False
+    current = self.selected.get(f'{self.selection_split}_{self.metric}')
+    if current is not None and not self._better(value, current):
+      return False
+    self.selected = {f'{split}_{name}': v for split, metrics in results.items()
+                     for name, v in metrics.items()}
+    self.selected_step = step
+    return True
+
+  def summary(self) -> dict[str, float]:
+    """`best/{split}_{metric}`, `best/{split}_step`, `selected/{split}_{name}`, `selected/step`."""
+    out = {}
+    for split, value in self.best.items():
+      out[f'best/{split}_{self.metric}'] = value
+      out[f'best/{split}_step'] = self.best_step[split]
+    if self.selected_step is not None:
+      out.update({f'selected/{key}': value for key, value in self.selected.items()})
+      out['selected/step'] = self.selected_step
+    return out
+
+  def state_dict(self) -> dict:
+    return dict(best=self.best, best_step=self.best_step, selected=self.selected,
+                selected_step=self.selected_step)
+
+  def load_state_dict(self, state: Mapping) -> None:
+    self.best = dict(state.get('best', {}))
+    self.best_step = {k: int(v) for k, v in state.get('best_step', {}).items()}
+    self.selected = dict(state.get('selected', {}))
+    self.selected_step = state.get('selected_step')
+
+
+# ------------------------------------------------------------------------------------------------
+# Set-up shared by training and evaluation.
+
+
+def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+  """The effective config: `training_defaults()` overridden by `config`, frozen."""
+  if isinstance(config, ml_collections.FrozenConfigDict):
+    config = config.as_configdict()
+  return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
+
+
+def _every_steps(config, name: str, steps_per_epoch: int) -> int:
+  epochs = config.get(f'{name}_every_epochs', 0) or 0
+  if epochs > 0:
+    return max(1, round(epochs * steps_per_epoch))
+  return config.get(f'{name}_every_steps', 0) or 0
+
+
+def _as_tuple(value) -> tuple[str, ...]:
+  if isinstance(value, str):
+    return tuple(s.strip() for s in value.split(',') if s.strip())
+  return tuple(value or ())
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
+  config: ml_collections.FrozenConfigDict
+  task: tasks_lib.Task
+  splits: dict[str, Any]
+  metadata: dict[str, Any]
+  model: nn.Module
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  total_steps: int
+  steps_per_epoch: int
+  local_batch_size: int
+  eval_batch_size: int
+  eval_splits: tuple[str, ...]
+  state_shardings: TrainState
+  abstract_state: TrainState
+  init_state: Callable[[], TrainState]
+  train_step: Callable
+  eval_step: Callable
+
+  def make_train_iterator(self):
+    """A checkpointable grain iterator of this process's training batches (endless)."""
+    loader = self.config.loader
+    return pipeline.make_loader(
+        self.splits['train'], batch_size=self.local_batch_size, seed=self.config.seed,
+        shuffle=True, num_epochs=None, drop_remainder=True, shard_by_process=True,
+        worker_count=loader.worker_count,
+        read_options=grain.ReadOptions(num_threads=loader.num_threads,
+                                       prefetch_buffer_size=loader.prefetch_buffer_size))
+
+  def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
+    """This process's padded batches covering split `split` once (with `valid`)."""
+    return pipeline.iterate_eval(self.splits[split], self.eval_batch_size // jax.process_count())
+
+  def restore_target(self) -> TrainState:
+    return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+
+def _check_batch_size(name: str, size: int, data_axis: int) -> None:
+  processes = jax.process_count()
+  if size < 1 or size % data_axis or size % processes:
+    raise errors.ConfigError(
+        f'config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) '
+        f'and of the process count ({processes})')
+
+
+def _training_length(config, train_size: int) -> tuple[int, int]:
+  """(total_steps, steps_per_epoch) from num_train_steps or num_epochs."""
+  steps_per_epoch = train_size // config.batch_size
+  if steps_per_epoch < 1:
+    raise errors.ConfigError(
+        f'the train split has {train_size} examples, fewer than config.batch_size='
+        f'{config.batch_size}; lower the batch size')
+  if config.num_train_steps > 0:
+    return int(config.num_train_steps), steps_per_epoch
+  if config.num_epochs > 0:
+    return int(math.ceil(config.num_epochs * steps_per_epoch)), steps_per_epoch
+  raise errors.ConfigError('set config.num_train_steps > 0 or config.num_epochs > 0')
+
+
+def _in_mesh(fn: Callable, mesh) -> Callable:
+  """Runs `fn` (tracing included) with `mesh` and the logical axis rules in context."""
+  @functools.wraps(fn)
+  def wrapped(*args):
+    with sharding.mesh_context(mesh):
+      return fn(*args)
+  return wrapped
+
+
+def _build_data(task: tasks_lib.Task, config) -> tuple[dict[str, Any], dict[str, Any]]:
+  """`task.build_data(config)`, with data problems (missing or malformed files, bad data
+  options: FileNotFoundError / ValueError) turned into one-line user errors."""
+  try:
+    return task.build_data(config)
+  except errors.UserError:
+    raise
+  except FileNotFoundError as e:
+    raise errors.DataNotFoundError(f'task {task.name!r}: {e}') from e
+  except ValueError as e:
+    raise errors.ConfigError(f'task {task.name!r} data: {e}') from e
+
+
+def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
+  """Builds data, model, mesh, optimizer, shardings and the jitted steps (nothing runs yet).
+
+  Raises:
+    errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
+  """
+  task = tasks_lib.get_task(config.task)
+  splits, metadata = _build_data(task, config)
+  if 'train' not in splits:
+    raise errors.ConfigError(f'task {task.name!r} returned no train split (got {sorted(splits)})')
+  mesh = sharding.make_mesh(config.mesh)
+  data_axis = mesh.shape['data']
+  eval_batch_size = config.eval_batch_size or config.batch_size
+  _check_batch_size('batch_size', config.batch_size, data_axis)
+  _check_batch_size('eval_batch_size', eval_batch_size, data_axis)
+  total_steps, steps_per_epoch = _training_length(config, len(splits['train']))
+  tx, schedule = optim.make_optimizer(config.optimizer, total_steps)
+  model = task.build_model(config, metadata)
+
+  example = _stack([splits['train'][0]])
+  example_mask = example.get('mask')
+
+  def init_variables(rng):
+    return model.init({'params': rng, 'dropout': rng}, example['inputs'], mask=example_mask,
+                      train=False)
+
+  def create_state(rng):
+    init_rng, state_rng = jax.random.split(rng)
+    variables = nn.unbox(init_variables(init_rng))
+    params = variables['params']
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      batch_stats=variables.get('batch_stats', {}), opt_state=tx.init(params),
+                      rng=state_rng)
+
+  root_rng = jax.random.PRNGKey(config.seed)
+  with sharding.mesh_context(mesh):
+    abstract_variables = jax.eval_shape(init_variables, root_rng)
+    abstract_state = jax.eval_shape(create_state, root_rng)
+  variable_shardings = sharding.variable_shardings(abstract_variables, mesh)
+  param_shardings = variable_shardings['params']
+  sharding.check_divisible(abstract_state.params, param_shardings, mesh)
+  replicated = sharding.replicated(mesh)
+  state_shardings = TrainState(
+      step=replicated, params=param_shardings,
+      batch_stats=variable_shardings.get('batch_stats', {}),
+      opt_state=sharding.shardings_following(abstract_state.opt_state, abstract_state.params,
+                                             param_shardings, mesh),
+      rng=replicated)
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  jit_init = jax.jit(create_state, out_shardings=state_shardings)
+  jit_train = jax.jit(
+      functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, replicated, replicated),
+      donate_argnums=(0,))
+  jit_eval = jax.jit(
+      functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics),
+      in_shardings=(state_shardings, batch_sharding), out_shardings=replicated)
+
+  eval_splits = _as_tuple(config.eval_splits) or task.eval_splits
+  unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
+  if unknown:
+    raise errors.ConfigError(
+        f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})')
+  return Experiment(
+      config=config, task=task, splits=splits, metadata=metadata, model=model, mesh=mesh, tx=tx,
+      schedule=schedule, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+      local_batch_size=config.batch_size // jax.process_count(), eval_batch_size=eval_batch_size,
+      eval_splits=tuple(s for s in eval_splits if s in splits),
+      state_shardings=state_shardings, abstract_state=abstract_state,
+      init_state=_in_mesh(lambda: jit_init(root_rng), mesh),
+      train_step=_in_mesh(jit_train, mesh), eval_step=_in_mesh(jit_eval, mesh))
+
+
+def _sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[float, float]]:
+  """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer)."""
+  totals = {}
+  for metrics in jax.device_get(metric_list):
+    for name, (total, count) in metrics.items():
+      previous = totals.get(name, (0.0, 0.0))
+      totals[name] = (previous[0] + float(total), previous[1] + float(count))
+  return totals
+
+
+def _reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
+  """Σ sums / Σ counts over a list of per-batch (sum, count) dicts."""
+  return {name: total / count if count else float('nan')
+          for name, (total, count) in _sum_metrics(metric_list).items()}
+
+
+def evaluate(experiment: Experiment, state: TrainState,
+             split_names: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+  """Metrics of `state` on whole splits (every example exactly once).
+
+  Returns:
+    split → metric name → mean over the split's examples.
+  """
+  results = {}
+  for split in split_names or experiment.eval_splits:
+    if split not in experiment.splits:
+      raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
+    per_batch = [experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
+                 for batch in experiment.eval_batches(split)]
+    results[split] = _reduce_metrics(per_batch)
+  return results
+
+
+def _flatten(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+  return {f'{split}/{name}': value for split, metrics in results.items()
+          for name, value in metrics.items()}
+
+
+def _check_finite(step: int, loss: jax.Array, last_checkpoint_step: int | None) -> None:
+  value = float(jax.device_get(loss))
+  if not math.isfinite(value):
+    raise errors.NonFiniteLossError(step, value, last_checkpoint_step)
+
+
+def _make_tracker(config, task: tasks_lib.Task) -> EvalTracker:
+  selection = config.selection
+  return EvalTracker(metric=selection.metric or task.selection_metric,
+                     mode=selection.mode or task.selection_mode,
+                     selection_split=selection.split)
+
+
+def _write_json(path: str, payload: Mapping) -> None:
+  if jax.process_index() != 0:
+    return
+  with open(path + '.tmp', 'w') as f:
+    json.dump(payload, f, indent=2, sort_keys=True)
+  os.replace(path + '.tmp', path)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (resuming from `workdir` if it holds checkpoints) and evaluates; see module doc.
+
+  Args:
+    config: a ConfigDict; fields missing from it take `config_lib.training_defaults()`.
+    workdir: output folder (config.json, metrics.jsonl, tensorboard/, checkpoints/).
+
+  Returns:
+    The final metrics (also written to `workdir/final_metrics.json`).
+
+  Raises:
+    errors.UserError: a config problem, missing data, or a non-finite loss.
+  """
+  config = resolve_config(config)
+  experiment = build_experiment(config)
+  workdir = os.path.abspath(workdir)
+  if jax.process_index() == 0:
+    config_lib.write_config(config, workdir)
+
+  checkpointer = checkpointing.Checkpointer(
+      os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=config.keep_checkpoints,
+      async_save=config.async_checkpointing)
+  selected_checkpointer = None
+  if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
+    selected_checkpointer = checkpointing.Checkpointer(
+        os.path.join(workdir, checkpointing.SELECTED_DIR), keep=1,
+        async_save=config.async_checkpointing)
+  tracker = _make_tracker(config, experiment.task)
+  train_iterator = experiment.make_train_iterator()
+
+  start_step = checkpointer.latest_step()
+  if start_step is None:
+    start_step, state = 0, experiment.init_state()
+  else:
+    state, meta = checkpointer.restore(start_step, experiment.restore_target(),
+                                       data_iterator=train_iterator)
+    tracker.load_state_dict(meta.get('tracker', {}))
+  # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
+  metrics_logging.truncate_metrics_after(workdir, start_step)
+  if selected_checkpointer is not None:
+    selected_checkpointer.delete_after(start_step)
+
+  writer = metrics_logging.MetricWriter(workdir)
+  progress = metrics_logging.ProgressBar(
+      experiment.total_steps, min(start_step, experiment.total_steps),
+      enabled=config.progress_bar)
+  try:
+    final = _train_loop(experiment, state, start_step, train_iterator, checkpointer,
+                        selected_checkpointer, tracker, writer, progress)
+  finally:
+    progress.close()
+    writer.close()
+    for manager in (checkpointer, selected_checkpointer):
+      if manager is not None:
+        manager.close()
+  _write_json(os.path.join(workdir, 'final_metrics.json'), final)
+  return final
+
+
+_MAX_PENDING_METRICS = 500
+
+
+def _train_loop(experiment: Experiment, state: TrainState, start_step: int, train_iterator,
+                checkpointer: checkpointing.Checkpointer,
+                selected_checkpointer: checkpointing.Checkpointer | None, tracker: EvalTracker,
+                writer: metrics_logging.MetricWriter, progress: metrics_logging.ProgressBar
+                ) -> dict[str, float]:
+  config = experiment.config
+  total_steps = experiment.total_steps
+  actions = periodic.PeriodicActions(total_steps, every={
+      name: _every_steps(config, name, experiment.steps_per_epoch)
+      for name in ('log', 'eval', 'checkpoint')})
+  last_checkpoint_step = start_step or None
+  last_eval: dict[str, dict[str, float]] = {}
+  last_train: dict[str, float] = {}
+  pending_metrics: list = []
+  unchecked = None  # (step, loss) of the previous step, checked one step late (no stall).
+  log_clock = (time.monotonic(), start_step)
+
+  for step in range(start_step + 1, total_steps + 1):
+    batch = sharding.shard_batch(next(train_iterator), experiment.mesh)
+    state, loss, metrics = experiment.train_step(state, batch)
+    pending_metrics.append(metrics)
+    if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
+      pending_metrics = [_sum_metrics(pending_metrics)]
+    if unchecked is not None:
+      _check_finite(*unchecked, last_checkpoint_step)
+    unchecked = (step, loss)
+    due = actions.due(step)
+    progress.update(1)
+    if not due:
+      continue
+    _check_finite(step, loss, last_checkpoint_step)
+    unchecked = None
+    scalars = {}  # Everything logged at this step goes into one metrics.jsonl record.
+
+    if 'log' in due:
+      now = time.monotonic()
+      last_train = {f'train/{k}': v for k, v in _reduce_metrics(pending_metrics).items()}
+      last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
+      last_train['train/steps_per_second'] = (step - log_clock[1]) / max(now - log_clock[0], 1e-9)
+      log_clock = (now, step)
+      pending_metrics = []
+      scalars.update(last_train)
+      progress.update(0, loss=last_train.get('train/loss', float('nan')))
+
+    if 'eval' in due:
+      last_eval = evaluate(experiment, state)
+      improved = tracker.update(step, last_eval)
+      scalars.update({**_flatten(last_eval), **tracker.summary()})
+      if improved and selected_checkpointer is not None:
+        selected_checkpointer.save(step, state, meta={'step': step,
+                                                      'tracker': tracker.state_dict()})
+
+    if 'checkpoint' in due:
+      checkpointer.save(step, state, meta={'step': step, 'tracker': tracker.state_dict()},
+                        data_iterator=train_iterator)
+      last_checkpoint_step = step
+    writer.write_scalars(step, scalars)
+
+  if start_step >= total_steps:  # Already finished: report without training further.
+    last_eval = evaluate(experiment, state)
+  final = {'step': total_steps, **last_train, **_flatten(last_eval), **tracker.summary()}
+  writer.flush()
+  return final
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation of a finished (or running) workdir.
+
+
+def evaluate_workdir(workdir: str, splits: tuple[str, ...] | None = None,
+                     checkpoint: str = 'latest') -> dict[str, dict[str, float]]:
+  """Restores a workdir's checkpoint and evaluates splits with its saved config.
+
+  Args:
+    workdir: a `train_and_evaluate` workdir (needs config.json and checkpoints/).
+    splits: split names; None for the task's eval splits.
+    checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
+
+  Returns:
+    `{'checkpoint': checkpoint, 'step': restored step, 'results': split → metric → value}`,
+    also written to `workdir/eval.json`.
+
+  Raises:
+    errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+  """
+  workdir = os.path.abspath(workdir)
+  config = resolve_config(config_lib.read_config(workdir))
+  experiment = build_experiment(config)
+  directory = checkpointing.SELECTED_DIR if checkpoint == 'selected' else (
+      checkpointing.CHECKPOINT_DIR)
+  step = None if checkpoint in ('latest', 'selected') else int(checkpoint)
+  with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
+                                  async_save=False) as checkpointer:
+    state, _ = checkpointer.restore(step, experiment.restore_target())
+  results = evaluate(experiment, state, tuple(splits) if splits else None)
+  report = {'checkpoint': str(checkpoint), 'step': int(jax.device_get(state.step)),
+            'results': results}
+  _write_json(os.path.join(workdir, 'eval.json'), report)
+  return report

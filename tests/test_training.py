@@ -1,0 +1,593 @@
+"""Tests for primal_dual.training: optimizer, periodic actions, sharding, checkpoints, the trainer.
+
+End-to-end runs use the registered 'synthetic' task with tiny shapes. Compilation dominates on a
+2-core CPU, so this module points JAX's persistent compilation cache at a temporary folder: runs
+that build the same programs (the uninterrupted, crashed and resumed runs) compile once.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import PartitionSpec
+
+from primal_dual.training import checkpointing
+from primal_dual.training import config_lib
+from primal_dual.training import errors
+from primal_dual.training import metrics_logging
+from primal_dual.training import optim
+from primal_dual.training import periodic
+from primal_dual.training import sharding
+from primal_dual.training import tasks
+from primal_dual.training import trainer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache_dir(tmp_path_factory):
+  """A fresh persistent compilation cache for this module, restored afterwards."""
+  saved = {name: getattr(jax.config, name) for name in (
+      'jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+      'jax_persistent_cache_min_entry_size_bytes')}
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+  """8 steps of the synthetic task on a (data=4, model=2) mesh of the 8 virtual CPU devices."""
+  config = config_lib.training_defaults()
+  config.task = 'synthetic'
+  config.num_train_steps = 8
+  config.batch_size = 8
+  config.eval_batch_size = 16
+  config.log_every_steps = 2
+  config.eval_every_steps = 4
+  config.checkpoint_every_steps = 4
+  config.progress_bar = False
+  config.mesh.data = -1
+  config.mesh.model = 2
+  config.optimizer.lr = 0.05
+  config.optimizer.schedule = 'warmup_cosine'
+  config.optimizer.warmup_steps = 2
+  config.optimizer.weight_decay = 0.01
+  config.optimizer.grad_clip_norm = 1.0
+  config.model = ml_collections.ConfigDict(dict(hidden=8, dropout_rate=0.1, use_batch_norm=True))
+  # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
+  config.data = ml_collections.ConfigDict(dict(
+      num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3))
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split('.')
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config
+
+
+class Crash(Exception):
+  """Stands in for a killed process."""
+
+
+def batch_recorder(seen: list, crash_at: int | None = None):
+  """A `shard_batch` that records each training batch's labels (and can crash on the n-th)."""
+  original = sharding.shard_batch
+
+  def record(batch, mesh):
+    if 'valid' not in batch:  # training batch (eval batches carry `valid`)
+      if crash_at is not None and len(seen) + 1 == crash_at:
+        raise Crash()
+      seen.append(np.asarray(batch['label']).tolist())
+    return original(batch, mesh)
+  return record
+
+
+def restore_state(workdir, step, config=None):
+  experiment = trainer.build_experiment(trainer.resolve_config(config or tiny_config()))
+  with checkpointing.Checkpointer(os.path.join(workdir, checkpointing.CHECKPOINT_DIR),
+                                  keep=None, async_save=False) as checkpointer:
+    state, meta = checkpointer.restore(step, experiment.restore_target())
+  return experiment, jax.device_get(state), meta
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  """One full 8-step run; returns (workdir, final metrics, training batches' labels in order)."""
+  workdir = str(tmp_path_factory.mktemp('uninterrupted'))
+  seen = []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(seen))
+    final = trainer.train_and_evaluate(tiny_config(), workdir)
+  return workdir, final, seen
+
+
+# ------------------------------------------------------------------------------------------------
+# Periodic actions.
+
+
+def test_periodic_actions_exact_steps_and_final_step_always():
+  actions = periodic.PeriodicActions(10, every={'log': 3, 'eval': 5, 'checkpoint': 0, 'x': None})
+  assert actions.steps('log') == [3, 6, 9, 10]
+  assert actions.steps('eval') == [5, 10]
+  assert actions.steps('checkpoint') == [10]
+  assert actions.steps('x') == [10]
+  assert actions.due(6) == {'log'}
+  assert actions.due(7) == frozenset()
+  assert actions.due(10) == {'log', 'eval', 'checkpoint', 'x'}
+  assert actions.steps('log', start=6) == [9, 10]
+
+
+def test_periodic_actions_period_longer_than_run_and_bad_total():
+  assert periodic.PeriodicActions(4, every={'eval': 100}).steps('eval') == [4]
+  with pytest.raises(ValueError, match='total_steps'):
+    periodic.PeriodicActions(0, every={})
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer.
+
+
+def _opt_config(**fields):
+  opt = config_lib.training_defaults().optimizer
+  opt.update(fields)
+  return opt
+
+
+PARAMS = {'dense': {'kernel': jnp.ones((2, 3)), 'bias': jnp.ones((3,))},
+          'norm': {'scale': jnp.ones((3,))}, 'embedding': jnp.ones((4, 2))}
+
+
+def test_weight_decay_mask_excludes_vectors():
+  assert optim.weight_decay_mask(PARAMS) == {
+      'dense': {'kernel': True, 'bias': False}, 'norm': {'scale': False}, 'embedding': True}
+
+
+@pytest.mark.parametrize('name', sorted(optim.OPTIMIZERS))
+def test_every_optimizer_decays_only_matrices(name):
+  # With zero gradients every direction is 0, so the update is the decoupled decay alone.
+  tx, _ = optim.make_optimizer(_opt_config(name=name, lr=0.1, weight_decay=0.5), total_steps=10)
+  grads = jax.tree.map(jnp.zeros_like, PARAMS)
+  updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+  np.testing.assert_allclose(updates['dense']['kernel'], -0.05 * np.ones((2, 3)), rtol=1e-6)
+  np.testing.assert_allclose(updates['embedding'], -0.05 * np.ones((4, 2)), rtol=1e-6)
+  np.testing.assert_array_equal(updates['dense']['bias'], np.zeros(3))
+  np.testing.assert_array_equal(updates['norm']['scale'], np.zeros(3))
+
+
+def test_optimizers_differ_and_move_against_the_gradient():
+  grads = jax.tree.map(lambda p: 0.1 * jnp.ones_like(p), PARAMS)
+  first_updates = {}
+  for name in optim.OPTIMIZERS:
+    tx, _ = optim.make_optimizer(_opt_config(name=name, lr=0.1, momentum=0.0), total_steps=10)
+    updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    first_updates[name] = float(updates['dense']['kernel'][0, 0])
+    assert first_updates[name] < 0
+  np.testing.assert_allclose(first_updates['sgd'], -0.01, rtol=1e-6)   # lr · g
+  np.testing.assert_allclose(first_updates['adamw'], -0.1, rtol=1e-4)  # lr · sign(g)
+
+
+def test_gradient_clipping_by_global_norm():
+  tx, _ = optim.make_optimizer(_opt_config(name='sgd', lr=1.0, momentum=0.0, grad_clip_norm=2.0),
+                               total_steps=10)
+  grads = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), PARAMS)
+  updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+  np.testing.assert_allclose(optax.tree.norm(updates), 2.0, rtol=1e-5)
+
+
+def test_schedules():
+  warmup_cosine = optim.make_schedule(
+      _opt_config(schedule='warmup_cosine', lr=1.0, warmup_steps=10, end_lr=0.1), 110)
+  np.testing.assert_allclose([warmup_cosine(0), warmup_cosine(5), warmup_cosine(10),
+                              warmup_cosine(60), warmup_cosine(110)],
+                             [0.0, 0.5, 1.0, 0.55, 0.1], atol=1e-6)
+  constant = optim.make_schedule(_opt_config(schedule='constant', lr=2.0, warmup_steps=4), 100)
+  np.testing.assert_allclose([constant(0), constant(2), constant(4), constant(99)],
+                             [0.0, 1.0, 2.0, 2.0], atol=1e-6)
+  rsqrt = optim.make_schedule(_opt_config(schedule='rsqrt', lr=1.0, warmup_steps=4, end_lr=0.3),
+                              100)
+  np.testing.assert_allclose([rsqrt(2), rsqrt(4), rsqrt(16), rsqrt(1000)],
+                             [0.5, 1.0, 0.5, 0.3], atol=1e-6)
+  no_warmup = optim.make_schedule(_opt_config(schedule='constant', lr=3.0), 10)
+  assert float(no_warmup(0)) == 3.0
+
+
+def test_optimizer_config_errors():
+  with pytest.raises(errors.UnknownNameError, match='known: adamw, radam, sgd'):
+    optim.make_optimizer(_opt_config(name='adagrad'), 10)
+  with pytest.raises(errors.UnknownNameError, match='rsqrt'):
+    optim.make_optimizer(_opt_config(schedule='linear'), 10)
+  with pytest.raises(errors.ConfigError, match='lr must be > 0'):
+    optim.make_optimizer(_opt_config(lr=0.0), 10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding.
+
+
+def test_mesh_shape_resolution_and_errors():
+  assert sharding.mesh_shape({'data': -1, 'model': 2}, 8) == (4, 2)
+  assert sharding.mesh_shape({'data': 2, 'model': -1}, 8) == (2, 4)
+  assert sharding.mesh_shape({'data': 1, 'model': 1}, 8, allow_subset=True) == (1, 1)
+  for bad in ({'data': -1, 'model': -1}, {'data': 0, 'model': 1}, {'data': -1, 'model': 3},
+              {'data': 16, 'model': 1}, {'data': 2, 'model': 2}):
+    with pytest.raises(errors.ConfigError, match='config.mesh'):
+      sharding.mesh_shape(bad, 8)
+
+
+def test_shard_batch_places_leading_axis_on_data():
+  mesh = sharding.make_mesh({'data': 4, 'model': 2})
+  assert mesh.shape == {'data': 4, 'model': 2} and mesh.size == 8
+  batch = {'inputs': np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
+           'label': np.arange(8, dtype=np.int32)}
+  placed = sharding.shard_batch(batch, mesh)
+  assert placed['inputs'].shape == (8, 3)
+  assert placed['inputs'].sharding.spec == PartitionSpec('data')
+  np.testing.assert_array_equal(placed['label'], batch['label'])
+  # 4 distinct row blocks, each replicated over the 2 `model` devices.
+  assert {s.data.shape for s in placed['inputs'].addressable_shards} == {(2, 3)}
+
+
+def test_state_shardings_follow_logical_axes():
+  experiment = trainer.build_experiment(trainer.resolve_config(tiny_config()))
+  shardings = experiment.state_shardings
+  assert shardings.params['Dense_0']['kernel'].spec == PartitionSpec(None, 'model')  # embed, mlp
+  assert shardings.params['Dense_1']['kernel'].spec == PartitionSpec('model', None)  # mlp, classes
+  assert shardings.params['BatchNorm_0']['scale'].spec == PartitionSpec()  # unannotated
+  assert shardings.batch_stats['BatchNorm_0']['mean'].spec == PartitionSpec()
+  # Adam's moments sit where their parameters sit; counters are replicated.
+  opt_specs = [s.spec for s in jax.tree.leaves(shardings.opt_state)]
+  assert opt_specs.count(PartitionSpec(None, 'model')) == 2  # mu and nu of Dense_0/kernel
+  assert PartitionSpec() in opt_specs
+
+
+def test_sharded_train_step_matches_single_device():
+  losses, params = {}, {}
+  for mesh in ((1, 1), (4, 2)):
+    config = tiny_config(**{'mesh.data': mesh[0], 'mesh.model': mesh[1]})
+    experiment = trainer.build_experiment(trainer.resolve_config(config))
+    assert experiment.mesh.size == mesh[0] * mesh[1]
+    state = experiment.init_state()
+    batch = next(experiment.make_train_iterator())
+    for _ in range(2):
+      state, loss, _ = experiment.train_step(state, sharding.shard_batch(batch, experiment.mesh))
+    losses[mesh], params[mesh] = float(loss), jax.device_get(state.params)
+  np.testing.assert_allclose(losses[(1, 1)], losses[(4, 2)], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params[(1, 1)], params[(4, 2)])
+
+
+def test_maybe_initialize_distributed_single_process_is_a_no_op(monkeypatch):
+  for name in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'SLURM_NTASKS',
+               'SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES'):
+    monkeypatch.delenv(name, raising=False)
+  assert sharding.maybe_initialize_distributed(config_lib.training_defaults()) is False
+  assert not jax.distributed.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------------
+# Trainer pieces.
+
+
+def test_eval_tracker_best_and_selected():
+  tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
+  assert tracker.update(1, {'validation': {'accuracy': 0.5}, 'test': {'accuracy': 0.9}})
+  assert not tracker.update(2, {'validation': {'accuracy': 0.5}, 'test': {'accuracy': 0.2}})
+  assert tracker.update(3, {'validation': {'accuracy': 0.7}, 'test': {'accuracy': 0.6}})
+  assert not tracker.update(4, {'validation': {'accuracy': float('nan')},
+                                'test': {'accuracy': 0.1}})
+  summary = tracker.summary()
+  assert summary['best/test_accuracy'] == 0.9 and summary['best/test_step'] == 1
+  assert summary['selected/test_accuracy'] == 0.6 and summary['selected/step'] == 3
+  restored = trainer.EvalTracker('accuracy', 'max', 'validation')
+  restored.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
+  assert restored.summary() == summary
+  low = trainer.EvalTracker('loss', 'min', 'validation')
+  low.update(1, {'validation': {'loss': 2.0}})
+  low.update(2, {'validation': {'loss': 1.0}})
+  assert low.summary()['best/validation_loss'] == 1.0
+  with pytest.raises(errors.UnknownNameError):
+    trainer.EvalTracker('accuracy', 'highest', 'validation')
+
+
+def test_metric_sums_collapse_without_changing_the_mean():
+  per_batch = [{'loss': (np.float32(3.0), np.float32(2.0))},
+               {'loss': (np.float32(1.0), np.float32(2.0))}]
+  collapsed = [trainer._sum_metrics(per_batch), {'loss': (2.0, 4.0)}]
+  assert trainer._reduce_metrics(per_batch) == {'loss': 1.0}
+  assert trainer._reduce_metrics(collapsed) == {'loss': 0.75}
+  assert trainer._reduce_metrics([]) == {}
+
+
+def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
+  assert tasks.get_task('synthetic') is tasks.TASKS['synthetic']
+  with pytest.raises(ValueError, match='already registered'):
+    tasks.register_task(tasks.TASKS['synthetic'])
+  monkeypatch.setattr(tasks, 'TASKS', dict(tasks.TASKS))
+  (tmp_path / 'lazy_demo_task.py').write_text(
+      'from primal_dual.training import tasks\n'
+      'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'
+      '    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(tasks.LAZY_TASK_MODULES, 'lazy_demo', 'lazy_demo_task')
+  assert tasks.get_task('lazy_demo').name == 'lazy_demo'
+  with pytest.raises(errors.UnknownNameError, match="'missing'; known: lazy_demo, synthetic"):
+    tasks.get_task('missing')
+
+
+def test_data_problems_become_user_errors(monkeypatch):
+  monkeypatch.setattr(tasks, 'TASKS', dict(tasks.TASKS))
+
+  def missing_folder(config):
+    raise FileNotFoundError('/data/uea/Heartbeat not found; download the archive there')
+  tasks.register_task(dataclasses.replace(tasks.TASKS['synthetic'], name='no_data',
+                                          build_data=missing_folder))
+  with pytest.raises(errors.DataNotFoundError, match="'no_data': /data/uea/Heartbeat not found"):
+    trainer.build_experiment(trainer.resolve_config(tiny_config(task='no_data')))
+  with pytest.raises(errors.ConfigError, match='num_classes .* must be ≤ num_features'):
+    trainer.build_experiment(trainer.resolve_config(tiny_config(**{'data.num_classes': 5})))
+
+
+def test_synthetic_source_is_deterministic_and_labelled_by_its_rule():
+  kwargs = dict(seed=0, seq_len=6, num_features=3, num_classes=3)
+  source = tasks.SyntheticSource(5, split_id=0, **kwargs)
+  record = source[2]
+  np.testing.assert_array_equal(record['inputs'], source[2]['inputs'])
+  length = int(record['mask'].sum())
+  assert record['mask'][:length].all() and not record['mask'][length:].any()
+  assert not record['inputs'][length:].any()
+  assert record['label'] == np.argmax(record['inputs'][:length].mean(0))
+  other_split = tasks.SyntheticSource(5, split_id=1, **kwargs)
+  assert not np.array_equal(other_split[2]['inputs'], record['inputs'])
+  with pytest.raises(IndexError):
+    source[5]
+
+
+def test_classification_metrics_ignore_padding_even_if_nan():
+  logits = jnp.array([[2.0, 0.0], [0.0, 2.0], [jnp.nan, jnp.nan]])
+  batch = {'label': jnp.array([0, 0, 1]), 'valid': jnp.array([True, True, False])}
+  loss, metrics = tasks.classification_loss_and_metrics(logits, batch)
+  expected = optax.softmax_cross_entropy_with_integer_labels(logits[:2], batch['label'][:2])
+  np.testing.assert_allclose(loss, expected.mean(), rtol=1e-6)
+  np.testing.assert_allclose(metrics['accuracy'], (1.0, 2.0))
+  np.testing.assert_allclose(metrics['loss'][0], expected.sum(), rtol=1e-6)
+
+
+def test_epochs_convert_to_steps_and_periods():
+  config = tiny_config(num_train_steps=-1, num_epochs=3, eval_every_epochs=1)
+  experiment = trainer.build_experiment(trainer.resolve_config(config))
+  assert experiment.steps_per_epoch == 64 // 8
+  assert experiment.total_steps == 24
+  assert trainer._every_steps(experiment.config, 'eval', experiment.steps_per_epoch) == 8
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'task': 'nope'}, "unknown task .*'nope'; known: .*synthetic"),
+    ({'batch_size': 6}, 'batch_size=6 must be a positive multiple'),
+    ({'num_train_steps': -1}, 'num_train_steps > 0 or config.num_epochs'),
+    ({'batch_size': 128}, 'fewer than config.batch_size'),
+    ({'optimizer.name': 'adamax'}, 'unknown optimizer'),
+    ({'eval_splits': ('train', 'dev')}, "names \\['dev'\\]"),
+    ({'model.hidden': 7}, r"parameter \['Dense_0'\]\['bias'\] of shape \(7,\) .* size 2"),
+])
+def test_config_problems_raise_user_errors(overrides, message, tmp_path):
+  with pytest.raises(errors.UserError, match=message):
+    trainer.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+
+
+def test_metric_writer_jsonl_and_truncate(tmp_path):
+  workdir = str(tmp_path)
+  with metrics_logging.MetricWriter(workdir, tensorboard=False) as writer:
+    for step in (1, 2, 3):
+      writer.write_scalars(step, {'train/loss': np.float32(step), 'nan': float('nan')})
+  records = metrics_logging.read_metrics(workdir)
+  assert [r['step'] for r in records] == [1, 2, 3]
+  assert records[1] == {'step': 2, 'train/loss': 2.0, 'nan': None}
+  metrics_logging.truncate_metrics_after(workdir, 2)
+  assert [r['step'] for r in metrics_logging.read_metrics(workdir)] == [1, 2]
+  table = metrics_logging.format_table({'test': {'accuracy': 0.5, 'loss': 1.25}})
+  assert table.splitlines() == ['split  accuracy  loss', 'test   0.5000    1.2500']
+
+
+def test_checkpointer_keeps_last_k_and_deletes_later_steps(tmp_path):
+  state = {'w': jnp.arange(3.0), 'empty': {}}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  with checkpointing.Checkpointer(str(tmp_path), keep=2, async_save=False) as checkpointer:
+    for step in (1, 2, 3):
+      checkpointer.save(step, jax.tree.map(lambda x: x * step, state), meta={'step': step})
+    assert checkpointer.all_steps() == [2, 3] and checkpointer.latest_step() == 3
+    restored, meta = checkpointer.restore(2, target)
+    np.testing.assert_array_equal(restored['w'], [0.0, 2.0, 4.0])
+    assert meta == {'step': 2}
+    checkpointer.delete_after(2)
+    assert checkpointer.all_steps() == [2]
+    with pytest.raises(errors.CheckpointNotFoundError, match='step 3'):
+      checkpointer.restore(3, target)
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end.
+
+
+def _read_tensorboard_scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
+  """Scalars from tensorboardX event files (TFRecord framing: len, crc, data, crc)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  scalars = {}
+  for name in sorted(os.listdir(directory)):
+    with open(os.path.join(directory, name), 'rb') as f:
+      data = f.read()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack('<Q', data[offset:offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
+  workdir, final, seen = uninterrupted
+  assert len(seen) == 8
+  assert final['step'] == 8
+  for key in ('train/loss', 'validation/accuracy', 'test/accuracy', 'test/loss',
+              'best/test_accuracy', 'selected/test_accuracy', 'selected/step'):
+    assert math.isfinite(final[key]), key
+  assert final['selected/step'] in (4, 8)
+  assert final['best/test_accuracy'] >= final['test/accuracy']
+
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')))
+  assert steps == [4, 8]
+  assert os.listdir(os.path.join(workdir, checkpointing.SELECTED_DIR)) == [
+      str(final['selected/step'])]
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)
+  assert saved['model'] == {'hidden': 8, 'dropout_rate': 0.1, 'use_batch_norm': True}
+  assert saved['optimizer']['name'] == 'adamw'  # defaults filled in
+
+  records = metrics_logging.read_metrics(workdir)
+  assert [r['step'] for r in records] == [2, 4, 6, 8]  # one record per logged step
+  assert {'train/loss', 'train/learning_rate', 'validation/accuracy',
+          'best/test_accuracy'} <= set(records[1])
+  assert records[-1]['test/accuracy'] == pytest.approx(final['test/accuracy'])
+
+  scalars = _read_tensorboard_scalars(os.path.join(workdir, 'tensorboard'))
+  assert [step for step, _ in scalars['train/loss']] == [2, 4, 6, 8]
+  assert scalars['test/accuracy'][-1][1] == pytest.approx(final['test/accuracy'])
+
+
+def test_evaluation_counts_each_example_once(uninterrupted):
+  workdir, final, _ = uninterrupted
+  experiment, state, _ = restore_state(workdir, 8)
+  records = [experiment.splits['test'][i] for i in range(len(experiment.splits['test']))]
+  batch = {k: np.stack([r[k] for r in records]) for k in records[0]}
+  apply = jax.jit(functools.partial(experiment.model.apply, train=False))
+  logits = apply({'params': state.params, 'batch_stats': state.batch_stats}, batch['inputs'],
+                 mask=batch['mask'])
+  accuracy = np.mean(np.argmax(logits, -1) == batch['label'])
+  loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch['label']))
+  np.testing.assert_allclose(final['test/accuracy'], accuracy, rtol=1e-6)
+  np.testing.assert_allclose(final['test/loss'], loss, rtol=1e-5)
+
+
+def test_evaluate_workdir_and_eval_cli(uninterrupted, capsys):
+  workdir, final, _ = uninterrupted
+  report = trainer.evaluate_workdir(workdir, ('test', 'validation'))
+  assert report['step'] == 8
+  assert report['results']['test']['accuracy'] == pytest.approx(final['test/accuracy'])
+  selected = trainer.evaluate_workdir(workdir, ('validation', 'test'), checkpoint='selected')
+  assert selected['step'] == final['selected/step']
+  assert selected['results']['test']['accuracy'] == pytest.approx(final['selected/test_accuracy'])
+
+  spec = importlib.util.spec_from_file_location('eval_cli', os.path.join(REPO_ROOT, 'eval.py'))
+  eval_cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(eval_cli)
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    flags.FLAGS(['eval.py', f'--workdir={workdir}', '--splits=test'])
+    assert eval_cli.main(['eval.py']) == 0
+  finally:  # Leave the global absl flags as found (another module may define --workdir).
+    for name in ('workdir', 'splits', 'checkpoint'):
+      delattr(flags.FLAGS, name)
+  printed = capsys.readouterr().out
+  assert 'checkpoint: latest (step 8)' in printed
+  assert f"{final['test/accuracy']:.4f}" in printed
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    assert json.load(f)['results']['test']['accuracy'] == pytest.approx(final['test/accuracy'])
+  with pytest.raises(errors.CheckpointNotFoundError):
+    trainer.evaluate_workdir(workdir, checkpoint='5')
+
+
+def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
+  reference_dir, reference_final, reference_batches = uninterrupted
+  workdir = str(tmp_path / 'crashed')
+  seen = []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(seen, crash_at=7))
+    with pytest.raises(Crash):
+      trainer.train_and_evaluate(tiny_config(), workdir)
+  assert seen == reference_batches[:6]
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4']
+  assert [r['step'] for r in metrics_logging.read_metrics(workdir)] == [2, 4, 6]
+
+  resumed = []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(resumed))
+    final = trainer.train_and_evaluate(tiny_config(), workdir)
+  assert resumed == reference_batches[4:]  # the data order continues where the checkpoint was
+
+  def without_timing(metrics):
+    return {k: v for k, v in metrics.items() if 'steps_per_second' not in k}
+  assert without_timing(final) == without_timing(reference_final)
+  records = [without_timing(r) for r in metrics_logging.read_metrics(workdir)]
+  assert records == [without_timing(r) for r in metrics_logging.read_metrics(reference_dir)]
+
+  _, expected, _ = restore_state(reference_dir, 8)
+  _, actual, meta = restore_state(workdir, 8)
+  assert meta['step'] == 8
+  jax.tree.map(np.testing.assert_array_equal, expected, actual)
+
+  # A finished workdir is not trained further: calling again only re-evaluates.
+  again = trainer.train_and_evaluate(tiny_config(), workdir)
+  assert again['test/accuracy'] == final['test/accuracy']
+
+
+@pytest.mark.parametrize('checkpoint_every', [1, 4])
+def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
+  # Without BatchNorm: also covers checkpointing a model with no batch_stats ({}).
+  config = tiny_config(**{'optimizer.lr': 1e30, 'optimizer.grad_clip_norm': 0.0,
+                          'checkpoint_every_steps': checkpoint_every, 'log_every_steps': 0,
+                          'eval_every_steps': 0, 'model.use_batch_norm': False})
+  workdir = str(tmp_path)
+  with pytest.raises(errors.NonFiniteLossError) as info:
+    trainer.train_and_evaluate(config, workdir)
+  bad_step = info.value.step
+  assert bad_step >= 2  # the first loss is computed from the initial parameters
+  assert f'at step {bad_step};' in str(info.value)
+  kept = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')))
+  if checkpoint_every == 1:
+    assert kept[-1] == bad_step - 1  # the last good state, never the non-finite one
+    assert f'checkpoint (step {bad_step - 1}) is kept' in str(info.value)
+    _, state, _ = restore_state(workdir, kept[-1], config)
+    assert state.batch_stats == {}
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
+  else:
+    assert bad_step < 4 and kept == [] and 'no checkpoint was saved' in str(info.value)
+
+
+def test_train_cli_reports_user_errors_in_one_line(tmp_path):
+  config_file = tmp_path / 'config.py'
+  config_file.write_text(
+      'from primal_dual.training import config_lib\n'
+      'def get_config(arg=None):\n'
+      '  arg = config_lib.parse_arg(arg, steps=2)\n'
+      '  config = config_lib.training_defaults()\n'
+      '  config.num_train_steps = arg.steps\n'
+      '  return config_lib.lock(config)\n')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO_ROOT, 'train.py'), f'--config={config_file}:steps=3',
+       '--config.task=nonexistent', f'--workdir={tmp_path / "run"}'],
+      capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      "error: unknown task (config.task) 'nonexistent'")
+  assert 'Traceback' not in result.stderr

@@ -1,0 +1,49 @@
+"""Train a model: `python train.py --config=configs/<file>.py[:arg] --workdir=<dir>`.
+
+Config fields can be overridden on the command line, e.g. `--config.optimizer.lr=3e-4
+--config.num_train_steps=1000`. Re-running with the same workdir resumes from its last
+checkpoint. Problems the user can fix (bad config value, missing data, diverged loss) are printed
+as one line `error: ...` with exit status 2.
+
+Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Config file, optionally with an argument: configs/uea.py:dataset=Heartbeat',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  # Imported here so that `--help` stays fast.
+  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
+  try:
+    sharding.maybe_initialize_distributed(_CONFIG.value)
+    from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+    final = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except errors.UserError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    for name, value in final.items():
+      print(f'{name:40s} {value}')
+  return 0
+
+
+if __name__ == '__main__':
+  app.run(main)
