@@ -1,0 +1,204 @@
+"""Shared machinery of every attention kernel.
+
+Shapes follow Flax (SPEC §1): ``query [batch..., q_len, heads, d_qk]``, ``key [batch..., kv_len,
+heads, d_qk]``, ``value [batch..., kv_len, heads, d_v]``; ``mask`` (bool, True = may attend) and
+``bias`` (additive) broadcast to ``[batch..., heads, q_len, kv_len]``.
+
+Kernels are written for ONE head (``q [q_len, d]``, ``k [kv_len, d]``, ``v [kv_len, d_v]``,
+``bias/mask [q_len, kv_len]`` or None) and lifted to every head and example by :func:`map_heads`,
+which flattens the batch dimensions and applies ``jax.vmap`` twice (heads, then batch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+class QKVShapes(NamedTuple):
+  """Validated sizes of a query/key/value triple."""
+  batch_shape: tuple[int, ...]
+  q_len: int
+  kv_len: int
+  heads: int
+  d_qk: int
+  d_v: int
+
+
+def _shape_str(**arrays: Any) -> str:
+  return ", ".join(f"{name}.shape={tuple(x.shape)}" for name, x in arrays.items() if x is not None)
+
+
+def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
+  """Checks ranks and sizes of ``query``, ``key`` and ``value``.
+
+  Raises:
+    ValueError: naming the offending argument and every shape seen.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim < 3:
+      raise ValueError(
+          f"{name} must have rank >= 3 ([batch..., length, heads, features]); got "
+          f"{_shape_str(query=query, key=key, value=value)}")
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError(
+        "query, key and value must have the same rank; got "
+        f"{_shape_str(query=query, key=key, value=value)}")
+  if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+    raise ValueError(
+        "query, key and value must share their batch dimensions; got "
+        f"{_shape_str(query=query, key=key, value=value)}")
+  if not query.shape[-2] == key.shape[-2] == value.shape[-2]:
+    raise ValueError(
+        "query, key and value must have the same number of heads (axis -2); got "
+        f"{_shape_str(query=query, key=key, value=value)}")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+        "query and key must have the same feature size d_qk (axis -1); got "
+        f"{_shape_str(query=query, key=key, value=value)}")
+  if key.shape[-3] != value.shape[-3]:
+    raise ValueError(
+        "key and value must have the same length kv_len (axis -3); got "
+        f"{_shape_str(query=query, key=key, value=value)}")
+  return QKVShapes(tuple(query.shape[:-3]), query.shape[-3], key.shape[-3], query.shape[-2],
+                   query.shape[-1], value.shape[-1])
+
+
+def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array | None:
+  """Broadcasts a mask or bias to ``[B, heads, q_len, kv_len]`` with the batch flattened.
+
+  Returns None for None. Raises ValueError when ``x`` does not broadcast.
+  """
+  if x is None:
+    return None
+  target = (*shapes.batch_shape, shapes.heads, shapes.q_len, shapes.kv_len)
+  x = jnp.asarray(x)
+  try:
+    x = jnp.broadcast_to(x, target)
+  except ValueError:
+    raise ValueError(
+        f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
+        f" = {target}") from None
+  return x.reshape((-1, *target[-3:]))
+
+
+def combine_causal(mask: Array | None, is_causal: bool, q_len: int, kv_len: int) -> Array | None:
+  """Adds a causal constraint (query i sees keys j <= i + kv_len - q_len) to ``mask``."""
+  if not is_causal:
+    return mask
+  causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len)
+  return causal if mask is None else jnp.logical_and(mask, causal)
+
+
+def prepare_mask_and_bias(mask, bias, shapes: QKVShapes, is_causal: bool = False):
+  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None."""
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+      raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
+  mask = combine_causal(mask, is_causal, shapes.q_len, shapes.kv_len)
+  return (broadcast_logits_arg(mask, "mask", shapes),
+          broadcast_logits_arg(bias, "bias", shapes))
+
+
+def to_heads_major(x: Array) -> Array:
+  """``[batch..., L, H, D] -> [B, H, L, D]`` with the batch dimensions flattened."""
+  x = x.reshape((-1, *x.shape[-3:]))
+  return jnp.swapaxes(x, 1, 2)
+
+
+def from_heads_major(x: Array, batch_shape: Sequence[int]) -> Array:
+  """``[B, H, L, D] -> [batch..., L, H, D]``."""
+  x = jnp.swapaxes(x, 1, 2)
+  return x.reshape((*batch_shape, *x.shape[1:]))
+
+
+def map_heads(per_head: Callable[..., Any], *args: Any) -> Any:
+  """Applies a one-head function to every (example, head).
+
+  Each argument is None or an array whose two leading axes are ``[B, H]``; ``per_head`` sees the
+  same arguments without those axes.
+  """
+  return jax.vmap(jax.vmap(per_head))(*args)
+
+
+def masked_softmax(logits: Array, mask: Array | None) -> Array:
+  """Softmax over the last axis in float32, masked entries excluded.
+
+  A row with no valid entry returns zeros (never NaN), and its gradient is finite.
+  """
+  logits = logits.astype(F32)
+  if mask is None:
+    return jax.nn.softmax(logits, axis=-1)
+  neg = jnp.finfo(F32).min
+  logits = jnp.where(mask, logits, neg)
+  logits = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  unnormalized = jnp.exp(logits) * mask
+  total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  return unnormalized / jnp.where(total > 0, total, 1.0)
+
+
+def apply_dropout(weights: Array, *, dropout_rng, dropout_rate: float, broadcast_dropout: bool,
+                  deterministic: bool) -> Array:
+  """Dropout on attention weights ``[B, H, q_len, kv_len]``, following Flax.
+
+  With ``broadcast_dropout`` the same drop pattern is used for every example and head.
+  """
+  if deterministic or dropout_rate == 0.0:
+    return weights
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}")
+  if dropout_rng is None:
+    raise ValueError("dropout_rng is required when deterministic=False and dropout_rate > 0")
+  keep_prob = 1.0 - dropout_rate
+  shape = ((1, 1) + weights.shape[-2:]) if broadcast_dropout else weights.shape
+  keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+  return jnp.where(keep, weights / keep_prob, 0.0).astype(weights.dtype)
+
+
+def contract_values(weights: Array, value: Array, precision=None) -> Array:
+  """``out[q, d] = Σ_k weights[q, k] value[k, d]`` for one head, accumulated in float32."""
+  return jnp.einsum("qk,kd->qd", weights.astype(value.dtype), value, precision=precision,
+                    preferred_element_type=F32)
+
+
+def output_dtype(query: Array, dtype) -> jnp.dtype:
+  return jnp.dtype(dtype) if dtype is not None else query.dtype
+
+
+def finish(out: Array, weights: Any, *, shapes: QKVShapes, dtype, module, return_weights: bool,
+           weights_name: str = "attention_weights"):
+  """Restores ``[batch..., q_len, heads, d_v]``, casts, sows and optionally returns weights.
+
+  ``out`` is ``[B, H, q_len, d_v]``; ``weights`` is a ``[B, H, q_len, kv]`` array or a tuple of
+  such arrays (one per SH ratio group), reshaped back to the caller's batch dimensions.
+  """
+  out = from_heads_major(out, shapes.batch_shape).astype(dtype)
+  if weights is not None:
+    weights = jax.tree.map(lambda w: w.reshape((*shapes.batch_shape, *w.shape[1:])), weights)
+  if module is not None and weights is not None:
+    module.sow("intermediates", weights_name, weights)
+  if return_weights:
+    return out, weights
+  return out
+
+
+def default_scale(d_qk: int) -> float:
+  return 1.0 / math.sqrt(d_qk)
+
+
+def key_validity(mask: Array | None, kv_len: int) -> Array | None:
+  """Per-key validity ``[kv_len]`` of a one-head mask ``[q_len, kv_len]``: visible to any query.
+
+  For padding masks (the source of invalid keys) this is exactly the key padding; for causal or
+  local masks every key is visible to some query, so all keys count.
+  """
+  if mask is None:
+    return None
+  return jnp.any(mask, axis=0)

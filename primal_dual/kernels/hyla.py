@@ -1,0 +1,210 @@
+"""HYLA, hypernetwork linear attention (SPEC §3.7).
+
+For one example, with heads ``h``, queries ``i`` and keys ``j``::
+
+  s_hij = (q_hi / √D) · k_hj + bias_hij          (0 where masked)
+  a_hij = normalise(s)_hij                       (rms_head | softmax | none)
+  u_ij  = value_network(Σ_h a_hij v_hj) ∈ R^{D_v} (relu | identity)
+  out_hi = Σ_j a_hij u_ij                        (value_network='linear': Σ_j a_hij v_hj)
+
+The attention scores act as the latent code of a per-(i, j) two-layer value network whose weights
+are shared by every head, so the heads talk to each other through ``u``. There are no parameters
+beyond those of softmax attention.
+
+Memory: the two MLP value networks hold ``u`` of shape ``[B, q_len, kv_len, D_v]``. With
+``query_chunk_size=c`` they run over query blocks with ``jax.lax.map``, so only
+``[B, c, kv_len, D_v]`` of it exists at a time (the scores ``a`` of shape ``[B, H, q_len, kv_len]``
+are still computed in full: they are returned, sown and dropped out exactly like softmax weights,
+which keeps chunked and unchunked results identical, dropout included).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from primal_dual.kernels import _common as C
+
+RMS_EPS = 1e-6
+
+
+def hyla_scores_one_head(q, k, bias, mask, *, scale: float, precision=None):
+  """Raw scores of one head, zero where masked.
+
+  Args:
+    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``.
+    bias: ``[q_len, kv_len]`` additive or None. mask: ``[q_len, kv_len]`` bool or None.
+    scale: multiplies ``qᵀk`` (``1/√d_qk`` by default).
+
+  Returns:
+    float32 ``[q_len, kv_len]``.
+  """
+  scores = jnp.einsum("qd,kd->qk", q, k, precision=precision,
+                      preferred_element_type=C.F32) * scale
+  if bias is not None:
+    scores = scores + bias.astype(C.F32)
+  if mask is not None:
+    scores = jnp.where(mask, scores, 0.0)
+  return scores
+
+
+# --- Normalisations: float32 scores [B, H, q, kv] (masked entries 0), mask or None -> a. ---------
+
+
+def rms_head_normalization(scores, mask):
+  """``a_hij = s_hij / √(mean_h s_hij² + 1e-6)``: RMS over the head axis, no learned scale.
+
+  The mean runs over every head, masked ones included (their score is 0), as in SPEC §3.7.
+  """
+  del mask  # Masked scores are already 0 and stay 0.
+  mean_square = jnp.mean(jnp.square(scores), axis=1, keepdims=True)
+  return scores * jax.lax.rsqrt(mean_square + RMS_EPS)
+
+
+def softmax_normalization(scores, mask):
+  """Standard per-head softmax over the keys, masked keys excluded (fully masked rows give 0)."""
+  return C.masked_softmax(scores, mask)
+
+
+def no_normalization(scores, mask):
+  """``a = s`` (masked entries already 0)."""
+  del mask
+  return scores
+
+
+NORMALIZATIONS: dict[str, Callable] = {
+    "rms_head": rms_head_normalization,
+    "softmax": softmax_normalization,
+    "none": no_normalization,
+}
+
+
+# --- Value networks for one example: a [H, q, kv] float32, v [H, kv, d_v] -> [H, q, d_v] f32. ---
+# Operands are cast to the value dtype and accumulated in float32 (like _common.contract_values).
+
+
+def _mix_heads(a, v, precision):
+  """``Σ_h a_hij v_hj`` -> ``[q, kv, d_v]`` float32."""
+  return jnp.einsum("hqk,hkd->qkd", a.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=C.F32)
+
+
+def _read_out(a, u, dtype, precision):
+  """``out_hi = Σ_j a_hij u_ij`` -> ``[H, q, d_v]`` float32."""
+  return jnp.einsum("hqk,qkd->hqd", a.astype(dtype), u.astype(dtype), precision=precision,
+                    preferred_element_type=C.F32)
+
+
+def mlp_relu_value_network(a, v, precision=None):
+  """``u_ij = relu(Σ_h a_hij v_hj)``, ``out_hi = Σ_j a_hij u_ij``."""
+  return _read_out(a, jax.nn.relu(_mix_heads(a, v, precision)), v.dtype, precision)
+
+
+def mlp_linear_value_network(a, v, precision=None):
+  """As ``mlp_relu`` without the relu (an ablation)."""
+  return _read_out(a, _mix_heads(a, v, precision), v.dtype, precision)
+
+
+def linear_value_network(a, v, precision=None):
+  """``out_hi = Σ_j a_hij v_hj``: plain per-head attention with weights ``a``."""
+  return jnp.einsum("hqk,hkd->hqd", a.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=C.F32)
+
+
+VALUE_NETWORKS: dict[str, Callable] = {
+    "mlp_relu": mlp_relu_value_network,
+    "mlp_linear": mlp_linear_value_network,
+    "linear": linear_value_network,
+}
+
+
+def _lookup(registry: dict, name: str, argument: str):
+  if name not in registry:
+    raise ValueError(f"{argument} must be one of {sorted(registry)}; got {name!r}")
+  return registry[name]
+
+
+def _chunked_over_queries(fn: Callable, a, v, chunk: int):
+  """Runs ``fn(a_block, v) -> [B, H, c, d_v]`` over query blocks of size ``chunk``.
+
+  ``a`` is ``[B, H, q_len, kv]``; q_len is zero-padded to a multiple of ``chunk`` (padded rows have
+  a = 0, hence output 0) and sliced off again.
+  """
+  batch, heads, q_len, kv_len = a.shape
+  num_chunks = -(-q_len // chunk)
+  a = jnp.pad(a, ((0, 0), (0, 0), (0, num_chunks * chunk - q_len), (0, 0)))
+  blocks = jnp.moveaxis(a.reshape(batch, heads, num_chunks, chunk, kv_len), 2, 0)
+  out = jax.lax.map(lambda block: fn(block, v), blocks)  # [chunks, B, H, c, d_v]
+  out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, num_chunks * chunk, -1)
+  return out[:, :, :q_len]
+
+
+def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
+                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
+                   dtype=None, precision=None, module=None, is_causal: bool = False,
+                   normalization: str = "rms_head", value_network: str = "mlp_relu",
+                   query_chunk_size: int | None = None, scale: float | None = None,
+                   return_weights: bool = False):
+  """HYLA attention (SPEC §3.7).
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``; d_v is shared by all heads (the value network sums
+      over heads).
+    bias: additive score bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
+    mask: bool, broadcastable like ``bias``; True = may attend. Masked scores are 0, so a fully
+      masked query gets a zero output (with finite gradients).
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout, applied once to the
+      normalised scores ``a``; the dropped ``a`` is used both in the value network and in the
+      read-out.
+    dtype: output dtype (default ``query.dtype``). Scores and normalisation are float32.
+    precision: passed to the einsums.
+    module: a Flax module to sow ``a`` into (``intermediates/attention_weights``).
+    is_causal: add a causal mask.
+    normalization: ``'rms_head'`` (default; ``s / √(mean_h s² + 1e-6)`` across heads),
+      ``'softmax'`` (standard masked softmax over keys, per head) or ``'none'`` (``a = s``).
+    value_network: ``'mlp_relu'`` (default), ``'mlp_linear'`` (no relu) or ``'linear'``
+      (``Σ_j a_hij v_hj``).
+    query_chunk_size: if set, run the value network over query blocks of this size (same result,
+      ``[B, c, kv_len, d_v]`` peak memory for ``u``); q_len need not be a multiple of it.
+    scale: score scale, default ``1/√d_qk``.
+    return_weights: also return ``a`` as float32 ``[batch..., heads, q_len, kv_len]`` (before
+      dropout).
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
+
+  Raises:
+    ValueError: bad shapes (naming them), unknown ``normalization``/``value_network``, or a
+      ``query_chunk_size`` below 1.
+  """
+  # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
+  # head sum of the value network needs; validate_qkv rejects any other head split of value.
+  shapes = C.validate_qkv(query, key, value)
+  normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
+  network = _lookup(VALUE_NETWORKS, value_network, "value_network")
+  if query_chunk_size is not None and (not isinstance(query_chunk_size, int)
+                                       or query_chunk_size < 1):
+    raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  scale = C.default_scale(shapes.d_qk) if scale is None else scale
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def scores_fn(q, k, bias, mask):
+    return hyla_scores_one_head(q, k, bias, mask, scale=scale, precision=precision)
+
+  weights = normalize(C.map_heads(scores_fn, q, k, bias, mask), mask)
+  dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  # The network couples heads, so only the batch is mapped.
+  per_batch = jax.vmap(functools.partial(network, precision=precision))
+  if query_chunk_size is None:
+    out = per_batch(dropped, v)
+  else:
+    out = _chunked_over_queries(per_batch, dropped, v, query_chunk_size)
+  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
+                  return_weights=return_weights)

@@ -1,0 +1,399 @@
+"""Attention-SH (scaled heads) and Attention-BN+SH (SPEC §3.5, §3.6).
+
+In the SVR view each head is a regression fitted on the keys; Attention-SH fits head ``h`` on fewer
+training points: its keys and values are pooled along the key axis in windows of ``ratios[h]``
+(stride = window), so head ``h`` attends to ``ceil(N / r_h)`` pooled keys. Queries and the output
+length are unchanged. Attention cost relative to softmax: ``(1/H) Σ_h 1/r_h``
+(:func:`attention_cost_ratio`).
+
+The compute really shrinks: heads that share a ratio form a group (static, in Python), the group's
+heads are gathered, pooled once and attended on the pooled length, and the group outputs are
+scattered back into the original head order. Nothing is padded back to N.
+
+Conventions (chosen here, where SPEC is silent):
+
+* **Validity.** A key is valid for a head if some query of that head may see it
+  (``_common.key_validity``; for padding masks this is the padding). Pooling only uses valid keys;
+  a window with no valid key is masked out.
+* **Pooled mask.** Query ``i`` may see a pooled key iff it may see at least one key of the window.
+  With causal or local masks a pooled key therefore summarises keys that query ``i`` could not see
+  individually (up to ``r - 1`` future positions under a causal mask).
+* **Pooled bias.** The bias of a pooled key is the mean of ``bias_ij`` over the window's keys that
+  query ``i`` may see (whatever the pool type); it is 0 (and masked) where none is visible.
+* **Pool types.** ``avg``: mean of the valid keys; ``max``: channel-wise max of the valid keys;
+  ``stride``: the first valid key of the window (the first key when nothing is masked). Keys and
+  values are pooled the same way.
+* **Images.** With ``grid_shape=(gh, gw)`` the keys after the first ``num_prefix_tokens`` (e.g.
+  CLS) are a row-major ``gh × gw`` grid pooled in ``r × r`` windows (``ceil`` on each side,
+  row-major window order); prefix tokens are never pooled and come first. ``num_prefix_tokens``
+  also works without a grid (1-D pooling of the remaining keys).
+* **Weights.** With ``return_weights=True`` the weights are a tuple with one float32 array per
+  distinct ratio, in increasing ratio order, each ``[batch..., heads_in_group, q_len, pooled_len]``.
+  :func:`head_groups` gives, for the same order, the head indices of each array's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from primal_dual.kernels import _common as C
+from primal_dual.kernels import batchnorm as bn_lib
+from primal_dual.kernels import linear as linear_lib
+from primal_dual.kernels.softmax import softmax_weights_one_head
+
+
+# ---------------------------------------------------------------------------------------------
+# Ratios, groups and pooled lengths (static Python).
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_static_int(r) -> bool:
+  return isinstance(r, (int, np.integer)) and not isinstance(r, (bool, np.bool_))
+
+
+def validate_ratios(ratios, heads: int) -> tuple[int, ...]:
+  """Returns ``ratios`` as a tuple of Python ints, one per head, each >= 1.
+
+  Raises:
+    ValueError: naming ``ratios`` and the head count, when ``ratios`` is not a sequence of
+      ``heads`` static ints >= 1.
+  """
+  try:
+    values = tuple(ratios)
+  except TypeError:
+    values = None
+  if (values is None or len(values) != heads
+      or not all(_is_static_int(r) and r >= 1 for r in values)):
+    raise ValueError(
+        f"ratios must be a sequence of {heads} static Python ints >= 1, one per head "
+        f"(heads={heads}); got ratios={ratios!r}")
+  return tuple(int(r) for r in values)
+
+
+def head_groups(ratios: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+  """``(ratio, head_indices)`` per distinct ratio, in increasing ratio order.
+
+  This is the order of the weights tuple: row ``g`` of ``weights[n][..., g, :, :]`` belongs to
+  head ``head_groups(ratios)[n][1][g]``.
+
+  >>> head_groups((2, 1, 2, 4))
+  ((1, (1,)), (2, (0, 2)), (4, (3,)))
+  """
+  return tuple((r, tuple(h for h, rh in enumerate(ratios) if rh == r))
+               for r in sorted(set(ratios)))
+
+
+def attention_cost_ratio(ratios: Sequence[int]) -> float:
+  """Attention cost relative to softmax attention: ``(1/H) Σ_h 1/r_h``."""
+  return sum(1.0 / r for r in ratios) / len(ratios)
+
+
+def pooled_length(kv_len: int, ratio: int, *, grid_shape: tuple[int, int] | None = None,
+                  num_prefix_tokens: int = 0) -> int:
+  """Number of keys a head with this ratio attends to.
+
+  ``ceil(N / r)`` in 1-D without prefix; ``P + ceil(gh / r) * ceil(gw / r)`` on a grid.
+  """
+  return key_windows(kv_len, ratio, grid_shape, num_prefix_tokens).index.shape[0]
+
+
+class KeyWindows(NamedTuple):
+  """Static pooling windows over the key axis.
+
+  Attributes:
+    index: int32 ``[pooled_len, window]``, key index of each window slot (0 in padding slots).
+    real: bool ``[pooled_len, window]``, False in padding slots (past the end of a row or grid).
+  """
+  index: np.ndarray
+  real: np.ndarray
+
+
+def _validate_layout(kv_len: int, grid_shape, num_prefix_tokens: int):
+  if not _is_static_int(num_prefix_tokens) or not 0 <= num_prefix_tokens <= kv_len:
+    raise ValueError(f"num_prefix_tokens must be an int in [0, kv_len={kv_len}]; got "
+                     f"{num_prefix_tokens!r}")
+  if grid_shape is None:
+    return
+  if (len(grid_shape) != 2 or not all(_is_static_int(s) and s >= 1 for s in grid_shape)
+      or kv_len != num_prefix_tokens + grid_shape[0] * grid_shape[1]):
+    raise ValueError(
+        "grid_shape must be two positive ints (gh, gw) with kv_len == num_prefix_tokens + gh*gw;"
+        f" got grid_shape={grid_shape!r}, num_prefix_tokens={num_prefix_tokens}, kv_len={kv_len}")
+
+
+def _windows_1d(length: int, ratio: int):
+  slots = np.arange(-(-length // ratio) * ratio).reshape(-1, ratio)
+  return slots, slots < length
+
+
+def _windows_2d(grid_shape: tuple[int, int], ratio: int):
+  gh, gw = grid_shape
+  ph, pw = -(-gh // ratio), -(-gw // ratio)
+  rows = np.arange(ph * ratio)[:, None]
+  cols = np.arange(pw * ratio)[None, :]
+  slots = rows * gw + cols
+  real = (rows < gh) & (cols < gw)
+
+  def to_windows(x):  # [ph*r, pw*r] -> [ph*pw, r*r], row-major windows.
+    x = x.reshape(ph, ratio, pw, ratio).transpose(0, 2, 1, 3)
+    return x.reshape(ph * pw, ratio * ratio)
+
+  return to_windows(slots), to_windows(real)
+
+
+@functools.lru_cache(maxsize=256)
+def key_windows(kv_len: int, ratio: int, grid_shape: tuple[int, int] | None = None,
+                num_prefix_tokens: int = 0) -> KeyWindows:
+  """Pooling windows for one ratio: prefix tokens alone, then 1-D or 2-D windows of the rest."""
+  _validate_layout(kv_len, grid_shape, num_prefix_tokens)
+  if grid_shape is None:
+    slots, real = _windows_1d(kv_len - num_prefix_tokens, ratio)
+  else:
+    slots, real = _windows_2d(tuple(grid_shape), ratio)
+  slots = np.where(real, slots + num_prefix_tokens, 0)
+  width = slots.shape[1]
+  prefix_slots = np.zeros((num_prefix_tokens, width), np.int64)
+  prefix_slots[:, 0] = np.arange(num_prefix_tokens)
+  prefix_real = np.zeros((num_prefix_tokens, width), bool)
+  prefix_real[:, 0] = True
+  return KeyWindows(np.concatenate([prefix_slots, slots]).astype(np.int32),
+                    np.concatenate([prefix_real, real]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling of one head.
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_mean(x, valid):
+  """x ``[n, w, d]``, valid ``[n, w]`` -> mean of the valid slots ``[n, d]`` (0 if none)."""
+  valid = valid[..., None]
+  total = jnp.sum(jnp.where(valid, x.astype(C.F32), 0.0), axis=1)
+  count = jnp.sum(valid, axis=1)
+  return (total / jnp.maximum(count, 1)).astype(x.dtype)
+
+
+def _masked_max(x, valid):
+  """Channel-wise max of the valid slots ``[n, d]`` (0 if none)."""
+  valid = valid[..., None]
+  top = jnp.max(jnp.where(valid, x.astype(C.F32), -jnp.inf), axis=1)
+  return jnp.where(jnp.any(valid, axis=1), top, 0.0).astype(x.dtype)
+
+
+def _first_valid(x, valid):
+  """The first valid slot of each window ``[n, d]`` (slot 0 if none; such windows are masked)."""
+  first = jnp.argmax(valid, axis=1)
+  return jnp.take_along_axis(x, first[:, None, None], axis=1)[:, 0]
+
+
+POOLS: dict[str, Callable] = {"avg": _masked_mean, "max": _masked_max, "stride": _first_valid}
+
+
+class PooledKeys(NamedTuple):
+  """One head's keys after pooling (``n`` = pooled length)."""
+  key: jax.Array  # [n, d_qk], input dtype
+  value: jax.Array  # [n, d_v], input dtype
+  bias: jax.Array | None  # [q_len, n] float32
+  mask: jax.Array  # [q_len, n] bool
+  key_valid: jax.Array  # [n] bool, window holds a valid key
+
+
+def pool_keys_one_head(k, v, bias, mask, key_valid, *, windows: KeyWindows,
+                       pool: Callable, q_len: int) -> PooledKeys:
+  """Pools one head's keys, values, bias and mask over ``windows``.
+
+  Args:
+    k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``.
+    bias: ``[q_len, kv_len]`` or None. mask: ``[q_len, kv_len]`` bool or None.
+    key_valid: bool ``[kv_len]``, keys that may be pooled.
+    windows: static windows from :func:`key_windows`.
+    pool: an entry of :data:`POOLS`.
+    q_len: number of queries (for the pooled mask when ``mask`` is None).
+  """
+  index, real = jnp.asarray(windows.index), jnp.asarray(windows.real)
+  valid = real & key_valid[index]  # [n, w]
+  pooled_valid = jnp.any(valid, axis=-1)
+  if mask is None:
+    visible = valid[None]  # [1, n, w]: every query sees every valid key.
+    pooled_mask = jnp.broadcast_to(pooled_valid, (q_len, pooled_valid.shape[0]))
+  else:
+    visible = mask[:, index] & real  # [q_len, n, w]
+    pooled_mask = jnp.any(visible, axis=-1)
+  pooled_bias = None
+  if bias is not None:
+    # Mean over the entries query i may see; 0 where it sees none (then masked anyway).
+    total = jnp.sum(jnp.where(visible, bias[:, index].astype(C.F32), 0.0), axis=-1)
+    pooled_bias = total / jnp.maximum(jnp.sum(visible, axis=-1), 1)
+  return PooledKeys(pool(k[index], valid), pool(v[index], valid), pooled_bias, pooled_mask,
+                    pooled_valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-head kernels and BN options.
+# ---------------------------------------------------------------------------------------------
+
+
+def _softmax_kernel(q, k, bias, mask, *, scale, precision):
+  return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
+
+
+def _linear_kernel(q, k, bias, mask, *, scale, precision):
+  del bias, scale  # Bias is refused up front; linear attention has no 1/√D.
+  return linear_lib.linear_weights_one_head(q, k, mask, precision=precision)
+
+
+# name -> (one-head weights function, whether it accepts a bias).
+KERNELS: dict[str, tuple[Callable, bool]] = {
+    "softmax": (_softmax_kernel, True),
+    "linear": (_linear_kernel, False),
+}
+
+STATS_SOURCES = ("pooled", "full")
+
+
+class BatchNormOptions(NamedTuple):
+  stats: str  # 'pooled' | 'full'
+  eps: float
+  mean_weight: float
+
+
+def _one_head(q, k, v, bias, mask, *, windows: KeyWindows | None, pool: Callable,
+              kernel: Callable, batchnorm: BatchNormOptions | None, scale: float, precision):
+  """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group.
+
+  ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
+  normalised with key statistics of the pooled keys (``stats='pooled'``) or the full-length keys.
+  """
+  q_len, kv_len = q.shape[0], k.shape[0]
+  key_valid = C.key_validity(mask, kv_len)
+  key_valid = jnp.ones((kv_len,), bool) if key_valid is None else key_valid
+  if windows is None:
+    pooled = PooledKeys(k, v, bias, mask, key_valid)
+  else:
+    pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool,
+                                q_len=q_len)
+  k_used = pooled.key
+  if batchnorm is not None:
+    stats_keys, stats_valid = ((pooled.key, pooled.key_valid) if batchnorm.stats == "pooled"
+                               else (k, key_valid))
+    mean, var = bn_lib.key_statistics(stats_keys, stats_valid)
+
+    def normalize(x):
+      return bn_lib.normalize_with_key_stats(x, mean, var, eps=batchnorm.eps,
+                                             mean_weight=batchnorm.mean_weight)
+
+    q, k_used = normalize(q), normalize(k_used)
+  weights = kernel(q, k_used, pooled.bias, pooled.mask, scale=scale, precision=precision)
+  return weights, pooled.value
+
+
+def _lookup(registry, name, argument: str):
+  if name not in registry:
+    raise ValueError(f"{argument} must be one of {sorted(registry)}; got {argument}={name!r}")
+  return registry[name]
+
+
+def _select_heads(x, heads: np.ndarray, num_heads: int):
+  """``x[:, heads]`` for ``[B, H, ...]`` arrays; a no-op when ``heads`` is every head in order."""
+  if x is None or np.array_equal(heads, np.arange(num_heads)):
+    return x
+  return x[:, heads]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+def scaled_head_attention(query, key, value, bias=None, mask=None, *,
+                          broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
+                          precision=None, module=None, is_causal: bool = False,
+                          ratios: Sequence[int] | None = None, pool: str = "avg",
+                          kernel: str = "softmax", batchnorm: bool = False,
+                          stats: str = "pooled", bn_eps: float = 1e-5,
+                          bn_mean_weight: float = 1.0,
+                          grid_shape: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
+                          scale: float | None = None, return_weights: bool = False):
+  """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``.
+    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``; pooled by a
+      mean over each window's visible entries. Not accepted with ``kernel='linear'``.
+    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout on each group's
+      weights. A single group uses ``dropout_rng`` itself (so all-1 ratios reproduce
+      ``softmax_attention`` exactly); several groups use ``fold_in(dropout_rng, ratio)``, and
+      ``broadcast_dropout`` shares a pattern across the examples and heads of one group.
+    dtype: output dtype (default ``query.dtype``); pooling, statistics and softmax are float32.
+    precision: passed to the einsums.
+    module: a Flax module to sow the weights tuple into (``intermediates/attention_weights``).
+    is_causal: add a causal mask (applied before pooling; see "Pooled mask").
+    ratios: one static int >= 1 per head (required).
+    pool: ``'avg'`` (default), ``'max'`` or ``'stride'``.
+    kernel: ``'softmax'`` (default, scaled by ``scale``) or ``'linear'`` (dual form, elu + 1).
+    batchnorm: Attention-BN after pooling: q and the pooled keys normalised with key statistics.
+    stats: ``'pooled'`` (statistics of the pooled keys the head uses, default) or ``'full'``
+      (of the full-length keys), over valid keys only.
+    bn_eps, bn_mean_weight: ε and β of Attention-BN.
+    grid_shape: ``(gh, gw)`` to pool the non-prefix keys 2-D over an image patch grid.
+    num_prefix_tokens: leading keys (e.g. CLS) kept unpooled.
+    scale: softmax logits scale, default ``1/√d_qk``.
+    return_weights: also return the weights: a tuple of float32 arrays, one per distinct ratio in
+      increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
+      map rows to heads with :func:`head_groups`.
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` (and the weights tuple if requested).
+
+  Raises:
+    ValueError: bad ``ratios`` (naming them and the head count), unknown ``pool``/``kernel``/
+      ``stats``, a grid that does not match ``kv_len``, bias with the linear kernel, bad shapes.
+  """
+  shapes = C.validate_qkv(query, key, value)
+  ratios = validate_ratios(ratios, shapes.heads)
+  pool_fn = _lookup(POOLS, pool, "pool")
+  kernel_fn, accepts_bias = _lookup(KERNELS, kernel, "kernel")
+  if not accepts_bias:
+    linear_lib.check_no_bias(bias, f"scaled_head_attention(kernel={kernel!r})")
+  if stats not in STATS_SOURCES:
+    raise ValueError(f"stats must be one of {STATS_SOURCES}; got stats={stats!r}")
+  grid_shape = None if grid_shape is None else tuple(grid_shape)
+  _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
+  bn_options = BatchNormOptions(stats, bn_eps, bn_mean_weight) if batchnorm else None
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  scale = C.default_scale(shapes.d_qk) if scale is None else scale
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  groups = head_groups(ratios)
+  outputs, weights = [], []
+  for ratio, heads in groups:
+    heads = np.asarray(heads)
+    windows = (None if ratio == 1 else
+               key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens))
+    one_head = functools.partial(_one_head, windows=windows, pool=pool_fn, kernel=kernel_fn,
+                                 batchnorm=bn_options, scale=scale, precision=precision)
+    group_weights, group_values = C.map_heads(
+        one_head, *(_select_heads(x, heads, shapes.heads) for x in (q, k, v, bias, mask)))
+    group_rng = dropout_rng
+    if dropout_rng is not None and len(groups) > 1:
+      group_rng = jax.random.fold_in(dropout_rng, ratio)
+    dropped = C.apply_dropout(group_weights, dropout_rng=group_rng, dropout_rate=dropout_rate,
+                              broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+    outputs.append(C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped,
+                               group_values))
+    weights.append(group_weights)
+
+  # Scatter the groups back into head order: position p of the concatenation is head order[p].
+  order = np.concatenate([np.asarray(heads) for _, heads in groups])
+  out = _select_heads(jnp.concatenate(outputs, axis=1), np.argsort(order), shapes.heads)
+  return C.finish(out, tuple(weights), shapes=shapes, dtype=C.output_dtype(query, dtype),
+                  module=module, return_weights=return_weights)

@@ -1,0 +1,64 @@
+"""Softmax attention: the SVR dual with the exponential kernel ``exp(qᵀk/√D)`` (SPEC §3.1)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from primal_dual.kernels import _common as C
+
+
+def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
+  """Attention weights of one head.
+
+  Args:
+    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``.
+    bias: ``[q_len, kv_len]`` additive or None. mask: ``[q_len, kv_len]`` bool or None.
+    scale: multiplies ``qᵀk`` (``1/√d_qk`` by default in the kernels).
+
+  Returns:
+    float32 ``[q_len, kv_len]``; rows with no valid key are zero.
+  """
+  logits = jnp.einsum("qd,kd->qk", q, k, precision=precision,
+                      preferred_element_type=C.F32) * scale
+  if bias is not None:
+    logits = logits + bias.astype(C.F32)
+  return C.masked_softmax(logits, mask)
+
+
+def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
+                      dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
+                      dtype=None, precision=None, module=None, is_causal: bool = False,
+                      scale: float | None = None, return_weights: bool = False):
+  """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``.
+    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
+    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
+    dtype: output dtype (default: ``query.dtype``). Softmax statistics are float32 regardless.
+    precision: passed to the einsums.
+    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
+    is_causal: add a causal mask.
+    scale: logits scale, default ``1/√d_qk``.
+    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
+  """
+  shapes = C.validate_qkv(query, key, value)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  scale = C.default_scale(shapes.d_qk) if scale is None else scale
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def weights_fn(q, k, bias, mask):
+    return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
+
+  weights = C.map_heads(weights_fn, q, k, bias, mask)
+  dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped, v)
+  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
+                  return_weights=return_weights)

@@ -1,0 +1,142 @@
+"""HYLA attention (primal_dual/kernels/hyla.py) against a float64 loop reference."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from primal_dual.kernels import hyla
+from numpy_reference_sh_hyla import hyla_ref
+
+STATIC = ("normalization", "value_network", "query_chunk_size", "is_causal", "return_weights",
+          "deterministic", "dropout_rate")
+hyla_jit = jax.jit(hyla.hyla_attention, static_argnames=STATIC)
+TOL = dict(rtol=2e-4, atol=2e-5)
+COMBINATIONS = list(itertools.product(sorted(hyla.NORMALIZATIONS), sorted(hyla.VALUE_NETWORKS)))
+
+
+def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):
+  def draw(length, features):
+    return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
+  return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
+
+
+def padding_mask(rng, batch_shape, kv_len, min_valid=1):
+  lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
+  return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]
+
+
+def assert_matches_reference(q, k, v, bias, mask, query_chunk_size=None, **options):
+  out, weights = hyla_jit(q, k, v, bias, mask, return_weights=True,
+                          query_chunk_size=query_chunk_size, **options)
+  ref_out, ref_weights = hyla_ref(q, k, v, bias, mask, **options)
+  np.testing.assert_allclose(weights, ref_weights, **TOL)
+  np.testing.assert_allclose(out, ref_out, **TOL)
+
+
+@pytest.mark.parametrize("case", range(len(COMBINATIONS)))
+def test_every_normalization_and_value_network_matches_reference(case):
+  normalization, value_network = COMBINATIONS[case]
+  batch_shape = [(), (2,), (2, 1)][case % 3]
+  rng = np.random.default_rng(case)
+  q, k, v = random_qkv(rng, batch_shape, 4, 5, 3)
+  mask = padding_mask(rng, batch_shape, 5)
+  bias = rng.normal(size=(*batch_shape, 3, 4, 5)).astype(np.float32)
+  assert_matches_reference(q, k, v, bias, mask, normalization=normalization,
+                           value_network=value_network, is_causal=case % 2 == 1)
+
+
+@given(data=st.data())
+def test_property_matches_reference(data):
+  batch_shape = data.draw(st.sampled_from([(), (2,), (1, 2)]))
+  heads, q_len, kv_len = (data.draw(st.integers(1, n)) for n in (3, 5, 6))
+  normalization, value_network = data.draw(st.sampled_from(COMBINATIONS))
+  chunk = data.draw(st.sampled_from([None, 1, 2, 4]))
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+  q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, heads, d_v=data.draw(st.integers(1, 3)))
+  mask = data.draw(st.sampled_from([None, padding_mask(rng, batch_shape, kv_len, min_valid=0)]))
+  assert_matches_reference(q, k, v, None, mask, normalization=normalization,
+                           value_network=value_network, query_chunk_size=chunk,
+                           is_causal=data.draw(st.booleans()))
+
+
+def test_query_chunks_equal_unchunked_dropout_included():
+  rng = np.random.default_rng(1)
+  q, k, v = random_qkv(rng, (2,), 7, 5, 2)  # 7 queries: not a multiple of the chunk size 3
+  mask = padding_mask(rng, (2,), 5)
+  dropout = dict(dropout_rng=jax.random.key(3), dropout_rate=0.25, deterministic=False)
+  whole = hyla_jit(q, k, v, None, mask, **dropout)
+  chunked = hyla_jit(q, k, v, None, mask, query_chunk_size=3, **dropout)
+  np.testing.assert_allclose(chunked, whole, **TOL)
+  assert not np.allclose(whole, hyla_jit(q, k, v, None, mask))  # dropout did act
+
+
+def test_chunked_program_holds_only_chunk_sized_value_network():
+  q, k, v = random_qkv(np.random.default_rng(2), (1,), 8, 5, 2, d_v=3)
+  jaxpr = jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x, query_chunk_size=2))(q, k, v)
+  text = str(jaxpr)
+  assert "f32[1,2,5,3]" in text  # u for one block of 2 queries: [B, c, kv_len, d_v]
+  assert "f32[1,8,5,3]" not in text  # never the whole [B, q_len, kv_len, d_v]
+
+
+def test_rms_head_normalization_has_unit_mean_square_over_heads():
+  rng = np.random.default_rng(4)
+  q, k, v = random_qkv(rng, (2,), 3, 4, 4, d=4)
+  mask = padding_mask(rng, (2,), 4)
+  _, a = hyla_jit(q, k, v, None, mask, return_weights=True)
+  mean_square = np.mean(np.square(a), axis=1)  # [batch, q_len, kv_len]
+  visible = np.broadcast_to(mask[:, 0], mean_square.shape)
+  np.testing.assert_allclose(mean_square[visible], 1.0, rtol=1e-3)
+  np.testing.assert_array_equal(mean_square[~visible], 0.0)
+
+
+def test_value_heads_that_do_not_match_query_heads_raise():
+  q, k, v = random_qkv(np.random.default_rng(5), (2,), 3, 4, 2)
+  split_differently = v.reshape(2, 4, 1, 4)  # same features, one head of d_v = 4
+  with pytest.raises(ValueError, match=r"value.shape=\(2, 4, 1, 4\)"):
+    hyla.hyla_attention(q, k, split_differently)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(normalization="layer"), "normalization"),
+    (dict(value_network="mlp_gelu"), "value_network"),
+    (dict(query_chunk_size=0), "query_chunk_size"),
+])
+def test_bad_options_raise(options, match):
+  q, k, v = random_qkv(np.random.default_rng(6), (), 3, 4, 2)
+  with pytest.raises(ValueError, match=match):
+    hyla.hyla_attention(q, k, v, **options)
+
+
+def test_bfloat16_in_bfloat16_out_and_jit_agrees_with_eager():
+  rng = np.random.default_rng(7)
+  q, k, v = random_qkv(rng, (2,), 3, 4, 2)
+  mask = padding_mask(rng, (2,), 4)
+  eager = hyla.hyla_attention(q, k, v, mask=mask)
+  np.testing.assert_allclose(hyla_jit(q, k, v, None, mask), eager, rtol=1e-5, atol=1e-6)
+  low = hyla_jit(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), None, mask)
+  assert low.dtype == jnp.bfloat16
+  np.testing.assert_allclose(low.astype(np.float32), eager, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("normalization", sorted(hyla.NORMALIZATIONS))
+def test_fully_masked_query_gives_zeros_and_finite_grads(normalization):
+  rng = np.random.default_rng(8)
+  q, k, v = random_qkv(rng, (2,), 3, 4, 2)
+  mask = np.ones((2, 1, 3, 4), bool)
+  mask[0, :, 1] = False  # query 1 of example 0 sees nothing
+  mask[1] = False  # example 1 sees nothing at all
+
+  def loss(q, k, v):
+    out = hyla.hyla_attention(q, k, v, mask=mask, normalization=normalization)
+    return jnp.sum(jnp.sin(out)), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  np.testing.assert_array_equal(out[0, 1], 0.0)
+  np.testing.assert_array_equal(out[1], 0.0)
+  assert np.abs(out[0, 0]).sum() > 0
+  assert all(np.isfinite(g).all() for g in grads)
