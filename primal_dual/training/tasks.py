@@ -59,7 +59,10 @@ class Task:
 TASKS: dict[str, Task] = {}
 
 # Task name → module whose import registers it (filled in as task modules are added).
-LAZY_TASK_MODULES: dict[str, str] = {}
+LAZY_TASK_MODULES: dict[str, str] = {
+    name: f'primal_dual.experiments.{name}'
+    for name in ('uea', 'listops', 'images', 'sraven', 'logic')
+}
 
 
 def register_task(task: Task, *, overwrite: bool = False) -> Task:

@@ -1,0 +1,1 @@
+"""Experiment configs: each module defines ``get_config(arg=None)`` returning a locked ConfigDict."""

@@ -1,0 +1,175 @@
+"""Run a grid of training jobs that resumes where it stopped, and tabulate the results.
+
+Each run has its own workdir under a root folder. A run whose workdir holds ``final_metrics.json``
+is finished and is not trained again; an unfinished one resumes from its last checkpoint (the
+trainer does that). After every run the collected records are written to a JSON file, so a grid
+killed half-way loses at most the run in progress.
+
+Used by the reproduction scripts in ``scripts/``::
+
+  runs = [GridRun(name=f"jv_{a}_s{s}", config_file="configs/uea.py",
+                  config_arg=f"dataset=JapaneseVowels,attention={a},seed={s}",
+                  tags=dict(dataset="JapaneseVowels", attention=a, seed=s)) for a in ... for s in ...]
+  records = run_grid(runs, "workdirs/uea_grid", "results/uea.json", record_fn=my_record)
+  markdown = summary_table(records, group_by=("dataset", "attention"), value="test_accuracy")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+FINAL_METRICS = "final_metrics.json"
+RUN_INFO = "grid_run.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GridRun:
+  """One job: ``get_config(config_arg)`` of ``config_file``, trained in ``<root>/<name>``."""
+  name: str
+  config_file: str
+  config_arg: str
+  tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def load_config(config_file: str, config_arg: str | None):
+  """Imports a ``configs/*.py`` file by path and returns ``get_config(config_arg)``."""
+  spec = importlib.util.spec_from_file_location(
+      "grid_config_" + os.path.splitext(os.path.basename(config_file))[0], config_file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(config_arg)
+
+
+def _read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write_json(path: str, payload: Any) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(payload, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def is_finished(workdir: str) -> bool:
+  return os.path.exists(os.path.join(workdir, FINAL_METRICS))
+
+
+def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) one run; returns its final metrics and the wall time it took here."""
+  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  config = load_config(run.config_file, run.config_arg)
+  start = time.time()
+  metrics = trainer.train_and_evaluate(config, workdir)
+  info_path = os.path.join(workdir, RUN_INFO)
+  previous = _read_json(info_path)["wall_time_s"] if os.path.exists(info_path) else 0.0
+  # Wall time adds up over restarts, so an interrupted run reports its total training time.
+  _write_json(info_path, {"wall_time_s": previous + time.time() - start,
+                          "config_file": run.config_file, "config_arg": run.config_arg})
+  return dict(metrics)
+
+
+def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
+             record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
+             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """Runs every unfinished job, then writes one record per run to ``results_json``.
+
+  Args:
+    runs: the grid; names must be unique.
+    root: parent folder of the runs' workdirs.
+    results_json: where the records go (rewritten after every run).
+    record_fn: ``(run, final_metrics, workdir) -> extra fields`` (e.g. head redundancy); its
+      output is merged into the record after the run's tags.
+    log: progress messages.
+
+  Returns:
+    The records: ``{name, config_file, config_arg, **tags, wall_time_s, metrics, **extra}``.
+  """
+  names = [run.name for run in runs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"grid run names must be unique; duplicates: "
+                     f"{sorted({n for n in names if names.count(n) > 1})}")
+  records = []
+  for index, run in enumerate(runs):
+    workdir = os.path.join(root, run.name)
+    if is_finished(workdir):
+      log(f"[{index + 1}/{len(runs)}] {run.name}: finished earlier, reusing")
+    else:
+      log(f"[{index + 1}/{len(runs)}] {run.name}: training")
+      train_one(run, workdir)
+    metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
+    info = _read_json(os.path.join(workdir, RUN_INFO)) if os.path.exists(
+        os.path.join(workdir, RUN_INFO)) else {"wall_time_s": float("nan")}
+    record = {"name": run.name, "config_file": run.config_file, "config_arg": run.config_arg,
+              **dict(run.tags), "wall_time_s": info["wall_time_s"], "metrics": metrics}
+    if record_fn is not None:
+      record.update(record_fn(run, metrics, workdir))
+    records.append(record)
+    _write_json(results_json, records)
+  return records
+
+
+def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
+  """Mean, sample standard deviation (0 for one value) and count, ignoring NaNs."""
+  values = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
+  if values.size == 0:
+    return float("nan"), float("nan"), 0
+  std = float(values.std(ddof=1)) if values.size > 1 else 0.0
+  return float(values.mean()), std, int(values.size)
+
+
+def group_records(records: Sequence[Mapping[str, Any]],
+                  group_by: Sequence[str]) -> dict[tuple, list[Mapping[str, Any]]]:
+  """Records grouped by the values of ``group_by`` (first-seen order)."""
+  groups: dict[tuple, list[Mapping[str, Any]]] = {}
+  for record in records:
+    groups.setdefault(tuple(record.get(k) for k in group_by), []).append(record)
+  return groups
+
+
+def format_mean_std(mean: float, std: float, count: int, scale: float = 100.0,
+                    digits: int = 1) -> str:
+  if count == 0:
+    return "–"
+  if count == 1:
+    return f"{mean * scale:.{digits}f}"
+  return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
+
+
+def summary_table(records: Sequence[Mapping[str, Any]], group_by: Sequence[str],
+                  columns: Mapping[str, Callable[[Mapping[str, Any]], float]],
+                  scales: Mapping[str, float] | None = None,
+                  extra_columns: Mapping[str, Callable[[tuple], str]] | None = None) -> str:
+  """A Markdown table: one row per group, ``mean ± std (n)`` of each column over its records.
+
+  Args:
+    records: run records. group_by: record keys forming a row.
+    columns: header → function extracting a float from a record.
+    scales: header → multiplier for display (default 100, i.e. percentages; use 1 for raw).
+    extra_columns: header → function of the group key giving a string (e.g. a reference number).
+  """
+  scales = dict(scales or {})
+  extra_columns = dict(extra_columns or {})
+  header = [*group_by, *columns, "n", *extra_columns]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for key, group in group_records(records, group_by).items():
+    cells = [str(k) for k in key]
+    count = 0
+    for title, extract in columns.items():
+      mean, std, count_here = mean_std(extract(r) for r in group)
+      count = max(count, count_here)
+      scale = scales.get(title, 100.0)
+      cells.append(format_mean_std(mean, std, count_here, scale, 1 if scale == 100.0 else 3))
+    cells.append(str(count))
+    cells.extend(fn(key) for fn in extra_columns.values())
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"

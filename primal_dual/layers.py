@@ -1,0 +1,250 @@
+"""Multi-head attention with any kernel of the primal-dual family, chosen by name.
+
+``MultiHeadAttention`` has the parameters of Flax's ``MultiHeadDotProductAttention`` (``query``,
+``key``, ``value``, ``out``, same shapes), so checkpoints move between the two; only the kernel
+differs. Kernels come from one public registry, ``ATTENTION_REGISTRY``: a name maps to a factory
+``options -> attention_fn`` (an ``attention_fn`` follows Flax's contract, see
+``primal_dual.kernels``). Add a variant with :func:`register_attention`.
+
+Example::
+
+  layer = MultiHeadAttention(num_heads=8, attention='sh',
+                             attention_options={'ratios': (1, 1, 2, 2, 4, 4, 8, 8)})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from primal_dual import kernels
+from primal_dual.kernels.hyla import hyla_attention
+from primal_dual.kernels.scaled_head import scaled_head_attention
+
+AttentionFactory = Callable[..., Callable[..., jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+  """A registry entry.
+
+  Attributes:
+    factory: ``factory(**options) -> attention_fn``.
+    description: one line for docs and error messages.
+  """
+  factory: AttentionFactory
+  description: str = ""
+
+
+ATTENTION_REGISTRY: dict[str, AttentionVariant] = {}
+
+
+def register_attention(name: str, factory: AttentionFactory, description: str = "",
+                       *, overwrite: bool = False) -> None:
+  """Adds a variant under ``name``; ``factory(**options)`` must return an ``attention_fn``."""
+  if name in ATTENTION_REGISTRY and not overwrite:
+    raise ValueError(f"attention variant {name!r} is already registered; pass overwrite=True")
+  ATTENTION_REGISTRY[name] = AttentionVariant(factory, description)
+
+
+def _partial(attention_fn, /, **fixed) -> AttentionFactory:
+  """A factory binding ``fixed`` options, which the caller's options may override."""
+  def factory(**options):
+    return functools.partial(attention_fn, **{**fixed, **options})
+  return factory
+
+
+def _random_feature_factory(*, feature_seed: int = 0, **options):
+  # The random features are part of the model, not of the data: a fixed seed keeps them
+  # identical across steps, processes and restarts.
+  return functools.partial(kernels.random_feature_attention,
+                           feature_key=jax.random.key(feature_seed), **options)
+
+
+for _name, _factory, _doc in (
+    ("softmax", _partial(kernels.softmax_attention), "softmax attention (SVR dual, exp kernel)"),
+    ("linear", _partial(kernels.linear_attention), "linear attention, Φ = elu + 1"),
+    ("random_feature", _random_feature_factory, "softmax's approximate primal, random features"),
+    ("bn", _partial(kernels.batchnorm_attention, kernel="softmax"), "Attention-BN (softmax)"),
+    ("linear_bn", _partial(kernels.batchnorm_attention, kernel="linear"), "Attention-BN (linear)"),
+    ("sh", _partial(scaled_head_attention), "Attention-SH (heads on pooled keys)"),
+    ("bn_sh", _partial(scaled_head_attention, batchnorm=True), "Attention-BN+SH"),
+    ("hyla", _partial(hyla_attention), "HYLA: rms-head normalisation + relu value MLP"),
+    ("hyla_no_relu", _partial(hyla_attention, value_network="mlp_linear"),
+     "HYLA ablation: value network without relu"),
+    ("hyla_no_norm", _partial(hyla_attention, normalization="none"),
+     "HYLA ablation: no normalisation across heads"),
+    ("hyla_softmax", _partial(hyla_attention, normalization="softmax"),
+     "HYLA ablation: softmax over keys instead of rms over heads"),
+    ("hyla_linear_value", _partial(hyla_attention, value_network="linear"),
+     "HYLA ablation: plain linear value aggregation (= linear attention with rms_head)"),
+):
+  register_attention(_name, _factory, _doc)
+
+
+def make_attention_fn(name: str, options: Mapping[str, Any] | None = None,
+                      context: Mapping[str, Any] | None = None) -> Callable[..., jax.Array]:
+  """Builds the ``attention_fn`` registered as ``name``.
+
+  Args:
+    name: a key of ``ATTENTION_REGISTRY``.
+    options: the variant's options (e.g. ``{'ratios': (1, 2)}`` for ``sh``).
+    context: facts about the input that a model knows and some kernels use (``grid_shape``,
+      ``num_prefix_tokens``); each is passed only if the kernel declares it.
+
+  Raises:
+    ValueError: unknown name (listing the known ones) or options the kernel rejects.
+  """
+  if name not in ATTENTION_REGISTRY:
+    raise ValueError(f"unknown attention variant {name!r}; known variants: "
+                     f"{', '.join(sorted(ATTENTION_REGISTRY))}")
+  options = dict(options or {})
+  try:
+    fn = ATTENTION_REGISTRY[name].factory(**options)
+  except TypeError as e:
+    raise ValueError(f"bad options {options} for attention variant {name!r}: {e}") from None
+  params = inspect.signature(fn).parameters
+  extra = {k: v for k, v in (context or {}).items() if k in params and k not in options}
+  return functools.partial(fn, **extra) if extra else fn
+
+
+class _Projection(nn.Module):
+  """``DenseGeneral`` with logically partitioned parameters of Flax's exact shapes.
+
+  Contracts the last ``contract_dims`` input axes into ``features``: kernel
+  ``[*contracted, *features]``, bias ``[*features]``. Flax's ``DenseGeneral`` initialises its kernel
+  through a flattened 2-D shape, which cannot carry 3-D logical axis names, so the kernel is made at
+  its real shape here; the initializer sees the contracted axes as fan-in, like Flax's.
+  """
+  features: tuple[int, ...]
+  contract_dims: int
+  logical_axes: tuple[str, ...]
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  use_bias: bool = True
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x):
+    contracted = x.shape[x.ndim - self.contract_dims:]
+    kernel_shape = (*contracted, *self.features)
+    n_in = len(contracted)
+
+    def init(rng, shape, dtype):
+      # Flatten to [fan_in, fan_out] so variance scaling matches Flax's DenseGeneral.
+      flat = self.kernel_init(rng, (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))), dtype)
+      return jnp.reshape(flat, shape)
+
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.logical_axes),
+                        kernel_shape, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(
+          self.bias_init, self.logical_axes[n_in:]), self.features, self.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    in_axes = tuple(range(x.ndim - n_in, x.ndim))
+    y = jax.lax.dot_general(x, kernel, ((in_axes, tuple(range(n_in))), ((), ())),
+                            precision=self.precision)
+    if bias is not None:
+      y = y + bias
+    return y
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention whose kernel is any registered variant.
+
+  Parameters match ``flax.linen.MultiHeadDotProductAttention``: ``query``/``key``/``value`` kernels
+  ``[in_features, heads, head_dim]``, ``out`` kernel ``[heads, head_dim, out_features]``, annotated
+  with the logical axes ``('embed', 'heads', 'kv')`` and ``('heads', 'kv', 'embed')``.
+
+  Attributes:
+    num_heads: number of heads H.
+    qkv_features: total width of q/k/v (default: the query input width); divisible by H.
+    out_features: output width (default: the query input width).
+    attention: registry name of the kernel.
+    attention_options: the kernel's options.
+    attention_context: input facts passed to kernels that declare them (``grid_shape``,
+      ``num_prefix_tokens``).
+    dropout_rate: dropout on the attention weights.
+    broadcast_dropout: share the dropout pattern across batch and heads.
+    deterministic: default for ``__call__``'s ``deterministic``.
+    dtype, param_dtype, precision: as in Flax.
+    use_bias: biases on the projections.
+  """
+  num_heads: int
+  qkv_features: int | None = None
+  out_features: int | None = None
+  attention: str = "softmax"
+  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  attention_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = True
+  deterministic: bool | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
+               bias: jax.Array | None = None, deterministic: bool | None = None,
+               dropout_rng: jax.Array | None = None, sow_weights: bool = False) -> jax.Array:
+    """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len, in]``.
+
+    Args:
+      inputs_q: queries' inputs. inputs_k: keys' inputs (default ``inputs_q``).
+      inputs_v: values' inputs (default ``inputs_k``).
+      mask: bool, broadcastable to ``[batch..., heads, q_len, kv_len]``, True = may attend.
+      bias: additive logits bias, same broadcast shape (e.g. a relative position bias).
+      deterministic: disables dropout (default: the attribute, else True).
+      dropout_rng: explicit dropout key (default: the module's ``dropout`` rng stream).
+      sow_weights: sow the attention weights into ``intermediates``.
+
+    Returns:
+      ``[batch..., q_len, out_features]``.
+    """
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features={qkv_features} is not divisible by num_heads="
+                       f"{self.num_heads}; choose a width that is a multiple of the head count")
+    head_dim = qkv_features // self.num_heads
+    attention_fn = make_attention_fn(self.attention, self.attention_options,
+                                     self.attention_context)
+    dense_kwargs = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
+                        use_bias=self.use_bias, kernel_init=self.kernel_init,
+                        bias_init=self.bias_init)
+
+    def projection(name):
+      return _Projection(features=(self.num_heads, head_dim), contract_dims=1,
+                         logical_axes=("embed", "heads", "kv"), name=name, **dense_kwargs)
+
+    query = projection("query")(inputs_q)
+    key = projection("key")(inputs_k)
+    value = projection("value")(inputs_v)
+
+    if deterministic is None:
+      deterministic = True if self.deterministic is None else self.deterministic
+    if not deterministic and self.dropout_rate > 0.0 and dropout_rng is None:
+      dropout_rng = self.make_rng("dropout")
+
+    x = attention_fn(query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
+                     dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+                     deterministic=deterministic, dtype=self.dtype, precision=self.precision,
+                     module=self if sow_weights else None)
+    return _Projection(features=(features,), contract_dims=2,
+                       logical_axes=("heads", "kv", "embed"), name="out", **dense_kwargs)(x)

@@ -1,0 +1,132 @@
+"""Transformer building blocks shared by every model: normalisation, MLP, encoder block."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from primal_dual.layers import MultiHeadAttention
+
+
+class MaskedBatchNorm(nn.Module):
+  """BatchNorm over batch and time that ignores padded positions (``mask`` False).
+
+  Inputs ``[batch, length, features]``; ``mask [batch, length]`` or None. Running averages are
+  updated in training (``train=True``) and used in evaluation, like the UEA reference protocol.
+  """
+  dtype: Any = None
+  momentum: float = 0.9
+
+  @nn.compact
+  def __call__(self, x, mask=None, *, train: bool):
+    bn_mask = None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
+    return nn.BatchNorm(use_running_average=not train, momentum=self.momentum, dtype=self.dtype,
+                        axis_name=None)(x, mask=bn_mask)
+
+
+# One registry for the normalisation layers a block may use: name -> factory(dtype).
+NORMS: dict[str, Callable[[Any], nn.Module]] = {
+    "layer": lambda dtype: nn.LayerNorm(dtype=dtype),
+    "batch": lambda dtype: MaskedBatchNorm(dtype=dtype),
+}
+
+
+def make_norm(name: str, dtype) -> nn.Module:
+  if name not in NORMS:
+    raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
+  return NORMS[name](dtype)
+
+
+def apply_norm(norm: nn.Module, x, mask, train: bool):
+  if isinstance(norm, MaskedBatchNorm):
+    return norm(x, mask, train=train)
+  return norm(x)
+
+
+class MlpBlock(nn.Module):
+  """``Dense(mlp_dim) → gelu → dropout → Dense(width) → dropout`` with logical axes."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    width = x.shape[-1]
+    x = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.xavier_uniform(), ("embed", "mlp")))(x)
+    x = nn.gelu(x)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = nn.Dense(width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.xavier_uniform(), ("mlp", "embed")))(x)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+
+
+class EncoderBlock(nn.Module):
+  """Self-attention + MLP with residuals, pre-LN or post-LN.
+
+  Attributes:
+    num_heads, mlp_dim: sizes. attention / attention_options / attention_context: the kernel.
+    norm: registry name in ``NORMS``. pre_norm: pre-LN (True) or post-LN (False).
+    dropout_rate: on residual branches. attention_dropout_rate: on the attention weights.
+  """
+  num_heads: int
+  mlp_dim: int
+  attention: str = "softmax"
+  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  attention_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  norm: str = "layer"
+  pre_norm: bool = True
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, *, mask=None, token_mask=None, bias=None, train: bool,
+               sow_weights: bool = False):
+    """x ``[batch, length, width]``; ``mask`` attention mask; ``token_mask [batch, length]``."""
+    attention = MultiHeadAttention(
+        num_heads=self.num_heads, attention=self.attention,
+        attention_options=self.attention_options, attention_context=self.attention_context,
+        dropout_rate=self.attention_dropout_rate, dtype=self.dtype, name="attention")
+    norm1, norm2 = make_norm(self.norm, self.dtype), make_norm(self.norm, self.dtype)
+
+    def attend(y):
+      y = attention(y, mask=mask, bias=bias, deterministic=not train, sow_weights=sow_weights)
+      return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+
+    mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")
+    if self.pre_norm:
+      x = x + attend(apply_norm(norm1, x, token_mask, train))
+      return x + mlp(apply_norm(norm2, x, token_mask, train), train=train)
+    x = apply_norm(norm1, x + attend(x), token_mask, train)
+    return apply_norm(norm2, x + mlp(x, train=train), token_mask, train)
+
+
+def sinusoidal_positions(length: int, width: int) -> jax.Array:
+  """Fixed sinusoidal position table ``[length, width]`` (Vaswani et al.)."""
+  position = jnp.arange(length)[:, None]
+  div = jnp.exp(jnp.arange(0, width, 2) * (-jnp.log(10000.0) / width))
+  table = jnp.zeros((length, width))
+  table = table.at[:, 0::2].set(jnp.sin(position * div))
+  return table.at[:, 1::2].set(jnp.cos(position * div)[:, : width // 2])
+
+
+class PositionEmbedding(nn.Module):
+  """Adds learnable (``'learned'``) or fixed (``'sinusoidal'``) positions to ``[batch, L, width]``."""
+  kind: str = "learned"
+
+  @nn.compact
+  def __call__(self, x):
+    length, width = x.shape[-2:]
+    if self.kind == "learned":
+      table = self.param("embedding", nn.with_logical_partitioning(
+          nn.initializers.normal(0.02), (None, "embed")), (length, width))
+    elif self.kind == "sinusoidal":
+      table = sinusoidal_positions(length, width)
+    else:
+      raise ValueError(f"unknown positional embedding {self.kind!r}; use 'learned' or 'sinusoidal'")
+    return x + table.astype(x.dtype)
