@@ -1,0 +1,175 @@
+"""Smoke test of the benchmarks: tiny runs write well-formed JSON, Markdown and the plot.
+
+Both benchmarks run as subprocesses, side by side (compiling is mostly single-threaded), with XLA's
+backend optimisation off (``--xla_backend_optimization_level=0``): this test checks the outputs'
+form, never their speed, and that flag halves the compile time that dominates tiny runs. No
+assertion depends on a measured time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
+  sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import attention, common, train_throughput  # noqa: E402
+
+ATTENTION_ARGS = ["--quick", "--dtypes", "float32"]
+TRAIN_ARGS = ["--quick", "--variants", "softmax", "--device-counts", "2"]
+OK_STATUSES = {"ok", "skipped_memory", "skipped_time"}
+
+
+def _subprocess_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+  return env
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, Path]:
+  """Runs both benchmarks with --quick into a temporary folder; returns their output folders."""
+  root = tmp_path_factory.mktemp("benchmarks")
+  folders = {"attention": root / "attention", "train_throughput": root / "train"}
+  args = {"attention": ATTENTION_ARGS, "train_throughput": TRAIN_ARGS}
+  processes = {
+      name: subprocess.Popen(
+          [sys.executable, "-m", f"benchmarks.{name}", *args[name], "--out-dir", str(folder)],
+          cwd=REPO_ROOT, env=_subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True)
+      for name, folder in folders.items()}
+  for name, process in processes.items():
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, f"{name} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+  return folders
+
+
+def _positive_finite(value) -> bool:
+  return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+
+def test_attention_writes_json_markdown_and_plot(outputs):
+  folder = outputs["attention"]
+  payload = json.loads((folder / "attention.json").read_text())
+  assert set(payload) == {"metadata", "config", "roofline", "targets", "records"}
+  for key in ("device_label", "device_kind", "jax_version", "cpu_model", "date_utc", "command"):
+    assert payload["metadata"][key], key
+  markdown = (folder / "attention.md").read_text()
+  assert "## Targets" in markdown and "| softmax |" in markdown
+  assert (folder / "attention_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_has_every_kernel_length_dtype_and_pass(outputs):
+  payload = json.loads((outputs["attention"] / "attention.json").read_text())
+  config = payload["config"]
+  assert config["lengths"] == list(attention.QUICK_LENGTHS)
+  assert config["dtypes"] == ["float32"]
+  expected = {(k, n, d, p) for k in attention.KERNELS for n in config["lengths"]
+              for d in config["dtypes"] for p in attention.PASSES}
+  seen = {(r["kernel"], r["length"], r["dtype"], r["pass"]) for r in payload["records"]}
+  assert seen == expected
+
+
+def test_attention_records_are_finite_and_positive(outputs):
+  payload = json.loads((outputs["attention"] / "attention.json").read_text())
+  for dtype_name, roofline in payload["roofline"].items():
+    assert _positive_finite(roofline["flops_per_s"]), dtype_name
+  for r in payload["records"]:
+    assert r["status"] in OK_STATUSES, r
+    for field in ("analytic_flops", "peak_bytes", "argument_bytes", "output_bytes"):
+      assert _positive_finite(r[field]), (field, r)
+    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0, r
+    assert r["xla_flops"] is None or r["xla_flops"] >= 0, r
+    if r["status"] == "ok":
+      for field in ("time_s", "achieved_flops_per_s", "fraction_of_roofline"):
+        assert _positive_finite(r[field]), (field, r)
+      assert r["time_iqr_s"] >= 0 and r["repeats"] >= 1, r
+
+
+def test_attention_targets_have_ratios(outputs):
+  payload = json.loads((outputs["attention"] / "attention.json").read_text())
+  targets = {t["name"]: t for t in payload["targets"]}
+  assert set(targets) == set(attention.TARGETS)
+  for name, t in targets.items():
+    assert _positive_finite(t["measured"]), (name, t)
+    assert t["status"] in {"PASS", "MISS"}, (name, t)
+    assert _positive_finite(t["target"]) and t["lengths"], (name, t)
+  agreement = targets["hyla_chunked_memory_vs_naive"]["details"]["agreement"]
+  assert agreement["max_abs_diff"] <= 1e-5 * max(1.0, agreement["max_abs_output"])
+
+
+# --- train_throughput ----------------------------------------------------------------------------
+
+
+def test_train_throughput_writes_json_and_markdown(outputs):
+  folder = outputs["train_throughput"]
+  payload = json.loads((folder / "train_throughput.json").read_text())
+  assert set(payload) == {"metadata", "config", "records"}
+  records = payload["records"]
+  assert {(r["model"], r["variant"], r["num_devices"]) for r in records} == {
+      ("uea", "softmax", 2), ("sraven", "softmax", 2)}
+  for r in records:
+    assert r["status"] == "ok", r
+    for field in ("time_s", "steps_per_s", "tokens_per_s", "compile_s", "num_params"):
+      assert _positive_finite(r[field]), (field, r)
+    assert math.isclose(r["tokens_per_s"], r["steps_per_s"] * r["tokens_per_step"])
+  assert "## Steps per second" in (folder / "train_throughput.md").read_text()
+
+
+# --- Pure helpers (no compilation) ---------------------------------------------------------------
+
+
+def test_result_paths_keep_cpu_names_and_suffix_other_devices(tmp_path):
+  assert common.result_path(tmp_path, "attention", "json", "cpu") == tmp_path / "attention.json"
+  assert (common.result_path(tmp_path, "attention", "json", "gpu-h100")
+          == tmp_path / "attention_gpu-h100.json")
+
+
+def test_timing_summary_and_budget():
+  timing = common.summarize_samples([1.0, 2.0, 3.0, 4.0, 100.0])
+  assert timing.median_s == 3.0 and timing.iqr_s == 2.0
+  assert common.repeats_within_budget(10.0, repeats=5, budget_s=30.0) == 3
+  assert common.repeats_within_budget(100.0, repeats=5, budget_s=30.0) == 1
+  assert common.repeats_within_budget(0.001, repeats=5, budget_s=30.0) == 5
+
+
+def test_device_count_env_replaces_the_count():
+  env = train_throughput.device_count_env(
+      8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --foo=1"})
+  assert env["XLA_FLAGS"].split() == ["--foo=1", "--xla_force_host_platform_device_count=8"]
+
+
+def test_scaled_head_flops_reduce_to_softmax_and_shrink_with_ratios():
+  shape = attention.Shape(batch=2, length=64, heads=8, head_dim=16)
+  options = attention.Options(sh_ratios=(1,) * 8, hyla_chunk=8, num_features=32)
+  assert attention.scaled_head_flops(shape, options) == attention.softmax_flops(shape, options)
+  assert attention.default_sh_ratios(8) == (1, 1, 2, 2, 4, 4, 8, 8)
+  pooled = options._replace(sh_ratios=attention.default_sh_ratios(8))
+  cost = attention.scaled_head_flops(shape, pooled) / attention.softmax_flops(shape, options)
+  assert 0.45 < cost < 0.55  # (1/8)·Σ 1/r_h = 0.469 plus pooling.
+
+
+def test_targets_pass_miss_and_missing_data():
+  def record(kernel, length, time_s, temp_bytes=100, pass_name="forward_backward"):
+    return {"kernel": kernel, "length": length, "dtype": "float32", "pass": pass_name,
+            "time_s": time_s, "temp_bytes": temp_bytes}
+
+  records = [record("softmax", 512, 1.0), record("jax_dot_product_attention", 512, 1.0),
+             record("batchnorm_softmax", 512, 2.0)]
+  targets = {t["name"]: t for t in attention.evaluate_targets(records, {})}
+  assert targets["softmax_vs_jax_dot_product_attention"]["status"] == "PASS"
+  assert targets["batchnorm_vs_softmax"]["status"] == "MISS"
+  assert targets["scaled_head_time_vs_softmax"]["status"] == "N/A"
