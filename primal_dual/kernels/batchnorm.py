@@ -1,0 +1,194 @@
+"""Attention-BN: batch normalisation on the input of the SVR primal (SPEC §3.4).
+
+The keys are the SVR's training inputs, so their statistics (over the key axis, per example, head
+and channel, valid keys only) normalise both the keys and the queries (the test inputs) before the
+kernel runs: ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)``. Normalising only the keys
+would be wrong: centering the keys alone leaves softmax unchanged (``q_iᵀμ`` is constant over j),
+so the queries must be moved into the same coordinates. There are no running averages: training and
+evaluation compute the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+
+from primal_dual.kernels import _common as C
+from primal_dual.kernels.linear import DEFAULT_EPS as LINEAR_EPS
+from primal_dual.kernels.linear import check_no_bias, linear_weights_one_head
+from primal_dual.kernels.softmax import softmax_weights_one_head
+
+DEFAULT_EPS = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# One-head building blocks.
+# ---------------------------------------------------------------------------------------------
+
+
+def key_statistics(k, key_valid):
+  """Population mean and variance of the valid rows of ``k``, per channel, in float32.
+
+  Args:
+    k: ``[kv_len, d]``, any float dtype.
+    key_valid: bool ``[kv_len]`` or None (all keys valid).
+
+  Returns:
+    ``(mean [d], var [d])`` float32, ``var = mean_j (k_j − mean)²``. With no valid key the
+    statistics are ``mean = 0, var = 1`` (normalisation is then the identity up to ε), so nothing
+    is NaN and gradients stay finite.
+  """
+  k = k.astype(C.F32)
+  weights = jnp.ones(k.shape[:1], C.F32) if key_valid is None else key_valid.astype(C.F32)
+  count = jnp.sum(weights)
+  safe_count = jnp.maximum(count, 1.0)
+  mean = jnp.einsum("k,kd->d", weights, k) / safe_count
+  var = jnp.einsum("k,kd->d", weights, (k - mean) ** 2) / safe_count
+  return mean, jnp.where(count > 0, var, 1.0)
+
+
+def normalize_with_key_stats(x, mean, var, *, eps: float, mean_weight: float):
+  """``(x − β·mean)/√(var + eps)`` in float32; ``x [n, d]``, ``mean, var [d]`` -> ``[n, d]``.
+
+  With ``eps = 0`` a constant channel (``var = 0``) divides by zero; keep ``eps > 0`` in practice.
+  """
+  return (x.astype(C.F32) - mean_weight * mean) / jnp.sqrt(var + eps)
+
+
+def _statistics_of_keys(q, k, mask):
+  del q
+  return key_statistics(k, C.key_validity(mask, k.shape[0]))
+
+
+def _statistics_of_queries(q, k, mask):
+  del k
+  query_valid = None if mask is None else jnp.any(mask, axis=1)
+  return key_statistics(q, query_valid)
+
+
+def _statistics_of_queries_and_keys(q, k, mask):
+  rows = jnp.concatenate([q.astype(C.F32), k.astype(C.F32)], axis=0)
+  if mask is None:
+    return key_statistics(rows, None)
+  valid = jnp.concatenate([jnp.any(mask, axis=1), C.key_validity(mask, k.shape[0])])
+  return key_statistics(rows, valid)
+
+
+# statistics source -> (q [q_len, d], k [kv_len, d], mask [q_len, kv_len] | None) -> (mean, var).
+# 'keys' is SPEC §3.4; a query (key) is valid when it may attend to (be seen by) any key (query).
+STATISTICS_SOURCES: dict[str, Callable] = {
+    "keys": _statistics_of_keys,
+    "queries": _statistics_of_queries,
+    "queries_and_keys": _statistics_of_queries_and_keys,
+}
+
+
+class BNKernel(NamedTuple):
+  """A kernel run on the normalised queries and keys of one head."""
+  # (q̂, k̂, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
+  weights_fn: Callable
+  accepts_bias: bool
+
+
+def _softmax_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
+  del linear_eps
+  return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
+
+
+def _linear_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
+  del bias, scale  # The linear kernel has neither (bias is refused up front).
+  return linear_weights_one_head(q, k, mask, eps=linear_eps, precision=precision)
+
+
+BN_KERNELS: dict[str, BNKernel] = {
+    "softmax": BNKernel(_softmax_kernel, accepts_bias=True),
+    "linear": BNKernel(_linear_kernel, accepts_bias=False),
+}
+
+
+def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
+                               eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
+                               statistics: str = "keys", scale: float | None = None,
+                               linear_eps: float = LINEAR_EPS, precision=None):
+  """Attention-BN weights of one head: normalise q and k with the key statistics, then the kernel.
+
+  Args:
+    q: ``[q_len, d]``. k: ``[kv_len, d]``. bias, mask: ``[q_len, kv_len]`` or None.
+    kernel, eps, mean_weight, statistics, scale, linear_eps, precision: as in
+      :func:`batchnorm_attention`.
+
+  Returns:
+    float32 ``[q_len, kv_len]``.
+  """
+  mean, var = STATISTICS_SOURCES[statistics](q, k, mask)
+  q_hat, k_hat = (normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight)
+                  for x in (q, k))
+  scale = C.default_scale(q.shape[-1]) if scale is None else scale
+  return BN_KERNELS[kernel].weights_fn(q_hat, k_hat, bias, mask, scale=scale,
+                                       linear_eps=linear_eps, precision=precision)
+
+
+def _check_choice(name: str, value: str, registry: dict) -> None:
+  if value not in registry:
+    raise ValueError(f"{name} must be one of {sorted(registry)}; got {name}={value!r}")
+
+
+def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
+                        dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
+                        dtype=None, precision=None, module=None, is_causal: bool = False,
+                        return_weights: bool = False, kernel: str = "softmax",
+                        eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
+                        statistics: str = "keys", scale: float | None = None,
+                        linear_eps: float = LINEAR_EPS):
+  """Attention-BN: the kernel on queries and keys normalised with the key statistics.
+
+  For each example, head and channel: ``μ = mean_j k_j``, ``σ² = mean_j (k_j − μ)²`` over the
+  valid keys (keys that some query may attend to; padded keys never enter), then
+  ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)`` and the chosen kernel on ``(q̂, k̂)``;
+  values are untouched. With ``is_causal`` the statistics still pool every key (they are per
+  sequence, not per prefix), so early queries see statistics of later keys.
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``.
+    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]`` (softmax
+      kernel only; ValueError with ``kernel='linear'``).
+    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
+    dtype: output dtype (default ``query.dtype``); statistics and weights are float32.
+    precision: passed to the einsums.
+    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
+    is_causal: add a causal mask.
+    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    kernel: ``'softmax'`` (``q̂ᵀk̂·scale + bias``) or ``'linear'`` (dual form, ``Φ = elu + 1``).
+    eps: ε of the normalisation.
+    mean_weight: β, how much of the mean is removed (0 = scale only).
+    statistics: whose statistics normalise: ``'keys'`` (SPEC), ``'queries'`` or
+      ``'queries_and_keys'`` (pooled), each over its valid rows.
+    scale: softmax logits scale, default ``1/√d_qk``.
+    linear_eps: denominator guard of the linear kernel.
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
+  """
+  _check_choice("kernel", kernel, BN_KERNELS)
+  _check_choice("statistics", statistics, STATISTICS_SOURCES)
+  shapes = C.validate_qkv(query, key, value)
+  if not BN_KERNELS[kernel].accepts_bias:
+    check_no_bias(bias, f"batchnorm_attention(kernel={kernel!r})")
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def weights_fn(q, k, bias, mask):
+    return batchnorm_weights_one_head(q, k, bias, mask, kernel=kernel, eps=eps,
+                                      mean_weight=mean_weight, statistics=statistics, scale=scale,
+                                      linear_eps=linear_eps, precision=precision)
+
+  weights = C.map_heads(weights_fn, q, k, bias, mask)
+  dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped, v)
+  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
+                  return_weights=return_weights)

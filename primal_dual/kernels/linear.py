@@ -1,0 +1,351 @@
+"""Linear attention and positive random features: kernels with a finite feature map (SPEC §2, §3.2).
+
+With a finite feature map ``Φ`` the SVR dual ``Σ_j Φ(q)ᵀΦ(k_j) v_j / h(q)`` can be evaluated in its
+primal form ``Φ(q)ᵀS / Φ(q)ᵀz`` with ``S = Σ_j Φ(k_j) v_jᵀ`` and ``z = Σ_j Φ(k_j)``: O(N) instead of
+O(N²). Two feature maps live here:
+
+* :func:`linear_attention`: ``Φ = elu + 1`` (exact, both forms available);
+* :func:`random_feature_attention`: positive random features, an unbiased estimate of the
+  exponential (softmax) kernel, computed in the primal form only.
+
+One-head building blocks (:func:`elu_feature_map`, :func:`linear_weights_one_head`,
+:func:`linear_primal_one_head`, :func:`feature_primal_one_head`) are pure and shared with the other
+kernel families.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from primal_dual.kernels import _common as C
+
+DEFAULT_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# One-head building blocks.
+# ---------------------------------------------------------------------------------------------
+
+
+def elu_feature_map(x):
+  """``Φ(x) = elu(x) + 1``, elementwise, strictly positive. Returns float32 of ``x``'s shape."""
+  return jax.nn.elu(x.astype(C.F32)) + 1.0
+
+
+def linear_weights_one_head(q, k, mask, *, eps: float = DEFAULT_EPS, precision=None):
+  """Dual-form (N×N) linear attention weights of one head.
+
+  ``A_ij = Φ(q_i)ᵀΦ(k_j) m_ij / (Σ_j' Φ(q_i)ᵀΦ(k_j') m_ij' + eps)`` with ``Φ = elu + 1``.
+
+  Args:
+    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``, any float dtype.
+    mask: bool ``[q_len, kv_len]`` or None (True = may attend).
+    eps: guards the denominator; a query with no valid key gets a zero row.
+    precision: passed to the einsum.
+
+  Returns:
+    float32 ``[q_len, kv_len]``.
+  """
+  scores = jnp.einsum("qd,kd->qk", elu_feature_map(q), elu_feature_map(k), precision=precision)
+  if mask is not None:
+    scores = scores * mask
+  return scores / (jnp.sum(scores, axis=-1, keepdims=True) + eps)
+
+
+def _causal_prefix(x, q_len: int):
+  """Inclusive prefix sums of ``x [kv_len, ...]`` along keys, read at each query's last visible key.
+
+  Query ``i`` sees keys ``j <= i + kv_len - q_len`` (the convention of ``_common.combine_causal``);
+  a query that sees no key gets zeros. Returns ``[q_len, ...]``.
+  """
+  kv_len = x.shape[0]
+  last = jnp.arange(q_len) + (kv_len - q_len)
+  prefix = jnp.cumsum(x, axis=0)
+  taken = jnp.take(prefix, jnp.clip(last, 0, kv_len - 1), axis=0)
+  sees_any = (last >= 0).reshape((q_len,) + (1,) * (x.ndim - 1))
+  return jnp.where(sees_any, taken, 0.0)
+
+
+def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float, causal: bool = False,
+                            precision=None):
+  """Primal form ``out_i = Φ(q_i)ᵀS / (Φ(q_i)ᵀz + eps)`` from precomputed features of one head.
+
+  Args:
+    phi_q: float32 ``[q_len, f]`` query features. phi_k: float32 ``[kv_len, f]`` key features.
+    v: ``[kv_len, d_v]``.
+    key_valid: bool ``[kv_len]`` or None; invalid keys contribute nothing to ``S`` or ``z``.
+    eps: added to the denominator. A denominator that is still not positive (no valid key and
+      ``eps = 0``) is replaced by 1, so such queries get zeros.
+    causal: query ``i`` only uses keys ``j <= i + kv_len - q_len``, through prefix sums of
+      ``Φ(k_j) v_jᵀ``; this holds a ``[kv_len, f, d_v]`` float32 tensor (memory O(N·f·d_v)).
+    precision: passed to the einsums.
+
+  Returns:
+    float32 ``[q_len, d_v]``.
+  """
+  if key_valid is not None:
+    phi_k = phi_k * key_valid[:, None]
+  v = v.astype(C.F32)
+  if causal:
+    q_len = phi_q.shape[0]
+    states = _causal_prefix(jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len)
+    normalizers = _causal_prefix(phi_k, q_len)
+    numerator = jnp.einsum("qf,qfd->qd", phi_q, states, precision=precision)
+    denominator = jnp.einsum("qf,qf->q", phi_q, normalizers, precision=precision)
+  else:
+    state = jnp.einsum("kf,kd->fd", phi_k, v, precision=precision)
+    numerator = jnp.einsum("qf,fd->qd", phi_q, state, precision=precision)
+    denominator = jnp.einsum("qf,f->q", phi_q, jnp.sum(phi_k, axis=0), precision=precision)
+  denominator = denominator + eps
+  return numerator / jnp.where(denominator > 0, denominator, 1.0)[:, None]
+
+
+def linear_primal_one_head(q, k, v, key_valid, *, eps: float = DEFAULT_EPS, precision=None,
+                           causal: bool = False):
+  """Primal-form (O(N)) linear attention of one head, ``Φ = elu + 1``.
+
+  Args:
+    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``.
+    key_valid: bool ``[kv_len]`` or None; invalid keys contribute nothing.
+    eps: guards the denominator (same role as in :func:`linear_weights_one_head`).
+    precision: passed to the einsums.
+    causal: prefix-sum causal form (see :func:`feature_primal_one_head`).
+
+  Returns:
+    float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, mask) @ v`` when ``mask`` is
+    ``key_valid`` on every row, up to float error.
+  """
+  return feature_primal_one_head(elu_feature_map(q), elu_feature_map(k), v, key_valid, eps=eps,
+                                 causal=causal, precision=precision)
+
+
+def draw_random_features(feature_key, num_features: int, d_qk: int):
+  """Projection ``ω ~ N(0, I)`` of the positive random features, float32 ``[num_features, d]``."""
+  return jax.random.normal(feature_key, (num_features, d_qk), C.F32)
+
+
+def _log_positive_random_features(x, omega, precision=None):
+  """``log Φ(x) + log √m = ωᵀx̃ − ‖x̃‖²/2`` with ``x̃ = x/D^¼``; ``[n, D] -> [n, m]`` float32."""
+  x = x.astype(C.F32) * x.shape[-1] ** -0.25
+  projected = jnp.einsum("nd,md->nm", x, omega, precision=precision)
+  return projected - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
+
+
+def random_feature_primal_one_head(q, k, v, key_valid, *, omega, causal: bool = False,
+                                   precision=None):
+  """Approximate softmax attention of one head with positive random features.
+
+  ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` gives ``E[Φ(q)ᵀΦ(k)] = exp(qᵀk/√D)``. For stability each query's
+  log-features are shifted by their max and the keys' by one max over valid keys and features;
+  both shifts (and the ``1/√m``) cancel between numerator and denominator, so no eps is added
+  (a query with no valid key gets zeros through the denominator guard).
+
+  Args:
+    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``.
+    key_valid: bool ``[kv_len]`` or None.
+    omega: float32 ``[m, d_qk]`` from :func:`draw_random_features`.
+    causal: prefix-sum causal form.
+    precision: passed to the einsums.
+
+  Returns:
+    float32 ``[q_len, d_v]``.
+  """
+  log_q = _log_positive_random_features(q, omega, precision)
+  log_k = _log_positive_random_features(k, omega, precision)
+  log_q = log_q - jax.lax.stop_gradient(jnp.max(log_q, axis=-1, keepdims=True))
+  if key_valid is not None:
+    # exp(-inf) = 0: padded keys, however large, can neither overflow nor set the shift.
+    log_k = jnp.where(key_valid[:, None], log_k, -jnp.inf)
+  key_shift = jnp.max(log_k)
+  key_shift = jnp.where(jnp.isfinite(key_shift), key_shift, 0.0)  # no valid key: any shift works
+  log_k = log_k - jax.lax.stop_gradient(key_shift)
+  return feature_primal_one_head(jnp.exp(log_q), jnp.exp(log_k), v, key_valid, eps=0.0,
+                                 causal=causal, precision=precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument handling shared by the primal forms.
+# ---------------------------------------------------------------------------------------------
+
+
+def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
+  """Per-key validity ``[B, heads, kv_len]`` of a key-only mask (size 1 on the q_len axis), or None.
+
+  Raises:
+    ValueError: if ``mask`` is not boolean, depends on the query, or does not broadcast.
+  """
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
+  if mask.ndim >= 2 and mask.shape[-2] != 1 and shapes.q_len != 1:
+    raise ValueError(
+        f"the primal form needs a key-only mask (size 1 on the q_len axis, e.g. padding_mask's "
+        f"output [batch..., 1, 1, kv_len]); got mask.shape={tuple(mask.shape)} with "
+        f"q_len={shapes.q_len}. {form_hint}")
+  validity = C.broadcast_logits_arg(mask, "mask", shapes._replace(q_len=1))
+  return validity[:, :, 0, :]
+
+
+def check_no_dropout(*, dropout_rate: float, deterministic: bool, name: str):
+  """Primal forms never form the weights, so they cannot drop them."""
+  if not deterministic and dropout_rate > 0.0:
+    raise ValueError(
+        f"{name} never forms the attention weights, so attention dropout is not available; got "
+        f"dropout_rate={dropout_rate} with deterministic=False")
+
+
+def check_no_bias(bias, name: str):
+  if bias is not None:
+    raise ValueError(
+        f"bias is not defined for {name} (an additive logit bias has no meaning for its kernel); "
+        f"got bias.shape={tuple(jnp.shape(bias))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear_dual(query, key, value, mask, *, shapes, eps, precision, is_causal, dropout):
+  mask, _ = C.prepare_mask_and_bias(mask, None, shapes, is_causal)
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def weights_fn(q, k, mask):
+    return linear_weights_one_head(q, k, mask, eps=eps, precision=precision)
+
+  weights = C.map_heads(weights_fn, q, k, mask)
+  out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropout(weights), v)
+  return out, weights
+
+
+def _linear_primal(query, key, value, mask, *, shapes, eps, precision, is_causal, dropout):
+  del dropout  # Checked by the caller: never applies here.
+  key_valid = key_only_validity(mask, shapes, "Use form='dual' for query-dependent masks.")
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def primal_fn(q, k, v, key_valid):
+    return linear_primal_one_head(q, k, v, key_valid, eps=eps, precision=precision,
+                                  causal=is_causal)
+
+  return C.map_heads(primal_fn, q, k, v, key_valid), None
+
+
+# form name -> (computation, whether it forms the N×N weights).
+LINEAR_FORMS = {
+    "dual": (_linear_dual, True),
+    "primal": (_linear_primal, False),
+}
+
+
+def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
+                     dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
+                     dtype=None, precision=None, module=None, is_causal: bool = False,
+                     return_weights: bool = False, form: str = "dual", eps: float = DEFAULT_EPS):
+  """Linear attention, ``Φ = elu + 1`` on queries and keys (no 1/√D).
+
+  ``out_i = Σ_j Φ(q_i)ᵀΦ(k_j) m_ij v_j / (Σ_j Φ(q_i)ᵀΦ(k_j) m_ij + eps)``; masked keys contribute
+  nothing and a query with no valid key gets zeros.
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``.
+    bias: must be None (a logit bias is not defined for this kernel); ValueError otherwise.
+    mask: bool, broadcastable to ``[batch..., heads, q_len, kv_len]``; True = may attend. The
+      ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
+      ``masks.padding_mask``).
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
+      ``dual`` form only, the ``primal`` form raises ValueError when dropout would apply.
+    dtype: output dtype (default ``query.dtype``); features and sums are float32.
+    precision: passed to the einsums.
+    module: Flax module to sow the weights into (``dual`` form; the ``primal`` form never forms
+      weights and sows nothing).
+    is_causal: add a causal mask; in the ``primal`` form it uses prefix sums, which hold a
+      ``[batch, heads, kv_len, d_qk, d_v]`` float32 tensor.
+    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``;
+      ``dual`` form only (ValueError in ``primal``).
+    form: ``'dual'`` (N×N weights) or ``'primal'`` (O(N), ``Φ(q)ᵀS / (Φ(q)ᵀz + eps)``).
+    eps: added to the denominator.
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
+  """
+  if form not in LINEAR_FORMS:
+    raise ValueError(f"form must be one of {sorted(LINEAR_FORMS)}; got form={form!r}")
+  compute, forms_weights = LINEAR_FORMS[form]
+  shapes = C.validate_qkv(query, key, value)
+  check_no_bias(bias, "linear_attention")
+  if not forms_weights:
+    check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
+                     name=f"linear_attention(form={form!r})")
+    if return_weights:
+      raise ValueError(f"return_weights=True needs form='dual'; form={form!r} never forms the "
+                       "weights")
+
+  def dropout(weights):
+    return C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                           broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+
+  out, weights = compute(query, key, value, mask, shapes=shapes, eps=eps, precision=precision,
+                         is_causal=is_causal, dropout=dropout)
+  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
+                  return_weights=return_weights)
+
+
+def random_feature_attention(query, key, value, bias=None, mask=None, *,
+                             broadcast_dropout: bool = True, dropout_rng=None,
+                             dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
+                             precision=None, module=None, is_causal: bool = False,
+                             return_weights: bool = False, num_features: int = 256,
+                             feature_key=None):
+  """Softmax attention approximated in the primal with positive random features (SPEC §2).
+
+  ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` with ``x̃ = x/D^¼`` and ``ω ~ N(0, I)`` (``m = num_features``),
+  so ``E[Φ(q)ᵀΦ(k)] = exp(qᵀk/√D)``; then ``out_i = Φ(q_i)ᵀS / Φ(q_i)ᵀz`` in O(N·m). The error
+  shrinks like ``1/√m`` and grows with ``‖q‖, ‖k‖``. The same ``ω`` serves every example and head.
+
+  Args:
+    query, key, value: as in :func:`linear_attention`.
+    bias: must be None (a logit bias cannot be moved into the features); ValueError otherwise.
+    mask: key-only bool mask (size 1 on the q_len axis, e.g. ``masks.padding_mask``).
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: accepted for the Flax contract;
+      ValueError when dropout would apply (the weights are never formed).
+    dtype: output dtype (default ``query.dtype``); features and sums are float32.
+    precision: passed to the einsums.
+    module: accepted for the Flax contract; nothing is sown (no weights are formed).
+    is_causal: causal attention through prefix sums (holds ``[batch, heads, kv_len, m, d_v]``).
+    return_weights: must be False (ValueError otherwise).
+    num_features: ``m``, the number of random features.
+    feature_key: a JAX PRNG key drawing ``ω`` (required; reuse it to keep the features fixed).
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]``.
+  """
+  del broadcast_dropout, dropout_rng  # Only meaningful with dropout, which is refused.
+  if feature_key is None:
+    raise ValueError("random_feature_attention needs feature_key (a jax PRNG key drawing the "
+                     "random features); got feature_key=None")
+  if num_features < 1:
+    raise ValueError(f"num_features must be >= 1; got num_features={num_features}")
+  shapes = C.validate_qkv(query, key, value)
+  check_no_bias(bias, "random_feature_attention")
+  check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
+                   name="random_feature_attention")
+  if return_weights:
+    raise ValueError("random_feature_attention never forms the weights; return_weights must be "
+                     "False")
+  key_valid = key_only_validity(
+      mask, shapes, "Random-feature attention is a primal form; use softmax_attention instead.")
+  omega = draw_random_features(feature_key, num_features, shapes.d_qk)
+  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+
+  def primal_fn(q, k, v, key_valid):
+    return random_feature_primal_one_head(q, k, v, key_valid, omega=omega, causal=is_causal,
+                                          precision=precision)
+
+  out = C.map_heads(primal_fn, q, k, v, key_valid)
+  return C.finish(out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
+                  return_weights=False)
