@@ -66,13 +66,18 @@ def _loop_heads(query, key, value, bias, mask, one_head):
   return out, weights
 
 
-def _linear_weights_one_head(q, k, mask, eps):
-  """A_ij = Φ(q_i)·Φ(k_j) m_ij / (Σ_j' Φ(q_i)·Φ(k_j') m_ij' + eps), Φ = elu + 1."""
+def _linear_weights_one_head(q, k, mask, eps, bias=None):
+  """A_ij = Φ(q_i)·Φ(k_j) e^{b_ij} m_ij / (Σ_j' Φ(q_i)·Φ(k_j') e^{b_ij'} m_ij' + eps), Φ = elu + 1.
+
+  The bias factor is shifted by the row maximum of the bias (as the kernel does, so that eps
+  plays the same role)."""
   q_len, kv_len = q.shape[0], k.shape[0]
+  bias = np.zeros((q_len, kv_len)) if bias is None else np.asarray(bias, np.float64)
   weights = np.zeros((q_len, kv_len))
   for i in range(q_len):
-    scores = [float(_elu_plus_one(q[i]) @ _elu_plus_one(k[j])) if mask[i, j] else 0.0
-              for j in range(kv_len)]
+    shift = max(bias[i])
+    scores = [float(_elu_plus_one(q[i]) @ _elu_plus_one(k[j])) * np.exp(bias[i, j] - shift)
+              if mask[i, j] else 0.0 for j in range(kv_len)]
     total = sum(scores) + eps
     weights[i] = [s / total for s in scores]
   return weights
@@ -91,10 +96,12 @@ def _softmax_weights_one_head(q, k, bias, mask, scale):
   return weights
 
 
-def linear_attention_ref(query, key, value, mask=None, eps=1e-6):
-  """Dual-form linear attention (Φ = elu + 1, no 1/√D). Returns (out, weights) like softmax."""
-  return _loop_heads(query, key, value, None, mask,
-                     lambda q, k, bias, m: _linear_weights_one_head(q, k, m, eps))
+def linear_attention_ref(query, key, value, mask=None, eps=1e-6, bias=None):
+  """Dual-form linear attention (Φ = elu + 1, no 1/√D; a bias multiplies the kernel by e^bias).
+
+  Returns (out, weights) like softmax."""
+  return _loop_heads(query, key, value, bias, mask,
+                     lambda q, k, b, m: _linear_weights_one_head(q, k, m, eps, b))
 
 
 def random_feature_attention_ref(query, key, value, omega, mask=None):
@@ -140,6 +147,6 @@ def batchnorm_attention_ref(query, key, value, bias=None, mask=None, kernel="sof
     k_hat = (k - mean_weight * mean) / np.sqrt(var + eps)
     if kernel == "softmax":
       return _softmax_weights_one_head(q_hat, k_hat, bias, mask, 1.0 / np.sqrt(d))
-    return _linear_weights_one_head(q_hat, k_hat, mask, linear_eps)
+    return _linear_weights_one_head(q_hat, k_hat, mask, linear_eps, bias)
 
   return _loop_heads(query, key, value, bias, mask, one_head)

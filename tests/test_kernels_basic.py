@@ -322,7 +322,7 @@ def test_linear_option_errors():
   with pytest.raises(ValueError, match="form must be one of.*'sideways'"):
     linear_attention(_Q, _K, _V, form="sideways")
   with pytest.raises(ValueError, match=r"bias.*\(3, 4\)"):
-    linear_attention(_Q, _K, _V, bias=np.zeros((3, 4), np.float32))
+    linear_attention(_Q, _K, _V, bias=np.zeros((3, 4), np.float32), form="primal")
   with pytest.raises(ValueError, match="return_weights"):
     linear_attention(_Q, _K, _V, form="primal", return_weights=True)
   with pytest.raises(ValueError, match="form='dual'"):
@@ -337,3 +337,20 @@ def test_random_feature_option_errors():
   with pytest.raises(ValueError, match="bias"):
     random_feature_attention(_Q, _K, _V, bias=np.zeros((3, 4), np.float32),
                              feature_key=FEATURE_KEY)
+
+
+def test_linear_dual_bias_multiplies_the_kernel():
+  # A relative position bias enters the linear kernel as exp(bias), like a logit bias in softmax.
+  rng = np.random.default_rng(3)
+  query, key, value = (rng.normal(size=s).astype(np.float32)
+                       for s in ((2, 5, 3, 4), (2, 6, 3, 4), (2, 6, 3, 2)))
+  bias = rng.normal(size=(3, 5, 6)).astype(np.float32)
+  mask = rng.random((2, 1, 5, 6)) < 0.7
+  out, weights = linear_attention(query, key, value, bias=bias, mask=mask, return_weights=True)
+  expected_out, expected_weights = ref.linear_attention_ref(query, key, value, mask, bias=bias)
+  np.testing.assert_allclose(out, expected_out, atol=1e-5)
+  np.testing.assert_allclose(weights, expected_weights, atol=1e-5)
+  # A constant bias per query row changes nothing; a varying one does.
+  np.testing.assert_allclose(linear_attention(query, key, value, bias=np.ones((5, 1)) * 3.0),
+                             linear_attention(query, key, value), atol=1e-5)
+  assert not np.allclose(out, linear_attention(query, key, value, mask=mask), atol=1e-3)

@@ -43,9 +43,7 @@ def valid_key_statistics(key, key_valid):
 @given(attention_cases(key_only=False), st.sampled_from(KERNEL_NAMES))
 def test_matches_reference(case, kernel):
   query, key, value, mask, rng = case
-  bias = None
-  if kernel == "softmax":
-    bias = rng.normal(size=(query.shape[-2], query.shape[-3], key.shape[-3])).astype(np.float32)
+  bias = rng.normal(size=(query.shape[-2], query.shape[-3], key.shape[-3])).astype(np.float32)
   out, weights = BN_WITH_WEIGHTS[kernel](query, key, value, bias, mask)
   expected_out, expected_weights = ref.batchnorm_attention_ref(query, key, value, bias, mask,
                                                                kernel=kernel)
@@ -159,5 +157,3 @@ def test_option_errors():
     batchnorm_attention(query, key, value, kernel="cosine")
   with pytest.raises(ValueError, match="statistics must be one of.*'values'"):
     batchnorm_attention(query, key, value, statistics="values")
-  with pytest.raises(ValueError, match=r"bias.*kernel='linear'.*\(4, 5\)"):
-    batchnorm_attention(query, key, value, np.zeros((4, 5), np.float32), kernel="linear")

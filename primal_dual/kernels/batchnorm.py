@@ -10,13 +10,13 @@ evaluation compute the same thing.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels.linear import DEFAULT_EPS as LINEAR_EPS
-from primal_dual.kernels.linear import check_no_bias, linear_weights_one_head
+from primal_dual.kernels.linear import linear_weights_one_head
 from primal_dual.kernels.softmax import softmax_weights_one_head
 
 DEFAULT_EPS = 1e-5
@@ -84,26 +84,21 @@ STATISTICS_SOURCES: dict[str, Callable] = {
 }
 
 
-class BNKernel(NamedTuple):
-  """A kernel run on the normalised queries and keys of one head."""
-  # (q̂, k̂, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
-  weights_fn: Callable
-  accepts_bias: bool
-
-
 def _softmax_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
   del linear_eps
   return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
 
 
 def _linear_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
-  del bias, scale  # The linear kernel has neither (bias is refused up front).
-  return linear_weights_one_head(q, k, mask, eps=linear_eps, precision=precision)
+  del scale  # Φ = elu + 1 has no temperature; a bias multiplies the kernel by exp(bias).
+  return linear_weights_one_head(q, k, mask, bias=bias, eps=linear_eps, precision=precision)
 
 
-BN_KERNELS: dict[str, BNKernel] = {
-    "softmax": BNKernel(_softmax_kernel, accepts_bias=True),
-    "linear": BNKernel(_linear_kernel, accepts_bias=False),
+# Kernels run on the normalised queries and keys of one head:
+# (q̂, k̂, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
+BN_KERNELS: dict[str, Callable] = {
+    "softmax": _softmax_kernel,
+    "linear": _linear_kernel,
 }
 
 
@@ -125,7 +120,7 @@ def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
   q_hat, k_hat = (normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight)
                   for x in (q, k))
   scale = C.default_scale(q.shape[-1]) if scale is None else scale
-  return BN_KERNELS[kernel].weights_fn(q_hat, k_hat, bias, mask, scale=scale,
+  return BN_KERNELS[kernel](q_hat, k_hat, bias, mask, scale=scale,
                                        linear_eps=linear_eps, precision=precision)
 
 
@@ -153,8 +148,8 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
     query: ``[batch..., q_len, heads, d_qk]``.
     key: ``[batch..., kv_len, heads, d_qk]``.
     value: ``[batch..., kv_len, heads, d_v]``.
-    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]`` (softmax
-      kernel only; ValueError with ``kernel='linear'``).
+    bias: logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``: added to the softmax
+      logits, or a factor ``exp(bias)`` on the linear kernel (see ``linear.positional_factor``).
     mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
     dtype: output dtype (default ``query.dtype``); statistics and weights are float32.
@@ -176,8 +171,6 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
   _check_choice("kernel", kernel, BN_KERNELS)
   _check_choice("statistics", statistics, STATISTICS_SOURCES)
   shapes = C.validate_qkv(query, key, value)
-  if not BN_KERNELS[kernel].accepts_bias:
-    check_no_bias(bias, f"batchnorm_attention(kernel={kernel!r})")
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 

@@ -33,14 +33,28 @@ def elu_feature_map(x):
   return jax.nn.elu(x.astype(C.F32)) + 1.0
 
 
-def linear_weights_one_head(q, k, mask, *, eps: float = DEFAULT_EPS, precision=None):
+def positional_factor(bias):
+  """``exp(bias − max_j bias)`` in float32: a logit bias turned into a kernel factor.
+
+  Softmax adds a bias to the logits, i.e. multiplies its kernel ``exp(qᵀk/√D)`` by ``exp(b_ij)``;
+  the linear dual form takes the same product with its own kernel, so a relative position bias
+  means the same thing for both. The per-row shift keeps ``exp`` finite and cancels in the
+  normalisation (up to the ``eps`` guard).
+  """
+  bias = bias.astype(C.F32)
+  return jnp.exp(bias - jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True)))
+
+
+def linear_weights_one_head(q, k, mask, *, bias=None, eps: float = DEFAULT_EPS, precision=None):
   """Dual-form (N×N) linear attention weights of one head.
 
-  ``A_ij = Φ(q_i)ᵀΦ(k_j) m_ij / (Σ_j' Φ(q_i)ᵀΦ(k_j') m_ij' + eps)`` with ``Φ = elu + 1``.
+  ``A_ij = Φ(q_i)ᵀΦ(k_j) f_ij m_ij / (Σ_j' Φ(q_i)ᵀΦ(k_j') f_ij' m_ij' + eps)`` with ``Φ = elu + 1``
+  and ``f = positional_factor(bias)`` (1 without a bias).
 
   Args:
     q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``, any float dtype.
     mask: bool ``[q_len, kv_len]`` or None (True = may attend).
+    bias: ``[q_len, kv_len]`` logit bias or None; enters multiplicatively as ``exp(bias)``.
     eps: guards the denominator; a query with no valid key gets a zero row.
     precision: passed to the einsum.
 
@@ -48,6 +62,8 @@ def linear_weights_one_head(q, k, mask, *, eps: float = DEFAULT_EPS, precision=N
     float32 ``[q_len, kv_len]``.
   """
   scores = jnp.einsum("qd,kd->qk", elu_feature_map(q), elu_feature_map(k), precision=precision)
+  if bias is not None:
+    scores = scores * positional_factor(bias)
   if mask is not None:
     scores = scores * mask
   return scores / (jnp.sum(scores, axis=-1, keepdims=True) + eps)
@@ -209,20 +225,20 @@ def check_no_bias(bias, name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_dual(query, key, value, mask, *, shapes, eps, precision, is_causal, dropout):
-  mask, _ = C.prepare_mask_and_bias(mask, None, shapes, is_causal)
+def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_causal, dropout):
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
-  def weights_fn(q, k, mask):
-    return linear_weights_one_head(q, k, mask, eps=eps, precision=precision)
+  def weights_fn(q, k, bias, mask):
+    return linear_weights_one_head(q, k, mask, bias=bias, eps=eps, precision=precision)
 
-  weights = C.map_heads(weights_fn, q, k, mask)
+  weights = C.map_heads(weights_fn, q, k, bias, mask)
   out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropout(weights), v)
   return out, weights
 
 
-def _linear_primal(query, key, value, mask, *, shapes, eps, precision, is_causal, dropout):
-  del dropout  # Checked by the caller: never applies here.
+def _linear_primal(query, key, value, bias, mask, *, shapes, eps, precision, is_causal, dropout):
+  del bias, dropout  # Checked by the caller: neither applies here.
   key_valid = key_only_validity(mask, shapes, "Use form='dual' for query-dependent masks.")
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
@@ -233,7 +249,7 @@ def _linear_primal(query, key, value, mask, *, shapes, eps, precision, is_causal
   return C.map_heads(primal_fn, q, k, v, key_valid), None
 
 
-# form name -> (computation, whether it forms the N×N weights).
+# form name -> (computation, whether it forms the N×N weights; only then can a bias enter).
 LINEAR_FORMS = {
     "dual": (_linear_dual, True),
     "primal": (_linear_primal, False),
@@ -247,13 +263,16 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
   """Linear attention, ``Φ = elu + 1`` on queries and keys (no 1/√D).
 
   ``out_i = Σ_j Φ(q_i)ᵀΦ(k_j) m_ij v_j / (Σ_j Φ(q_i)ᵀΦ(k_j) m_ij + eps)``; masked keys contribute
-  nothing and a query with no valid key gets zeros.
+  nothing and a query with no valid key gets zeros. With a ``bias`` (dual form) each term is also
+  multiplied by ``exp(b_ij)``.
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.
     key: ``[batch..., kv_len, heads, d_qk]``.
     value: ``[batch..., kv_len, heads, d_v]``.
-    bias: must be None (a logit bias is not defined for this kernel); ValueError otherwise.
+    bias: logit bias broadcastable like ``mask`` (``dual`` form only): it multiplies the kernel by
+      ``exp(bias)``, as a logit bias does in softmax (e.g. a relative position bias). The
+      ``primal`` form never forms pairwise weights and raises ValueError for a bias.
     mask: bool, broadcastable to ``[batch..., heads, q_len, kv_len]``; True = may attend. The
       ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
       ``masks.padding_mask``).
@@ -277,8 +296,8 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
     raise ValueError(f"form must be one of {sorted(LINEAR_FORMS)}; got form={form!r}")
   compute, forms_weights = LINEAR_FORMS[form]
   shapes = C.validate_qkv(query, key, value)
-  check_no_bias(bias, "linear_attention")
   if not forms_weights:
+    check_no_bias(bias, f"linear_attention(form={form!r})")
     check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
                      name=f"linear_attention(form={form!r})")
     if return_weights:
@@ -289,7 +308,7 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
     return C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
 
-  out, weights = compute(query, key, value, mask, shapes=shapes, eps=eps, precision=precision,
+  out, weights = compute(query, key, value, bias, mask, shapes=shapes, eps=eps, precision=precision,
                          is_causal=is_causal, dropout=dropout)
   return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
                   return_weights=return_weights)
