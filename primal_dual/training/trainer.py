@@ -575,6 +575,31 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
 # Evaluation of a finished (or running) workdir.
 
 
+def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
+  """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
+
+  Args:
+    workdir: a `train_and_evaluate` workdir (needs config.json and checkpoints/).
+    checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
+
+  Returns:
+    `(experiment, state)`: the Experiment of `build_experiment` and the restored TrainState.
+
+  Raises:
+    errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+  """
+  workdir = os.path.abspath(workdir)
+  config = resolve_config(config_lib.read_config(workdir))
+  experiment = build_experiment(config)
+  directory = checkpointing.SELECTED_DIR if checkpoint == 'selected' else (
+      checkpointing.CHECKPOINT_DIR)
+  step = None if checkpoint in ('latest', 'selected') else int(checkpoint)
+  with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
+                                  async_save=False) as checkpointer:
+    state, _ = checkpointer.restore(step, experiment.restore_target())
+  return experiment, state
+
+
 def evaluate_workdir(workdir: str, splits: tuple[str, ...] | None = None,
                      checkpoint: str = 'latest') -> dict[str, dict[str, float]]:
   """Restores a workdir's checkpoint and evaluates splits with its saved config.
@@ -592,14 +617,7 @@ def evaluate_workdir(workdir: str, splits: tuple[str, ...] | None = None,
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
   """
   workdir = os.path.abspath(workdir)
-  config = resolve_config(config_lib.read_config(workdir))
-  experiment = build_experiment(config)
-  directory = checkpointing.SELECTED_DIR if checkpoint == 'selected' else (
-      checkpointing.CHECKPOINT_DIR)
-  step = None if checkpoint in ('latest', 'selected') else int(checkpoint)
-  with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
-                                  async_save=False) as checkpointer:
-    state, _ = checkpointer.restore(step, experiment.restore_target())
+  experiment, state = restore_workdir(workdir, checkpoint)
   results = evaluate(experiment, state, tuple(splits) if splits else None)
   report = {'checkpoint': str(checkpoint), 'step': int(jax.device_get(state.step)),
             'results': results}

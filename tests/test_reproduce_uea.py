@@ -1,0 +1,216 @@
+"""scripts/reproduce_uea.py on runlocal configs: two runs, a resume that trains nothing, the
+records' schema, the Markdown report, the figures and `eval.py --analyses=redundancy`.
+
+One BasicMotions grid (tiny model, 2 epochs) is run three times in a module fixture: the first
+invocation is half the grid (best_test only), the second the whole grid (adds the clean run and
+must reuse the first), the third the same again (must train and analyse nothing).
+"""
+
+import copy
+import importlib.util
+import json
+import os
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from primal_dual.experiments import grid
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name, relative_path):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, relative_path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+reproduce_uea = _load("reproduce_uea", os.path.join("scripts", "reproduce_uea.py"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_dir(tmp_path_factory):
+  """A fresh persistent compilation cache: the second run reuses the first one's programs."""
+  saved = {name: getattr(jax.config, name) for name in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+      "jax_persistent_cache_min_entry_size_bytes")}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
+def _snapshot(root):
+  """mtime of every file under root (training outputs and cached analyses)."""
+  return {os.path.join(folder, name): os.stat(os.path.join(folder, name)).st_mtime_ns
+          for folder, _, names in os.walk(root) for name in names}
+
+
+@pytest.fixture(scope="module")
+def grid_runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("uea_grid")
+  root, results = str(tmp / "root"), str(tmp / "results" / "uea.json")
+  args = ["--datasets=BasicMotions", "--variants=softmax", "--seeds=0", "--runlocal",
+          f"--root={root}", f"--results={results}", f"--data_dir={tmp / 'tfds'}",
+          "--redundancy_examples=24"]
+  calls = {"train": [], "analyse": []}
+  train_one, analyse = grid.train_one, reproduce_uea.analyse_workdir
+
+  def counted_train(run, workdir):
+    calls["train"].append(run.name)
+    return train_one(run, workdir)
+
+  def counted_analyse(workdir, checkpoint, max_examples):
+    calls["analyse"].append(os.path.basename(workdir))
+    return analyse(workdir, checkpoint, max_examples)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(grid, "train_one", counted_train)
+    patch.setattr(reproduce_uea, "analyse_workdir", counted_analyse)
+    assert reproduce_uea.main(args + ["--protocols=best_test"]) == 0
+    after_first = copy.deepcopy(calls)
+    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    after_second, files_second = copy.deepcopy(calls), _snapshot(root)
+    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    files_third = _snapshot(root)
+  with open(results) as f:
+    records = json.load(f)
+  return dict(root=root, results=results, records=records, after_first=after_first,
+              after_second=after_second, after_third=calls, files_second=files_second,
+              files_third=files_third)
+
+
+def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
+  best, clean = ("BasicMotions-best_test-softmax-runlocal-s0",
+                 "BasicMotions-clean-softmax-runlocal-s0")
+  assert grid_runs["after_first"] == {"train": [best], "analyse": [best]}
+  assert grid_runs["after_second"] == {"train": [best, clean], "analyse": [best, clean]}
+  assert grid_runs["after_third"] == grid_runs["after_second"]
+  # Nothing in any workdir was rewritten by the third invocation.
+  assert grid_runs["files_third"] == grid_runs["files_second"]
+  assert [r["name"] for r in grid_runs["records"]] == [best, clean]
+
+
+def test_records_follow_the_schema_and_the_protocols(grid_runs):
+  records = {r["protocol"]: r for r in grid_runs["records"]}
+  for record in records.values():
+    reproduce_uea.validate_record(record)
+    metrics = record["metrics"]
+    assert record["dataset"] == "BasicMotions" and record["attention"] == "softmax"
+    assert record["model_size"] == "runlocal" and record["epochs"] == 2 and record["seed"] == 0
+    assert record["best_epoch_accuracy"] == metrics["best/test_accuracy"]
+    assert record["final_test_accuracy"] == metrics["test/accuracy"]
+    assert record["redundancy_examples"] == 24
+    assert len(record["head_distance_per_layer"]) == 1  # runlocal: one layer
+    assert record["head_distance"] == pytest.approx(record["head_distance_per_layer"][0])
+    assert 0.0 < record["head_distance"] <= 2 ** 0.5
+    assert record["attention_flops_relative"] == 1.0
+    assert record["padded_length"] == 100
+    assert record["wall_time_s"] > 0
+  best, clean = records["best_test"], records["clean"]
+  assert best["test_accuracy"] == best["metrics"]["best/test_accuracy"]
+  assert clean["test_accuracy"] == clean["metrics"]["selected/test_accuracy"]
+  assert (best["redundancy_checkpoint"], clean["redundancy_checkpoint"]) == ("latest", "selected")
+  assert best["redundancy_step"] == best["metrics"]["step"]
+  assert clean["redundancy_step"] == clean["metrics"]["selected/step"]
+  assert best["num_params"] == clean["num_params"] > 0
+
+
+def test_validate_record_names_missing_and_mistyped_fields(grid_runs):
+  record = dict(grid_runs["records"][0])
+  del record["head_distance"]
+  record["seed"] = "0"
+  with pytest.raises(ValueError, match=r"head_distance: missing.*|seed: str"):
+    reproduce_uea.validate_record(record)
+  with pytest.raises(ValueError, match="protocol"):
+    reproduce_uea.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
+
+
+def test_markdown_and_figures_are_written(grid_runs):
+  folder = os.path.dirname(grid_runs["results"])
+  with open(os.path.join(folder, "uea.md")) as f:
+    markdown = f.read()
+  assert "## best_test protocol" in markdown and "## clean protocol" in markdown
+  assert reproduce_uea.REFERENCE_HEADER in markdown
+  assert "| BasicMotions | softmax |" in markdown
+  for name in (reproduce_uea.REDUNDANCY_PLOT, reproduce_uea.MAPS_PLOT):
+    with open(os.path.join(folder, name), "rb") as f:
+      assert f.read(4) == b"\x89PNG"
+
+
+def _record(dataset, attention, seed, accuracy, protocol="best_test"):
+  """A made-up record (report formatting only; not a result)."""
+  return {"dataset": dataset, "attention": attention, "protocol": protocol, "seed": seed,
+          "model_size": "small", "epochs": 100, "test_accuracy": accuracy,
+          "head_distance": 0.5, "num_params": 1000, "attention_flops_relative": 1.0,
+          "wall_time_s": 60.0}
+
+
+def test_markdown_report_reference_column_and_ten_dataset_average():
+  from configs import uea as uea_config  # pylint: disable=g-import-not-at-top
+  records = [_record("JapaneseVowels", "softmax", 0, 0.9),
+             _record("JapaneseVowels", "softmax", 1, 0.8),
+             _record("JapaneseVowels", "bn", 0, 0.7),
+             _record("JapaneseVowels", "bn", 0, 0.6, "clean")]
+  markdown = reproduce_uea.markdown_report(records, "cmd")
+  rows = {line.split("|")[2].strip(): line for line in markdown.splitlines()
+          if line.startswith("| JapaneseVowels")}
+  assert "85.0 ± 7.1" in rows["softmax"] and rows["softmax"].rstrip(" |").endswith("98.7")
+  assert "Average over the ten" not in markdown
+  ten = [_record(d, "softmax", 0, 0.5 + i / 100)
+         for i, d in enumerate(uea_config.PROTOCOL_DATASETS)]
+  average = reproduce_uea.markdown_report(ten, "cmd")
+  assert "| softmax | 54.5 | 71.9 |" in average
+
+
+def test_unavailable_or_unknown_inputs_fail_in_one_line(tmp_path, capsys):
+  args = [f"--root={tmp_path}", f"--results={tmp_path / 'r.json'}", "--runlocal"]
+  assert reproduce_uea.main(args + ["--datasets=Heartbeat"]) == 2
+  assert "manual_dir" in capsys.readouterr().err
+  assert reproduce_uea.main(args + ["--datasets=NotADataSet"]) == 2
+  with pytest.raises(SystemExit):
+    reproduce_uea.main(args + ["--variants=softmax,nope"])
+  assert not os.path.exists(tmp_path / "r.json")
+
+
+EVAL_FLAGS = ("workdir", "splits", "checkpoint", "analyses", "analysis_split", "max_examples")
+
+
+def _forget_eval_flags():
+  """Removes eval.py's flags from absl's global registry (loading it again redefines them)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  for name in EVAL_FLAGS:
+    if name in flags.FLAGS:
+      delattr(flags.FLAGS, name)
+
+
+def test_eval_cli_redundancy_matches_the_grid_record(grid_runs, capsys):
+  record = next(r for r in grid_runs["records"] if r["protocol"] == "best_test")
+  workdir = os.path.join(grid_runs["root"], record["name"])
+  _forget_eval_flags()  # Another test module may have loaded eval.py and left some behind.
+  eval_cli = _load("eval_cli", "eval.py")
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    flags.FLAGS(["eval.py", f"--workdir={workdir}", "--splits=test",
+                 "--analyses=redundancy", "--max_examples=24"])
+    assert eval_cli.main(["eval.py"]) == 0
+    flags.FLAGS(["eval.py", f"--workdir={workdir}", "--analyses=nope"])
+    assert eval_cli.main(["eval.py"]) == 2
+  finally:  # Leave no eval.py flags behind (test_training.py also loads eval.py).
+    _forget_eval_flags()
+  captured = capsys.readouterr()
+  assert "head_distance_per_layer" in captured.out
+  assert "unknown analysis" in captured.err
+  with open(os.path.join(workdir, "eval.json")) as f:
+    report = json.load(f)
+  result = report["analyses"]["redundancy"]
+  assert result["num_examples"] == 24 and result["step"] == record["redundancy_step"]
+  assert result["head_distance"] == pytest.approx(record["head_distance"], rel=1e-6)
+  assert report["results"]["test"]["accuracy"] == pytest.approx(record["final_test_accuracy"])
+  assert os.path.exists(result["files"]["plot"])
