@@ -22,14 +22,6 @@ from primal_dual.training import config_lib
 def get_config(arg=None):
   arg = config_lib.parse_arg(arg, attention="softmax", protocol="best_test", seed=0, epochs=40,
                              runlocal=False)
-  config = uea.get_config(
-      f"dataset=JapaneseVowels,attention={arg.attention},protocol={arg.protocol},"
+  return uea.get_config(
+      f"dataset=JapaneseVowels,size=small,attention={arg.attention},protocol={arg.protocol},"
       f"seed={arg.seed},epochs={arg.epochs}" + (",runlocal" if arg.runlocal else ""))
-  if arg.runlocal:
-    return config
-  with config.unlocked():
-    config.model.update(model_dim=64, num_heads=4, mlp_dim=128)
-    if arg.attention in uea.SH_VARIANTS:
-      config.model.attention_options = dict(ratios=uea.sh_ratios_for(uea.SHORT, 4))
-    config.checkpoint_every_epochs = 10
-  return config_lib.lock(config)

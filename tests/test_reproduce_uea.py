@@ -13,6 +13,8 @@ import os
 
 import jax
 import pytest
+
+import cli_helpers
 from jax.experimental.compilation_cache import compilation_cache
 
 from primal_dual.experiments import grid
@@ -179,31 +181,16 @@ def test_unavailable_or_unknown_inputs_fail_in_one_line(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "r.json")
 
 
-EVAL_FLAGS = ("workdir", "splits", "checkpoint", "analyses", "analysis_split", "max_examples")
-
-
-def _forget_eval_flags():
-  """Removes eval.py's flags from absl's global registry (loading it again redefines them)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  for name in EVAL_FLAGS:
-    if name in flags.FLAGS:
-      delattr(flags.FLAGS, name)
-
-
 def test_eval_cli_redundancy_matches_the_grid_record(grid_runs, capsys):
   record = next(r for r in grid_runs["records"] if r["protocol"] == "best_test")
   workdir = os.path.join(grid_runs["root"], record["name"])
-  _forget_eval_flags()  # Another test module may have loaded eval.py and left some behind.
-  eval_cli = _load("eval_cli", "eval.py")
   from absl import flags  # pylint: disable=g-import-not-at-top
-  try:
+  with cli_helpers.loaded_script("eval.py") as eval_cli:
     flags.FLAGS(["eval.py", f"--workdir={workdir}", "--splits=test",
                  "--analyses=redundancy", "--max_examples=24"])
     assert eval_cli.main(["eval.py"]) == 0
     flags.FLAGS(["eval.py", f"--workdir={workdir}", "--analyses=nope"])
     assert eval_cli.main(["eval.py"]) == 2
-  finally:  # Leave no eval.py flags behind (test_training.py also loads eval.py).
-    _forget_eval_flags()
   captured = capsys.readouterr()
   assert "head_distance_per_layer" in captured.out
   assert "unknown analysis" in captured.err

@@ -7,7 +7,6 @@ that build the same programs (the uninterrupted, crashed and resumed runs) compi
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -21,6 +20,8 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+
+import cli_helpers
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import PartitionSpec
 
@@ -497,16 +498,10 @@ def test_evaluate_workdir_and_eval_cli(uninterrupted, capsys):
   assert selected['step'] == final['selected/step']
   assert selected['results']['test']['accuracy'] == pytest.approx(final['selected/test_accuracy'])
 
-  spec = importlib.util.spec_from_file_location('eval_cli', os.path.join(REPO_ROOT, 'eval.py'))
-  eval_cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(eval_cli)
   from absl import flags  # pylint: disable=g-import-not-at-top
-  try:
+  with cli_helpers.loaded_script('eval.py') as eval_cli:
     flags.FLAGS(['eval.py', f'--workdir={workdir}', '--splits=test'])
     assert eval_cli.main(['eval.py']) == 0
-  finally:  # Leave the global absl flags as found (another module may define --workdir).
-    for name in ('workdir', 'splits', 'checkpoint'):
-      delattr(flags.FLAGS, name)
   printed = capsys.readouterr().out
   assert 'checkpoint: latest (step 8)' in printed
   assert f"{final['test/accuracy']:.4f}" in printed

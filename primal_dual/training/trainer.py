@@ -346,7 +346,12 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
 
   root_rng = jax.random.PRNGKey(config.seed)
   with sharding.mesh_context(mesh):
-    abstract_variables = jax.eval_shape(init_variables, root_rng)
+    try:
+      abstract_variables = jax.eval_shape(init_variables, root_rng)
+    except ValueError as e:
+      # The first trace of the model is where invalid model options surface (a head count that
+      # does not divide the width, SH ratios of the wrong length, an unknown variant name...).
+      raise errors.ConfigError(f'model config (config.model): {e}') from e
     abstract_state = jax.eval_shape(create_state, root_rng)
   variable_shardings = sharding.variable_shardings(abstract_variables, mesh)
   param_shardings = variable_shardings['params']
