@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install test train eval bench clean
+.PHONY: install test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,29 @@ train: $(STAMP)
 
 eval: $(STAMP)
 	$(PY) eval.py --workdir=$(WORKDIR)
+
+# Speed, memory and FLOPs of every kernel, and training throughput (writes benchmarks/results/).
+bench: $(STAMP)
+	$(PY) -m benchmarks.attention --out-dir benchmarks/results
+	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
+
+# Paper reproductions (resume where they stopped; write results/*.json|md).
+UEA_MODEL_SIZE ?= small
+UEA_EPOCHS ?= 40
+reproduce-uea: $(STAMP)
+	$(PY) scripts/reproduce_uea.py --model_size=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS)
+
+reproduce-listops: $(STAMP)
+	$(PY) scripts/reproduce_listops.py
+
+reproduce-images: $(STAMP)
+	$(PY) scripts/reproduce_images.py
+
+reproduce-sraven: $(STAMP)
+	$(PY) scripts/reproduce_sraven.py
+
+reproduce-logic: $(STAMP)
+	$(PY) scripts/reproduce_logic.py
 
 clean:
 	rm -rf workdirs .pytest_cache .hypothesis

@@ -322,7 +322,9 @@ def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
   assert tasks.get_task('synthetic') is tasks.TASKS['synthetic']
   with pytest.raises(ValueError, match='already registered'):
     tasks.register_task(tasks.TASKS['synthetic'])
-  monkeypatch.setattr(tasks, 'TASKS', dict(tasks.TASKS))
+  # Only these two names exist here, whatever other test modules registered in this process.
+  monkeypatch.setattr(tasks, 'TASKS', {'synthetic': tasks.TASKS['synthetic']})
+  monkeypatch.setattr(tasks, 'LAZY_TASK_MODULES', {})
   (tmp_path / 'lazy_demo_task.py').write_text(
       'from primal_dual.training import tasks\n'
       'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'

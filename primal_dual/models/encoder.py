@@ -88,7 +88,8 @@ class EncoderClassifier(nn.Module):
     x = PositionEmbedding(self.positional, name="positions")(x)
     prefix = 0
     if self.pooling == "cls":
-      cls = self.param("cls", nn.initializers.zeros_init(), (1, 1, self.model_dim))
+      # Not zeros: a zero CLS has zero queries, and HYLA's normalised scores then vanish for it.
+      cls = self.param("cls", nn.initializers.normal(0.02), (1, 1, self.model_dim))
       x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.model_dim)).astype(x.dtype),
                            x], axis=1)
       if mask is not None:

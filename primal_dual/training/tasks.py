@@ -81,7 +81,10 @@ def get_task(name: str) -> Task:
   """
   if name not in TASKS and name in LAZY_TASK_MODULES:
     importlib.import_module(LAZY_TASK_MODULES[name])
-  return errors.lookup(TASKS, name, 'task (config.task)')
+  if name not in TASKS:
+    known = ', '.join(sorted(set(TASKS) | set(LAZY_TASK_MODULES)))
+    raise errors.UnknownNameError(f'unknown task (config.task) {name!r}; known: {known}')
+  return TASKS[name]
 
 
 def _example_weights(batch: Batch, batch_size: int) -> jax.Array:
