@@ -1,0 +1,168 @@
+"""The 'logic' task: in-context regression of fuzzy-logic functions (SPEC §4).
+
+Data (``primal_dual.data.logic``). Splits:
+
+  * ``train``: sequences of the train term sets (``data.num_train`` of them, default
+    ``num_train_steps × batch_size``: no sequence repeats);
+  * ``validation``: the same term sets, fresh sequences from their own stream: model selection;
+  * ``test``: term sets never trained on, made of seen conjunctions (unseen combinations);
+  * ``ood``: term sets containing held-out conjunctions.
+
+Every record gets ``task_variance`` float32 ``[]``: the exact variance of ``y`` for its task
+(``logic.task_moments``), which the metric needs.
+
+Model: ``SequenceTransformer`` with one output; the last position's output predicts the zeroed
+``y`` of the query token.
+
+Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targets ``y_b``:
+
+  * ``loss`` / ``mse``: squared error ``(p_b − y_b)²`` averaged over real examples;
+  * ``r2``: the pair ``(Σ_b (Var_b − (p_b − y_b)²), Σ_b Var_b)``. The trainer adds sums and counts
+    over batches and divides once, so the value it reports is
+    ``1 − Σ_b (p_b − y_b)² / Σ_b Var_b``: exactly ``logic.r_squared`` over the whole split.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from primal_dual.data import logic
+from primal_dual.experiments.common import attention_kwargs, model_kwargs
+from primal_dual.experiments.sraven import SEQUENCE_FIELDS, example_weights, weighted_sum
+from primal_dual.models import SequenceTransformer
+from primal_dual.training import tasks as tasks_lib
+
+EVAL_SPLITS = ("validation", "test", "ood")
+TRAIN_FIELDS = ("inputs", "target", "task_variance")
+
+
+def logic_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
+                           ) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+  """Squared error of the last position's prediction and R² as a (sum, count) pair.
+
+  Args:
+    outputs: float ``[B, T, 1]``, the model's per-position outputs.
+    batch: ``target`` float32 ``[B]``, ``task_variance`` float32 ``[B]`` and, for eval batches,
+      ``valid`` bool ``[B]``.
+
+  Returns:
+    (mean squared error over real examples, ``{name: (sum, count)}``; see the module docstring).
+  """
+  predictions = outputs[:, -1, 0].astype(jnp.float32)
+  targets = batch["target"].astype(jnp.float32)
+  variance = batch["task_variance"].astype(jnp.float32)
+  weights = example_weights(batch, targets.shape[0])
+  squared_error = jnp.square(predictions - targets)
+  count = weights.sum()
+  sse = weighted_sum(squared_error, weights)
+  return sse / jnp.maximum(count, 1.0), {
+      "loss": (sse, count),
+      "mse": (sse, count),
+      "r2": (weighted_sum(variance - squared_error, weights), weighted_sum(variance, weights)),
+  }
+
+
+def add_task_variance(batch: dict[str, np.ndarray], variances: np.ndarray
+                      ) -> dict[str, np.ndarray]:
+  """``batch`` with ``task_variance`` float32 looked up by ``task_id`` (any leading shape)."""
+  return dict(batch, task_variance=variances[batch["task_id"]].astype(np.float32))
+
+
+class LogicTaskSource:
+  """Records of a split with ``task_variance`` added, optionally generated up front.
+
+  With ``materialize`` the first ``size`` sequences of the stream are generated in batches of
+  ``chunk_size`` and kept in memory (``4·(seq_len·(n+1) + 3)`` bytes each); reading a record is
+  then a slice instead of a jitted call. Records equal ``LogicSource``'s either way (plus
+  ``task_variance``), restricted to ``fields`` (None: all).
+  """
+
+  def __init__(self, config: logic.LogicConfig, split: str, seed: int, size: int, *,
+               materialize: bool = False, chunk_size: int = 8192,
+               fields: tuple[str, ...] | None = None):
+    self._stream = logic.LogicSource(config, split, seed, size)  # validates the arguments
+    self.config, self.split, self.seed, self.size = config, split, seed, int(size)
+    self.fields = None if fields is None else tuple(fields)
+    self.materialize = materialize
+    self._variances = np.asarray(logic.task_moments(config)[1], np.float64)
+    self._stored = None
+    if materialize:
+      chunks = [logic.generate_batch(config, seed, np.arange(start, min(start + chunk_size,
+                                                                         self.size)), split)
+                for start in range(0, self.size, chunk_size)]
+      self._stored = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+
+  def __len__(self) -> int:
+    return self.size
+
+  def _select(self, record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    record = add_task_variance(record, self._variances)
+    return record if self.fields is None else {name: record[name] for name in self.fields}
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return self.__getitems__([index])[0]
+
+  def __getitems__(self, indices) -> list[dict[str, np.ndarray]]:
+    indices = [int(i) for i in indices]
+    if any(not 0 <= i < self.size for i in indices):
+      raise IndexError(f"indices {indices} out of range for a source of size {self.size}.")
+    if self._stored is not None:
+      return [self._select({name: np.array(value[i]) for name, value in self._stored.items()})
+              for i in indices]
+    return [self._select(record) for record in self._stream.__getitems__(indices)]
+
+  def __repr__(self) -> str:
+    # Stable across processes and restarts: grain checks it when restoring an iterator.
+    return (f"LogicTaskSource(split={self.split!r}, seed={self.seed}, size={self.size}, "
+            f"materialize={self.materialize}, fields={self.fields}, config={self.config})")
+
+
+def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
+  """The task family named by ``config.data``."""
+  return logic.LogicConfig(
+      num_variables=data.num_variables, num_terms=data.num_terms, seq_len=data.seq_len,
+      ood_fraction=data.ood_fraction, split_seed=data.split_seed,
+      test_fraction=data.test_fraction, ood_term_sets=data.ood_term_sets)
+
+
+def train_size(config: ml_collections.ConfigDict) -> int:
+  """``data.num_train``, or ``num_train_steps × batch_size`` (each sequence seen once) if ≤ 0."""
+  if config.data.get("num_train", 0) > 0:
+    return int(config.data.num_train)
+  if config.num_train_steps <= 0:
+    raise ValueError("set data.num_train > 0 or num_train_steps > 0 to size the logic train "
+                     "stream")
+  return int(config.num_train_steps * config.batch_size)
+
+
+def build_data(config: ml_collections.ConfigDict):
+  """Splits train / validation / test / ood and the metadata the model needs."""
+  data = config.data
+  tasks = logic_config(data)
+  seed = data.get("stream_seed", 0)
+  splits = {"train": LogicTaskSource(
+      tasks, "train", seed, train_size(config), materialize=bool(data.get("materialize_train")),
+      chunk_size=data.get("chunk_size", 8192), fields=TRAIN_FIELDS)}
+  for split in EVAL_SPLITS:
+    size = data.get(f"num_{split}", 0)
+    if size > 0:
+      splits[split] = LogicTaskSource(tasks, split, seed, size)
+  metadata = {"num_variables": tasks.num_variables, "seq_len": tasks.seq_len, "tasks": tasks}
+  return splits, metadata
+
+
+def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
+  del metadata
+  return SequenceTransformer(num_outputs=1, **model_kwargs(config.model, SEQUENCE_FIELDS),
+                             **attention_kwargs(config.model))
+
+
+TASK = tasks_lib.register_task(tasks_lib.Task(
+    name="logic", build_data=build_data, build_model=build_model,
+    loss_and_metrics=logic_loss_and_metrics, eval_splits=EVAL_SPLITS,
+    selection_metric="r2", selection_mode="max"))

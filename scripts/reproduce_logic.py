@@ -1,0 +1,126 @@
+r"""Reproduce the fuzzy-logic comparison: HYLA against softmax and linear attention (R²).
+
+Runs the grid (``configs/logic.py``, one workdir per run under ``--root``): softmax, linear,
+hyla × seeds 0, 1, 2 and the HYLA ablations hyla_no_relu, hyla_no_norm × seed 0. For every run it
+records R² on ``test`` (unseen combinations of seen conjunctions), ``ood`` (term sets with a
+held-out conjunction) and ``validation`` at the checkpoint selected on validation R², the last
+evaluation's values, the learning curve, the median logged steps/s (first log period, which
+includes compilation, left out) and the wall time; it writes ``<out>/logic.json``,
+``<out>/logic.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for the
+reference scale) and ``<out>/logic_curves.png``.
+
+Commands (from the repository root)::
+
+  # CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
+  # (configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
+  .venv/bin/python scripts/reproduce_logic.py
+
+  # Reference scale (SPEC §4 model d 128, 8 heads, 2 layers; 20k steps of batch 128).
+  python scripts/reproduce_logic.py --preset=reference --root=workdirs/logic_reference
+
+  # Smoke test: 2 tiny runs (softmax and hyla, runlocal).
+  .venv/bin/python scripts/reproduce_logic.py --quick --root=/tmp/logic_quick \
+      --out=/tmp/logic_quick
+
+Re-running the same command resumes (finished runs are reused, unfinished ones continue).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if SCRIPTS_DIR not in sys.path:
+  sys.path.insert(0, SCRIPTS_DIR)
+
+import reproduce_sraven as common  # noqa: E402  (sets up the repository import path too)
+
+from primal_dual.experiments import grid  # noqa: E402
+
+CONFIG_FILE = os.path.join("configs", "logic.py")
+RESULTS_STEM = "logic"
+CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
+REFERENCE_COMMAND = ("python scripts/reproduce_logic.py --preset=reference "
+                     "--root=workdirs/logic_reference --out=results/reference")
+REFERENCE_SINGLE_RUN = ("python train.py --config=configs/logic.py:preset=reference,"
+                        "attention=hyla,seed=0 --workdir=workdirs/logic_reference_hyla")
+
+
+def record_fn(run: grid.GridRun, metrics: Mapping[str, Any], workdir: str) -> dict[str, Any]:
+  """``run_grid``'s ``record_fn``: R² of the selected checkpoint, curve and speed of a run."""
+  del run
+  return {
+      "test_r2": float(metrics["selected/test_r2"]),
+      "ood_r2": float(metrics["selected/ood_r2"]),
+      "validation_r2": float(metrics["selected/validation_r2"]),
+      "test_mse": float(metrics["selected/test_mse"]),
+      "selected_step": int(metrics["selected/step"]),
+      "final_test_r2": float(metrics["test/r2"]),
+      "final_ood_r2": float(metrics["ood/r2"]),
+      "curve": common.learning_curve(workdir, CURVE_METRICS),
+      "steps_per_second": common.median_steps_per_second(workdir),
+  }
+
+
+def _field(name: str) -> Callable[[Mapping[str, Any]], Any]:
+  return lambda record: record.get(name)
+
+
+def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
+  columns = {
+      "validation R²": _field("validation_r2"),
+      "test R² (unseen combinations)": _field("test_r2"),
+      "OOD R² (held-out conjunctions)": _field("ood_r2"),
+      "OOD R² last eval": _field("final_ood_r2"),
+      "steps/s": _field("steps_per_second"),
+      "wall time (min)": _field("wall_time_s"),
+  }
+  scales = {name: 1.0 for name in columns}
+  scales["wall time (min)"] = 1 / 60
+  ratio = common.speed_ratio(records)
+  ratio_line = ("HYLA's training step takes "
+                f"{ratio:.2f}× the time of softmax attention's on the same model (mean logged "
+                "steps/s over runs, compilation excluded)." if ratio else
+                "HYLA/softmax step-time ratio: not available (needs runs of both).")
+  presets = sorted({str(r["preset"]) for r in records})
+  lines = [
+      "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
+      common.environment_line(command) + f" Preset: {', '.join(presets)} (configs/logic.py). "
+      "Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
+      "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
+      "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
+      "of the same name; curves: the _curves.png next to it.\n",
+      grid.summary_table(records, ("attention",), columns, scales),
+      "\n" + ratio_line + "\n",
+      "\n## Reference scale (accelerator)\n",
+      "SPEC §4 model (d 128, 8 heads, 2 layers) on n = 4 variables, 2 terms, sequences of 16, "
+      "20k steps of batch 128 (`reference` preset):\n",
+      f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
+  ]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = common.parse_args(argv, __doc__.split("\n\n")[0])
+  root = args.root or os.path.join("workdirs", f"logic_{'quick' if args.quick else args.preset}")
+  stem = RESULTS_STEM + ("_quick" if args.quick else "")
+  runs = common.build_runs(CONFIG_FILE, "logic", args.preset, args.quick, args.steps)
+  print(f"Fuzzy-logic grid: {len(runs)} runs under {root}")
+  records = grid.run_grid(runs, root, os.path.join(args.out, f"{stem}.json"),
+                          record_fn=record_fn)
+  command = "python scripts/reproduce_logic.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
+  paths = common.write_report(
+      records, args.out, stem, markdown_report(records, command.strip()),
+      lambda path: common.plot_curves(
+          records, {"unseen combinations (test)": CURVE_METRICS[0],
+                    "held-out conjunctions (ood)": CURVE_METRICS[1]},
+          path, "R²", "Fuzzy-logic learning curves"))
+  print("\n".join(f"wrote {path}" for path in paths.values()))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
