@@ -395,6 +395,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--runlocal", action="store_true", help="tiny model, 2 epochs (smoke test)")
   parser.add_argument("--dry_run", action="store_true",
                       help="list the runs and whether each is finished; train nothing")
+  parser.add_argument("--report_only", action="store_true",
+                      help="write the JSON, tables and figures of the finished runs; train nothing")
   args = parser.parse_args(argv)
   for name, values, known in (("variants", args.variants, None),
                               ("protocols", args.protocols, PROTOCOLS)):
@@ -427,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       done = grid.is_finished(os.path.join(args.root, run.name))
       print(f"  {'finished' if done else 'to train'}  {run.name}  ({run.config_arg})")
     return 0
+  if args.report_only:
+    runs = [run for run in runs if grid.is_finished(os.path.join(args.root, run.name))]
   records = grid.run_grid(runs, args.root, args.results,
                           record_fn=make_record_fn(args.redundancy_examples))
   for record in records:

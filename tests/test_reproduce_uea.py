@@ -77,6 +77,11 @@ def grid_runs(tmp_path_factory):
     patch.setattr(reproduce_uea, "analyse_workdir", counted_analyse)
     assert reproduce_uea.main(args + ["--protocols=best_test"]) == 0
     after_first = copy.deepcopy(calls)
+    # --report_only tabulates the finished run and trains nothing.
+    assert reproduce_uea.main(args + ["--protocols=best_test,clean", "--report_only"]) == 0
+    after_report = copy.deepcopy(calls)
+    with open(results) as f:
+      reported = [r["name"] for r in json.load(f)]
     assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
     after_second, files_second = copy.deepcopy(calls), _snapshot(root)
     assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
@@ -84,6 +89,7 @@ def grid_runs(tmp_path_factory):
   with open(results) as f:
     records = json.load(f)
   return dict(root=root, results=results, records=records, after_first=after_first,
+              after_report=after_report, reported=reported,
               after_second=after_second, after_third=calls, files_second=files_second,
               files_third=files_third)
 
@@ -92,6 +98,8 @@ def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
   best, clean = ("BasicMotions-best_test-softmax-runlocal-s0",
                  "BasicMotions-clean-softmax-runlocal-s0")
   assert grid_runs["after_first"] == {"train": [best], "analyse": [best]}
+  assert grid_runs["after_report"] == grid_runs["after_first"]
+  assert grid_runs["reported"] == [best]
   assert grid_runs["after_second"] == {"train": [best, clean], "analyse": [best, clean]}
   assert grid_runs["after_third"] == grid_runs["after_second"]
   # Nothing in any workdir was rewritten by the third invocation.
