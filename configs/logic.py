@@ -37,7 +37,7 @@ combinations of seen conjunctions; held-out conjunctions stay hard (OOD R² 0.2-
 takes ≈ 7 min (softmax) at that speed; HYLA's step costs about 3× softmax's on this CPU.
 """
 
-from configs.sraven import VARIANT_OPTIONS, exact_offset_buckets
+from configs.sraven import VARIANT_OPTIONS, apply_runlocal, exact_offset_buckets
 from primal_dual.training import config_lib
 
 TASK_FAMILY = dict(num_variables=4, num_terms=2, seq_len=16, ood_fraction=0.25, split_seed=0,
@@ -59,21 +59,6 @@ CPU = dict(
     checkpoint_every_steps=1000)
 
 PRESETS = {"reference": REFERENCE, "cpu": CPU}
-
-
-def _runlocal(config) -> None:
-  """A tiny model, tiny splits and a few steps (batch sizes multiples of 8 devices)."""
-  config.model.update(num_layers=1, model_dim=16, num_heads=4, mlp_dim=32)
-  # 32 problems per split (= the 4 × 8 training problems): one compiled generator shape.
-  config.data.update(num_validation=32, num_test=32, num_ood=32, chunk_size=32)
-  config.batch_size = 8
-  config.eval_batch_size = 32
-  config.num_train_steps = 4
-  config.optimizer.warmup_steps = 1
-  config.log_every_steps = 2
-  config.eval_every_steps = 2
-  config.checkpoint_every_steps = 4
-  config.progress_bar = False
 
 
 def get_config(arg=None):
@@ -102,7 +87,7 @@ def get_config(arg=None):
   config.selection.metric = "r2"
   config.selection.mode = "max"
   if arg.runlocal:
-    _runlocal(config)
+    apply_runlocal(config)
   if arg.attention in VARIANT_OPTIONS:
     config.model.attention_options = VARIANT_OPTIONS[arg.attention](config.model.num_heads)
   return config_lib.lock(config)

@@ -110,7 +110,7 @@ VARIANT_OPTIONS = {
 }
 
 
-def _runlocal(config) -> None:
+def apply_runlocal(config) -> None:
   """A tiny model, tiny splits and a few steps (batch sizes multiples of 8 devices)."""
   config.model.update(num_layers=1, model_dim=16, num_heads=4, mlp_dim=32)
   # 32 problems per split (= the 4 × 8 training problems): one compiled generator shape.
@@ -152,7 +152,7 @@ def get_config(arg=None):
   config.selection.metric = "whole_panel_accuracy"
   config.selection.mode = "max"
   if arg.runlocal:
-    _runlocal(config)
+    apply_runlocal(config)
   if arg.attention in VARIANT_OPTIONS:
     config.model.attention_options = VARIANT_OPTIONS[arg.attention](config.model.num_heads)
   return config_lib.lock(config)

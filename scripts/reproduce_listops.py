@@ -207,19 +207,13 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
 # Command line.
 
 
-def _comma_list(cast=str):
-  def parse(text: str):
-    return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
-  return parse
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--variants", type=_comma_list(), default=None,
+  parser.add_argument("--variants", type=grid.comma_list(), default=None,
                       help=f"comma list (default {','.join(DEFAULT_VARIANTS)}; "
                            f"--quick: {','.join(QUICK_VARIANTS)})")
-  parser.add_argument("--seeds", type=_comma_list(int), default=None,
+  parser.add_argument("--seeds", type=grid.comma_list(int), default=None,
                       help="comma list (default 0,1,2; --quick: 0)")
   parser.add_argument("--setting", choices=SETTINGS, default="pytorch")
   parser.add_argument("--preset", choices=PRESETS, default="short")

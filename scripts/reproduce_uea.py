@@ -369,20 +369,14 @@ def write_figures(records: Sequence[Mapping[str, Any]], root: str, out_dir: str,
 # Command line.
 
 
-def _comma_list(cast=str):
-  def parse(text: str):
-    return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
-  return parse
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--datasets", type=_comma_list(), default=(),
+  parser.add_argument("--datasets", type=grid.comma_list(), default=(),
                       help="comma list; default: those available (bundled + --manual_dir)")
-  parser.add_argument("--variants", type=_comma_list(), default=DEFAULT_VARIANTS)
-  parser.add_argument("--seeds", type=_comma_list(int), default=DEFAULT_SEEDS)
-  parser.add_argument("--protocols", type=_comma_list(), default=tuple(PROTOCOLS))
+  parser.add_argument("--variants", type=grid.comma_list(), default=DEFAULT_VARIANTS)
+  parser.add_argument("--seeds", type=grid.comma_list(int), default=DEFAULT_SEEDS)
+  parser.add_argument("--protocols", type=grid.comma_list(), default=tuple(PROTOCOLS))
   parser.add_argument("--root", default="workdirs/uea_grid", help="parent of the runs' workdirs")
   parser.add_argument("--results", default="results/uea.json",
                       help="records; the .md and the figures go next to it")

@@ -118,6 +118,13 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
   return records
 
 
+def comma_list(cast: Callable[[str], Any] = str) -> Callable[[str], tuple]:
+  """An argparse ``type`` parsing ``"a,b,c"`` into a tuple of ``cast`` values (blanks dropped)."""
+  def parse(text: str) -> tuple:
+    return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
+  return parse
+
+
 def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
   """Mean, sample standard deviation (0 for one value) and count, ignoring NaNs."""
   values = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
