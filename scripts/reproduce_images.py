@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -166,7 +165,6 @@ def _first_by_variant(records: Sequence[Mapping[str, Any]], field: str) -> dict[
 
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   """results/images.md: mean ± std over seeds per variant and the full-scale commands."""
-  import jax  # pylint: disable=g-import-not-at-top
   params = _first_by_variant(records, "num_params")
   flops = _first_by_variant(records, "attention_flops")
   relative = _first_by_variant(records, "attention_flops_relative")
@@ -185,8 +183,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   lengths = sorted({r["sequence_length"] for r in records})
   lines = [
       "# Image classification (ViT): accuracy and attention cost per variant\n",
-      f"Measured by `{command}` on {platform.machine()} with {os.cpu_count()} CPU cores "
-      f"({jax.devices()[0].platform}); data set {', '.join(datasets)}, model "
+      f"Measured by `{command}` on {grid.describe_hardware(records)}; data set {', '.join(datasets)}, model "
       f"{', '.join(models)}, {', '.join(map(str, steps))} steps, seeds "
       f"{', '.join(map(str, seeds))}. Cells are mean ± std over seeds (n runs). *Last step*: "
       f"accuracy on the {split} split after the final step (the number to report). *Best over "
@@ -194,8 +191,8 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
       "are analytic: the products inside every layer's attention kernel for one image "
       f"({', '.join(map(str, lengths))} tokens incl. CLS), multiply-add = 2, projections left out "
       "(primal_dual/analysis/flops.py); SH pools r×r patches of the grid; linear is the "
-      "registry's dual form here. Wall time covers training and the periodic evaluations. "
-      "Per-run records: images.json.\n",
+      "registry's dual form here. Wall time covers training and the periodic evaluations."
+      + grid.shared_machine_note(command) + " Per-run records: images.json.\n",
       grid.summary_table(records, ("attention",), columns, {"wall time (min)": 1 / 60}, extra),
       FULL_SCALE_COMMANDS,
   ]
@@ -220,6 +217,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--epochs", type=int, default=-1, help="-1: the recipe's")
   parser.add_argument("--data_dir", default="", help="TFDS data folder (cifar10, imagenet2012)")
   parser.add_argument("--root", default="workdirs/images_grid", help="parent of the workdirs")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
+  parser.add_argument("--report_only", action="store_true",
+                      help="rewrite the report from the existing results JSON; train nothing")
   parser.add_argument("--results", default="results/images.json",
                       help="records; the .md goes next to it")
   parser.add_argument("--quick", action="store_true",
@@ -244,14 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs = build_runs(args)
   print(f"Images grid: {len(runs)} runs ({len(args.variants)} variants × {len(args.seeds)} "
         f"seeds, {args.dataset}) under {args.root}")
-  records = grid.run_grid(runs, args.root, args.results, record_fn=record_fn)
+  records = grid.records_for_report(runs, args.root, args.results,
+                                    report_only=args.report_only, record_fn=record_fn,
+                                    jobs=args.jobs)
   for record in records:
     validate_record(record)
-  command = "python scripts/reproduce_images.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  command = grid.invocation("scripts/reproduce_images.py", argv)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
   with open(markdown_path, "w") as f:
-    f.write(markdown_report(records, command.strip()))
+    f.write(markdown_report(records, command))
   print(f"wrote {args.results}, {markdown_path}")
   return 0
 

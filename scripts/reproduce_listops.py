@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -158,7 +157,6 @@ def _first_by_variant(records: Sequence[Mapping[str, Any]], field: str) -> dict[
 
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   """results/listops.md: mean ± std over seeds per variant, reference column, full-scale runs."""
-  import jax  # pylint: disable=g-import-not-at-top
   setting = records[0]["setting"]
   params = _first_by_variant(records, "num_params")
   flops = _first_by_variant(records, "attention_flops")
@@ -181,21 +179,20 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   lengths = sorted({r["sequence_length"] for r in records})
   lines = [
       "# ListOps (Long Range Arena): accuracy and attention cost per variant\n",
-      f"Measured by `{command}` on {platform.machine()} with {os.cpu_count()} CPU cores "
-      f"({jax.devices()[0].platform}); setting `{setting}`, preset {', '.join(presets)}, "
+      f"Measured by `{command}` on {grid.describe_hardware(records)}; setting `{setting}`, preset {', '.join(presets)}, "
       f"{', '.join(map(str, steps))} steps, seeds {', '.join(map(str, seeds))}. Cells are "
       "mean ± std over seeds (n runs). *Last step*: test accuracy after the final step (LRA's "
       "protocol). *Validation-selected*: test accuracy at the evaluation with the best validation "
       "accuracy. Attention FLOPs are analytic: the products inside every layer's attention kernel "
       f"for one example at the padded length ({', '.join(map(str, lengths))} tokens), "
       "multiply-add = 2, projections left out (primal_dual/analysis/flops.py); linear runs in its "
-      "O(N) primal form. Wall "
-      "time covers training and the periodic evaluations. Per-run records: listops.json.\n",
+      "O(N) primal form. Wall time covers training and the periodic evaluations."
+      + grid.shared_machine_note(command) + " Per-run records: listops.json.\n",
       f"The column *{REFERENCE_HEADER}* holds SPEC §5's published softmax number for this "
       "setting, measured by others on the full LRA data (96k examples of 500–2000 tokens, 5000 "
       "steps) with their own code. " + (
           "It is not comparable to the runs above, which use a smaller preset (shorter "
-          "sequences, less data) on a CPU.\n" if presets != ["full"] or steps != [5000] else
+          "sequences, less data).\n" if presets != ["full"] or steps != [5000] else
           "The runs above use the same data scale and schedule with this library's code.\n"),
       grid.summary_table(records, ("attention",), columns, {"wall time (min)": 1 / 60}, extra),
       FULL_SCALE_COMMANDS,
@@ -220,6 +217,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=-1, help="-1: the setting's (5000)")
   parser.add_argument("--data_dir", default="", help="TFDS data folder (default TFDS's)")
   parser.add_argument("--root", default="workdirs/listops_grid", help="parent of the workdirs")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
+  parser.add_argument("--report_only", action="store_true",
+                      help="rewrite the report from the existing results JSON; train nothing")
   parser.add_argument("--results", default="results/listops.json",
                       help="records; the .md goes next to it")
   parser.add_argument("--quick", action="store_true",
@@ -244,14 +245,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs = build_runs(args)
   print(f"ListOps grid: {len(runs)} runs ({len(args.variants)} variants × {len(args.seeds)} "
         f"seeds, setting {args.setting}) under {args.root}")
-  records = grid.run_grid(runs, args.root, args.results, record_fn=record_fn)
+  if args.jobs > 1 and not args.report_only:
+    # Prepare the data set once here: parallel runs would each start preparing it.
+    from primal_dual.data import builders  # pylint: disable=g-import-not-at-top
+    config = grid.load_config(runs[0].config_file, runs[0].config_arg)
+    builders.listops_sources(config.data.preset, seed=config.data.get("seed", 0),
+                             data_dir=config.data.get("data_dir") or None)
+  records = grid.records_for_report(runs, args.root, args.results,
+                                    report_only=args.report_only, record_fn=record_fn,
+                                    jobs=args.jobs)
   for record in records:
     validate_record(record)
-  command = "python scripts/reproduce_listops.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  command = grid.invocation("scripts/reproduce_listops.py", argv)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
   with open(markdown_path, "w") as f:
-    f.write(markdown_report(records, command.strip()))
+    f.write(markdown_report(records, command))
   print(f"wrote {args.results}, {markdown_path}")
   return 0
 

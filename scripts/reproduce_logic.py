@@ -87,7 +87,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   presets = sorted({str(r["preset"]) for r in records})
   lines = [
       "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
-      common.environment_line(command) + f" Preset: {', '.join(presets)} (configs/logic.py). "
+      common.environment_line(command, records) + f" Preset: {', '.join(presets)} (configs/logic.py). "
       "Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
       "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
       "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
@@ -108,12 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   stem = RESULTS_STEM + ("_quick" if args.quick else "")
   runs = common.build_runs(CONFIG_FILE, "logic", args.preset, args.quick, args.steps)
   print(f"Fuzzy-logic grid: {len(runs)} runs under {root}")
-  records = grid.run_grid(runs, root, os.path.join(args.out, f"{stem}.json"),
-                          record_fn=record_fn)
-  command = "python scripts/reproduce_logic.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  records = grid.records_for_report(runs, root, os.path.join(args.out, f"{stem}.json"),
+                                    report_only=args.report_only, record_fn=record_fn,
+                                    jobs=args.jobs)
+  command = grid.invocation("scripts/reproduce_logic.py", argv)
   paths = common.write_report(
-      records, args.out, stem, markdown_report(records, command.strip()),
+      records, args.out, stem, markdown_report(records, command),
       lambda path: common.plot_curves(
           records, {"unseen combinations (test)": CURVE_METRICS[0],
                     "held-out conjunctions (ood)": CURVE_METRICS[1]},

@@ -37,10 +37,8 @@ continues from its last checkpoint, and cached analyses are reused.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -207,11 +205,9 @@ def speed_ratio(records: Sequence[Mapping[str, Any]], numerator: str = "hyla",
   return fast / slow  # time per step ∝ 1 / speed
 
 
-def environment_line(command: str) -> str:
-  import jax  # pylint: disable=g-import-not-at-top
-  return (f"Measured by `{command}` on {datetime.date.today().isoformat()}: "
-          f"{platform.machine()}, {os.cpu_count()} CPU cores, JAX {jax.__version__} "
-          f"({jax.devices()[0].platform}).")
+def environment_line(command: str, records: Sequence[Mapping[str, Any]]) -> str:
+  return (f"Measured by `{command}` on {grid.describe_hardware(records)}."
+          + grid.shared_machine_note(command))
 
 
 def plot_curves(records: Sequence[Mapping[str, Any]], panels: Mapping[str, str], path: str,
@@ -268,7 +264,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str, chance: 
   presets = sorted({str(r["preset"]) for r in records})
   lines = [
       "# sRAVEN: compositional generalisation of HYLA, softmax and linear attention\n",
-      environment_line(command) + f" Preset: {', '.join(presets)} (configs/sraven.py). Cells are "
+      environment_line(command, records) + f" Preset: {', '.join(presets)} (configs/sraven.py). Cells are "
       "mean ± std over seeds (n runs). Accuracies are those of the checkpoint selected on the "
       "in-distribution validation split: ID = the in-distribution test split, OOD = problems "
       "whose rule combination was held out of training. Whole-panel accuracy is the exact match "
@@ -322,9 +318,13 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
                       help="2 tiny runs (softmax, hyla; the configs' runlocal) for smoke tests")
   parser.add_argument("--steps", type=int, default=-1, help="override the preset's steps")
   parser.add_argument("--root", default="", help="parent of the runs' workdirs")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
   parser.add_argument("--out", default="results", help="folder of the JSON, Markdown and figure")
   parser.add_argument("--max_examples", type=int, default=1024,
                       help="OOD problems used by the latent-code analysis (sRAVEN only)")
+  parser.add_argument("--report_only", action="store_true",
+                      help="rewrite the report from the existing results JSON; train nothing")
   return parser.parse_args(argv)
 
 
@@ -335,12 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs = build_runs(CONFIG_FILE, "sraven", args.preset, args.quick, args.steps)
   print(f"sRAVEN grid: {len(runs)} runs under {root}")
   results_json = os.path.join(args.out, f"{stem}.json")
-  records = grid.run_grid(runs, root, results_json, record_fn=make_record_fn(args.max_examples))
-  command = "python scripts/reproduce_sraven.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  records = grid.records_for_report(runs, root, results_json, report_only=args.report_only,
+                                    record_fn=make_record_fn(args.max_examples), jobs=args.jobs)
+  command = grid.invocation("scripts/reproduce_sraven.py", argv)
   chance = whole_panel_chance(runs[0].config_file, runs[0].config_arg)
   paths = write_report(
-      records, args.out, stem, markdown_report(records, command.strip(), chance),
+      records, args.out, stem, markdown_report(records, command, chance),
       lambda path: plot_curves(records, {"in-distribution (test)": CURVE_METRICS[0],
                                          "held-out rule combinations (ood)": CURVE_METRICS[1]},
                                path, "whole-panel accuracy", "sRAVEN learning curves"))

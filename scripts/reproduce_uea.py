@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -299,11 +298,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   sizes = sorted({str(r["model_size"]) for r in records})
   epochs = sorted({int(r["epochs"]) for r in records})
   seeds = sorted({int(r["seed"]) for r in records})
-  import jax  # pylint: disable=g-import-not-at-top
   lines = [
       "# UEA time-series classification: accuracy and head redundancy\n",
-      f"Measured by `{command}` on {platform.machine()} with {os.cpu_count()} CPU cores "
-      f"({jax.devices()[0].platform}); model size {', '.join(sizes)}, epochs "
+      f"Measured by `{command}` on {grid.describe_hardware(records)}; model size {', '.join(sizes)}, epochs "
       f"{', '.join(map(str, epochs))}, seeds {', '.join(map(str, seeds))}. Cells are mean ± std "
       "over seeds (n runs). Head distance: mean over layers of the mean pairwise distance between "
       "the heads' attention maps on the test split (higher = heads less redundant; see "
@@ -378,6 +375,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--seeds", type=grid.comma_list(int), default=DEFAULT_SEEDS)
   parser.add_argument("--protocols", type=grid.comma_list(), default=tuple(PROTOCOLS))
   parser.add_argument("--root", default="workdirs/uea_grid", help="parent of the runs' workdirs")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
   parser.add_argument("--results", default="results/uea.json",
                       help="records; the .md and the figures go next to it")
   parser.add_argument("--epochs", type=int, default=-1, help="-1: the protocol's (100, PEMS 400)")
@@ -426,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.report_only:
     runs = [run for run in runs if grid.is_finished(os.path.join(args.root, run.name))]
   records = grid.run_grid(runs, args.root, args.results,
-                          record_fn=make_record_fn(args.redundancy_examples))
+                          record_fn=make_record_fn(args.redundancy_examples), jobs=args.jobs)
   for record in records:
     validate_record(record)
   command = "python scripts/reproduce_uea.py " + " ".join(sys.argv[1:] if argv is None else argv)

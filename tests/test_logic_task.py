@@ -4,6 +4,7 @@ scripts/reproduce_logic.py (its --quick grid is the task's end-to-end run)."""
 import importlib.util
 import json
 import pathlib
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -111,16 +112,28 @@ def test_configs_build_for_every_preset_and_variant(preset):
     logic_configs.get_config("preset=tiny")
 
 
-def test_reproduce_quick_trains_and_reports(tmp_path):
+def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
+  """--jobs=2: both runs train at once in subprocesses; --report_only re-renders the report."""
   script = _load_script("reproduce_logic")
   root, out = tmp_path / "runs", tmp_path / "out"
-  assert script.main(["--quick", f"--root={root}", f"--out={out}"]) == 0
+  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2"]) == 0
   records = json.loads((out / "logic_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
     assert np.isfinite(record["test_r2"]) and record["test_r2"] <= 1.0
     assert np.isfinite(record["ood_r2"]) and record["ood_r2"] <= 1.0
     assert record["curve"]["step"] and record["steps_per_second"] > 0
+    assert record["hardware"]["platform"] == "cpu"  # Recorded by the training subprocess.
+    assert (root / record["name"] / "grid_run.log").exists()
   markdown = (out / "logic_quick.md").read_text()
   assert "| attention | validation R²" in markdown and "--preset=reference" in markdown
+  assert "With `--jobs=2`, 2 runs trained at once" in markdown
   assert (out / "logic_quick_curves.png").stat().st_size > 0
+
+  # --report_only trains nothing (the workdirs may be gone) and rewrites the same report.
+  (out / "logic_quick.md").unlink()
+  shutil.rmtree(root)
+  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2",
+                      "--report_only"]) == 0
+  assert (out / "logic_quick.md").read_text() == markdown
+  assert not root.exists()

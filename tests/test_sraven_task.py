@@ -14,6 +14,7 @@ import pytest
 
 from configs import sraven as sraven_configs
 from primal_dual.data import sraven
+from primal_dual.experiments import grid
 from primal_dual.experiments import sraven as task
 from primal_dual.layers import ATTENTION_REGISTRY
 
@@ -178,6 +179,7 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
     assert record["curve"]["step"] and len(record["curve"]["step"]) == len(
         record["curve"]["ood/whole_panel_accuracy"])
     assert record["steps_per_second"] > 0 and record["wall_time_s"] > 0
+    assert record["hardware"] == grid.hardware_info()
     latent = record["latent_code"]
     assert latent["available"] and 0.0 <= record["latent_decoding"] <= 1.0
     assert (root / record["name"] / "latent_code_pca.png").exists()

@@ -16,10 +16,14 @@ Used by the reproduction scripts in ``scripts/``::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
 import os
+import platform
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -27,6 +31,7 @@ import numpy as np
 
 FINAL_METRICS = "final_metrics.json"
 RUN_INFO = "grid_run.json"
+RUN_LOG = "grid_run.log"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,75 @@ def is_finished(workdir: str) -> bool:
   return os.path.exists(os.path.join(workdir, FINAL_METRICS))
 
 
+def hardware_info() -> dict[str, Any]:
+  """What this process trains on: accelerator kind and count, host, JAX version."""
+  import jax  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  return {"platform": device.platform, "device_kind": device.device_kind,
+          "device_count": jax.device_count(), "host_machine": platform.machine(),
+          "host_cpu_count": os.cpu_count(), "jax_version": jax.__version__}
+
+
+def describe_hardware(records: Sequence[Mapping[str, Any]]) -> str:
+  """One phrase naming the distinct training hardware of ``records`` (their ``hardware`` field).
+
+  For example ``"1 × NVIDIA H100 80GB HBM3 (gpu; host x86_64 with 16 CPU cores; JAX 0.11.2)"``;
+  a record without the field (trained before it existed) counts as ``"unrecorded hardware"``.
+  """
+  phrases = []
+  for record in records:
+    info = record.get("hardware")
+    if not info:
+      phrase = "unrecorded hardware"
+    elif info["platform"] == "cpu":
+      phrase = (f"{info['host_machine']} CPU with {info['host_cpu_count']} cores "
+                f"(JAX {info['jax_version']})")
+    else:
+      phrase = (f"{info['device_count']} × {info['device_kind']} ({info['platform']}; host "
+                f"{info['host_machine']} with {info['host_cpu_count']} CPU cores; "
+                f"JAX {info['jax_version']})")
+    if phrase not in phrases:
+      phrases.append(phrase)
+  return " and ".join(phrases) if phrases else "no runs"
+
+
+def load_records(results_json: str) -> list[dict[str, Any]]:
+  """The records a grid wrote to ``results_json`` (for re-rendering a report without training)."""
+  if not os.path.exists(results_json):
+    raise FileNotFoundError(f"{results_json} does not exist: run the grid first (without "
+                            "--report_only), or pass the results file it wrote")
+  return list(_read_json(results_json))
+
+
+def records_for_report(runs: Sequence[GridRun], root: str, results_json: str, *,
+                       report_only: bool, **run_grid_kwargs) -> list[dict[str, Any]]:
+  """``run_grid(...)``, or with ``report_only`` the records it wrote before (nothing trains).
+
+  ``report_only`` re-renders a report from its JSON, e.g. on a laptop after the grid ran on an
+  accelerator whose workdirs were not kept.
+  """
+  if report_only:
+    return load_records(results_json)
+  return run_grid(runs, root, results_json, **run_grid_kwargs)
+
+
+def invocation(script: str, argv: Sequence[str] | None) -> str:
+  """The command line that produced a report: ``python <script> <args>``, minus ``--report_only``
+  (a re-rendered report names the command that trained its runs)."""
+  args = sys.argv[1:] if argv is None else list(argv)
+  return " ".join(["python", script, *(a for a in args if a != "--report_only")])
+
+
+def shared_machine_note(command: str) -> str:
+  """A sentence for reports whose runs trained ``--jobs N`` at a time (else ``""``)."""
+  jobs = [int(a.split("=", 1)[1]) for a in command.split() if a.startswith("--jobs=")]
+  if not jobs or jobs[-1] <= 1:
+    return ""
+  return (f" With `--jobs={jobs[-1]}`, {jobs[-1]} runs trained at once on that machine, so "
+          "steps/s and wall time are those of one run on a shared machine (for step time alone "
+          "see benchmarks/train_throughput.py).")
+
+
 def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) one run; returns its final metrics and the wall time it took here."""
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
@@ -74,13 +148,53 @@ def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
   previous = _read_json(info_path)["wall_time_s"] if os.path.exists(info_path) else 0.0
   # Wall time adds up over restarts, so an interrupted run reports its total training time.
   _write_json(info_path, {"wall_time_s": previous + time.time() - start,
-                          "config_file": run.config_file, "config_arg": run.config_arg})
+                          "config_file": run.config_file, "config_arg": run.config_arg,
+                          "hardware": hardware_info()})
   return dict(metrics)
+
+
+def train_in_subprocess(run: GridRun, workdir: str) -> None:
+  """``train_one`` in a fresh Python process; its output goes to ``<workdir>/grid_run.log``.
+
+  Several of these share one accelerator (a small model leaves most of a GPU idle), so JAX is
+  told not to preallocate 75% of the device memory per process.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+  command = [sys.executable, "-m", "primal_dual.experiments.grid", run.config_file,
+             run.config_arg, workdir]
+  log_path = os.path.join(workdir, RUN_LOG)
+  with open(log_path, "w") as log_file:
+    result = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                            check=False)
+  if result.returncode != 0:
+    with open(log_path) as f:
+      tail = "".join(f.readlines()[-20:])
+    raise RuntimeError(f"grid run {run.name} failed (exit {result.returncode}); "
+                       f"last lines of {log_path}:\n{tail}")
+
+
+def _train_unfinished_in_parallel(runs: Sequence[GridRun], root: str, jobs: int,
+                                  log: Callable[[str], None]) -> None:
+  """Trains every unfinished run, ``jobs`` subprocesses at a time (finished runs are skipped)."""
+  todo = [run for run in runs if not is_finished(os.path.join(root, run.name))]
+  if not todo:
+    return
+  log(f"training {len(todo)} runs, {jobs} at a time (logs: <workdir>/{RUN_LOG})")
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    futures = {pool.submit(train_in_subprocess, run, os.path.join(root, run.name)): run
+               for run in todo}
+    for future in concurrent.futures.as_completed(futures):
+      future.result()  # Re-raises a failed run's error (the others still finish first).
+      log(f"  {futures[future].name}: done")
 
 
 def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
              record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
-             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+             log: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
   """Runs every unfinished job, then writes one record per run to ``results_json``.
 
   Args:
@@ -90,14 +204,23 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
     record_fn: ``(run, final_metrics, workdir) -> extra fields`` (e.g. head redundancy); its
       output is merged into the record after the run's tags.
     log: progress messages.
+    jobs: runs trained at the same time, each in its own process (for a machine, typically an
+      accelerator, that one small run leaves mostly idle); 1 trains them one after another in
+      this process.
 
   Returns:
-    The records: ``{name, config_file, config_arg, **tags, wall_time_s, metrics, **extra}``.
+    The records: ``{name, config_file, config_arg, **tags, wall_time_s, hardware, metrics,
+    **extra}``; ``hardware`` is ``hardware_info()`` of the process that trained the run (None for
+    runs trained before it was recorded).
   """
   names = [run.name for run in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"grid run names must be unique; duplicates: "
                      f"{sorted({n for n in names if names.count(n) > 1})}")
+  if jobs < 1:
+    raise ValueError(f"jobs must be at least 1; got {jobs}")
+  if jobs > 1:
+    _train_unfinished_in_parallel(runs, root, jobs, log)
   records = []
   for index, run in enumerate(runs):
     workdir = os.path.join(root, run.name)
@@ -110,7 +233,8 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
     info = _read_json(os.path.join(workdir, RUN_INFO)) if os.path.exists(
         os.path.join(workdir, RUN_INFO)) else {"wall_time_s": float("nan")}
     record = {"name": run.name, "config_file": run.config_file, "config_arg": run.config_arg,
-              **dict(run.tags), "wall_time_s": info["wall_time_s"], "metrics": metrics}
+              **dict(run.tags), "wall_time_s": info["wall_time_s"],
+              "hardware": info.get("hardware"), "metrics": metrics}
     if record_fn is not None:
       record.update(record_fn(run, metrics, workdir))
     records.append(record)
@@ -180,3 +304,19 @@ def summary_table(records: Sequence[Mapping[str, Any]], group_by: Sequence[str],
     cells.extend(fn(key) for fn in extra_columns.values())
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
+
+
+def _main(argv: Sequence[str]) -> int:
+  """``python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR``: one run."""
+  if len(argv) != 3:
+    print("usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR",
+          file=sys.stderr)
+    return 2
+  config_file, config_arg, workdir = argv
+  train_one(GridRun(name=os.path.basename(workdir), config_file=config_file,
+                    config_arg=config_arg), workdir)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,62 @@
+"""primal_dual/experiments/grid.py: parallel runs, hardware records, report helpers."""
+
+import json
+import os
+
+import pytest
+
+from primal_dual.experiments import grid
+
+CPU = {"platform": "cpu", "device_kind": "cpu", "device_count": 1, "host_machine": "x86_64",
+       "host_cpu_count": 2, "jax_version": "0.10.2"}
+H100 = {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "device_count": 1,
+        "host_machine": "x86_64", "host_cpu_count": 16, "jax_version": "0.11.2"}
+
+
+def test_describe_hardware_names_each_distinct_machine_once():
+  assert grid.describe_hardware([{"hardware": H100}, {"hardware": H100}]) == (
+      "1 × NVIDIA H100 80GB HBM3 (gpu; host x86_64 with 16 CPU cores; JAX 0.11.2)")
+  mixed = grid.describe_hardware([{"hardware": CPU}, {"hardware": None}, {"hardware": CPU}])
+  assert mixed == "x86_64 CPU with 2 cores (JAX 0.10.2) and unrecorded hardware"
+  assert grid.describe_hardware([]) == "no runs"
+
+
+def test_hardware_info_describes_this_process():
+  info = grid.hardware_info()
+  assert set(info) == set(CPU)
+  assert info["device_count"] >= 1 and info["host_cpu_count"] >= 1
+
+
+def test_shared_machine_note_and_invocation():
+  assert grid.shared_machine_note("python s.py --jobs=1") == ""
+  assert grid.shared_machine_note("python s.py") == ""
+  assert "With `--jobs=4`, 4 runs trained at once" in grid.shared_machine_note(
+      "python s.py --root=x --jobs=4")
+  assert grid.invocation("scripts/x.py", ["--jobs=3", "--report_only", "--quick"]) == (
+      "python scripts/x.py --jobs=3 --quick")
+
+
+def test_jobs_below_one_and_missing_results_are_refused(tmp_path):
+  with pytest.raises(ValueError, match="jobs must be at least 1; got 0"):
+    grid.run_grid([], str(tmp_path), str(tmp_path / "r.json"), jobs=0)
+  with pytest.raises(FileNotFoundError, match="run the grid first"):
+    grid.records_for_report([], str(tmp_path), str(tmp_path / "missing.json"), report_only=True)
+
+
+def test_report_only_reads_the_records_without_training(tmp_path):
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps([{"name": "a", "hardware": CPU}]))
+  never_run = [grid.GridRun(name="a", config_file="no/such/config.py", config_arg="")]
+  assert grid.records_for_report(never_run, str(tmp_path), str(path), report_only=True) == [
+      {"name": "a", "hardware": CPU}]
+
+
+def test_a_failing_parallel_run_raises_with_its_log_tail(tmp_path):
+  config_file = tmp_path / "broken_config.py"
+  config_file.write_text("def get_config(arg):\n  raise ValueError('broken config: ' + arg)\n")
+  runs = [grid.GridRun(name="broken", config_file=str(config_file), config_arg="xyz")]
+  with pytest.raises(RuntimeError, match=r"grid run broken failed \(exit 1\)") as failure:
+    grid.run_grid(runs, str(tmp_path / "runs"), str(tmp_path / "r.json"), jobs=2)
+  assert "broken config: xyz" in str(failure.value)
+  assert os.path.exists(tmp_path / "runs" / "broken" / grid.RUN_LOG)
+  assert not grid.is_finished(str(tmp_path / "runs" / "broken"))
