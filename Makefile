@@ -32,22 +32,24 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
 
 # Paper reproductions (resume where they stopped; write results/*.json|md).
+# Runs trained at once by the reproduce-* grids (one process each; e.g. JOBS=11 on a GPU).
+JOBS ?= 1
 UEA_MODEL_SIZE ?= small
 UEA_EPOCHS ?= 40
 reproduce-uea: $(STAMP)
-	$(PY) scripts/reproduce_uea.py --model_size=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS)
+	$(PY) scripts/reproduce_uea.py --model_size=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS) --jobs=$(JOBS)
 
 reproduce-listops: $(STAMP)
-	$(PY) scripts/reproduce_listops.py
+	$(PY) scripts/reproduce_listops.py --jobs=$(JOBS)
 
 reproduce-images: $(STAMP)
-	$(PY) scripts/reproduce_images.py
+	$(PY) scripts/reproduce_images.py --jobs=$(JOBS)
 
 reproduce-sraven: $(STAMP)
-	$(PY) scripts/reproduce_sraven.py
+	$(PY) scripts/reproduce_sraven.py --jobs=$(JOBS)
 
 reproduce-logic: $(STAMP)
-	$(PY) scripts/reproduce_logic.py
+	$(PY) scripts/reproduce_logic.py --jobs=$(JOBS)
 
 clean:
 	rm -rf workdirs .pytest_cache .hypothesis
