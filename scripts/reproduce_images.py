@@ -206,11 +206,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--variants", type=grid.comma_list(), default=None,
-                      help=f"comma list (default {','.join(DEFAULT_VARIANTS)}; "
-                           f"--quick: {','.join(QUICK_VARIANTS)})")
-  parser.add_argument("--seeds", type=grid.comma_list(int), default=None,
-                      help="comma list (default 0,1,2; --quick: 0)")
+  grid.add_variant_and_seed_arguments(parser, DEFAULT_VARIANTS, QUICK_VARIANTS, DEFAULT_SEEDS)
   parser.add_argument("--dataset", choices=DATASETS, default="digits")
   parser.add_argument("--model", choices=("", *MODELS), default="",
                       help="ViT preset; default the data set's (digits: micro, others: tiny)")
@@ -226,17 +222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: tiny model, 4 steps, 2 runs by default")
   args = parser.parse_args(argv)
-  if args.variants is None:
-    args.variants = QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS
-  if args.seeds is None:
-    args.seeds = (0,) if args.quick else DEFAULT_SEEDS
-  from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
-  unknown = [v for v in args.variants if v not in ATTENTION_REGISTRY]
-  if unknown or not args.variants:
-    parser.error(f"--variants: unknown {unknown or 'empty list'}; choose from "
-                 f"{sorted(ATTENTION_REGISTRY)}")
-  if not args.seeds:
-    parser.error("--seeds: give at least one seed")
+  grid.check_variants_and_seeds(parser, args, DEFAULT_VARIANTS, QUICK_VARIANTS, DEFAULT_SEEDS)
   return args
 
 

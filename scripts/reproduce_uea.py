@@ -371,8 +371,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--datasets", type=grid.comma_list(), default=(),
                       help="comma list; default: those available (bundled + --manual_dir)")
-  parser.add_argument("--variants", type=grid.comma_list(), default=DEFAULT_VARIANTS)
-  parser.add_argument("--seeds", type=grid.comma_list(int), default=DEFAULT_SEEDS)
+  grid.add_variant_and_seed_arguments(parser, DEFAULT_VARIANTS, default_seeds=DEFAULT_SEEDS)
   parser.add_argument("--protocols", type=grid.comma_list(), default=tuple(PROTOCOLS))
   parser.add_argument("--root", default="workdirs/uea_grid", help="parent of the runs' workdirs")
   parser.add_argument("--jobs", type=int, default=1,
@@ -391,16 +390,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--report_only", action="store_true",
                       help="write the JSON, tables and figures of the finished runs; train nothing")
   args = parser.parse_args(argv)
-  for name, values, known in (("variants", args.variants, None),
-                              ("protocols", args.protocols, PROTOCOLS)):
-    if known is None:
-      from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
-      known = ATTENTION_REGISTRY
-    unknown = [v for v in values if v not in known]
-    if unknown or not values:
-      parser.error(f"--{name}: unknown {unknown or 'empty list'}; choose from {sorted(known)}")
-  if not args.seeds:
-    parser.error("--seeds: give at least one seed")
+  grid.check_variants_and_seeds(parser, args, DEFAULT_VARIANTS, default_seeds=DEFAULT_SEEDS)
+  unknown = [p for p in args.protocols if p not in PROTOCOLS]
+  if unknown or not args.protocols:
+    parser.error(f"--protocols: unknown {unknown or 'empty list'}; choose from {sorted(PROTOCOLS)}")
   return args
 
 

@@ -60,3 +60,29 @@ def test_a_failing_parallel_run_raises_with_its_log_tail(tmp_path):
   assert "broken config: xyz" in str(failure.value)
   assert os.path.exists(tmp_path / "runs" / "broken" / grid.RUN_LOG)
   assert not grid.is_finished(str(tmp_path / "runs" / "broken"))
+
+
+def _parse(argv, quick_variants=("softmax",)):
+  import argparse  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  grid.add_variant_and_seed_arguments(parser, ("softmax", "sh"), quick_variants, (0, 1, 2))
+  args = parser.parse_args(argv)
+  grid.check_variants_and_seeds(parser, args, ("softmax", "sh"), quick_variants, (0, 1, 2))
+  return args
+
+
+def test_variant_and_seed_arguments_fill_defaults_and_reject_unknown_names(capsys):
+  args = _parse([])
+  assert args.variants == ("softmax", "sh") and args.seeds == (0, 1, 2)
+  args = _parse(["--quick"])
+  assert args.variants == ("softmax",) and args.seeds == (0,)
+  args = _parse(["--variants=bn,hyla", "--seeds=4"])
+  assert args.variants == ("bn", "hyla") and args.seeds == (4,)
+  for argv, message in ((["--variants=softmax,nope"], "--variants: unknown ['nope']"),
+                        (["--variants=,"], "--variants: unknown empty list"),
+                        (["--seeds=,"], "--seeds: give at least one seed")):
+    with pytest.raises(SystemExit) as exit_info:
+      _parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -16,6 +16,7 @@ Used by the reproduction scripts in ``scripts/``::
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import importlib.util
@@ -247,6 +248,40 @@ def comma_list(cast: Callable[[str], Any] = str) -> Callable[[str], tuple]:
   def parse(text: str) -> tuple:
     return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
   return parse
+
+
+def add_variant_and_seed_arguments(parser: argparse.ArgumentParser,
+                                   default_variants: Sequence[str],
+                                   quick_variants: Sequence[str] | None = None,
+                                   default_seeds: Sequence[int] = (0, 1, 2)) -> None:
+  """``--variants`` and ``--seeds`` comma lists; ``None`` until ``check_variants_and_seeds``."""
+  quick = f"; --quick: {','.join(quick_variants)}" if quick_variants else ""
+  parser.add_argument("--variants", type=comma_list(), default=None,
+                      help=f"comma list of attention names (default {','.join(default_variants)}"
+                           f"{quick})")
+  parser.add_argument("--seeds", type=comma_list(int), default=None,
+                      help=f"comma list (default {','.join(map(str, default_seeds))}"
+                           f"{'; --quick: 0' if quick_variants else ''})")
+
+
+def check_variants_and_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                             default_variants: Sequence[str],
+                             quick_variants: Sequence[str] | None = None,
+                             default_seeds: Sequence[int] = (0, 1, 2)) -> None:
+  """Fills the defaults (the quick ones with ``args.quick``) and rejects unknown attention names
+  or empty lists through ``parser.error`` (one line, exit status 2)."""
+  quick = bool(getattr(args, "quick", False)) and quick_variants is not None
+  if args.variants is None:
+    args.variants = tuple(quick_variants if quick else default_variants)
+  if args.seeds is None:
+    args.seeds = (0,) if quick else tuple(default_seeds)
+  from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
+  unknown = [v for v in args.variants if v not in ATTENTION_REGISTRY]
+  if unknown or not args.variants:
+    parser.error(f"--variants: unknown {unknown or 'empty list'}; choose from "
+                 f"{sorted(ATTENTION_REGISTRY)}")
+  if not args.seeds:
+    parser.error("--seeds: give at least one seed")
 
 
 def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
