@@ -77,6 +77,15 @@ def test_task_source_adds_exact_variance_and_materializes_the_same_records():
       for name in ("inputs", "target", "task_id"):
         np.testing.assert_array_equal(record[name], expected[name])
       assert record["task_variance"] == pytest.approx(variances[expected["task_id"]], rel=1e-6)
+    # get_batch (the batch_reads path) equals the stacked records, dtypes included.
+    indices = np.array([11, 0, 5, 6])
+    batch = source.get_batch(indices)
+    for name, value in batch.items():
+      expected = np.stack([source[int(i)][name] for i in indices])
+      np.testing.assert_allclose(value, expected, rtol=1e-6)
+      assert value.dtype == expected.dtype
+    with pytest.raises(IndexError):
+      source.get_batch(np.array([12]))
   trimmed = task.LogicTaskSource(SMALL, "train", 0, 4, fields=task.TRAIN_FIELDS)
   assert set(trimmed[0]) == set(task.TRAIN_FIELDS)
   with pytest.raises(IndexError):

@@ -160,3 +160,72 @@ def test_loader_on_uea_source_restores(tmp_path):
   _assert_same_batches(_take(fresh, 2), expected)
   eval_batches = list(pipeline.iterate_eval(source, 50))
   assert sum(b["valid"].sum() for b in eval_batches) == len(source) == 216
+
+
+# --- batch_reads: one grain record per batch --------------------------------------------------
+
+
+def test_batch_reads_cover_each_epoch_once_in_a_fresh_seeded_order():
+  batches = _take(_loader(batch_reads=True, num_epochs=2), 4)  # 10 records: 2 batches per epoch
+  assert [b["x"].shape for b in batches] == [(4, 2)] * 4
+  epochs = [np.concatenate([b["label"] for b in batches[i:i + 2]]) for i in (0, 2)]
+  for labels in epochs:
+    assert len(set(labels.tolist())) == 8  # 8 distinct records, the remainder of 2 dropped
+  assert not np.array_equal(epochs[0], epochs[1])  # reshuffled every epoch
+  np.testing.assert_array_equal(batches[0]["x"][:, 1], -batches[0]["label"])
+  again = _take(_loader(batch_reads=True, num_epochs=2), 4)
+  _assert_same_batches(again, batches)  # deterministic from the seed
+  other = _take(_loader(batch_reads=True, num_epochs=2, seed=4), 4)
+  assert not all(np.array_equal(a["label"], b["label"]) for a, b in zip(other, batches))
+  ordered = _take(_loader(batch_reads=True, shuffle=False), 3)
+  np.testing.assert_array_equal(np.concatenate([b["label"] for b in ordered]),
+                                [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3])
+
+
+def test_batch_reads_end_after_num_epochs():
+  assert len(list(_loader(batch_reads=True, num_epochs=3))) == 6
+
+
+def test_batch_reads_state_restore_replays_the_same_batches(tmp_path):
+  iterator = _loader(batch_reads=True)
+  _take(iterator, 3)
+  state = iterator.get_state()
+  expected = _take(iterator, 3)  # crosses an epoch boundary
+  fresh = _loader(batch_reads=True)
+  fresh.set_state(state)
+  _assert_same_batches(_take(fresh, 3), expected)
+  with pytest.raises(ValueError):
+    _loader(batch_reads=True, seed=4).set_state(state)
+
+
+class GatheringSource(CountingSource):
+  """CountingSource with a vectorised ``get_batch`` that records how it was called."""
+
+  calls = 0
+
+  def get_batch(self, indices):
+    GatheringSource.calls += 1
+    indices = np.asarray(indices)
+    return {"x": np.stack([indices, -indices], axis=1).astype(np.int32),
+            "label": indices.astype(np.int32)}
+
+
+def test_batch_stream_uses_get_batch_and_slices_processes_disjointly():
+  source = GatheringSource(10)
+  slices = [pipeline.BatchStream(source, batch_size=2, seed=0, shuffle=True, start=start,
+                                 stop=stop, num_epochs=1) for start, stop in ((0, 5), (5, 10))]
+  before = GatheringSource.calls
+  seen = [np.concatenate([stream[i]["label"] for i in range(len(stream))]) for stream in slices]
+  assert GatheringSource.calls - before == 4  # one gather per batch
+  assert set(seen[0]) <= set(range(5)) and set(seen[1]) <= set(range(5, 10))
+  assert [len(s) for s in seen] == [4, 4]
+  assert "seed=0" in repr(slices[0]) and "start=5" in repr(slices[1])
+
+
+def test_batch_reads_refuse_what_they_cannot_do():
+  with pytest.raises(ValueError, match="drop_remainder=True and no transforms"):
+    _loader(batch_reads=True, drop_remainder=False)
+  with pytest.raises(ValueError, match="drop_remainder=True and no transforms"):
+    _loader(batch_reads=True, transforms=[grain.transforms.Batch(batch_size=1)])
+  with pytest.raises(ValueError, match="exceeds this process's 10 records"):
+    _loader(batch_reads=True, batch_size=11)

@@ -104,6 +104,15 @@ def test_materialized_source_equals_the_stream():
   with pytest.raises(ValueError, match="stores only"):
     task.MaterializedSRavenSource(SMALL, "train", 3, 20, fields=("rules",))
   assert repr(stored) == repr(task.MaterializedSRavenSource(SMALL, "train", 3, 20))
+  # get_batch (the batch_reads path) equals the stacked records, dtypes included.
+  indices = np.array([19, 0, 13, 10])
+  batch = stored.get_batch(indices)
+  for name in task.TRAIN_FIELDS:
+    expected = np.stack([stored[int(i)][name] for i in indices])
+    np.testing.assert_array_equal(batch[name], expected)
+    assert batch[name].dtype == expected.dtype
+  with pytest.raises(IndexError):
+    stored.get_batch(np.array([3, 20]))
 
 
 def test_build_data_splits_and_metadata():

@@ -547,6 +547,30 @@ def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
   assert again['test/accuracy'] == final['test/accuracy']
 
 
+def test_batch_reads_train_and_resume_exactly(tmp_path):
+  """config.loader.batch_reads: the fast input path trains, and a crashed run resumes onto the
+  same batches and parameters as an uninterrupted one."""
+  config = tiny_config(**{'loader.batch_reads': True})
+  reference, crashed = str(tmp_path / 'reference'), str(tmp_path / 'crashed')
+  reference_batches, seen, resumed = [], [], []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(reference_batches))
+    reference_final = trainer.train_and_evaluate(config, reference)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(seen, crash_at=7))
+    with pytest.raises(Crash):
+      trainer.train_and_evaluate(config, crashed)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', batch_recorder(resumed))
+    final = trainer.train_and_evaluate(config, crashed)
+  assert len(reference_batches) == 8 and seen == reference_batches[:6]
+  assert resumed == reference_batches[4:]
+  assert final['test/accuracy'] == reference_final['test/accuracy']
+  _, expected, _ = restore_state(reference, 8, config)
+  _, actual, _ = restore_state(crashed, 8, config)
+  jax.tree.map(np.testing.assert_array_equal, expected, actual)
+
+
 @pytest.mark.parametrize('checkpoint_every', [1, 4])
 def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
   # Without BatchNorm: also covers checkpointing a model with no batch_stats ({}).

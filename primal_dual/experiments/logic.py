@@ -116,6 +116,19 @@ class LogicTaskSource:
               for i in indices]
     return [self._select(record) for record in self._stream.__getitems__(indices)]
 
+  def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    """Records ``indices`` stacked, ``{field: [len(indices), ...]}``, in one gather (or one
+    generator call); what ``pipeline.make_loader(batch_reads=True)`` reads."""
+    indices = np.asarray(indices, np.int64)
+    if indices.size and (indices.min() < 0 or indices.max() >= self.size):
+      raise IndexError(f"indices out of range for a source of size {self.size}.")
+    if self._stored is not None:
+      batch = {name: value[indices] for name, value in self._stored.items()}
+    else:
+      batch = logic.generate_batch(self.config, self.seed, indices, self.split)
+      batch = {name: np.asarray(value) for name, value in batch.items()}
+    return self._select(batch)
+
   def __repr__(self) -> str:
     # Stable across processes and restarts: grain checks it when restoring an iterator.
     return (f"LogicTaskSource(split={self.split!r}, seed={self.seed}, size={self.size}, "

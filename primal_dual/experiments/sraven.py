@@ -164,6 +164,16 @@ class MaterializedSRavenSource:
   def __getitems__(self, indices) -> list[dict[str, np.ndarray]]:
     return [self[i] for i in indices]
 
+  def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    """Records ``indices`` stacked (``{field: [len(indices), ...]}``) in one gather; what
+    ``pipeline.make_loader(batch_reads=True)`` reads."""
+    indices = np.asarray(indices, np.int64)
+    if indices.size and (indices.min() < 0 or indices.max() >= self.size):
+      raise IndexError(f"indices out of range for a source of size {self.size}.")
+    batch = {"inputs": decode_tokens(self._tokens[indices], self.config.num_values),
+             "targets": self._targets[indices].astype(np.int32)}
+    return {name: batch[name] for name in self.fields}
+
   def __repr__(self) -> str:
     # Stable across processes and restarts: grain checks it when restoring an iterator.
     return (f"MaterializedSRavenSource(split={self.split!r}, seed={self.seed}, size={self.size}, "

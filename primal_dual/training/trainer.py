@@ -256,7 +256,8 @@ class Experiment:
         shuffle=True, num_epochs=None, drop_remainder=True, shard_by_process=True,
         worker_count=loader.worker_count,
         read_options=grain.ReadOptions(num_threads=loader.num_threads,
-                                       prefetch_buffer_size=loader.prefetch_buffer_size))
+                                       prefetch_buffer_size=loader.prefetch_buffer_size),
+        batch_reads=loader.get('batch_reads', False))
 
   def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
     """This process's padded batches covering split `split` once (with `valid`)."""
