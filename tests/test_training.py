@@ -410,6 +410,17 @@ def test_metric_writer_jsonl_and_truncate(tmp_path):
   assert table.splitlines() == ['split  accuracy  loss', 'test   0.5000    1.2500']
 
 
+def test_latest_and_selected_checkpointers_use_separate_barriers(tmp_path):
+  """Both save the same step at once in a multi-process run; a shared Orbax barrier name
+  ("async_write_complete.<step>") made test_multiprocess hang about half the time."""
+  prefixes = []
+  for name in (checkpointing.CHECKPOINT_DIR, checkpointing.SELECTED_DIR):
+    with checkpointing.Checkpointer(str(tmp_path / name)) as checkpointer:
+      options = checkpointer._manager._options  # pylint: disable=protected-access
+      prefixes.append(options.multiprocessing_options.barrier_sync_key_prefix)
+  assert prefixes == [checkpointing.CHECKPOINT_DIR, checkpointing.SELECTED_DIR]
+
+
 def test_checkpointer_keeps_last_k_and_deletes_later_steps(tmp_path):
   state = {'w': jnp.arange(3.0), 'empty': {}}
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

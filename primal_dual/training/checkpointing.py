@@ -54,6 +54,11 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         cleanup_tmp_directories=True,
+        # Orbax names its cross-process barriers by step alone ("async_write_complete.<step>"), so
+        # two managers saving the same step at once (the latest and the selected checkpoint) would
+        # join the same barrier and hang a multi-process run; the folder name keeps them apart.
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix=os.path.basename(self.directory)),
     )
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=('state', 'data', 'meta'))
