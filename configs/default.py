@@ -9,7 +9,9 @@ Command and expected result (``make train`` runs exactly this)::
   python train.py --config=configs/default.py --workdir=workdirs/default
 
 prints the final metrics; ``best/test_accuracy`` (best over epochs, the published protocol) and
-``test/accuracy`` (last epoch) land around 0.95–0.98 on CPU (see the README for measured values).
+``test/accuracy`` (last epoch). Measured from a fresh clone on the project's idle 2-core CPU VM
+(seed 0, 40 epochs = 496 steps): both 0.9919, 45 s for the training command (3 seeds of the same
+setup: 98.9 ± 0.3% best-test, README).
 
 Arguments: the same as ``configs/uea.py`` (``attention=``, ``protocol=``, ``seed=``, ``epochs=``,
 ``runlocal``), e.g. ``--config=configs/default.py:attention=bn_sh``.
