@@ -91,14 +91,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
 
 def validate_record(record: Mapping[str, Any]) -> None:
   """Raises ValueError naming every field of ``RECORD_SCHEMA`` missing or of the wrong type."""
-  problems = [f"{field}: missing" if field not in record else
-              f"{field}: {type(record[field]).__name__} where {[t.__name__ for t in types]}"
-              for field, types in RECORD_SCHEMA.items()
-              if field not in record or not isinstance(record[field], types)
-              or (isinstance(record[field], bool) and bool not in types)]
-  if problems:
-    raise ValueError(f"ListOps record {record.get('name')!r} does not match RECORD_SCHEMA: "
-                     + "; ".join(problems))
+  grid.check_schema(record, RECORD_SCHEMA, "ListOps")
 
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
@@ -144,31 +137,20 @@ def record_fn(run: grid.GridRun, metrics: Mapping[str, Any], workdir: str) -> di
 # Report.
 
 
-def _field(name: str):
-  return lambda record: record.get(name)
-
-
-def _first_by_variant(records: Sequence[Mapping[str, Any]], field: str) -> dict[str, Any]:
-  values = {}
-  for record in records:
-    values.setdefault(record["attention"], record[field])
-  return values
-
-
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   """results/listops.md: mean ± std over seeds per variant, reference column, full-scale runs."""
   setting = records[0]["setting"]
-  params = _first_by_variant(records, "num_params")
-  flops = _first_by_variant(records, "attention_flops")
-  relative = _first_by_variant(records, "attention_flops_relative")
+  params = grid.first_by_variant(records, "num_params")
+  flops = grid.first_by_variant(records, "attention_flops")
+  relative = grid.first_by_variant(records, "attention_flops_relative")
 
   def reference(key: tuple) -> str:
     value = REFERENCE.get((setting, key[0]))
     return "–" if value is None else f"{100 * value:.2f}"
 
-  columns = {"test acc % (last step)": _field("test_accuracy"),
-             "test acc % (validation-selected)": _field("selected_test_accuracy"),
-             "wall time (min)": _field("wall_time_s")}
+  columns = {"test acc % (last step)": grid.field("test_accuracy"),
+             "test acc % (validation-selected)": grid.field("selected_test_accuracy"),
+             "wall time (min)": grid.field("wall_time_s")}
   extra = {"params": lambda key: f"{params[key[0]]:,}",
            "attention MFLOPs / example": lambda key: f"{flops[key[0]] / 1e6:.4g}",
            "attention FLOPs / softmax": lambda key: f"{relative[key[0]]:.2f}",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if SCRIPTS_DIR not in sys.path:
@@ -64,18 +64,14 @@ def record_fn(run: grid.GridRun, metrics: Mapping[str, Any], workdir: str) -> di
   }
 
 
-def _field(name: str) -> Callable[[Mapping[str, Any]], Any]:
-  return lambda record: record.get(name)
-
-
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   columns = {
-      "validation R²": _field("validation_r2"),
-      "test R² (unseen combinations)": _field("test_r2"),
-      "OOD R² (held-out conjunctions)": _field("ood_r2"),
-      "OOD R² last eval": _field("final_ood_r2"),
-      "steps/s": _field("steps_per_second"),
-      "wall time (min)": _field("wall_time_s"),
+      "validation R²": grid.field("validation_r2"),
+      "test R² (unseen combinations)": grid.field("test_r2"),
+      "OOD R² (held-out conjunctions)": grid.field("ood_r2"),
+      "OOD R² last eval": grid.field("final_ood_r2"),
+      "steps/s": grid.field("steps_per_second"),
+      "wall time (min)": grid.field("wall_time_s"),
   }
   scales = {name: 1.0 for name in columns}
   scales["wall time (min)"] = 1 / 60

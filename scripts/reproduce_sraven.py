@@ -240,20 +240,16 @@ def plot_curves(records: Sequence[Mapping[str, Any]], panels: Mapping[str, str],
   return path
 
 
-def _field(name: str) -> Callable[[Mapping[str, Any]], Any]:
-  return lambda record: record.get(name)
-
-
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str, chance: float) -> str:
   columns = {
-      "ID whole-panel %": _field("id_whole_panel"),
-      "OOD whole-panel %": _field("ood_whole_panel"),
-      "OOD feature %": _field("ood_feature"),
-      "OOD last eval %": _field("final_ood_whole_panel"),
-      "latent decoding %": _field("latent_decoding"),
-      "decoding chance %": _field("latent_decoding_chance"),
-      "steps/s": _field("steps_per_second"),
-      "wall time (min)": _field("wall_time_s"),
+      "ID whole-panel %": grid.field("id_whole_panel"),
+      "OOD whole-panel %": grid.field("ood_whole_panel"),
+      "OOD feature %": grid.field("ood_feature"),
+      "OOD last eval %": grid.field("final_ood_whole_panel"),
+      "latent decoding %": grid.field("latent_decoding"),
+      "decoding chance %": grid.field("latent_decoding_chance"),
+      "steps/s": grid.field("steps_per_second"),
+      "wall time (min)": grid.field("wall_time_s"),
   }
   scales = {"steps/s": 1.0, "wall time (min)": 1 / 60}
   ratio = speed_ratio(records)

@@ -103,20 +103,9 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
 
 def validate_record(record: Mapping[str, Any]) -> None:
   """Raises ValueError naming every field of ``RECORD_SCHEMA`` missing or of the wrong type."""
-  problems = []
-  for field, types in RECORD_SCHEMA.items():
-    if field not in record:
-      problems.append(f"{field}: missing")
-    elif isinstance(record[field], bool) and bool not in types:
-      problems.append(f"{field}: bool where {[t.__name__ for t in types]} expected")
-    elif not isinstance(record[field], types):
-      problems.append(f"{field}: {type(record[field]).__name__} where "
-                      f"{[t.__name__ for t in types]} expected")
-  if record.get("protocol") not in PROTOCOLS:
-    problems.append(f"protocol: {record.get('protocol')!r} is not one of {sorted(PROTOCOLS)}")
-  if problems:
-    raise ValueError(f"UEA record {record.get('name')!r} does not match RECORD_SCHEMA: "
-                     + "; ".join(problems))
+  extra = ([] if record.get("protocol") in PROTOCOLS else
+           [f"protocol: {record.get('protocol')!r} is not one of {sorted(PROTOCOLS)}"])
+  grid.check_schema(record, RECORD_SCHEMA, "UEA", extra)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,10 +244,6 @@ def make_record_fn(max_examples: int):
 # Report: Markdown and figures.
 
 
-def _field(name: str):
-  return lambda record: record.get(name)
-
-
 def _reference_cell(key: tuple) -> str:
   value = REFERENCE.get((key[0], key[1]))
   return "–" if value is None else f"{100 * value:.1f}"
@@ -287,11 +272,11 @@ def _ten_dataset_average(records: Sequence[Mapping[str, Any]]) -> str:
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   """results/uea.md: one table per protocol, mean ± std over seeds (n = seeds)."""
   columns = {
-      "test acc %": _field("test_accuracy"),
-      "head distance": _field("head_distance"),
-      "params (M)": _field("num_params"),
-      "attn FLOPs / softmax": _field("attention_flops_relative"),
-      "train time (min)": _field("wall_time_s"),
+      "test acc %": grid.field("test_accuracy"),
+      "head distance": grid.field("head_distance"),
+      "params (M)": grid.field("num_params"),
+      "attn FLOPs / softmax": grid.field("attention_flops_relative"),
+      "train time (min)": grid.field("wall_time_s"),
   }
   scales = {"head distance": 1.0, "params (M)": 1e-6, "attn FLOPs / softmax": 1.0,
             "train time (min)": 1 / 60}

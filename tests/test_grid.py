@@ -86,3 +86,23 @@ def test_variant_and_seed_arguments_fill_defaults_and_reject_unknown_names(capsy
       _parse(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_check_schema_names_every_problem():
+  schema = {"name": (str,), "count": (int,), "flag": (bool,), "score": (int, float)}
+  grid.check_schema({"name": "a", "count": 3, "flag": True, "score": 0.5}, schema, "X")
+  with pytest.raises(ValueError) as failure:
+    grid.check_schema({"name": "a", "count": True, "score": "high"}, schema, "X",
+                      ["protocol: 'p' is not one of ['q']"])
+  message = str(failure.value)
+  assert message.startswith("X record 'a' does not match RECORD_SCHEMA: ")
+  for part in ("count: bool where ['int'] expected", "flag: missing",
+               "score: str where ['int', 'float'] expected", "protocol: 'p' is not one of"):
+    assert part in message
+
+
+def test_report_helpers():
+  records = [{"attention": "softmax", "n": 1}, {"attention": "sh", "n": 2},
+             {"attention": "softmax", "n": 3}]
+  assert grid.first_by_variant(records, "n") == {"softmax": 1, "sh": 2}
+  assert grid.field("n")(records[1]) == 2 and grid.field("missing")(records[1]) is None

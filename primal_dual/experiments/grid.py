@@ -284,6 +284,43 @@ def check_variants_and_seeds(parser: argparse.ArgumentParser, args: argparse.Nam
     parser.error("--seeds: give at least one seed")
 
 
+def schema_problems(record: Mapping[str, Any],
+                    schema: Mapping[str, tuple[type, ...]]) -> list[str]:
+  """Every field of ``schema`` (name → accepted types) missing from ``record`` or of another type
+  (a bool is not accepted as an int unless the schema names bool)."""
+  problems = []
+  for name, types in schema.items():
+    if name not in record:
+      problems.append(f"{name}: missing")
+    elif (isinstance(record[name], bool) and bool not in types) or not isinstance(record[name],
+                                                                                 types):
+      problems.append(f"{name}: {type(record[name]).__name__} where "
+                      f"{[t.__name__ for t in types]} expected")
+  return problems
+
+
+def check_schema(record: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]],
+                 label: str, extra_problems: Sequence[str] = ()) -> None:
+  """Raises ValueError naming every problem of ``record`` (``schema_problems`` + ``extra``)."""
+  problems = schema_problems(record, schema) + list(extra_problems)
+  if problems:
+    raise ValueError(f"{label} record {record.get('name')!r} does not match RECORD_SCHEMA: "
+                     + "; ".join(problems))
+
+
+def field(name: str) -> Callable[[Mapping[str, Any]], Any]:
+  """A ``summary_table`` column extractor: ``record[name]`` (None when absent)."""
+  return lambda record: record.get(name)
+
+
+def first_by_variant(records: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:
+  """``{attention: record[name]}`` from each variant's first record (values equal across seeds)."""
+  values = {}
+  for record in records:
+    values.setdefault(record["attention"], record[name])
+  return values
+
+
 def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
   """Mean, sample standard deviation (0 for one value) and count, ignoring NaNs."""
   values = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
