@@ -578,9 +578,8 @@ def render_markdown(payload) -> str:
 
 def plot_times(payload, path) -> Path:
   """Log-log time vs length, one line per kernel, one panel per dtype × pass."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
 
   config, records = payload["config"], payload["records"]
   dtypes, passes = config["dtypes"], config["passes"]
@@ -605,11 +604,7 @@ def plot_times(payload, path) -> Path:
   axes[0][0].legend(fontsize=7)
   fig.suptitle(f"Attention kernels on {payload['metadata']['device_label']}")
   fig.tight_layout()
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return Path(plots.save_figure(fig, path, dpi=120, tight_bbox=False))
 
 
 # --- Command line --------------------------------------------------------------------------------

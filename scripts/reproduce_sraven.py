@@ -213,9 +213,8 @@ def environment_line(command: str, records: Sequence[Mapping[str, Any]]) -> str:
 def plot_curves(records: Sequence[Mapping[str, Any]], panels: Mapping[str, str], path: str,
                 ylabel: str, title: str) -> str:
   """One panel per metric (title → curve key), one line per run, coloured by attention."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   variants = list(dict.fromkeys(r["attention"] for r in records))
   colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
   figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -234,10 +233,7 @@ def plot_curves(records: Sequence[Mapping[str, Any]], panels: Mapping[str, str],
   axes[0][-1].legend(fontsize=8)
   figure.suptitle(title)
   figure.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  figure.savefig(path, dpi=100)
-  plt.close(figure)
-  return path
+  return plots.save_figure(figure, path, dpi=100, tight_bbox=False)
 
 
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str, chance: float) -> str:

@@ -261,9 +261,8 @@ def principal_components(codes: np.ndarray, count: int = 2) -> np.ndarray:
 def plot_codes(codes_per_layer: Sequence[np.ndarray], labels: np.ndarray,
                rule_names: Sequence[str], path: str, title: str = "") -> str:
   """Scatter of each layer's codes on their first two principal components, coloured by rule."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   labels = np.asarray(labels).reshape(-1)
   figure, axes = plt.subplots(1, len(codes_per_layer), figsize=(4 * len(codes_per_layer), 4),
                               squeeze=False)
@@ -281,10 +280,7 @@ def plot_codes(codes_per_layer: Sequence[np.ndarray], labels: np.ndarray,
   if title:
     figure.suptitle(title)
   figure.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  figure.savefig(path, dpi=100)
-  plt.close(figure)
-  return path
+  return plots.save_figure(figure, path, dpi=100, tight_bbox=False)
 
 
 # ------------------------------------------------------------------------------------------------

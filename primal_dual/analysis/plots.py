@@ -11,17 +11,19 @@ from typing import Mapping, Sequence
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
+  """``matplotlib.pyplot`` on the non-interactive Agg backend (imported on first use)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt
 
 
-def _save(fig, path: str) -> str:
+def save_figure(fig, path, *, dpi: int = 110, tight_bbox: bool = True) -> str:
+  """Writes ``fig`` to ``path`` (creating its folder), closes it and returns ``path``."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110, bbox_inches="tight")
-  _pyplot().close(fig)
+  fig.savefig(path, dpi=dpi, bbox_inches="tight" if tight_bbox else None)
+  pyplot().close(fig)
   return path
 
 
@@ -38,7 +40,7 @@ def plot_attention_grid(maps: Mapping[str, Sequence[np.ndarray]], path: str,
   Returns:
     ``path``.
   """
-  plt = _pyplot()
+  plt = pyplot()
   rows = [(name, layer, np.asarray(m)) for name, layers in maps.items()
           for layer, m in enumerate(layers)]
   if not rows:
@@ -63,7 +65,7 @@ def plot_attention_grid(maps: Mapping[str, Sequence[np.ndarray]], path: str,
         ax.set_xlabel("key", fontsize=8)
   if title:
     fig.suptitle(title, fontsize=10)
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def plot_redundancy_bars(values: Mapping[str, Mapping[str, tuple[float, float]]], path: str,
@@ -78,7 +80,7 @@ def plot_redundancy_bars(values: Mapping[str, Mapping[str, tuple[float, float]]]
   Returns:
     ``path``.
   """
-  plt = _pyplot()
+  plt = pyplot()
   groups = list(values)
   variants = list(dict.fromkeys(v for group in values.values() for v in group))
   if not groups or not variants:
@@ -98,4 +100,4 @@ def plot_redundancy_bars(values: Mapping[str, Mapping[str, tuple[float, float]]]
   ax.legend(fontsize=7, ncol=min(len(variants), 6))
   if title:
     ax.set_title(title, fontsize=10)
-  return _save(fig, path)
+  return save_figure(fig, path)
