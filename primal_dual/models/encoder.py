@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels.masks import padding_mask
