@@ -213,12 +213,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs = build_runs(args)
   print(f"ListOps grid: {len(runs)} runs ({len(args.variants)} variants × {len(args.seeds)} "
         f"seeds, setting {args.setting}) under {args.root}")
-  if args.jobs > 1 and not args.report_only:
-    # Prepare the data set once here: parallel runs would each start preparing it.
-    from primal_dual.data import builders  # pylint: disable=g-import-not-at-top
-    config = grid.load_config(runs[0].config_file, runs[0].config_arg)
-    builders.listops_sources(config.data.preset, seed=config.data.get("seed", 0),
-                             data_dir=config.data.get("data_dir") or None)
   records = grid.records_for_report(runs, args.root, args.results,
                                     report_only=args.report_only, record_fn=record_fn,
                                     jobs=args.jobs)

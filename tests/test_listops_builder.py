@@ -59,3 +59,36 @@ def test_registered_configs_and_bad_arguments():
     builders.listops_config("tiny", seed=-1)
   with pytest.raises(ValueError, match="at most 4"):
     builders.pad_tokens(np.arange(5), 0, 4)
+
+
+def test_processes_starting_together_prepare_once(tmp_path, monkeypatch):
+  """Two callers at once (a grid's --jobs): one prepares while the other waits, then reads it."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  original = builders.ListOps.download_and_prepare
+  calls = []
+
+  def slow_prepare(self, *args, **kwargs):
+    calls.append(time.monotonic())
+    time.sleep(0.5)  # long enough for the other caller to find the data unprepared
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(builders.ListOps, "download_and_prepare", slow_prepare)
+  results, errors = [None, None], []
+
+  def load(slot):
+    try:
+      results[slot] = builders.listops_sources("tiny", seed=9, data_dir=tmp_path,
+                                               splits=("test",))["test"]
+    except Exception as error:  # pylint: disable=broad-except
+      errors.append(error)
+
+  threads = [threading.Thread(target=load, args=(slot,)) for slot in (0, 1)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert not errors and len(calls) == 1
+  assert len(results[0]) == len(results[1]) > 0
+  for i in range(len(results[0])):
+    np.testing.assert_array_equal(results[0][i]["inputs"], results[1][i]["inputs"])

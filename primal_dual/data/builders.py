@@ -26,6 +26,7 @@ once into the same ``data_dir``: prepare once (e.g. on process 0) before a multi
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -124,13 +125,28 @@ def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
                      data_dir: str | os.PathLike[str] | None = None,
                      manual_dir: str | os.PathLike[str] | None = None
                      ) -> tfds.core.GeneratorBasedBuilder:
-  """Opens ``builder_cls`` with ``config`` in ``data_dir``, preparing it first if needed."""
-  builder = builder_cls(config=config, data_dir=None if data_dir is None else os.fspath(data_dir),
-                        file_format=FILE_FORMAT)
-  if not builder.is_prepared():
-    download_config = tfds.download.DownloadConfig(
-        manual_dir=None if manual_dir is None else os.fspath(manual_dir))
-    builder.download_and_prepare(download_config=download_config)
+  """Opens ``builder_cls`` with ``config`` in ``data_dir``, preparing it first if needed.
+
+  Preparation holds an exclusive file lock next to the data, so processes that start at once
+  (a grid's ``--jobs``, several hosts on one file system) prepare a data set once and the others
+  wait for it, instead of writing the same folder concurrently.
+  """
+  def open_builder():
+    return builder_cls(config=config, data_dir=None if data_dir is None else os.fspath(data_dir),
+                       file_format=FILE_FORMAT)
+  builder = open_builder()
+  if builder.is_prepared():
+    return builder
+  lock_path = os.path.join(os.path.dirname(builder.data_dir), ".prepare.lock")
+  os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+  with open(lock_path, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    # Reopened: a builder made before another process finished has no prepared metadata.
+    builder = open_builder()
+    if not builder.is_prepared():
+      download_config = tfds.download.DownloadConfig(
+          manual_dir=None if manual_dir is None else os.fspath(manual_dir))
+      builder.download_and_prepare(download_config=download_config)
   return builder
 
 
