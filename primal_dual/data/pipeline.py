@@ -171,12 +171,13 @@ def _make_batch_loader(source: Any, size: int, *, batch_size: int, seed: int, sh
   if not drop_remainder or transforms:
     raise ValueError("batch_reads=True needs drop_remainder=True and no transforms "
                      f"(got drop_remainder={drop_remainder}, {len(transforms)} transforms).")
-  # Every process gets the same number of batches: the smallest slice decides.
-  start, stop, _ = _process_slice(size, None, None) if shard_by_process else (0, size, size)
+  start, stop = 0, size
   if shard_by_process:
     import jax  # pylint: disable=g-import-not-at-top
-    count = jax.process_count()
-    stop = start + min(size * (i + 1) // count - size * i // count for i in range(count))
+    start, _, _ = _process_slice(size, None, None)
+    # Slices differ by at most one record; reading the smallest size (size // count) everywhere
+    # gives every process the same number of batches.
+    stop = start + size // jax.process_count()
   stream = BatchStream(source, batch_size=batch_size, seed=seed, shuffle=shuffle, start=start,
                        stop=stop, num_epochs=num_epochs)
   sampler = grain.samplers.IndexSampler(num_records=len(stream),
