@@ -1,5 +1,6 @@
 """primal_dual/experiments/grid.py: parallel runs, hardware records, report helpers."""
 
+import argparse
 import json
 import os
 
@@ -63,7 +64,6 @@ def test_a_failing_parallel_run_raises_with_its_log_tail(tmp_path):
 
 
 def _parse(argv, quick_variants=("softmax",)):
-  import argparse  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   grid.add_variant_and_seed_arguments(parser, ("softmax", "sh"), quick_variants, (0, 1, 2))

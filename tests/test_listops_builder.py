@@ -1,4 +1,7 @@
 """ListOps TFDS builder: records round-trip from the generator, seeds give separate configs."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -63,8 +66,6 @@ def test_registered_configs_and_bad_arguments():
 
 def test_processes_starting_together_prepare_once(tmp_path, monkeypatch):
   """Two callers at once (a grid's --jobs): one prepares while the other waits, then reads it."""
-  import threading  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   original = builders.ListOps.download_and_prepare
   calls = []
 
