@@ -48,7 +48,7 @@ data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_bn_sh
 """
 
 from primal_dual.experiments import images as images_task
-from primal_dual.layers import ATTENTION_REGISTRY
+from primal_dual import registry
 from primal_dual.models import VIT_PRESETS
 from primal_dual.training import config_lib
 
@@ -73,7 +73,6 @@ RECIPES = {
                          weight_decay=0.05, end_lr=1e-5, eval_every_epochs=1,
                          checkpoint_every_epochs=1),
 }
-SH_VARIANTS = ("sh", "bn_sh")
 SH_RATIOS = {3: (1, 2, 4), 4: (1, 1, 2, 2), 6: (1, 1, 2, 2, 4, 4)}
 
 
@@ -82,8 +81,7 @@ def sh_ratios_for(num_heads: int, grid_side: int) -> tuple[int, ...]:
 
   Head counts outside ``SH_RATIOS`` get half their heads at ratio 1 and half at 2.
   """
-  pattern = SH_RATIOS.get(num_heads) or tuple(1 if h < (num_heads + 1) // 2 else 2
-                                              for h in range(num_heads))
+  pattern = SH_RATIOS.get(num_heads) or registry.default_ratios(num_heads)
   cap = max(1, grid_side // 2)
   return tuple(min(r, cap) for r in pattern)
 
@@ -93,9 +91,7 @@ def get_config(arg=None):
                              epochs=-1, data_dir="", runlocal=False)
   if arg.dataset not in RECIPES:
     raise ValueError(f"unknown image data set {arg.dataset!r}; choose one of {sorted(RECIPES)}")
-  if arg.attention not in ATTENTION_REGISTRY:
-    raise ValueError(f"unknown attention {arg.attention!r}; choose one of "
-                     f"{sorted(ATTENTION_REGISTRY)}")
+  registry.lookup(arg.attention)
   recipe = RECIPES[arg.dataset]
   model_name = arg.model or recipe["model"]
   if model_name not in VIT_PRESETS:
@@ -136,8 +132,8 @@ def get_config(arg=None):
     config.eval_every_steps = 2
     config.checkpoint_every_steps = 0  # only after the last step
     config.log_every_steps = 2
-  if arg.attention in SH_VARIANTS:
-    side = images_task.IMAGE_SIDES[arg.dataset](config.data)
-    config.model.attention_options = dict(
-        ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size))
+  side = images_task.IMAGE_SIDES[arg.dataset](config.data)
+  config.model.attention_options = registry.model_options(
+      arg.attention, config.model.num_heads,
+      ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size))
   return config_lib.lock(config)

@@ -52,7 +52,7 @@ Commands::
 
 import math
 
-from primal_dual.layers import ATTENTION_REGISTRY
+from primal_dual import registry
 from primal_dual.training import config_lib
 
 SETTINGS = {
@@ -70,8 +70,7 @@ SETTINGS = {
         sh_ratios=(1, 2)),
 }
 PRESETS = ("full", "short")
-SH_VARIANTS = ("sh", "bn_sh")
-# Options by variant, on top of the setting's (SH ratios are added for SH_VARIANTS).
+# The task's own options by variant (variants that take ratios get the setting's sh_ratios).
 VARIANT_OPTIONS = {"linear": {"form": "primal"}}
 
 BATCH_SIZE = 32
@@ -86,9 +85,7 @@ def get_config(arg=None):
     raise ValueError(f"unknown ListOps setting {arg.setting!r}; choose one of {sorted(SETTINGS)}")
   if arg.preset not in PRESETS:
     raise ValueError(f"unknown ListOps preset {arg.preset!r}; choose one of {PRESETS}")
-  if arg.attention not in ATTENTION_REGISTRY:
-    raise ValueError(f"unknown attention {arg.attention!r}; choose one of "
-                     f"{sorted(ATTENTION_REGISTRY)}")
+  registry.lookup(arg.attention)
   setting = SETTINGS[arg.setting]
 
   config = config_lib.training_defaults()
@@ -121,8 +118,7 @@ def get_config(arg=None):
     config.num_train_steps = arg.steps
     # A shortened run keeps its warm-up to at most a fifth of the steps.
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, max(1, arg.steps // 5))
-  options = dict(VARIANT_OPTIONS.get(arg.attention, {}))
-  if arg.attention in SH_VARIANTS:
-    options["ratios"] = sh_ratios
-  config.model.attention_options = options
+  config.model.attention_options = registry.model_options(
+      arg.attention, config.model.num_heads, ratios=sh_ratios,
+      **VARIANT_OPTIONS.get(arg.attention, {}))
   return config_lib.lock(config)

@@ -46,6 +46,7 @@ results/uea.md, produced by ``scripts/reproduce_uea.py`` (see its docstring). A 
 run of JapaneseVowels takes on the order of 10–20 minutes on a 2-core CPU; ``size=small`` a few.
 """
 
+from primal_dual import registry
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 
@@ -71,7 +72,6 @@ PROTOCOL_DATASETS = tuple(name for name in DATASETS if name != "BasicMotions")
 BUNDLED_DATASETS = ("JapaneseVowels", "BasicMotions")
 
 PROTOCOLS = ("best_test", "clean")
-SH_VARIANTS = ("sh", "bn_sh")
 
 MODEL_SIZES = {
     "reference": dict(num_layers=2, model_dim=512, num_heads=8, mlp_dim=2048),
@@ -95,9 +95,8 @@ def get_config(arg=None):
   arg = config_lib.parse_arg(arg, dataset="JapaneseVowels", attention="softmax",
                              protocol="best_test", size="reference", seed=0, epochs=-1,
                              manual_dir="", data_dir="", runlocal=False)
-  from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
   _check_choice("dataset", arg.dataset, DATASETS)
-  _check_choice("attention", arg.attention, ATTENTION_REGISTRY)
+  _check_choice("attention", arg.attention, registry.ATTENTION_REGISTRY)
   _check_choice("protocol", arg.protocol, PROTOCOLS)
   _check_choice("size", arg.size, MODEL_SIZES)
   ratios, epochs = DATASETS[arg.dataset]
@@ -125,7 +124,6 @@ def get_config(arg=None):
     config.num_epochs = 2
     config.batch_size = 8
     config.checkpoint_every_epochs = 1
-  if arg.attention in SH_VARIANTS:
-    config.model.attention_options = dict(
-        ratios=sh_ratios_for(ratios, config.model.num_heads))
+  config.model.attention_options = registry.model_options(
+      arg.attention, config.model.num_heads, ratios=sh_ratios_for(ratios, config.model.num_heads))
   return config_lib.lock(config)

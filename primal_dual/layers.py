@@ -2,9 +2,10 @@
 
 ``MultiHeadAttention`` has the parameters of Flax's ``MultiHeadDotProductAttention`` (``query``,
 ``key``, ``value``, ``out``, same shapes), so checkpoints move between the two; only the kernel
-differs. Kernels come from one public registry, ``ATTENTION_REGISTRY``: a name maps to a factory
-``options -> attention_fn`` (an ``attention_fn`` follows Flax's contract, see
-``primal_dual.kernels``). Add a variant with :func:`register_attention`.
+differs. Kernels come from one public registry, ``primal_dual.registry.ATTENTION_REGISTRY``
+(re-exported here): a name maps to an entry whose factory gives an ``attention_fn`` (Flax's
+contract, see ``primal_dual.kernels``) and which may declare learned kernel parameters, created
+here under the attention module. Add a variant with :func:`register_attention`.
 
 Example::
 
@@ -15,8 +16,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
@@ -24,96 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from primal_dual import kernels
-from primal_dual.kernels.hyla import hyla_attention
-from primal_dual.kernels.scaled_head import scaled_head_attention
+from primal_dual.registry import (ATTENTION_REGISTRY, AttentionVariant, KernelParam,
+                                  make_attention_fn, register_attention)
 
-AttentionFactory = Callable[..., Callable[..., jax.Array]]
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionVariant:
-  """A registry entry.
-
-  Attributes:
-    factory: ``factory(**options) -> attention_fn``.
-    description: one line for docs and error messages.
-  """
-  factory: AttentionFactory
-  description: str = ""
-
-
-ATTENTION_REGISTRY: dict[str, AttentionVariant] = {}
-
-
-def register_attention(name: str, factory: AttentionFactory, description: str = "",
-                       *, overwrite: bool = False) -> None:
-  """Adds a variant under ``name``; ``factory(**options)`` must return an ``attention_fn``."""
-  if name in ATTENTION_REGISTRY and not overwrite:
-    raise ValueError(f"attention variant {name!r} is already registered; pass overwrite=True")
-  ATTENTION_REGISTRY[name] = AttentionVariant(factory, description)
-
-
-def _partial(attention_fn, /, **fixed) -> AttentionFactory:
-  """A factory binding ``fixed`` options, which the caller's options may override."""
-  def factory(**options):
-    return functools.partial(attention_fn, **{**fixed, **options})
-  return factory
-
-
-def _random_feature_factory(*, feature_seed: int = 0, **options):
-  # The random features are part of the model, not of the data: a fixed seed keeps them
-  # identical across steps, processes and restarts.
-  return functools.partial(kernels.random_feature_attention,
-                           feature_key=jax.random.key(feature_seed), **options)
-
-
-for _name, _factory, _doc in (
-    ("softmax", _partial(kernels.softmax_attention), "softmax attention (SVR dual, exp kernel)"),
-    ("linear", _partial(kernels.linear_attention), "linear attention, Φ = elu + 1"),
-    ("random_feature", _random_feature_factory, "softmax's approximate primal, random features"),
-    ("bn", _partial(kernels.batchnorm_attention, kernel="softmax"), "Attention-BN (softmax)"),
-    ("linear_bn", _partial(kernels.batchnorm_attention, kernel="linear"), "Attention-BN (linear)"),
-    ("sh", _partial(scaled_head_attention), "Attention-SH (heads on pooled keys)"),
-    ("bn_sh", _partial(scaled_head_attention, batchnorm=True), "Attention-BN+SH"),
-    ("hyla", _partial(hyla_attention), "HYLA: rms-head normalisation + relu value MLP"),
-    ("hyla_no_relu", _partial(hyla_attention, value_network="mlp_linear"),
-     "HYLA ablation: value network without relu"),
-    ("hyla_no_norm", _partial(hyla_attention, normalization="none"),
-     "HYLA ablation: no normalisation across heads"),
-    ("hyla_softmax", _partial(hyla_attention, normalization="softmax"),
-     "HYLA ablation: softmax over keys instead of rms over heads"),
-    ("hyla_linear_value", _partial(hyla_attention, value_network="linear"),
-     "HYLA ablation: plain linear value aggregation (= linear attention with rms_head)"),
-):
-  register_attention(_name, _factory, _doc)
-
-
-def make_attention_fn(name: str, options: Mapping[str, Any] | None = None,
-                      context: Mapping[str, Any] | None = None) -> Callable[..., jax.Array]:
-  """Builds the ``attention_fn`` registered as ``name``.
-
-  Args:
-    name: a key of ``ATTENTION_REGISTRY``.
-    options: the variant's options (e.g. ``{'ratios': (1, 2)}`` for ``sh``).
-    context: facts about the input that a model knows and some kernels use (``grid_shape``,
-      ``num_prefix_tokens``); each is passed only if the kernel declares it.
-
-  Raises:
-    ValueError: unknown name (listing the known ones) or options the kernel rejects.
-  """
-  if name not in ATTENTION_REGISTRY:
-    raise ValueError(f"unknown attention variant {name!r}; known variants: "
-                     f"{', '.join(sorted(ATTENTION_REGISTRY))}")
-  options = dict(options or {})
-  try:
-    fn = ATTENTION_REGISTRY[name].factory(**options)
-  except TypeError as e:
-    raise ValueError(f"bad options {options} for attention variant {name!r}: {e}") from None
-  params = inspect.signature(fn).parameters
-  extra = {k: v for k, v in (context or {}).items() if k in params and k not in options}
-  return functools.partial(fn, **extra) if extra else fn
-
+__all__ = ["ATTENTION_REGISTRY", "AttentionVariant", "KernelParam", "MultiHeadAttention",
+           "make_attention_fn", "register_attention"]
 
 class _Projection(nn.Module):
   """``DenseGeneral`` with logically partitioned parameters of Flax's exact shapes.
@@ -196,6 +110,18 @@ class MultiHeadAttention(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
   use_bias: bool = True
 
+  def _kernel_params(self, head_dim: int) -> dict[str, jax.Array]:
+    """The learned parameters the variant's registry entry declares, by keyword name."""
+    declared = ATTENTION_REGISTRY[self.attention].params
+    created = {}
+    for name, spec in declared.items():
+      init = spec.init
+      if spec.logical_axes is not None:
+        init = nn.with_logical_partitioning(init, spec.logical_axes)
+      created[name] = self.param(name, init, spec.shape(self.num_heads, head_dim),
+                                 self.param_dtype)
+    return created
+
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
@@ -245,6 +171,6 @@ class MultiHeadAttention(nn.Module):
     x = attention_fn(query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
                      dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
                      deterministic=deterministic, dtype=self.dtype, precision=self.precision,
-                     module=self if sow_weights else None)
+                     module=self if sow_weights else None, **self._kernel_params(head_dim))
     return _Projection(features=(features,), contract_dims=2,
                        logical_axes=("heads", "kv", "embed"), name="out", **dense_kwargs)(x)
