@@ -11,6 +11,7 @@ import importlib_resources
 import numpy as np
 import pytest
 
+from primal_dual.data import builders
 from primal_dual.data import uea
 
 
@@ -33,14 +34,14 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vowels(data_dir):
-  sources = uea.uea_sources("JapaneseVowels", data_dir=data_dir,
+  sources = builders.uea_sources("JapaneseVowels", data_dir=data_dir,
                             splits=("train", "test", "train_fit", "validation"))
   return {split: _stack(s) for split, s in sources.items()}, sources
 
 
 @pytest.fixture(scope="module")
 def motions(data_dir):
-  sources = uea.uea_sources("BasicMotions", data_dir=data_dir)
+  sources = builders.uea_sources("BasicMotions", data_dir=data_dir)
   return {split: _stack(s) for split, s in sources.items()}
 
 
@@ -70,7 +71,7 @@ def test_basic_motions_sizes(motions):
 
 def test_uea_info(data_dir, vowels):
   del vowels  # prepared there
-  info = uea.uea_info("JapaneseVowels", data_dir=data_dir)
+  info = builders.uea_info("JapaneseVowels", data_dir=data_dir)
   assert {k: info[k] for k in ("num_classes", "num_channels", "max_length", "num_train",
                                "num_test")} == dict(num_classes=9, num_channels=12, max_length=29,
                                                     num_train=270, num_test=370)
@@ -78,7 +79,7 @@ def test_uea_info(data_dir, vowels):
 
 @pytest.mark.parametrize("name", ["JapaneseVowels", "BasicMotions"])
 def test_standardisation_uses_train_statistics(name, data_dir):
-  arrays = {s: _stack(src) for s, src in uea.uea_sources(name, data_dir=data_dir).items()}
+  arrays = {s: _stack(src) for s, src in builders.uea_sources(name, data_dir=data_dir).items()}
   raw = {s: _aeon_raw(name, s.upper()) for s in ("train", "test")}
   train_steps = np.concatenate([s.T for s in raw["train"][0]], axis=0)  # [sum L, C]
   mean, std = train_steps.mean(0), train_steps.std(0)
@@ -117,10 +118,10 @@ def test_clean_protocol_splits(vowels):
 
 def test_clean_split_is_deterministic_and_seeded(data_dir, vowels):
   del vowels
-  again = uea.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
-  other = uea.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",),
+  again = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
+  other = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",),
                           split_seed=1, validation_fraction=0.3)
-  first = uea.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
+  first = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
   np.testing.assert_array_equal(again["validation"].indices, first["validation"].indices)
   assert len(other["validation"]) == 81  # round(0.3 * 30) = 9 per class
   assert not np.array_equal(other["validation"].indices[:54], first["validation"].indices)
@@ -145,7 +146,7 @@ def test_stratified_split_properties(labels, fraction, seed):
 def test_missing_manual_folder_names_expected_files(tmp_path):
   manual = tmp_path / "manual"
   with pytest.raises(FileNotFoundError) as info:
-    uea.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
+    builders.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
   message = str(info.value)
   assert str(manual / "Heartbeat" / "Heartbeat_TRAIN.ts") in message
   assert str(manual / "Heartbeat" / "Heartbeat_TEST.ts") in message
@@ -154,9 +155,9 @@ def test_missing_manual_folder_names_expected_files(tmp_path):
 
 def test_unknown_name_and_split_raise(tmp_path):
   with pytest.raises(ValueError, match="Unknown UEA data set"):
-    uea.uea_sources("japanesevowels", data_dir=tmp_path)
+    builders.uea_sources("japanesevowels", data_dir=tmp_path)
   with pytest.raises(ValueError, match="Unknown UEA split"):
-    uea.uea_sources("JapaneseVowels", data_dir=tmp_path, splits=("valid",))
+    builders.uea_sources("JapaneseVowels", data_dir=tmp_path, splits=("valid",))
 
 
 _HEADER = """# comment line
@@ -187,7 +188,7 @@ def test_manual_files_nan_handling_and_numeric_labels(tmp_path):
   _write_ts(manual / "Heartbeat" / "Heartbeat_TEST.ts", [
       "1,2,3,4,5:10,20:10",           # channel 2 shorter: its steps 3-5 are NaN -> 0
   ])
-  sources = uea.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
+  sources = builders.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
   train, test = _stack(sources["train"]), _stack(sources["test"])
   assert train["inputs"].shape == (3, 5, 2)  # T = 5, the longest over both splits
   np.testing.assert_array_equal(train["mask"].sum(1), [3, 3, 2])

@@ -146,8 +146,9 @@ def test_iterate_eval_covers_every_example_once_across_processes(size, batch_siz
 
 
 def test_loader_on_uea_source_restores(tmp_path):
-  from primal_dual.data import uea  # TFDS import only for this test
-  source = uea.uea_sources("JapaneseVowels", data_dir=tmp_path, splits=("train_fit",))["train_fit"]
+  from primal_dual.data import builders  # TFDS import only for this test
+  source = builders.uea_sources("JapaneseVowels", data_dir=tmp_path,
+                                splits=("train_fit",))["train_fit"]
   make = lambda: pipeline.make_loader(source, batch_size=16, seed=0, shuffle=True)
   iterator = make()
   first = _take(iterator, 3)

@@ -2,8 +2,9 @@
 
 Modules are imported on demand (TFDS, grain and JAX are slow to import):
 
-* ``uea``: UEA multivariate archive (`.ts` reading, preprocessing, ``uea_sources``, ``uea_info``).
+* ``uea``: UEA multivariate archive (`.ts` reading, preprocessing; pure NumPy).
 * ``listops``: the seeded ListOps generator.
-* ``builders``: TFDS builders (array_record, read without TensorFlow), ``listops_sources``.
+* ``builders``: TFDS builders (array_record, read without TensorFlow) and their sources
+  (``uea_sources``, ``uea_info``, ``listops_sources``).
 * ``pipeline``: ``make_loader`` (checkpointable grain iterator) and ``iterate_eval``.
 """

@@ -1,6 +1,7 @@
 """The UEA multivariate time-series archive (SPEC §4): `.ts` reading, preprocessing, splits.
 
-Pure NumPy; TFDS and grain enter only in :func:`uea_sources` / :func:`uea_info` (imported lazily).
+Pure NumPy; the TFDS builder and the sources (``uea_sources``, ``uea_info``) are in
+:mod:`primal_dual.data.builders`, which imports this module (never the other way round).
 
 Where the files come from
   JapaneseVowels and BasicMotions ship inside the installed ``aeon`` package
@@ -392,59 +393,3 @@ def load_uea(name: str, *, manual_dir: str | os.PathLike[str] | None = None) -> 
 
 # ------------------------------------------------------------------------------------------------
 # Random-access sources (TFDS-backed)
-
-
-def uea_sources(name: str, *, data_dir: str | os.PathLike[str] | None = None,
-                manual_dir: str | os.PathLike[str] | None = None,
-                splits: Sequence[str] = ARCHIVE_SPLITS, validation_fraction: float = 0.2,
-                split_seed: int = 0) -> dict[str, Any]:
-  """Random-access sources of a UEA data set, prepared with TFDS on first use.
-
-  Args:
-    name: archive name, e.g. ``'JapaneseVowels'``.
-    data_dir: TFDS data folder (default: TFDS's, ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
-    manual_dir: folder holding ``<Name>/<Name>_{TRAIN,TEST}.ts`` for non-bundled data sets
-      (default: ``<data_dir>/downloads/manual``).
-    splits: any of ``'train', 'test', 'train_fit', 'validation'``.
-    validation_fraction, split_seed: the clean-protocol carve (:func:`stratified_split`); only used
-      for ``train_fit``/``validation``.
-
-  Returns:
-    ``{split: source}``; a source has ``__len__`` and ``__getitem__`` returning
-    ``{'inputs': float32 [T, C], 'mask': bool [T], 'label': int32 []}`` as NumPy arrays.
-  """
-  from primal_dual.data import builders  # pylint: disable=g-import-not-at-top
-  check_name(name)
-  unknown = [s for s in splits if s not in ALL_SPLITS]
-  if unknown:
-    raise ValueError(f"Unknown UEA split(s) {unknown}; choose from {list(ALL_SPLITS)}.")
-  builder = builders.prepared_builder(builders.UeaMultivariate, name, data_dir=data_dir,
-                                      manual_dir=manual_dir)
-  archive = builders.decoded_sources(builder, [s for s in ARCHIVE_SPLITS
-                                               if s in splits or s == "train"])
-  out = {s: archive[s] for s in ARCHIVE_SPLITS if s in splits}
-  if any(s in CLEAN_SPLITS for s in splits):
-    labels = np.asarray(builder.info.metadata["train_labels"], np.int32)
-    fit, validation = stratified_split(labels, validation_fraction, split_seed)
-    tag = f"fraction={validation_fraction}, seed={split_seed}"
-    carved = {"train_fit": builders.SubsetSource(archive["train"], fit, f"train_fit({tag})"),
-              "validation": builders.SubsetSource(archive["train"], validation,
-                                                  f"validation({tag})")}
-    out.update({s: carved[s] for s in CLEAN_SPLITS if s in splits})
-  return {s: out[s] for s in splits}
-
-
-def uea_info(name: str, *, data_dir: str | os.PathLike[str] | None = None,
-             manual_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-  """Sizes of a UEA data set (prepares it with TFDS on first use, like :func:`uea_sources`).
-
-  Returns:
-    ``dict(num_classes, num_channels, max_length, num_train, num_test, class_names)``.
-  """
-  from primal_dual.data import builders  # pylint: disable=g-import-not-at-top
-  check_name(name)
-  builder = builders.prepared_builder(builders.UeaMultivariate, name, data_dir=data_dir,
-                                      manual_dir=manual_dir)
-  metadata: Mapping[str, Any] = builder.info.metadata
-  keys = ("num_classes", "num_channels", "max_length", "num_train", "num_test", "class_names")
-  return {k: metadata[k] for k in keys}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from primal_dual.data import uea
+from primal_dual.data import builders
 from primal_dual.experiments.common import attention_kwargs, model_kwargs
 from primal_dual.models import EncoderClassifier
 from primal_dual.training import tasks as tasks_lib
@@ -36,12 +36,12 @@ def build_data(config: ml_collections.ConfigDict):
     raise ValueError(f"unknown UEA protocol {data.protocol!r}; choose one of "
                      f"{sorted(PROTOCOL_SPLITS)}")
   names = PROTOCOL_SPLITS[data.protocol]
-  sources = uea.uea_sources(
+  sources = builders.uea_sources(
       data.dataset, data_dir=data.get("data_dir") or None,
       manual_dir=data.get("manual_dir") or None, splits=tuple(names.values()),
       validation_fraction=data.get("validation_fraction", 0.2),
       split_seed=data.get("split_seed", 0))
-  info = uea.uea_info(data.dataset, data_dir=data.get("data_dir") or None,
+  info = builders.uea_info(data.dataset, data_dir=data.get("data_dir") or None,
                       manual_dir=data.get("manual_dir") or None)
   splits = {split: sources[source_split] for split, source_split in names.items()}
   metadata = {"num_classes": info["num_classes"], "num_channels": info["num_channels"],
