@@ -1,7 +1,9 @@
 r"""Reproduce the sRAVEN claim: HYLA against softmax and linear attention on held-out rule combos.
 
 Runs the grid (``configs/sraven.py``, one workdir per run under ``--root``):
-softmax, linear, hyla × seeds 0, 1, 2 and the HYLA ablations hyla_no_relu, hyla_no_norm × seed 0.
+the preset's main variants × seeds 0, 1, 2 and its ablations × seed 0 (``GRID_VARIANTS``: for
+``cpu`` softmax, linear, hyla and hyla_no_relu, hyla_no_norm; for ``paper`` the paper's baselines
+softmax, linear_plain, hyla and the other Table A1 rows). The fuzzy-logic grid uses the same plan.
 For every run it records
 
 * in-distribution (``test``) and OOD (``ood``, held-out rule combinations) whole-panel accuracy of
@@ -23,8 +25,8 @@ Commands (from the repository root)::
   # linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.
   .venv/bin/python scripts/reproduce_sraven.py
 
-  # Reference scale (SPEC §4, 156k steps of batch 128): for an accelerator.
-  python scripts/reproduce_sraven.py --preset=reference --root=workdirs/sraven_reference
+  # The paper's setup (configs/sraven.py `paper`, 156,250 steps of batch 128): an accelerator.
+  python scripts/reproduce_sraven.py --preset=paper --root=workdirs/sraven_paper
 
   # Smoke test: 2 tiny runs (softmax and hyla, runlocal), seconds each.
   .venv/bin/python scripts/reproduce_sraven.py --quick --root=/tmp/sraven_quick \
@@ -51,35 +53,42 @@ import numpy as np  # noqa: E402
 from primal_dual.experiments import grid  # noqa: E402
 
 CONFIG_FILE = os.path.join("configs", "sraven.py")
-MAIN_VARIANTS = ("softmax", "linear", "hyla")
-ABLATIONS = ("hyla_no_relu", "hyla_no_norm")
+# Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
+# the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
+GRID_VARIANTS = {
+    "cpu": (("softmax", "linear", "hyla"), ("hyla_no_relu", "hyla_no_norm")),
+    "paper": (("softmax", "linear_plain", "hyla"),
+              ("hyla_linear_value", "hyla_no_norm", "hyla_no_relu", "hyla_no_relu_no_norm",
+               "hyla_softmax")),
+}
 SEEDS = (0, 1, 2)
 QUICK_VARIANTS = ("softmax", "hyla")
 LATENT_CACHE = "latent_code.json"
 RESULTS_STEM = "sraven"
-REFERENCE_COMMAND = ("python scripts/reproduce_sraven.py --preset=reference "
-                     "--root=workdirs/sraven_reference --out=results/reference")
-REFERENCE_SINGLE_RUN = ("python train.py --config=configs/sraven.py:preset=reference,"
-                        "attention=hyla,seed=0 --workdir=workdirs/sraven_reference_hyla")
+REFERENCE_COMMAND = ("python scripts/reproduce_sraven.py --preset=paper "
+                     "--root=workdirs/sraven_paper --out=results/paper")
+REFERENCE_SINGLE_RUN = ("python train.py --config=configs/sraven.py:preset=paper,"
+                        "attention=hyla,seed=0 --workdir=workdirs/sraven_paper_hyla")
 
 
 # ------------------------------------------------------------------------------------------------
 # The grid.
 
 
-def grid_plan(quick: bool) -> list[tuple[str, int]]:
+def grid_plan(quick: bool, preset: str = "cpu") -> list[tuple[str, int]]:
   """(attention, seed) pairs: main variants × 3 seeds, then the ablations × seed 0."""
   if quick:
     return [(attention, 0) for attention in QUICK_VARIANTS]
-  return ([(attention, seed) for seed in SEEDS for attention in MAIN_VARIANTS]
-          + [(attention, 0) for attention in ABLATIONS])
+  main, ablations = GRID_VARIANTS[preset]
+  return ([(attention, seed) for seed in SEEDS for attention in main]
+          + [(attention, 0) for attention in ablations])
 
 
 def build_runs(config_file: str, task: str, preset: str, quick: bool, steps: int
                ) -> list[grid.GridRun]:
   """One ``GridRun`` per (attention, seed); ``quick`` uses the configs' ``runlocal``."""
   runs = []
-  for attention, seed in grid_plan(quick):
+  for attention, seed in grid_plan(quick, preset):
     config_arg = f"preset={preset},attention={attention},seed={seed}"
     config_arg += f",steps={steps}" if steps > 0 else ""
     config_arg += ",runlocal" if quick else ""
@@ -268,8 +277,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str, chance: 
       grid.summary_table(records, ("attention",), columns, scales),
       "\n" + ratio_line + "\n",
       "\n## Reference scale (accelerator)\n",
-      "The SPEC §4 setup (F = 4, V = 8, 8 rules, shuffled slots; d 128, 16 heads, 4 layers; "
-      "156k steps of batch 128) is the `reference` preset, meant for an accelerator:\n",
+      "The HYLA paper's setup (F = 4, V = 8, 8 rules, shuffled slots; d 128, 16 heads of q/k/v "
+      "width 64, 4 layers; 156,250 steps of batch 128) is the `paper` preset, meant for an "
+      "accelerator:\n",
       f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
       "\nPublished claim (reference, not measured here): HYLA ahead of softmax and linear "
       "attention on OOD whole-panel accuracy (Schug et al.).\n",
@@ -305,7 +315,7 @@ def write_report(records: Sequence[Mapping[str, Any]], out_dir: str, stem: str, 
 def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=description,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", choices=("cpu", "reference"), default="cpu")
+  parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
   parser.add_argument("--quick", action="store_true",
                       help="2 tiny runs (softmax, hyla; the configs' runlocal) for smoke tests")
   parser.add_argument("--steps", type=int, default=-1, help="override the preset's steps")

@@ -181,8 +181,8 @@ def _read_json(path: str) -> Any:
 
 def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[str, Any]:
   """Head redundancy on the test split, parameter count and attention FLOPs of one checkpoint."""
-  import jax  # pylint: disable=g-import-not-at-top
   from primal_dual.analysis import attention_maps  # pylint: disable=g-import-not-at-top
+  from primal_dual.models import parameter_count  # pylint: disable=g-import-not-at-top
   from primal_dual.analysis import flops  # pylint: disable=g-import-not-at-top
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
   experiment, state = trainer.restore_workdir(workdir, checkpoint)
@@ -195,7 +195,7 @@ def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[st
       "head_distance": redundancy["head_distance"],
       "redundancy_checkpoint": checkpoint, "redundancy_step": redundancy["step"],
       "redundancy_examples": redundancy["num_examples"],
-      "num_params": int(sum(int(np.size(x)) for x in jax.tree.leaves(state.params))),
+      "num_params": parameter_count(state.params),
       "padded_length": padded_length,
       "attention_flops": attention_flops["total"],
       "attention_flops_per_layer": attention_flops["per_layer"],

@@ -27,6 +27,14 @@ def _load_script(name):
   return module
 
 
+def _context_inputs(targets, seq_len=3, seed=0):
+  """Inputs ``[B, seq_len, 2]`` whose context tokens carry random y's (the query's is zeroed)."""
+  rng = np.random.default_rng(seed)
+  inputs = rng.uniform(size=(len(targets), seq_len, 2)).astype(np.float32)
+  inputs[:, -1, -1] = 0.0
+  return jnp.asarray(inputs)
+
+
 def _outputs_predicting(predictions, seq_len=3):
   """Model outputs [B, T, 1] whose last position holds ``predictions`` (others: garbage)."""
   predictions = np.asarray(predictions, np.float32)
@@ -37,7 +45,7 @@ def _outputs_predicting(predictions, seq_len=3):
 
 def test_loss_and_metrics_on_hand_made_predictions():
   batch = {"target": jnp.array([0.5, 0.2, 0.9]), "task_variance": jnp.array([0.1, 0.2, 0.4]),
-           "valid": jnp.array([True, True, False])}
+           "valid": jnp.array([True, True, False]), "inputs": _context_inputs([0.5, 0.2, 0.9])}
   loss, metrics = task.logic_loss_and_metrics(
       _outputs_predicting([0.7, 0.2, np.nan]), batch)
   assert float(loss) == pytest.approx(0.04 / 2)
@@ -54,7 +62,8 @@ def test_r2_through_the_trainer_reduction_equals_r_squared():
     task_ids = rng.integers(0, len(variances), size)
     batch = {"target": rng.uniform(size=size).astype(np.float32),
              "task_variance": variances[task_ids].astype(np.float32),
-             "valid": np.arange(size) < num_valid}
+             "valid": np.arange(size) < num_valid,
+             "inputs": _context_inputs(np.zeros(size), seed=size + num_valid)}
     predictions = rng.uniform(size=size).astype(np.float32)
     _, metrics = task.logic_loss_and_metrics(
         _outputs_predicting(predictions), {k: jnp.asarray(v) for k, v in batch.items()})
@@ -112,9 +121,9 @@ def test_configs_build_for_every_preset_and_variant(preset):
       ratios = config.model.attention_options.get("ratios")
       if ratios is not None:
         assert len(ratios) == config.model.num_heads
-  reference = logic_configs.get_config("preset=reference")
+  reference = logic_configs.get_config("preset=paper")
   assert (reference.data.num_variables, reference.data.num_terms, reference.data.seq_len) == (
-      4, 2, 16)
+      4, 2, 32)
   assert (reference.model.model_dim, reference.model.num_heads,
           reference.model.num_layers) == (128, 8, 2)
   with pytest.raises(ValueError, match="unknown logic preset"):
@@ -135,7 +144,7 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
     assert record["hardware"]["platform"] == "cpu"  # Recorded by the training subprocess.
     assert (root / record["name"] / "grid_run.log").exists()
   markdown = (out / "logic_quick.md").read_text()
-  assert "| attention | validation R²" in markdown and "--preset=reference" in markdown
+  assert "| attention | validation R²" in markdown and "--preset=paper" in markdown
   assert "With `--jobs=2`, 2 runs trained at once" in markdown
   assert (out / "logic_quick_curves.png").stat().st_size > 0
 

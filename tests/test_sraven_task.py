@@ -141,7 +141,9 @@ def test_configs_build_for_every_preset_and_variant(preset):
       assert config.model.attention == attention
       assert config.selection.split == "validation"  # never selected on the OOD split
       tokens = 9 * config.data.num_features
-      assert config.model.num_buckets >= 4 * tokens  # every relative offset has its own bias
+      # The paper's scheme: unidirectional T5 buckets, num_buckets = max_distance = tokens.
+      assert config.model.position_buckets == "unidirectional"
+      assert config.model.num_buckets == config.model.max_distance == tokens
       ratios = config.model.attention_options.get("ratios")
       if ratios is not None:
         assert len(ratios) == config.model.num_heads
@@ -149,13 +151,15 @@ def test_configs_build_for_every_preset_and_variant(preset):
         config.new_field = 1  # locked
 
 
-def test_reference_preset_is_the_spec_setup_and_steps_override():
-  config = sraven_configs.get_config("preset=reference,attention=hyla")
+def test_paper_preset_is_the_spec_setup_and_steps_override():
+  config = sraven_configs.get_config("preset=paper,attention=hyla")
   assert (config.data.num_features, config.data.num_values) == (4, 8)
   assert tuple(config.data.rules) == sraven.DEFAULT_RULES and config.data.shuffle_features
   assert (config.model.model_dim, config.model.num_heads, config.model.num_layers,
           config.model.mlp_dim) == (128, 16, 4, 256)
-  assert config.batch_size == 128 and config.num_train_steps == 156_000
+  assert config.batch_size == 128 and config.num_train_steps == 156_250
+  assert config.model.qkv_features == 64 and config.model.attention_dropout_rate == 0.1
+  assert config.optimizer.cosine_end == "total_minus_warmup"
   optimizer = config.optimizer
   assert (optimizer.name, optimizer.lr, optimizer.warmup_steps, optimizer.end_lr,
           optimizer.weight_decay, optimizer.schedule) == ("adamw", 1e-3, 1000, 1e-4, 0.1,
@@ -194,7 +198,7 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
     assert (root / record["name"] / "latent_code_pca.png").exists()
   markdown = (out / "sraven_quick.md").read_text()
   assert "| attention | ID whole-panel %" in markdown
-  assert "--preset=reference" in markdown and "× the time of softmax" in markdown
+  assert "--preset=paper" in markdown and "× the time of softmax" in markdown
   assert (out / "sraven_quick_curves.png").stat().st_size > 0
 
   # Re-running reuses the finished runs and the cached analyses: same records.
@@ -211,4 +215,4 @@ def test_speed_ratio_is_step_time_ratio():
   assert script.speed_ratio(records) == pytest.approx(4.0)
   assert script.speed_ratio(records[:2]) is None
   assert math.isclose(script.whole_panel_chance(
-      os.path.join(REPO_ROOT, "configs", "sraven.py"), "preset=reference"), 8.0**-4)
+      os.path.join(REPO_ROOT, "configs", "sraven.py"), "preset=paper"), 8.0**-4)

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from primal_dual.analysis import flops
 from primal_dual.data import listops
 from primal_dual.experiments.common import attention_kwargs, model_kwargs
-from primal_dual.models import EncoderClassifier
+from primal_dual.models import EncoderClassifier, parameter_count
 from primal_dual.training import errors
 from primal_dual.training import tasks as tasks_lib
 
@@ -86,8 +84,7 @@ def count_parameters(model, *example_args, **example_kwargs) -> int:
   """Number of trainable parameters of a Linen model (shapes only; nothing is computed)."""
   def init(rng):
     return model.init({"params": rng, "dropout": rng}, *example_args, **example_kwargs)
-  shapes = jax.eval_shape(init, jax.random.PRNGKey(0))["params"]
-  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.unbox(shapes))))
+  return parameter_count(jax.eval_shape(init, jax.random.PRNGKey(0))["params"])
 
 
 def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -5,8 +5,10 @@ Data (``primal_dual.data.logic``). Splits:
   * ``train``: sequences of the train term sets (``data.num_train`` of them, default
     ``num_train_steps × batch_size``: no sequence repeats);
   * ``validation``: the same term sets, fresh sequences from their own stream: model selection;
-  * ``test``: term sets never trained on, made of seen conjunctions (unseen combinations);
-  * ``ood``: term sets containing held-out conjunctions.
+  * ``test``: **held-out combinations**: term sets never trained on, made of seen conjunctions
+    (what the HYLA paper calls OOD);
+  * ``ood``: **held-out conjunctions**: term sets of held-out conjunctions (``data.ood_term_sets``:
+    only held-out ones, as the paper's code, or any).
 
 Every record gets ``task_variance`` float32 ``[]``: the exact variance of ``y`` for its task
 (``logic.task_moments``), which the metric needs.
@@ -19,7 +21,11 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
   * ``loss`` / ``mse``: squared error ``(p_b − y_b)²`` averaged over real examples;
   * ``r2``: the pair ``(Σ_b (Var_b − (p_b − y_b)²), Σ_b Var_b)``. The trainer adds sums and counts
     over batches and divides once, so the value it reports is
-    ``1 − Σ_b (p_b − y_b)² / Σ_b Var_b``: exactly ``logic.r_squared`` over the whole split.
+    ``1 − Σ_b (p_b − y_b)² / Σ_b Var_b``: exactly ``logic.r_squared`` over the whole split;
+  * ``r2_per_sequence``: the HYLA paper's R², ``mean_b (1 − (p_b − y_b)² / var_b)`` with ``var_b``
+    the (population) variance of sequence b's ``seq_len`` targets, query included
+    (``sequence_target_variance``); a sequence whose targets are all equal (variance 0, which
+    continuous inputs make a null event) counts 0 instead of dividing by zero.
 """
 
 from __future__ import annotations
@@ -41,14 +47,22 @@ EVAL_SPLITS = ("validation", "test", "ood")
 TRAIN_FIELDS = ("inputs", "target", "task_variance")
 
 
+def sequence_target_variance(inputs: jax.Array, target: jax.Array) -> jax.Array:
+  """float32 ``[B]``: variance of each sequence's targets, the zeroed query slot replaced by
+  ``target``. ``inputs [B, T, n + 1]`` (``y`` in the last channel), ``target [B]``."""
+  targets = jnp.concatenate([inputs[:, :-1, -1].astype(jnp.float32),
+                             target.astype(jnp.float32)[:, None]], axis=1)
+  return jnp.mean(jnp.square(targets - jnp.mean(targets, axis=1, keepdims=True)), axis=1)
+
+
 def logic_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
                            ) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
   """Squared error of the last position's prediction and R² as a (sum, count) pair.
 
   Args:
     outputs: float ``[B, T, 1]``, the model's per-position outputs.
-    batch: ``target`` float32 ``[B]``, ``task_variance`` float32 ``[B]`` and, for eval batches,
-      ``valid`` bool ``[B]``.
+    batch: ``inputs`` float32 ``[B, T, n + 1]``, ``target`` float32 ``[B]``, ``task_variance``
+      float32 ``[B]`` and, for eval batches, ``valid`` bool ``[B]``.
 
   Returns:
     (mean squared error over real examples, ``{name: (sum, count)}``; see the module docstring).
@@ -60,10 +74,15 @@ def logic_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
   squared_error = jnp.square(predictions - targets)
   count = weights.sum()
   sse = weighted_sum(squared_error, weights)
+  sequence_variance = sequence_target_variance(batch["inputs"], targets)
+  sequence_r2 = jnp.where(sequence_variance > 0,
+                          1.0 - squared_error / jnp.where(sequence_variance > 0,
+                                                          sequence_variance, 1.0), 0.0)
   return sse / jnp.maximum(count, 1.0), {
       "loss": (sse, count),
       "mse": (sse, count),
       "r2": (weighted_sum(variance - squared_error, weights), weighted_sum(variance, weights)),
+      "r2_per_sequence": (weighted_sum(sequence_r2, weights), count),
   }
 
 

@@ -47,7 +47,8 @@ from primal_dual.training import tasks as tasks_lib
 EVAL_SPLITS = ("validation", "test", "ood")
 SELECTION_METRIC = "whole_panel_accuracy"
 SEQUENCE_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "dropout_rate",
-                   "num_buckets", "max_distance")
+                   "attention_dropout_rate", "qkv_features", "num_buckets", "max_distance",
+                   "position_buckets", "mlp_kernel_init")
 # Fields of a record the training loop needs; the others (rules, latent ids, slot orders) serve
 # analysis and are kept only in the evaluation splits.
 TRAIN_FIELDS = ("inputs", "targets")

@@ -47,21 +47,36 @@ def apply_norm(norm: nn.Module, x, mask, train: bool):
   return norm(x)
 
 
+# Kernel initialisers an MLP may use, by config name.
+MLP_KERNEL_INITS: dict[str, Callable] = {
+    "xavier_uniform": nn.initializers.xavier_uniform(),
+    "lecun_normal": nn.initializers.lecun_normal(),  # Flax's Dense default
+}
+
+
 class MlpBlock(nn.Module):
-  """``Dense(mlp_dim) → gelu → dropout → Dense(width) → dropout`` with logical axes."""
+  """``Dense(mlp_dim) → gelu (tanh form) → dropout → Dense(width) → dropout`` with logical axes.
+
+  ``kernel_init`` names the kernels' initialiser in ``MLP_KERNEL_INITS`` (biases start at 0).
+  """
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = None
+  kernel_init: str = "xavier_uniform"
 
   @nn.compact
   def __call__(self, x, *, train: bool):
     width = x.shape[-1]
+    if self.kernel_init not in MLP_KERNEL_INITS:
+      raise ValueError(f"unknown MLP kernel_init {self.kernel_init!r}; choose one of "
+                       f"{sorted(MLP_KERNEL_INITS)}")
+    init = MLP_KERNEL_INITS[self.kernel_init]
     x = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
-        nn.initializers.xavier_uniform(), ("embed", "mlp")))(x)
+        init, ("embed", "mlp")))(x)
     x = nn.gelu(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     x = nn.Dense(width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
-        nn.initializers.xavier_uniform(), ("mlp", "embed")))(x)
+        init, ("mlp", "embed")))(x)
     return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
 
@@ -72,9 +87,13 @@ class EncoderBlock(nn.Module):
     num_heads, mlp_dim: sizes. attention / attention_options / attention_context: the kernel.
     norm: registry name in ``NORMS``. pre_norm: pre-LN (True) or post-LN (False).
     dropout_rate: on residual branches. attention_dropout_rate: on the attention weights.
+    qkv_features: total q/k/v width of the attention (default: the model width).
+    mlp_kernel_init: the MLP's kernel initialiser (``MLP_KERNEL_INITS``).
   """
   num_heads: int
   mlp_dim: int
+  qkv_features: int | None = None
+  mlp_kernel_init: str = "xavier_uniform"
   attention: str = "softmax"
   attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   attention_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -89,7 +108,7 @@ class EncoderBlock(nn.Module):
                sow_weights: bool = False):
     """x ``[batch, length, width]``; ``mask`` attention mask; ``token_mask [batch, length]``."""
     attention = MultiHeadAttention(
-        num_heads=self.num_heads, attention=self.attention,
+        num_heads=self.num_heads, qkv_features=self.qkv_features, attention=self.attention,
         attention_options=self.attention_options, attention_context=self.attention_context,
         dropout_rate=self.attention_dropout_rate, dtype=self.dtype, name="attention")
     norm1, norm2 = make_norm(self.norm, self.dtype), make_norm(self.norm, self.dtype)
@@ -98,7 +117,7 @@ class EncoderBlock(nn.Module):
       y = attention(y, mask=mask, bias=bias, deterministic=not train, sow_weights=sow_weights)
       return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 
-    mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")
+    mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.mlp_kernel_init, name="mlp")
     if self.pre_norm:
       x = x + attend(apply_norm(norm1, x, token_mask, train))
       return x + mlp(apply_norm(norm2, x, token_mask, train), train=train)

@@ -127,6 +127,7 @@ def training_defaults() -> ml_collections.ConfigDict:
 
   config.optimizer = ml_collections.ConfigDict(dict(
       name='adamw', lr=1e-3, schedule='constant', warmup_steps=0, end_lr=0.0,
+      cosine_end='total',
       weight_decay=0.0, grad_clip_norm=0.0, b1=0.9, b2=0.999, eps=1e-8,
       momentum=0.9, nesterov=False))
   # Device mesh: -1 = all remaining devices. data * model must equal the device count.

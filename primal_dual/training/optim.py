@@ -15,7 +15,9 @@ shrinking them toward zero changes what the layer computes rather than its capac
 
 Config fields (`config.optimizer`): name ('adamw' | 'radam' | 'sgd'), lr, b1, b2, eps (adam
 family), momentum, nesterov (sgd; momentum 0 = plain SGD), weight_decay, grad_clip_norm,
-schedule ('constant' | 'warmup_cosine' | 'rsqrt'), warmup_steps, end_lr.
+schedule ('constant' | 'warmup_cosine' | 'rsqrt'), warmup_steps, end_lr, cosine_end (where the
+cosine reaches `end_lr`: 'total' = the last step, or 'total_minus_warmup' = `warmup_steps` before
+it, then held: optax's `decay_steps = total − warm-up`, as the HYLA paper's code sets it).
 """
 
 from typing import Any, Callable
@@ -47,11 +49,20 @@ def _constant(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
       [opt.warmup_steps])
 
 
+# Step at which the cosine reaches `end_lr` (optax's `decay_steps`, warm-up included).
+COSINE_ENDS: dict[str, Callable[[int, int], int]] = {
+    'total': lambda total_steps, warmup_steps: total_steps,
+    'total_minus_warmup': lambda total_steps, warmup_steps: total_steps - warmup_steps,
+}
+
+
 def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Warm-up, then half a cosine from `lr` to `end_lr` at `total_steps`."""
+  """Warm-up, then half a cosine from `lr` to `end_lr` at the `cosine_end` step, then held."""
+  cosine_end = errors.lookup(COSINE_ENDS, opt.get('cosine_end', 'total'), 'cosine_end')
+  end_step = cosine_end(total_steps, max(opt.warmup_steps, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=opt.lr, warmup_steps=max(opt.warmup_steps, 0),
-      decay_steps=max(total_steps, opt.warmup_steps + 1), end_value=opt.end_lr)
+      decay_steps=max(end_step, opt.warmup_steps + 1), end_value=opt.end_lr)
 
 
 def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:

@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 from primal_dual.data import pipeline
+from primal_dual.models import parameter_count
 from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
@@ -465,6 +466,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   config = resolve_config(config)
   experiment = build_experiment(config)
+  num_parameters = parameter_count(experiment.abstract_state.params)
+  if jax.process_index() == 0:
+    print(f'model: {num_parameters:,} parameters ({config.task}, '
+          f'attention={config.model.get("attention", "-")})', flush=True)
   workdir = os.path.abspath(workdir)
   if jax.process_index() == 0:
     config_lib.write_config(config, workdir)
@@ -505,6 +510,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     for manager in (checkpointer, selected_checkpointer):
       if manager is not None:
         manager.close()
+  final['model/num_parameters'] = num_parameters
   _write_json(os.path.join(workdir, 'final_metrics.json'), final)
   return final
 
