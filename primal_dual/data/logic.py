@@ -229,6 +229,14 @@ def _batched_generator(config: LogicConfig) -> Callable[..., dict[str, jax.Array
   return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
 
 
+def split_stream(config: LogicConfig, split: str
+                 ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+  """``sraven.device_stream`` of a split's sequences (records as ``generate_batch``'s)."""
+  pool, pool_size = _padded_pool(config, split)
+  return sraven.device_stream(lambda key, p, n: _sample_sequence(key, config, p, n),
+                              _check_split(split).stream_id, pool, pool_size)
+
+
 def _check_usable_split(config, split: str) -> None:
   """Raise ``ValueError`` for an unknown split or one with no tasks."""
   _padded_pool(config, split)

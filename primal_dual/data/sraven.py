@@ -444,6 +444,30 @@ def _batched_generator(config: SRavenConfig) -> Callable[..., dict[str, jax.Arra
   return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
 
 
+def device_stream(sample: Callable[..., dict[str, jax.Array]], stream_id: int, pool: np.ndarray,
+                  pool_size: int) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of one split's stream.
+
+  ``sample(key, pool, pool_size)`` makes one record; record ``i`` uses the key
+  ``fold_in(fold_in(key(seed), stream_id), i)``, exactly as ``generate_batch``, so a batch made
+  inside a jitted training step (no host work, nothing stored) equals the one the host makes.
+  Shared with ``logic.py``.
+  """
+  def generate(seed, indices):
+    stream = jax.random.fold_in(jax.random.key(seed), stream_id)
+    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), jnp.asarray(pool),
+                                     pool_size))(indices)
+  return generate
+
+
+def split_stream(config: SRavenConfig, split: str
+                 ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+  """``device_stream`` of a split's problems (records as ``generate_batch``'s)."""
+  pool, pool_size = _padded_pool(config, split)
+  return device_stream(lambda key, p, n: _sample_problem(key, config, p, n),
+                       _check_split(split).stream_id, pool, pool_size)
+
+
 def _check_usable_split(config, split: str) -> None:
   """Raise ``ValueError`` for an unknown split or one with no latents."""
   _padded_pool(config, split)
@@ -459,6 +483,12 @@ def _padded_pool(config: SRavenConfig, split: str) -> tuple[np.ndarray, int]:
   pool = np.zeros(len(latent_table(config)), np.int32)
   pool[:len(ids)] = ids
   return _read_only(pool), len(ids)
+
+
+def replica_stream_seed(stream_seed: int, seed: int) -> np.uint32:
+  """The train-stream seed of run ``seed`` when batches are made on the device: runs that differ
+  only in ``seed`` see different problems (the host loader shuffles one stream instead)."""
+  return np.uint32(np.random.SeedSequence([int(stream_seed), int(seed)]).generate_state(1)[0])
 
 
 def check_seed(seed: int) -> np.uint32:

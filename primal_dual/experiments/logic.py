@@ -30,7 +30,7 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 
 from primal_dual.data import logic
+from primal_dual.data import sraven
 from primal_dual.experiments.common import attention_kwargs, model_kwargs
 from primal_dual.experiments.sraven import SEQUENCE_FIELDS, example_weights, weighted_sum
 from primal_dual.models import SequenceTransformer
@@ -178,7 +179,10 @@ def build_data(config: ml_collections.ConfigDict):
   tasks = logic_config(data)
   seed = data.get("stream_seed", 0)
   splits = {"train": LogicTaskSource(
-      tasks, "train", seed, train_size(config), materialize=bool(data.get("materialize_train")),
+      tasks, "train", seed, train_size(config),
+      # Batches made on the device never read the host's train split: nothing to store up front.
+      materialize=(bool(data.get("materialize_train"))
+                   and not config.get("train_data_on_device", False)),
       chunk_size=data.get("chunk_size", 8192), fields=TRAIN_FIELDS)}
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
@@ -186,6 +190,21 @@ def build_data(config: ml_collections.ConfigDict):
       splits[split] = LogicTaskSource(tasks, split, seed, size)
   metadata = {"num_variables": tasks.num_variables, "seq_len": tasks.seq_len, "tasks": tasks}
   return splits, metadata
+
+
+def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
+                        ) -> Callable[[jax.Array], dict[str, jax.Array]]:
+  """``indices uint32 [B] -> TRAIN_FIELDS`` of the train stream, made on the device."""
+  tasks = metadata["tasks"]
+  stream = logic.split_stream(tasks, "train")
+  seed = sraven.replica_stream_seed(config.data.get("stream_seed", 0), config.seed)
+  variances = np.asarray(logic.task_moments(tasks)[1], np.float32)
+
+  def batch(indices):
+    records = stream(seed, indices)
+    records["task_variance"] = jnp.asarray(variances)[records["task_id"]]
+    return {name: records[name] for name in TRAIN_FIELDS}
+  return batch
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
@@ -197,4 +216,4 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
 TASK = tasks_lib.register_task(tasks_lib.Task(
     name="logic", build_data=build_data, build_model=build_model,
     loss_and_metrics=logic_loss_and_metrics, eval_splits=EVAL_SPLITS,
-    selection_metric="r2", selection_mode="max"))
+    selection_metric="r2", selection_mode="max", device_train_stream=device_train_stream))

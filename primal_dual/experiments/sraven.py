@@ -238,7 +238,9 @@ def build_data(config: ml_collections.ConfigDict):
   data = config.data
   problems = sraven_config(data)
   seed = data.get("stream_seed", 0)
-  materialize = bool(data.get("materialize_train", True))
+  # Batches made on the device never read the host's train split: nothing to store up front.
+  materialize = (bool(data.get("materialize_train", True))
+                 and not config.get("train_data_on_device", False))
   splits = {"train": TRAIN_SOURCES[materialize](problems, seed, train_size(config), data)}
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
@@ -250,6 +252,18 @@ def build_data(config: ml_collections.ConfigDict):
   return splits, metadata
 
 
+def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
+                        ) -> Callable[[jax.Array], dict[str, jax.Array]]:
+  """``indices uint32 [B] -> {'inputs', 'targets'}`` of the train stream, made on the device."""
+  stream = sraven.split_stream(metadata["problems"], "train")
+  seed = sraven.replica_stream_seed(config.data.get("stream_seed", 0), config.seed)
+
+  def batch(indices):
+    records = stream(seed, indices)
+    return {name: records[name] for name in TRAIN_FIELDS}
+  return batch
+
+
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   return SequenceTransformer(num_outputs=metadata["num_values"],
                              **model_kwargs(config.model, SEQUENCE_FIELDS),
@@ -259,4 +273,5 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
 TASK = tasks_lib.register_task(tasks_lib.Task(
     name="sraven", build_data=build_data, build_model=build_model,
     loss_and_metrics=sraven_loss_and_metrics, eval_splits=EVAL_SPLITS,
-    selection_metric=SELECTION_METRIC, selection_mode="max"))
+    selection_metric=SELECTION_METRIC, selection_mode="max",
+    device_train_stream=device_train_stream))

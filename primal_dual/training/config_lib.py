@@ -115,6 +115,13 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.eval_every_steps = 0
   config.eval_every_epochs = 0
   config.checkpoint_every_steps = 500
+  # Optimizer steps per jitted call (a `lax.scan`): logging, evaluation and checkpoints happen
+  # between calls, so it must divide their periods. Several steps per call remove the per-step
+  # host round trip that limits small models on accelerators.
+  config.steps_per_call = 1
+  # Generated tasks (sRAVEN, logic): make each training batch on the device inside the step
+  # from a counter-based key, instead of reading it from the host loader.
+  config.train_data_on_device = False
   config.checkpoint_every_epochs = 0
   config.keep_checkpoints = 3
   config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.

@@ -153,6 +153,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec('data'))
 
 
+def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
+  """``[steps, batch, ...]`` batches of several steps: the batch axis split over `data`."""
+  return NamedSharding(mesh, PartitionSpec(None, 'data'))
+
+
 def variable_shardings(abstract_variables: Any, mesh: Mesh,
                        rules=LOGICAL_AXIS_RULES) -> Any:
   """NamedShardings for a (possibly boxed) variables tree, in the *unboxed* tree structure.
@@ -232,6 +237,17 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Ar
   sharding = batch_sharding(mesh)
   return {name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
           for name, value in batch.items()}
+
+
+def shard_stacked_batch(batches: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Like `shard_batch` for this process's batches of several steps, `[steps, local batch, ...]`.
+
+  Returns:
+    Dict of global `jax.Array`s `[steps, batch_size, ...]`, the batch axis split over `data`.
+  """
+  sharding = stacked_batch_sharding(mesh)
+  return {name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+          for name, value in batches.items()}
 
 
 @contextlib.contextmanager

@@ -123,6 +123,42 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.M
   return new_state, loss, metrics
 
 
+def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None, *, num_steps: int,
+                model: nn.Module, tx: optax.GradientTransformation, loss_fn: Callable,
+                device_batch: Callable[[jax.Array], Mapping[str, jax.Array]] | None = None,
+                batch_size: int = 0, batch_sharding=None
+                ) -> tuple[TrainState, jax.Array, dict]:
+  """`num_steps` calls of `train_step` in one program (`lax.scan`; pure, jit it).
+
+  Args:
+    state: the current TrainState.
+    batches: dict of `[num_steps, batch_size, ...]` arrays, or None when `device_batch` makes
+      each step's batch on the device.
+    num_steps: K, the scan length.
+    model, tx, loss_fn: as for `train_step`.
+    device_batch: `device_batch(indices uint32 [batch_size]) -> batch`; step s (0-based, the
+      state's step before the update) trains on records `s·batch_size … s·batch_size + B − 1`
+      of the task's train stream, so the data do not depend on K.
+    batch_size: the global batch size (with `device_batch`).
+    batch_sharding: where a generated batch lives (split over the mesh's `data` axis).
+
+  Returns:
+    (new state, float32 [num_steps] losses, metrics: (sum, count) pairs summed over the steps).
+  """
+  def one_step(state, batch):
+    if device_batch is not None:
+      indices = (state.step.astype(jnp.uint32) * jnp.uint32(batch_size)
+                 + jnp.arange(batch_size, dtype=jnp.uint32))
+      batch = device_batch(indices)
+      if batch_sharding is not None:
+        batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+    state, loss, metrics = train_step(state, batch, model=model, tx=tx, loss_fn=loss_fn)
+    return state, (loss, metrics)
+
+  state, (losses, metrics) = jax.lax.scan(one_step, state, batches, length=num_steps)
+  return state, losses, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
+
+
 def eval_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module,
               loss_fn: Callable) -> dict:
   """Metric (sum, count) pairs of one padded eval batch (rows with `valid` False count 0)."""
@@ -248,9 +284,14 @@ class Experiment:
   init_state: Callable[[], TrainState]
   train_step: Callable
   eval_step: Callable
+  action_periods: dict[str, int]
+  run_steps: 'StepRunner'
 
   def make_train_iterator(self):
-    """A checkpointable grain iterator of this process's training batches (endless)."""
+    """A checkpointable grain iterator of this process's training batches (endless), or None
+    when the batches are made on the device (`config.train_data_on_device`)."""
+    if self.run_steps.device_data:
+      return None
     loader = self.config.loader
     return pipeline.make_loader(
         self.splits['train'], batch_size=self.local_batch_size, seed=self.config.seed,
@@ -266,6 +307,49 @@ class Experiment:
 
   def restore_target(self) -> TrainState:
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+
+class StepRunner:
+  """Runs the next `n` training steps and returns `(state, losses [n] or [], metrics)`.
+
+  With one step per call and host batches this is one `train_step` call per step; otherwise one
+  scanned program (`train_steps`) per call, compiled once per distinct `n` (the steps per call,
+  and a shorter final call when they do not divide the run).
+  """
+
+  def __init__(self, single_step: Callable, compile_steps: Callable[[int], Callable], mesh,
+               steps_per_call: int, device_data: bool):
+    self._single_step, self._compile_steps = single_step, compile_steps
+    self._compiled: dict[int, Callable] = {}
+    self.mesh, self.steps_per_call, self.device_data = mesh, steps_per_call, device_data
+
+  def __call__(self, state: TrainState, num_steps: int, train_iterator):
+    if self.steps_per_call == 1 and not self.device_data:
+      return self._single_step(state, sharding.shard_batch(next(train_iterator), self.mesh))
+    if num_steps not in self._compiled:
+      self._compiled[num_steps] = self._compile_steps(num_steps)
+    batches = None
+    if not self.device_data:
+      batches = sharding.shard_stacked_batch(
+          _stack([next(train_iterator) for _ in range(num_steps)]), self.mesh)
+    return self._compiled[num_steps](state, batches)
+
+
+def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
+  """Period in steps of each periodic action (0: the final step only), checked against
+  `config.steps_per_call`: actions happen between calls, so K must divide every period."""
+  periods = {name: _every_steps(config, name, steps_per_epoch)
+             for name in ('log', 'eval', 'checkpoint')}
+  steps_per_call = config.get('steps_per_call', 1)
+  if steps_per_call < 1:
+    raise errors.ConfigError(f'config.steps_per_call must be >= 1, got {steps_per_call}')
+  bad = {name: period for name, period in periods.items() if period > 0 and period % steps_per_call}
+  if bad:
+    listed = ', '.join(f'{name} every {period}' for name, period in sorted(bad.items()))
+    raise errors.ConfigError(
+        f'config.steps_per_call={steps_per_call} must divide every logging, evaluation and '
+        f'checkpoint period (actions happen between calls); got {listed} steps')
+  return periods
 
 
 def _check_batch_size(name: str, size: int, data_axis: int) -> None:
@@ -377,6 +461,26 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
       functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics),
       in_shardings=(state_shardings, batch_sharding), out_shardings=replicated)
 
+  device_data = bool(config.get('train_data_on_device', False))
+  if device_data and task.device_train_stream is None:
+    raise errors.ConfigError(f'task {task.name!r} has no on-device train stream; set '
+                             'config.train_data_on_device=False')
+  device_batch = task.device_train_stream(config, metadata) if device_data else None
+
+  def compile_steps(num_steps: int) -> Callable:
+    scanned = jax.jit(
+        functools.partial(train_steps, num_steps=num_steps, model=model, tx=tx,
+                          loss_fn=task.loss_and_metrics, device_batch=device_batch,
+                          batch_size=config.batch_size, batch_sharding=batch_sharding),
+        in_shardings=(state_shardings,
+                      None if device_data else sharding.stacked_batch_sharding(mesh)),
+        out_shardings=(state_shardings, replicated, replicated), donate_argnums=(0,))
+    return _in_mesh(scanned, mesh)
+
+  run_steps = StepRunner(_in_mesh(jit_train, mesh), compile_steps, mesh,
+                         int(config.get('steps_per_call', 1)), device_data)
+  action_periods = _action_periods(config, steps_per_epoch)
+
   eval_splits = _as_tuple(config.eval_splits) or task.eval_splits
   unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
   if unknown:
@@ -389,7 +493,8 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
       eval_splits=tuple(s for s in eval_splits if s in splits),
       state_shardings=state_shardings, abstract_state=abstract_state,
       init_state=_in_mesh(lambda: jit_init(root_rng), mesh),
-      train_step=_in_mesh(jit_train, mesh), eval_step=_in_mesh(jit_eval, mesh))
+      train_step=_in_mesh(jit_train, mesh), eval_step=_in_mesh(jit_eval, mesh),
+      action_periods=action_periods, run_steps=run_steps)
 
 
 def _sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[float, float]]:
@@ -430,10 +535,13 @@ def _flatten(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
           for name, value in metrics.items()}
 
 
-def _check_finite(step: int, loss: jax.Array, last_checkpoint_step: int | None) -> None:
-  value = float(jax.device_get(loss))
-  if not math.isfinite(value):
-    raise errors.NonFiniteLossError(step, value, last_checkpoint_step)
+def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int | None) -> None:
+  """Raises for the first non-finite loss; `losses` are those of steps `first_step, …`."""
+  values = np.reshape(np.asarray(jax.device_get(losses), np.float64), -1)
+  bad = np.flatnonzero(~np.isfinite(values))
+  if bad.size:
+    raise errors.NonFiniteLossError(first_step + int(bad[0]), float(values[bad[0]]),
+                                    last_checkpoint_step)
 
 
 def _make_tracker(config, task: tasks_lib.Task) -> EvalTracker:
@@ -523,32 +631,32 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
                 selected_checkpointer: checkpointing.Checkpointer | None, tracker: EvalTracker,
                 writer: metrics_logging.MetricWriter, progress: metrics_logging.ProgressBar
                 ) -> dict[str, float]:
-  config = experiment.config
   total_steps = experiment.total_steps
-  actions = periodic.PeriodicActions(total_steps, every={
-      name: _every_steps(config, name, experiment.steps_per_epoch)
-      for name in ('log', 'eval', 'checkpoint')})
+  actions = periodic.PeriodicActions(total_steps, every=experiment.action_periods)
+  steps_per_call = experiment.run_steps.steps_per_call
   last_checkpoint_step = start_step or None
   last_eval: dict[str, dict[str, float]] = {}
   last_train: dict[str, float] = {}
   pending_metrics: list = []
-  unchecked = None  # (step, loss) of the previous step, checked one step late (no stall).
+  unchecked = None  # (first step, losses) of the previous call, checked one call late (no stall).
   log_clock = (time.monotonic(), start_step)
 
-  for step in range(start_step + 1, total_steps + 1):
-    batch = sharding.shard_batch(next(train_iterator), experiment.mesh)
-    state, loss, metrics = experiment.train_step(state, batch)
+  step = start_step
+  while step < total_steps:
+    num_steps = min(steps_per_call, total_steps - step)
+    state, losses, metrics = experiment.run_steps(state, num_steps, train_iterator)
     pending_metrics.append(metrics)
     if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
       pending_metrics = [_sum_metrics(pending_metrics)]
     if unchecked is not None:
       _check_finite(*unchecked, last_checkpoint_step)
-    unchecked = (step, loss)
+    unchecked = (step + 1, losses)
+    step += num_steps
     due = actions.due(step)
-    progress.update(1)
+    progress.update(num_steps)
     if not due:
       continue
-    _check_finite(step, loss, last_checkpoint_step)
+    _check_finite(*unchecked, last_checkpoint_step)
     unchecked = None
     scalars = {}  # Everything logged at this step goes into one metrics.jsonl record.
 

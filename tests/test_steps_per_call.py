@@ -1,0 +1,106 @@
+"""Several optimizer steps per jitted call (config.steps_per_call) and training batches made on
+the device (config.train_data_on_device), on the sRAVEN and logic tasks."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import logic as logic_configs
+from configs import sraven as sraven_configs
+from primal_dual.data import logic
+from primal_dual.data import sraven
+from primal_dual.experiments import logic as logic_task
+from primal_dual.experiments import sraven as sraven_task
+from primal_dual.training import errors
+from primal_dual.training import trainer
+
+
+class Crash(Exception):
+  pass
+
+
+def _config(module=sraven_configs, **overrides):
+  config = ml_collections.ConfigDict(module.get_config("runlocal").to_dict())
+  config.update(dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4,
+                     checkpoint_every_steps=4, async_checkpointing=False))
+  config.update(overrides)
+  return config
+
+
+def _train(config, workdir):
+  final = trainer.train_and_evaluate(config, str(workdir))
+  _, state = trainer.restore_workdir(str(workdir))
+  return final, jax.device_get(state.params)
+
+
+def _assert_same_params(a, b, **tolerance):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tolerance), a, b)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_k_steps_per_call_train_like_one_step_per_call(on_device, tmp_path):
+  periods = dict(log_every_steps=4, train_data_on_device=on_device)
+  _, one = _train(_config(steps_per_call=1, **periods), tmp_path / "k1")
+  _, four = _train(_config(steps_per_call=4, **periods), tmp_path / "k4")
+  # Same batches in the same order (the stream does not depend on K): same parameters.
+  _assert_same_params(one, four, rtol=1e-6, atol=1e-7)
+
+
+def test_a_run_killed_between_calls_resumes_bit_identically(tmp_path, monkeypatch):
+  config = _config(steps_per_call=2, train_data_on_device=True, num_train_steps=12)
+  reference_final, reference = _train(config, tmp_path / "reference")
+
+  original, calls = trainer.StepRunner.__call__, []
+
+  def crash_on_fifth_call(self, *args):
+    calls.append(args[1])
+    if len(calls) == 5:  # steps 9-10; the last checkpoint is at step 8
+      raise Crash()
+    return original(self, *args)
+
+  monkeypatch.setattr(trainer.StepRunner, "__call__", crash_on_fifth_call)
+  with pytest.raises(Crash):
+    trainer.train_and_evaluate(config, str(tmp_path / "crashed"))
+  monkeypatch.setattr(trainer.StepRunner, "__call__", original)
+  final, resumed = _train(config, tmp_path / "crashed")
+  jax.tree.map(np.testing.assert_array_equal, reference, resumed)
+  assert final["train/loss"] == reference_final["train/loss"]
+
+
+def test_steps_per_call_must_divide_the_periods(tmp_path):
+  with pytest.raises(errors.ConfigError, match=r"steps_per_call=3 must divide .*eval every 4"):
+    trainer.train_and_evaluate(_config(steps_per_call=3, log_every_steps=3), str(tmp_path))
+  assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("task, problems, split_names", [
+    (sraven, sraven.SRavenConfig(num_features=3), ("validation", "test", "ood")),
+    (logic, logic.LogicConfig(), ("validation", "test", "ood")),
+])
+def test_device_stream_equals_the_host_records_and_is_disjoint(task, problems, split_names):
+  indices = np.array([0, 3, 64, 1000], np.uint32)
+  on_device = jax.jit(task.split_stream(problems, "train"))(np.uint32(5), indices)
+  on_host = task.generate_batch(problems, 5, indices, "train")
+  for name, value in on_host.items():
+    np.testing.assert_array_equal(np.asarray(on_device[name]), value)
+  train_inputs = {np.asarray(x).tobytes() for x in
+                  task.generate_batch(problems, 5, np.arange(256), "train")["inputs"]}
+  for split in split_names:
+    other = task.generate_batch(problems, 5, np.arange(256), split)["inputs"]
+    assert not train_inputs & {np.asarray(x).tobytes() for x in other}, split
+
+
+@pytest.mark.parametrize("module, task", [(sraven_configs, sraven_task),
+                                          (logic_configs, logic_task)])
+def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, task):
+  config = _config(module)
+  splits, metadata = task.build_data(config)
+  batch_fn = jax.jit(task.device_train_stream(config, metadata))
+  indices = np.arange(8, dtype=np.uint32)
+  batch = batch_fn(indices)
+  assert set(batch) == set(task.TRAIN_FIELDS)
+  assert batch["inputs"].shape == (8, *splits["train"][0]["inputs"].shape)
+  other_seed = ml_collections.ConfigDict(dict(config.to_dict(), seed=config.seed + 1))
+  other = jax.jit(task.device_train_stream(other_seed, metadata))(indices)
+  assert not np.array_equal(np.asarray(batch["inputs"]), np.asarray(other["inputs"]))
