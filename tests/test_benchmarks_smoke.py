@@ -173,3 +173,17 @@ def test_targets_pass_miss_and_missing_data():
   assert targets["softmax_vs_jax_dot_product_attention"]["status"] == "PASS"
   assert targets["batchnorm_vs_softmax"]["status"] == "MISS"
   assert targets["scaled_head_time_vs_softmax"]["status"] == "N/A"
+
+
+def test_small_models_benchmark_times_the_trainers_step(tmp_path):
+  from benchmarks import small_models  # pylint: disable=g-import-not-at-top
+  assert small_models.main(["--quick", "--models", "logic", "--variants", "linear_plain",
+                            "--steps-per-call", "2", "--repeats", "1",
+                            "--out-dir", str(tmp_path)]) == 0
+  payload = json.loads((tmp_path / "small_models.json").read_text())
+  (row,) = payload["rows"]
+  assert (row["model"], row["variant"], row["steps_per_call"], row["data"]) == (
+      "logic", "linear_plain", 2, "device")
+  assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"],
+                                                 1e3 / row["ms_per_step"])
+  assert "| logic | linear_plain | 2 | device |" in (tmp_path / "small_models.md").read_text()
