@@ -382,6 +382,7 @@ BAD_SHAPES = {
                             np.concatenate([_V, _V[..., :1, :]], -2)),
                            r"divide the number of query heads.*key.shape=\(2, 4, 3, 4\)"),
     "key/value heads differ": ((_Q, _K, _V[..., :1, :]), r"same number of heads.*\(2, 4, 1, 3\)"),
+    "no key heads": ((_Q, _K[..., :0, :], _V[..., :0, :]), r"heads.*key.shape=\(2, 4, 0, 4\)"),
     "d_qk mismatch": ((_Q, _K[..., :3], _V), r"d_qk.*key.shape=\(2, 4, 2, 3\)"),
     "kv_len mismatch": ((_Q, _K, _V[:, :3]), r"kv_len.*value.shape=\(2, 3, 2, 3\)"),
 }

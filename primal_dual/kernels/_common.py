@@ -69,7 +69,8 @@ def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
     raise ValueError(
         "query, key and value must share their batch dimensions; got "
         f"{_shape_str(query=query, key=key, value=value)}")
-  if key.shape[-2] != value.shape[-2] or query.shape[-2] % key.shape[-2]:
+  kv_heads = key.shape[-2]
+  if kv_heads < 1 or kv_heads != value.shape[-2] or query.shape[-2] % kv_heads:
     raise ValueError(
         "key and value must have the same number of heads (axis -2), and it must divide the "
         "number of query heads (grouped heads); got "
