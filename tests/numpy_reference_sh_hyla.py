@@ -15,8 +15,10 @@ def _broadcast(x, target, fill):
   return np.broadcast_to(np.asarray(x), target)
 
 
-def _causal(q_len, kv_len):
-  return np.array([[j <= i + kv_len - q_len for j in range(kv_len)] for i in range(q_len)])
+def _causal(q_len, kv_len, alignment):
+  """Query i sees key j <= i (top_left) or j <= i + kv_len - q_len (bottom_right)."""
+  offset = {"top_left": 0, "bottom_right": kv_len - q_len}[alignment]
+  return np.array([[j <= i + offset for j in range(kv_len)] for i in range(q_len)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,7 +67,8 @@ def _elu1(x):
 
 def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="avg",
                     kernel="softmax", batchnorm=False, stats="pooled", bn_eps=1e-5,
-                    bn_mean_weight=1.0, grid_shape=None, num_prefix_tokens=0, is_causal=False):
+                    bn_mean_weight=1.0, grid_shape=None, num_prefix_tokens=0, is_causal=False,
+                    causal_alignment="top_left"):
   """Attention-SH (and BN+SH) with loops.
 
   Returns:
@@ -79,7 +82,7 @@ def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="av
   bias = _broadcast(bias, target, 0.0).astype(np.float64)
   mask = _broadcast(mask, target, True).astype(bool)
   if is_causal:
-    mask = mask & _causal(q_len, kv_len)
+    mask = mask & _causal(q_len, kv_len, causal_alignment)
   out = np.zeros((*batch_shape, q_len, heads, d_v))
   weights = []
   for h in range(heads):
@@ -131,7 +134,7 @@ def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="av
 
 
 def hyla_ref(query, key, value, bias=None, mask=None, *, normalization="rms_head",
-             value_network="mlp_relu", is_causal=False):
+             value_network="mlp_relu", is_causal=False, causal_alignment="top_left"):
   """HYLA with loops. Returns (out [batch..., q_len, heads, d_v], a [batch..., heads, q, kv])."""
   q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
   batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
@@ -140,7 +143,7 @@ def hyla_ref(query, key, value, bias=None, mask=None, *, normalization="rms_head
   bias = _broadcast(bias, target, 0.0).astype(np.float64)
   mask = _broadcast(mask, target, True).astype(bool)
   if is_causal:
-    mask = mask & _causal(q_len, kv_len)
+    mask = mask & _causal(q_len, kv_len, causal_alignment)
   a = np.zeros(target)
   out = np.zeros((*batch_shape, q_len, heads, d_v))
   for b in np.ndindex(*batch_shape):

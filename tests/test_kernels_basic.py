@@ -34,7 +34,9 @@ KERNELS = {
 }
 # Kernels that form N×N weights (dropout, query-dependent masks, return_weights).
 WEIGHT_KERNELS = ("softmax", "linear_dual", "bn_softmax", "bn_linear")
-JITTED = {name: jax.jit(fn, static_argnames=("is_causal",)) for name, fn in KERNELS.items()}
+JITTED = {name: jax.jit(fn, static_argnames=("is_causal", "causal_alignment"))
+          for name, fn in KERNELS.items()}
+ALIGNMENTS = ("top_left", "bottom_right")
 
 # (batch_shape, q_len, kv_len, heads): 0, 1 and 2 batch dimensions, one query or several.
 # Few shapes on purpose: each new shape is a new compilation.
@@ -79,7 +81,7 @@ def assert_close(actual, expected, atol=2e-5, rtol=2e-4):
 
 SOFTMAX_WITH_WEIGHTS = jax.jit(functools.partial(softmax_attention, return_weights=True))
 LINEAR_WITH_WEIGHTS = jax.jit(functools.partial(linear_attention, return_weights=True),
-                              static_argnames=("is_causal",))
+                              static_argnames=("is_causal", "causal_alignment"))
 
 
 @PROPERTY_SETTINGS
@@ -103,18 +105,25 @@ def test_linear_dual_matches_reference(case):
   assert_close(weights, expected_weights)
 
 
-def _with_causal(mask, q_len, kv_len):
-  causal = np.tril(np.ones((q_len, kv_len), bool), k=kv_len - q_len)
+def causal_pattern(q_len, kv_len, alignment):
+  """Written out: top_left lets query i see keys j <= i; bottom_right j <= i + kv_len - q_len."""
+  offset = 0 if alignment == "top_left" else kv_len - q_len
+  return np.array([[j <= i + offset for j in range(kv_len)] for i in range(q_len)])
+
+
+def _with_causal(mask, q_len, kv_len, alignment):
+  causal = causal_pattern(q_len, kv_len, alignment)
   return causal if mask is None else mask & causal
 
 
 @PROPERTY_SETTINGS
-@given(attention_cases(key_only=True), st.booleans())
-def test_linear_primal_matches_reference(case, is_causal):
+@given(attention_cases(key_only=True), st.booleans(), st.sampled_from(ALIGNMENTS))
+def test_linear_primal_matches_reference(case, is_causal, alignment):
   query, key, value, mask, _ = case
-  out = JITTED["linear_primal"](query, key, value, mask=mask, is_causal=is_causal)
+  out = JITTED["linear_primal"](query, key, value, mask=mask, is_causal=is_causal,
+                                causal_alignment=alignment)
   if is_causal:
-    mask = _with_causal(mask, query.shape[-3], key.shape[-3])
+    mask = _with_causal(mask, query.shape[-3], key.shape[-3], alignment)
   expected, _ = ref.linear_attention_ref(query, key, value, mask)
   assert_close(out, expected)
 
@@ -129,26 +138,69 @@ def test_linear_primal_equals_dual(is_causal):
 
 
 @PROPERTY_SETTINGS
-@given(attention_cases(key_only=True), st.booleans())
-def test_random_features_match_reference(case, is_causal):
+@given(attention_cases(key_only=True), st.booleans(), st.sampled_from(ALIGNMENTS))
+def test_random_features_match_reference(case, is_causal, alignment):
   query, key, value, mask, _ = case
   query, key = query * 0.5, key * 0.5
-  out = JITTED["random_features"](query, key, value, mask=mask, is_causal=is_causal)
+  out = JITTED["random_features"](query, key, value, mask=mask, is_causal=is_causal,
+                                  causal_alignment=alignment)
   omega = draw_random_features(FEATURE_KEY, NUM_FEATURES, query.shape[-1])
   if is_causal:
-    mask = _with_causal(mask, query.shape[-3], key.shape[-3])
+    mask = _with_causal(mask, query.shape[-3], key.shape[-3], alignment)
   expected, _ = ref.random_feature_attention_ref(query, key, value, np.asarray(omega), mask)
   assert_close(out, expected, atol=5e-5)
 
 
-def test_causal_linear_with_longer_keys_matches_dual():
-  """Decoding alignment: q_len < kv_len, the last query sees every key."""
-  query, key, value = random_qkv(np.random.default_rng(0), (2,), 3, 5, 2)
-  primal = JITTED["linear_primal"](query, key, value, is_causal=True)
-  dual, weights = LINEAR_WITH_WEIGHTS(query, key, value, is_causal=True)
+@pytest.mark.parametrize("q_len,kv_len", [(3, 5), (5, 3)])
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+def test_causal_linear_primal_equals_dual_when_lengths_differ(alignment, q_len, kv_len):
+  """top_left: query i sees keys j <= i; bottom_right: the last query sees every key."""
+  query, key, value = random_qkv(np.random.default_rng(0), (2,), q_len, kv_len, 2)
+  primal = JITTED["linear_primal"](query, key, value, is_causal=True, causal_alignment=alignment)
+  dual, weights = LINEAR_WITH_WEIGHTS(query, key, value, is_causal=True,
+                                      causal_alignment=alignment)
   np.testing.assert_allclose(primal, dual, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(weights[0, 0] > 0),
-                                np.tril(np.ones((3, 5), bool), k=2))
+                                causal_pattern(q_len, kv_len, alignment))
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+def test_is_causal_equals_the_written_out_causal_mask(name, alignment):
+  """Every kernel, q_len < kv_len so the alignments differ; top_left is the default."""
+  query, key, value = random_qkv(np.random.default_rng(11), (2,), 3, 5, 2)
+  mask = padding_mask(FIXED_KEY_VALID)  # key-only, so the primal forms take it too
+  options = {} if alignment == "top_left" else dict(causal_alignment=alignment)
+  causal = JITTED[name](query, key, value, mask=mask, is_causal=True, **options)
+  if name in ("linear_primal", "random_features"):  # key-only masks: compare with the dual form
+    reference = {"linear_primal": JITTED["linear_dual"],
+                 "random_features": _random_features_dual}[name]
+  else:
+    reference = JITTED[name]
+  written_out = reference(query, key, value, mask=_with_causal(mask, 3, 5, alignment))
+  np.testing.assert_allclose(causal, written_out, atol=2e-5, rtol=2e-4)
+
+
+def _random_features_dual(query, key, value, mask):
+  omega = draw_random_features(FEATURE_KEY, NUM_FEATURES, query.shape[-1])
+  out, _ = ref.random_feature_attention_ref(query, key, value, np.asarray(omega), mask)
+  return out
+
+
+def test_is_causal_is_top_left_like_jax_and_flax():
+  query, key, value = random_qkv(np.random.default_rng(12), (2,), 3, 5, 2, d_v=4)
+  ours = JITTED["softmax"](query, key, value, is_causal=True)
+  np.testing.assert_allclose(
+      ours, jax.nn.dot_product_attention(query, key, value, is_causal=True), atol=1e-6)
+  flax_causal = nn.make_causal_mask(np.zeros((2, 5)))[..., :3, :]  # float32 [2, 1, 3, 5]
+  np.testing.assert_allclose(ours, JITTED["softmax"](query, key, value, mask=flax_causal),
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_unknown_causal_alignment_raises(name):
+  with pytest.raises(ValueError, match="causal_alignment must be one of.*'diagonal'"):
+    KERNELS[name](_Q, _K, _V, is_causal=True, causal_alignment="diagonal")
 
 
 def test_softmax_matches_jax_and_flax_dot_product_attention():
@@ -230,6 +282,42 @@ def test_padded_keys_and_values_never_matter(name):
 
 
 # ---------------------------------------------------------------------------------------------
+# Grouped key/value heads (GQA, MQA).
+# ---------------------------------------------------------------------------------------------
+
+# name -> float64 reference output for (query, key, value, key-only mask), heads not grouped.
+REFERENCES = {
+    "softmax": lambda q, k, v, mask: ref.softmax_attention_ref(q, k, v, None, mask)[0],
+    "linear_dual": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
+    "linear_primal": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
+    "random_features": lambda q, k, v, mask: _random_features_dual(q, k, v, mask),
+    "bn_softmax": lambda q, k, v, mask: ref.batchnorm_attention_ref(q, k, v, None, mask)[0],
+    "bn_linear": lambda q, k, v, mask: ref.batchnorm_attention_ref(q, k, v, None, mask,
+                                                                   kernel="linear")[0],
+}
+# (batch_shape, q_len, kv_len, heads, kv_heads, key_valid): GQA with two groups, then MQA.
+GROUPED_CASES = [((2,), 3, 5, 4, 2, FIXED_KEY_VALID),
+                 ((), 2, 4, 3, 1, np.array([True, True, True, False]))]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
+def test_grouped_kv_heads_equal_reference_on_explicitly_repeated_heads(name, case):
+  """Query head h uses key/value head h // (heads // kv_heads), as in Flax's GQA."""
+  batch_shape, q_len, kv_len, heads, kv_heads, key_valid = GROUPED_CASES[case]
+  rng = np.random.default_rng(20 + case)
+  query = rng.normal(size=(*batch_shape, q_len, heads, 4)) * 0.5
+  key = rng.normal(size=(*batch_shape, kv_len, kv_heads, 4)) * 0.5
+  value = rng.normal(size=(*batch_shape, kv_len, kv_heads, 3))
+  query, key, value = (np.asarray(x, np.float32) for x in (query, key, value))
+  mask = np.asarray(padding_mask(key_valid))
+  out = JITTED[name](query, key, value, mask=mask)
+  assert out.shape == (*batch_shape, q_len, heads, 3)
+  repeated = [np.repeat(x, heads // kv_heads, axis=-2) for x in (key, value)]
+  assert_close(out, REFERENCES[name](query, *repeated, mask), atol=5e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # Dropout (weight-forming kernels only; primal forms refuse it).
 # ---------------------------------------------------------------------------------------------
 
@@ -289,7 +377,12 @@ _Q, _K, _V = random_qkv(np.random.default_rng(8), (2,), 3, 4, 2)
 
 BAD_SHAPES = {
     "wrong rank": ((_Q[0, 0], _K[0, 0], _V[0, 0]), r"query must have rank >= 3.*shape=\(2, 4\)"),
-    "head mismatch": ((_Q, _K[..., :1, :], _V[..., :1, :]), r"heads.*shape=\(2, 3, 2, 4\)"),
+    # Two query heads cannot be shared out among three key/value heads.
+    "heads not dividing": ((_Q, np.concatenate([_K, _K[..., :1, :]], -2),
+                            np.concatenate([_V, _V[..., :1, :]], -2)),
+                           r"divide the number of query heads.*key.shape=\(2, 4, 3, 4\)"),
+    "key/value heads differ": ((_Q, _K, _V[..., :1, :]), r"same number of heads.*\(2, 4, 1, 3\)"),
+    "no key heads": ((_Q, _K[..., :0, :], _V[..., :0, :]), r"heads.*key.shape=\(2, 4, 0, 4\)"),
     "d_qk mismatch": ((_Q, _K[..., :3], _V), r"d_qk.*key.shape=\(2, 4, 2, 3\)"),
     "kv_len mismatch": ((_Q, _K, _V[:, :3]), r"kv_len.*value.shape=\(2, 3, 2, 3\)"),
 }
@@ -307,8 +400,20 @@ def test_bad_shapes_raise(name, case):
 def test_bad_masks_raise(name):
   with pytest.raises(ValueError, match=r"mask.*\(3,\).*\(2, 2, (3|1), 4\)"):
     KERNELS[name](_Q, _K, _V, mask=np.ones((3,), bool))
-  with pytest.raises(ValueError, match="mask must be boolean.*float32"):
-    KERNELS[name](_Q, _K, _V, mask=np.ones((4,), np.float32))
+
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_masks_of_any_dtype_mean_nonzero_may_attend(name, dtype):
+  """Flax's make_attention_mask gives float32 masks; any nonzero value means "may attend"."""
+  query, key, value = random_qkv(np.random.default_rng(13), *FIXED_SHAPE)
+  bool_mask = np.asarray(padding_mask(FIXED_KEY_VALID))
+  weights = np.where(bool_mask, np.float32(2.5), np.float32(0.0))  # not just 0/1
+  expected = JITTED[name](query, key, value, mask=bool_mask)
+  np.testing.assert_array_equal(
+      JITTED[name](query, key, value, mask=jnp.asarray(weights, dtype)), expected)
+  assert not np.allclose(expected, JITTED[name](query, key, value), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["linear_primal", "random_features"])

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from primal_dual.kernels import hyla
 from numpy_reference_sh_hyla import hyla_ref
 
-STATIC = ("normalization", "value_network", "query_chunk_size", "is_causal", "return_weights",
-          "deterministic", "dropout_rate")
+STATIC = ("normalization", "value_network", "query_chunk_size", "is_causal", "causal_alignment",
+          "return_weights", "deterministic", "dropout_rate")
 hyla_jit = jax.jit(hyla.hyla_attention, static_argnames=STATIC)
 TOL = dict(rtol=2e-4, atol=2e-5)
 COMBINATIONS = list(itertools.product(sorted(hyla.NORMALIZATIONS), sorted(hyla.VALUE_NETWORKS)))
@@ -61,7 +61,9 @@ def test_property_matches_reference(data):
   mask = data.draw(st.sampled_from([None, padding_mask(rng, batch_shape, kv_len, min_valid=0)]))
   assert_matches_reference(q, k, v, None, mask, normalization=normalization,
                            value_network=value_network, query_chunk_size=chunk,
-                           is_causal=data.draw(st.booleans()))
+                           is_causal=data.draw(st.booleans()),
+                           causal_alignment=data.draw(st.sampled_from(["top_left",
+                                                                       "bottom_right"])))
 
 
 def test_query_chunks_equal_unchunked_dropout_included():
@@ -99,6 +101,14 @@ def test_value_heads_that_do_not_match_query_heads_raise():
   split_differently = v.reshape(2, 4, 1, 4)  # same features, one head of d_v = 4
   with pytest.raises(ValueError, match=r"value.shape=\(2, 4, 1, 4\)"):
     hyla.hyla_attention(q, k, split_differently)
+
+
+def test_grouped_key_value_heads_raise():
+  """HYLA's value network sums v over heads with per-head weights: no shared heads."""
+  q, k, v = random_qkv(np.random.default_rng(5), (2,), 3, 4, 2)
+  with pytest.raises(ValueError, match=r"hyla_attention does not support grouped key/value heads"
+                     r".*2 query heads and 1 key/value heads"):
+    hyla.hyla_attention(q, k[..., :1, :], v[..., :1, :])
 
 
 @pytest.mark.parametrize("options,match", [

@@ -18,7 +18,7 @@ from numpy_reference import softmax_attention_ref
 from numpy_reference_sh_hyla import scaled_head_ref, sh_windows_ref
 
 STATIC = ("ratios", "pool", "kernel", "batchnorm", "stats", "grid_shape", "num_prefix_tokens",
-          "is_causal", "return_weights", "deterministic", "dropout_rate")
+          "is_causal", "causal_alignment", "return_weights", "deterministic", "dropout_rate")
 sh_jit = jax.jit(sh.scaled_head_attention, static_argnames=STATIC)
 bn_jit = jax.jit(batchnorm_attention, static_argnames=("kernel",))
 softmax_jit = jax.jit(softmax_attention, static_argnames=("return_weights", "deterministic",
@@ -65,6 +65,7 @@ CASES = [
                          stats="full"), False),
     ((2,), 4, 8, dict(ratios=(3, 1), num_prefix_tokens=2, pool="stride"), True),
     ((2,), 4, 7, dict(ratios=(2, 3), kernel="linear", batchnorm=True, is_causal=True), False),
+    ((2,), 4, 7, dict(ratios=(1, 2), is_causal=True, causal_alignment="bottom_right"), True),
     ((2,), 4, 7, dict(ratios=(1, 3, 2), batchnorm=True), True),
 ]
 
@@ -81,6 +82,25 @@ def test_matches_numpy_reference(batch_shape, q_len, kv_len, options, with_bias)
   assert_matches_reference(q, k, v, bias, mask, **options)
 
 
+@pytest.mark.parametrize("kv_heads,options", [
+    (2, dict(ratios=(1, 2, 2, 3))),  # GQA: head pairs (0, 1) and (2, 3) share keys and values
+    (1, dict(ratios=(2, 1, 3), batchnorm=True, is_causal=True)),  # MQA, BN+SH
+])
+def test_grouped_kv_heads_equal_reference_on_explicitly_repeated_heads(kv_heads, options):
+  """Each query head pools (and, with BN, normalises by) its shared key/value head."""
+  rng = np.random.default_rng(31)
+  heads = len(options["ratios"])
+  q, _, _ = random_qkv(rng, (2,), 4, 7, heads)
+  _, k, v = random_qkv(rng, (2,), 4, 7, kv_heads)
+  mask = padding_mask(rng, (2,), 7, min_valid=4)
+  out, weights = sh_jit(q, k, v, None, mask, return_weights=True, **options)
+  repeated = [np.repeat(x, heads // kv_heads, axis=-2) for x in (k, v)]
+  ref_out, ref_weights = scaled_head_ref(q, *repeated, None, mask, **options)
+  np.testing.assert_allclose(out, ref_out, **TOL)
+  for got, want in zip(head_weights(weights, options["ratios"]), ref_weights):
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 @given(data=st.data())
 def test_property_matches_reference(data):
   batch_shape = data.draw(st.sampled_from([(), (2,), (1, 2)]))
@@ -90,6 +110,7 @@ def test_property_matches_reference(data):
   options = dict(ratios=ratios, pool=data.draw(st.sampled_from(sorted(sh.POOLS))),
                  num_prefix_tokens=data.draw(st.integers(0, min(1, kv_len))),
                  is_causal=data.draw(st.booleans()), batchnorm=data.draw(st.booleans()),
+                 causal_alignment=data.draw(st.sampled_from(["top_left", "bottom_right"])),
                  stats=data.draw(st.sampled_from(sh.STATS_SOURCES)))
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
   q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, len(ratios))

@@ -1,5 +1,6 @@
 """Mask helpers on small hand-checked cases."""
 
+import flax.linen as nn
 import numpy as np
 import pytest
 
@@ -15,19 +16,36 @@ def test_causal_mask():
   np.testing.assert_array_equal(as_01(causal_mask(3)), [[1, 0, 0],
                                                         [1, 1, 0],
                                                         [1, 1, 1]])
-  # Queries are the last two of four positions: the last query sees every key.
-  np.testing.assert_array_equal(as_01(causal_mask(2, 4)), [[1, 1, 1, 0],
-                                                           [1, 1, 1, 1]])
+  # Default top_left (Flax, jax.nn): query i sees keys j <= i.
+  np.testing.assert_array_equal(as_01(causal_mask(2, 4)), [[1, 0, 0, 0],
+                                                           [1, 1, 0, 0]])
+  # bottom_right: the queries are the last two of four positions; the last query sees every key.
+  np.testing.assert_array_equal(as_01(causal_mask(2, 4, alignment="bottom_right")),
+                                [[1, 1, 1, 0],
+                                 [1, 1, 1, 1]])
+  np.testing.assert_array_equal(as_01(causal_mask(3, 2, alignment="bottom_right")),
+                                [[0, 0],
+                                 [1, 0],
+                                 [1, 1]])
   assert causal_mask(3).dtype == np.bool_
+  with pytest.raises(ValueError, match="causal_alignment must be one of"):
+    causal_mask(2, 4, alignment="middle")
 
 
-def test_causal_mask_matches_is_causal():
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_mask_matches_is_causal(alignment):
   rng = np.random.default_rng(0)
   query = rng.normal(size=(3, 1, 2)).astype(np.float32)
   key = rng.normal(size=(4, 1, 2)).astype(np.float32)
   value = rng.normal(size=(4, 1, 2)).astype(np.float32)
-  np.testing.assert_allclose(softmax_attention(query, key, value, mask=causal_mask(3, 4)),
-                             softmax_attention(query, key, value, is_causal=True), atol=1e-6)
+  np.testing.assert_allclose(
+      softmax_attention(query, key, value, mask=causal_mask(3, 4, alignment=alignment)),
+      softmax_attention(query, key, value, is_causal=True, causal_alignment=alignment), atol=1e-6)
+
+
+def test_causal_mask_equals_flax_make_causal_mask():
+  flax_mask = nn.make_causal_mask(np.zeros((1, 4)))  # float32 [1, 1, 4, 4]
+  np.testing.assert_array_equal(flax_mask[0, 0] != 0, causal_mask(4))
 
 
 def test_local_mask():
@@ -80,8 +98,11 @@ def test_combine_masks():
     combine_masks(row, op="xor")
   with pytest.raises(ValueError, match=r"do not broadcast.*\(1, 3\).*\(2,\)"):
     combine_masks(row, np.ones(2, bool))
-  with pytest.raises(ValueError, match="boolean"):
-    combine_masks(row, np.ones(3))
+  # Masks of any dtype: nonzero = may attend (Flax's masks are float32); the result is bool.
+  combined = combine_masks(row, np.array([[0.0], [2.0]], np.float32))
+  assert combined.dtype == np.bool_
+  np.testing.assert_array_equal(as_01(combined), [[0, 0, 0],
+                                                  [1, 0, 1]])
 
 
 def test_padding_mask():

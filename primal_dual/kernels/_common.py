@@ -1,8 +1,17 @@
 """Shared machinery of every attention kernel.
 
 Shapes follow Flax (SPEC §1): ``query [batch..., q_len, heads, d_qk]``, ``key [batch..., kv_len,
-heads, d_qk]``, ``value [batch..., kv_len, heads, d_v]``; ``mask`` (bool, True = may attend) and
-``bias`` (additive) broadcast to ``[batch..., heads, q_len, kv_len]``.
+kv_heads, d_qk]``, ``value [batch..., kv_len, kv_heads, d_v]``; ``mask`` (any dtype, nonzero = may
+attend) and ``bias`` (additive) broadcast to ``[batch..., heads, q_len, kv_len]``.
+
+Grouped key/value heads (GQA, MQA): ``kv_heads`` may be any divisor of ``heads``; query head ``h``
+uses key/value head ``h // (heads // kv_heads)`` (Flax's grouping). :func:`repeat_kv_heads` repeats
+the shared heads before the per-head maths, so every per-head statistic (Attention-BN's moments,
+Attention-SH's pooling) is computed on the shared head.
+
+Causal masks are top-left aligned by default, as in Flax and ``jax.nn.dot_product_attention``:
+query ``i`` sees keys ``j <= i``. ``causal_alignment='bottom_right'`` aligns the ends instead
+(``j <= i + kv_len - q_len``, the queries being the last ``q_len`` positions of the keys).
 
 Kernels are written for ONE head (``q [q_len, d]``, ``k [kv_len, d]``, ``v [kv_len, d_v]``,
 ``bias/mask [q_len, kv_len]`` or None) and lifted to every head and example by :func:`map_heads`,
@@ -22,13 +31,19 @@ F32 = jnp.float32
 
 
 class QKVShapes(NamedTuple):
-  """Validated sizes of a query/key/value triple."""
+  """Validated sizes of a query/key/value triple (``heads`` counts the query heads)."""
   batch_shape: tuple[int, ...]
   q_len: int
   kv_len: int
   heads: int
   d_qk: int
   d_v: int
+  kv_heads: int
+
+  @property
+  def kv_groups(self) -> int:
+    """Query heads per key/value head (1 without grouping)."""
+    return self.heads // self.kv_heads
 
 
 def _shape_str(**arrays: Any) -> str:
@@ -54,9 +69,11 @@ def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
     raise ValueError(
         "query, key and value must share their batch dimensions; got "
         f"{_shape_str(query=query, key=key, value=value)}")
-  if not query.shape[-2] == key.shape[-2] == value.shape[-2]:
+  kv_heads = key.shape[-2]
+  if kv_heads < 1 or kv_heads != value.shape[-2] or query.shape[-2] % kv_heads:
     raise ValueError(
-        "query, key and value must have the same number of heads (axis -2); got "
+        "key and value must have the same number of heads (axis -2), and it must divide the "
+        "number of query heads (grouped heads); got "
         f"{_shape_str(query=query, key=key, value=value)}")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
@@ -67,7 +84,26 @@ def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
         "key and value must have the same length kv_len (axis -3); got "
         f"{_shape_str(query=query, key=key, value=value)}")
   return QKVShapes(tuple(query.shape[:-3]), query.shape[-3], key.shape[-3], query.shape[-2],
-                   query.shape[-1], value.shape[-1])
+                   query.shape[-1], value.shape[-1], key.shape[-2])
+
+
+def repeat_kv_heads(key: Array, value: Array, shapes: QKVShapes) -> tuple[Array, Array]:
+  """Repeats grouped key/value heads to one per query head (``h -> h // kv_groups``).
+
+  A no-op without grouping. The repeat is materialised: memory of key and value grows by
+  ``kv_groups``, the attention maths is that of ordinary multi-head attention.
+  """
+  if shapes.kv_groups == 1:
+    return key, value
+  return (jnp.repeat(key, shapes.kv_groups, axis=-2),
+          jnp.repeat(value, shapes.kv_groups, axis=-2))
+
+
+def refuse_grouped_heads(shapes: QKVShapes, kernel: str, reason: str) -> None:
+  """Raises ValueError if the key/value heads are grouped (fewer than the query heads)."""
+  if shapes.kv_groups != 1:
+    raise ValueError(f"{kernel} does not support grouped key/value heads ({reason}); got "
+                     f"{shapes.heads} query heads and {shapes.kv_heads} key/value heads")
 
 
 def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array | None:
@@ -88,21 +124,54 @@ def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array
   return x.reshape((-1, *target[-3:]))
 
 
-def combine_causal(mask: Array | None, is_causal: bool, q_len: int, kv_len: int) -> Array | None:
-  """Adds a causal constraint (query i sees keys j <= i + kv_len - q_len) to ``mask``."""
+# causal_alignment -> offset(q_len, kv_len): query i sees keys j <= i + offset.
+CAUSAL_OFFSETS: dict[str, Callable[[int, int], int]] = {
+    "top_left": lambda q_len, kv_len: 0,
+    "bottom_right": lambda q_len, kv_len: kv_len - q_len,
+}
+
+
+def causal_offset(alignment: str, q_len: int, kv_len: int) -> int:
+  """The diagonal of a causal mask: query ``i`` sees keys ``j <= i + offset``.
+
+  ``'top_left'`` (Flax, ``jax.nn.dot_product_attention``): offset 0. ``'bottom_right'``: offset
+  ``kv_len - q_len`` (the last query sees every key). Raises ValueError for other names.
+  """
+  if alignment not in CAUSAL_OFFSETS:
+    raise ValueError(f"causal_alignment must be one of {sorted(CAUSAL_OFFSETS)}; got "
+                     f"causal_alignment={alignment!r}")
+  return CAUSAL_OFFSETS[alignment](q_len, kv_len)
+
+
+def combine_causal(mask: Array | None, is_causal: bool, q_len: int, kv_len: int,
+                   alignment: str = "top_left") -> Array | None:
+  """Adds a causal constraint (query i sees keys j <= i + causal_offset) to a bool ``mask``."""
+  offset = causal_offset(alignment, q_len, kv_len)  # validates the name even when not causal
   if not is_causal:
     return mask
-  causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len)
+  causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=offset)
   return causal if mask is None else jnp.logical_and(mask, causal)
 
 
-def prepare_mask_and_bias(mask, bias, shapes: QKVShapes, is_causal: bool = False):
-  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None."""
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
-  mask = combine_causal(mask, is_causal, shapes.q_len, shapes.kv_len)
+def as_bool_mask(mask) -> Array | None:
+  """A mask of any dtype as bool: nonzero (True) = may attend. None stays None.
+
+  Flax's ``make_attention_mask``/``make_causal_mask`` return float32 masks by default.
+  """
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def prepare_mask_and_bias(mask, bias, shapes: QKVShapes, is_causal: bool = False,
+                          causal_alignment: str = "top_left"):
+  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None.
+
+  ``mask`` may have any dtype (nonzero = may attend); the result is bool.
+  """
+  mask = combine_causal(as_bool_mask(mask), is_causal, shapes.q_len, shapes.kv_len,
+                        causal_alignment)
   return (broadcast_logits_arg(mask, "mask", shapes),
           broadcast_logits_arg(bias, "bias", shapes))
 

@@ -132,7 +132,8 @@ def _check_choice(name: str, value: str, registry: dict) -> None:
 def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
                         dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                         dtype=None, precision=None, module=None, is_causal: bool = False,
-                        return_weights: bool = False, kernel: str = "softmax",
+                        causal_alignment: str = "top_left", return_weights: bool = False,
+                        kernel: str = "softmax",
                         eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
                         statistics: str = "keys", scale: float | None = None,
                         linear_eps: float = LINEAR_EPS):
@@ -142,20 +143,26 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
   valid keys (keys that some query may attend to; padded keys never enter), then
   ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)`` and the chosen kernel on ``(q̂, k̂)``;
   values are untouched. With ``is_causal`` the statistics still pool every key (they are per
-  sequence, not per prefix), so early queries see statistics of later keys.
+  sequence, not per prefix), so early queries see statistics of later keys; for the same reason
+  decoding with a key/value cache (keys valid up to the current step) is not a full causal pass:
+  each step uses the statistics of the keys seen so far. With grouped key/value heads the shared
+  head's statistics serve every query head of its group.
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
     bias: logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``: added to the softmax
       logits, or a factor ``exp(bias)`` on the linear kernel (see ``linear.positional_factor``).
-    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
+      zeros.
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
     dtype: output dtype (default ``query.dtype``); statistics and weights are float32.
     precision: passed to the einsums.
     module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask.
+    is_causal: add a causal mask, aligned by ``causal_alignment``.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
     kernel: ``'softmax'`` (``q̂ᵀk̂·scale + bias``) or ``'linear'`` (dual form, ``Φ = elu + 1``).
     eps: ε of the normalisation.
@@ -171,7 +178,8 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
   _check_choice("kernel", kernel, BN_KERNELS)
   _check_choice("statistics", statistics, STATISTICS_SOURCES)
   shapes = C.validate_qkv(query, key, value)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  key, value = C.repeat_kv_heads(key, value, shapes)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def weights_fn(q, k, bias, mask):

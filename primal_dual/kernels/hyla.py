@@ -145,7 +145,7 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
 def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                    dtype=None, precision=None, module=None, is_causal: bool = False,
-                   normalization: str = "rms_head", value_network: str = "mlp_relu",
+                   causal_alignment: str = "top_left", normalization: str = "rms_head", value_network: str = "mlp_relu",
                    query_chunk_size: int | None = None, scale: float | None = None,
                    return_weights: bool = False):
   """HYLA attention (SPEC §3.7).
@@ -156,15 +156,17 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
     value: ``[batch..., kv_len, heads, d_v]``; d_v is shared by all heads (the value network sums
       over heads).
     bias: additive score bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: bool, broadcastable like ``bias``; True = may attend. Masked scores are 0, so a fully
-      masked query gets a zero output (with finite gradients).
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Masked scores are 0, so a
+      fully masked query gets a zero output (with finite gradients).
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout, applied once to the
       normalised scores ``a``; the dropped ``a`` is used both in the value network and in the
       read-out.
     dtype: output dtype (default ``query.dtype``). Scores and normalisation are float32.
     precision: passed to the einsums.
     module: a Flax module to sow ``a`` into (``intermediates/attention_weights``).
-    is_causal: add a causal mask.
+    is_causal: add a causal mask, aligned by ``causal_alignment``.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     normalization: ``'rms_head'`` (default; ``s / √(mean_h s² + 1e-6)`` across heads),
       ``'softmax'`` (standard masked softmax over keys, per head) or ``'none'`` (``a = s``).
     value_network: ``'mlp_relu'`` (default), ``'mlp_linear'`` (no relu) or ``'linear'``
@@ -179,18 +181,20 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
 
   Raises:
-    ValueError: bad shapes (naming them), unknown ``normalization``/``value_network``, or a
-      ``query_chunk_size`` below 1.
+    ValueError: bad shapes (naming them), grouped key/value heads (fewer than the query heads),
+      unknown ``normalization``/``value_network``, or a ``query_chunk_size`` below 1.
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
   shapes = C.validate_qkv(query, key, value)
+  C.refuse_grouped_heads(shapes, "hyla_attention",
+                         "its value network sums the values over heads with per-head weights")
   normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
   network = _lookup(VALUE_NETWORKS, value_network, "value_network")
   if query_chunk_size is not None and (not isinstance(query_chunk_size, int)
                                        or query_chunk_size < 1):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 

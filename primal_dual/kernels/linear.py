@@ -69,22 +69,22 @@ def linear_weights_one_head(q, k, mask, *, bias=None, eps: float = DEFAULT_EPS, 
   return scores / (jnp.sum(scores, axis=-1, keepdims=True) + eps)
 
 
-def _causal_prefix(x, q_len: int):
+def _causal_prefix(x, q_len: int, offset: int):
   """Inclusive prefix sums of ``x [kv_len, ...]`` along keys, read at each query's last visible key.
 
-  Query ``i`` sees keys ``j <= i + kv_len - q_len`` (the convention of ``_common.combine_causal``);
-  a query that sees no key gets zeros. Returns ``[q_len, ...]``.
+  Query ``i`` sees keys ``j <= i + offset`` (``_common.causal_offset``); a query that sees no key
+  gets zeros. Returns ``[q_len, ...]``.
   """
   kv_len = x.shape[0]
-  last = jnp.arange(q_len) + (kv_len - q_len)
+  last = jnp.arange(q_len) + offset
   prefix = jnp.cumsum(x, axis=0)
   taken = jnp.take(prefix, jnp.clip(last, 0, kv_len - 1), axis=0)
   sees_any = (last >= 0).reshape((q_len,) + (1,) * (x.ndim - 1))
   return jnp.where(sees_any, taken, 0.0)
 
 
-def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float, causal: bool = False,
-                            precision=None):
+def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float,
+                            causal_offset: int | None = None, precision=None):
   """Primal form ``out_i = Φ(q_i)ᵀS / (Φ(q_i)ᵀz + eps)`` from precomputed features of one head.
 
   Args:
@@ -93,8 +93,9 @@ def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float, causal: b
     key_valid: bool ``[kv_len]`` or None; invalid keys contribute nothing to ``S`` or ``z``.
     eps: added to the denominator. A denominator that is still not positive (no valid key and
       ``eps = 0``) is replaced by 1, so such queries get zeros.
-    causal: query ``i`` only uses keys ``j <= i + kv_len - q_len``, through prefix sums of
-      ``Φ(k_j) v_jᵀ``; this holds a ``[kv_len, f, d_v]`` float32 tensor (memory O(N·f·d_v)).
+    causal_offset: None (not causal) or an int: query ``i`` then only uses keys
+      ``j <= i + causal_offset``, through prefix sums of ``Φ(k_j) v_jᵀ``; this holds a
+      ``[kv_len, f, d_v]`` float32 tensor (memory O(N·f·d_v)).
     precision: passed to the einsums.
 
   Returns:
@@ -103,10 +104,11 @@ def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float, causal: b
   if key_valid is not None:
     phi_k = phi_k * key_valid[:, None]
   v = v.astype(C.F32)
-  if causal:
+  if causal_offset is not None:
     q_len = phi_q.shape[0]
-    states = _causal_prefix(jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len)
-    normalizers = _causal_prefix(phi_k, q_len)
+    states = _causal_prefix(jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len,
+                            causal_offset)
+    normalizers = _causal_prefix(phi_k, q_len, causal_offset)
     numerator = jnp.einsum("qf,qfd->qd", phi_q, states, precision=precision)
     denominator = jnp.einsum("qf,qf->q", phi_q, normalizers, precision=precision)
   else:
@@ -118,7 +120,7 @@ def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float, causal: b
 
 
 def linear_primal_one_head(q, k, v, key_valid, *, eps: float = DEFAULT_EPS, precision=None,
-                           causal: bool = False):
+                           causal_offset: int | None = None):
   """Primal-form (O(N)) linear attention of one head, ``Φ = elu + 1``.
 
   Args:
@@ -126,14 +128,14 @@ def linear_primal_one_head(q, k, v, key_valid, *, eps: float = DEFAULT_EPS, prec
     key_valid: bool ``[kv_len]`` or None; invalid keys contribute nothing.
     eps: guards the denominator (same role as in :func:`linear_weights_one_head`).
     precision: passed to the einsums.
-    causal: prefix-sum causal form (see :func:`feature_primal_one_head`).
+    causal_offset: None, or the prefix-sum causal form (see :func:`feature_primal_one_head`).
 
   Returns:
     float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, mask) @ v`` when ``mask`` is
     ``key_valid`` on every row, up to float error.
   """
   return feature_primal_one_head(elu_feature_map(q), elu_feature_map(k), v, key_valid, eps=eps,
-                                 causal=causal, precision=precision)
+                                 causal_offset=causal_offset, precision=precision)
 
 
 def draw_random_features(feature_key, num_features: int, d_qk: int):
@@ -148,8 +150,8 @@ def _log_positive_random_features(x, omega, precision=None):
   return projected - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
 
 
-def random_feature_primal_one_head(q, k, v, key_valid, *, omega, causal: bool = False,
-                                   precision=None):
+def random_feature_primal_one_head(q, k, v, key_valid, *, omega,
+                                   causal_offset: int | None = None, precision=None):
   """Approximate softmax attention of one head with positive random features.
 
   ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` gives ``E[Φ(q)ᵀΦ(k)] = exp(qᵀk/√D)``. For stability each query's
@@ -161,7 +163,7 @@ def random_feature_primal_one_head(q, k, v, key_valid, *, omega, causal: bool = 
     q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``.
     key_valid: bool ``[kv_len]`` or None.
     omega: float32 ``[m, d_qk]`` from :func:`draw_random_features`.
-    causal: prefix-sum causal form.
+    causal_offset: None, or the prefix-sum causal form (see :func:`feature_primal_one_head`).
     precision: passed to the einsums.
 
   Returns:
@@ -177,7 +179,7 @@ def random_feature_primal_one_head(q, k, v, key_valid, *, omega, causal: bool = 
   key_shift = jnp.where(jnp.isfinite(key_shift), key_shift, 0.0)  # no valid key: any shift works
   log_k = log_k - jax.lax.stop_gradient(key_shift)
   return feature_primal_one_head(jnp.exp(log_q), jnp.exp(log_k), v, key_valid, eps=0.0,
-                                 causal=causal, precision=precision)
+                                 causal_offset=causal_offset, precision=precision)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,14 +190,14 @@ def random_feature_primal_one_head(q, k, v, key_valid, *, omega, causal: bool = 
 def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
   """Per-key validity ``[B, heads, kv_len]`` of a key-only mask (size 1 on the q_len axis), or None.
 
+  ``mask`` may have any dtype (nonzero = may attend).
+
   Raises:
-    ValueError: if ``mask`` is not boolean, depends on the query, or does not broadcast.
+    ValueError: if ``mask`` depends on the query or does not broadcast.
   """
+  mask = C.as_bool_mask(mask)
   if mask is None:
     return None
-  mask = jnp.asarray(mask)
-  if mask.dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
   if mask.ndim >= 2 and mask.shape[-2] != 1 and shapes.q_len != 1:
     raise ValueError(
         f"the primal form needs a key-only mask (size 1 on the q_len axis, e.g. padding_mask's "
@@ -203,6 +205,12 @@ def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
         f"q_len={shapes.q_len}. {form_hint}")
   validity = C.broadcast_logits_arg(mask, "mask", shapes._replace(q_len=1))
   return validity[:, :, 0, :]
+
+
+def primal_causal_offset(is_causal: bool, causal_alignment: str, shapes: C.QKVShapes):
+  """The causal offset of the prefix-sum form, or None when not causal (validates the name)."""
+  offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
+  return offset if is_causal else None
 
 
 def check_no_dropout(*, dropout_rate: float, deterministic: bool, name: str):
@@ -225,8 +233,9 @@ def check_no_bias(bias, name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_causal, dropout):
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_causal,
+                 causal_alignment, dropout):
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def weights_fn(q, k, bias, mask):
@@ -237,14 +246,16 @@ def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_ca
   return out, weights
 
 
-def _linear_primal(query, key, value, bias, mask, *, shapes, eps, precision, is_causal, dropout):
+def _linear_primal(query, key, value, bias, mask, *, shapes, eps, precision, is_causal,
+                   causal_alignment, dropout):
   del bias, dropout  # Checked by the caller: neither applies here.
   key_valid = key_only_validity(mask, shapes, "Use form='dual' for query-dependent masks.")
+  offset = primal_causal_offset(is_causal, causal_alignment, shapes)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def primal_fn(q, k, v, key_valid):
     return linear_primal_one_head(q, k, v, key_valid, eps=eps, precision=precision,
-                                  causal=is_causal)
+                                  causal_offset=offset)
 
   return C.map_heads(primal_fn, q, k, v, key_valid), None
 
@@ -259,7 +270,8 @@ LINEAR_FORMS = {
 def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
                      dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                      dtype=None, precision=None, module=None, is_causal: bool = False,
-                     return_weights: bool = False, form: str = "dual", eps: float = DEFAULT_EPS):
+                     causal_alignment: str = "top_left", return_weights: bool = False,
+                     form: str = "dual", eps: float = DEFAULT_EPS):
   """Linear attention, ``Φ = elu + 1`` on queries and keys (no 1/√D).
 
   ``out_i = Σ_j Φ(q_i)ᵀΦ(k_j) m_ij v_j / (Σ_j Φ(q_i)ᵀΦ(k_j) m_ij + eps)``; masked keys contribute
@@ -268,13 +280,14 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
+      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
     bias: logit bias broadcastable like ``mask`` (``dual`` form only): it multiplies the kernel by
       ``exp(bias)``, as a logit bias does in softmax (e.g. a relative position bias). The
       ``primal`` form never forms pairwise weights and raises ValueError for a bias.
-    mask: bool, broadcastable to ``[batch..., heads, q_len, kv_len]``; True = may attend. The
-      ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
+    mask: any dtype, broadcastable to ``[batch..., heads, q_len, kv_len]``; nonzero = may attend.
+      The ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
       ``masks.padding_mask``).
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
       ``dual`` form only, the ``primal`` form raises ValueError when dropout would apply.
@@ -282,8 +295,10 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
     precision: passed to the einsums.
     module: Flax module to sow the weights into (``dual`` form; the ``primal`` form never forms
       weights and sows nothing).
-    is_causal: add a causal mask; in the ``primal`` form it uses prefix sums, which hold a
-      ``[batch, heads, kv_len, d_qk, d_v]`` float32 tensor.
+    is_causal: add a causal mask, aligned by ``causal_alignment``; in the ``primal`` form it uses
+      prefix sums, which hold a ``[batch, heads, kv_len, d_qk, d_v]`` float32 tensor.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``;
       ``dual`` form only (ValueError in ``primal``).
     form: ``'dual'`` (N×N weights) or ``'primal'`` (O(N), ``Φ(q)ᵀS / (Φ(q)ᵀz + eps)``).
@@ -296,6 +311,7 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
     raise ValueError(f"form must be one of {sorted(LINEAR_FORMS)}; got form={form!r}")
   compute, forms_weights = LINEAR_FORMS[form]
   shapes = C.validate_qkv(query, key, value)
+  key, value = C.repeat_kv_heads(key, value, shapes)
   if not forms_weights:
     check_no_bias(bias, f"linear_attention(form={form!r})")
     check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
@@ -309,7 +325,7 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
 
   out, weights = compute(query, key, value, bias, mask, shapes=shapes, eps=eps, precision=precision,
-                         is_causal=is_causal, dropout=dropout)
+                         is_causal=is_causal, causal_alignment=causal_alignment, dropout=dropout)
   return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
                   return_weights=return_weights)
 
@@ -318,6 +334,7 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
                              broadcast_dropout: bool = True, dropout_rng=None,
                              dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
                              precision=None, module=None, is_causal: bool = False,
+                             causal_alignment: str = "top_left",
                              return_weights: bool = False, num_features: int = 256,
                              feature_key=None):
   """Softmax attention approximated in the primal with positive random features (SPEC §2).
@@ -327,15 +344,18 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
   shrinks like ``1/√m`` and grows with ``‖q‖, ‖k‖``. The same ``ω`` serves every example and head.
 
   Args:
-    query, key, value: as in :func:`linear_attention`.
+    query, key, value: as in :func:`linear_attention` (grouped key/value heads allowed).
     bias: must be None (a logit bias cannot be moved into the features); ValueError otherwise.
-    mask: key-only bool mask (size 1 on the q_len axis, e.g. ``masks.padding_mask``).
+    mask: key-only mask of any dtype, nonzero = may attend (size 1 on the q_len axis, e.g.
+      ``masks.padding_mask``).
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: accepted for the Flax contract;
       ValueError when dropout would apply (the weights are never formed).
     dtype: output dtype (default ``query.dtype``); features and sums are float32.
     precision: passed to the einsums.
     module: accepted for the Flax contract; nothing is sown (no weights are formed).
     is_causal: causal attention through prefix sums (holds ``[batch, heads, kv_len, m, d_v]``).
+    causal_alignment: ``'top_left'`` (default, as Flax) or ``'bottom_right'``, as in
+      :func:`linear_attention`.
     return_weights: must be False (ValueError otherwise).
     num_features: ``m``, the number of random features.
     feature_key: a JAX PRNG key drawing ``ω`` (required; reuse it to keep the features fixed).
@@ -350,6 +370,7 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
   if num_features < 1:
     raise ValueError(f"num_features must be >= 1; got num_features={num_features}")
   shapes = C.validate_qkv(query, key, value)
+  key, value = C.repeat_kv_heads(key, value, shapes)
   check_no_bias(bias, "random_feature_attention")
   check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
                    name="random_feature_attention")
@@ -358,11 +379,12 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
                      "False")
   key_valid = key_only_validity(
       mask, shapes, "Random-feature attention is a primal form; use softmax_attention instead.")
+  offset = primal_causal_offset(is_causal, causal_alignment, shapes)
   omega = draw_random_features(feature_key, num_features, shapes.d_qk)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def primal_fn(q, k, v, key_valid):
-    return random_feature_primal_one_head(q, k, v, key_valid, omega=omega, causal=is_causal,
+    return random_feature_primal_one_head(q, k, v, key_valid, omega=omega, causal_offset=offset,
                                           precision=precision)
 
   out = C.map_heads(primal_fn, q, k, v, key_valid)

@@ -1,5 +1,8 @@
 """Boolean attention masks (True = may attend), broadcasting to ``[batch..., heads, q, k]``.
 
+The kernels also take masks of any other dtype (nonzero = may attend), such as the float32 masks
+of ``flax.linen.make_attention_mask``; :func:`combine_masks` does too and returns bool.
+
 Sparse attention (SPEC §3.3) fits each query's SVR on a subset of the keys; these masks say which.
 They combine with every kernel through its ``mask`` argument; :func:`combine_masks` intersects or
 unites them (the union of a local and a strided pattern is Child et al.'s fixed sparse pattern).
@@ -8,6 +11,8 @@ unites them (the union of a local and a strided pattern is Child et al.'s fixed 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from primal_dual.kernels import _common as C
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -20,11 +25,13 @@ def _offsets(q_len: int, kv_len: int):
   return jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
 
 
-def causal_mask(q_len: int, kv_len: int | None = None):
-  """Query ``i`` may attend to keys ``j <= i + kv_len − q_len`` (the last query sees every key).
+def causal_mask(q_len: int, kv_len: int | None = None, *, alignment: str = "top_left"):
+  """The mask of ``is_causal=True``: query ``i`` may attend to keys ``j <= i + offset``.
 
-  With ``kv_len = q_len`` (the default) this is ``j <= i``; the offset aligns the ends when the
-  queries are the last ``q_len`` positions of a longer key sequence (decoding).
+  ``alignment='top_left'`` (default, as Flax and ``jax.nn.dot_product_attention``): offset 0,
+  query ``i`` sees keys ``j <= i``. ``'bottom_right'``: offset ``kv_len − q_len``, the queries are
+  the last ``q_len`` positions of a longer key sequence and the last query sees every key. Both
+  agree when ``kv_len = q_len`` (the default).
 
   Returns:
     bool ``[q_len, kv_len]``.
@@ -32,7 +39,7 @@ def causal_mask(q_len: int, kv_len: int | None = None):
   kv_len = q_len if kv_len is None else kv_len
   _check_positive("q_len", q_len)
   _check_positive("kv_len", kv_len)
-  return _offsets(q_len, kv_len) >= q_len - kv_len
+  return _offsets(q_len, kv_len) >= -C.causal_offset(alignment, q_len, kv_len)
 
 
 def padding_mask(key_valid, query_valid=None):
@@ -103,23 +110,20 @@ MASK_OPS = {"and": jnp.logical_and, "or": jnp.logical_or}
 
 
 def combine_masks(*masks, op: str = "and"):
-  """Intersection (``op='and'``) or union (``op='or'``) of broadcastable bool masks.
+  """Intersection (``op='and'``) or union (``op='or'``) of broadcastable masks.
 
-  None entries are ignored; with no mask left the result is None.
+  Masks may have any dtype (nonzero = may attend, e.g. Flax's float32 masks). None entries are
+  ignored; with no mask left the result is None.
 
   Returns:
     bool array of the broadcast shape, or None.
   """
   if op not in MASK_OPS:
     raise ValueError(f"op must be one of {sorted(MASK_OPS)}; got op={op!r}")
-  present = [jnp.asarray(m) for m in masks if m is not None]
+  present = [C.as_bool_mask(m) for m in masks if m is not None]
   if not present:
     return None
   shapes = [tuple(m.shape) for m in present]
-  for m in present:
-    if m.dtype != jnp.bool_:
-      raise ValueError(f"masks must be boolean; got dtypes {[str(x.dtype) for x in present]} "
-                       f"(shapes {shapes})")
   try:
     jnp.broadcast_shapes(*shapes)
   except ValueError:

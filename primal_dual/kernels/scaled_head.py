@@ -314,6 +314,7 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
                           broadcast_dropout: bool = True, dropout_rng=None,
                           dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
                           precision=None, module=None, is_causal: bool = False,
+                          causal_alignment: str = "top_left",
                           ratios: Sequence[int] | None = None, pool: str = "avg",
                           kernel: str = "softmax", batchnorm: bool = False,
                           stats: str = "pooled", bn_eps: float = 1e-5,
@@ -324,11 +325,13 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
+      each query head pools its own copy of the shared key/value head, with its own ratio).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
     bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``; pooled by a
       mean over each window's visible entries. Not accepted with ``kernel='linear'``.
-    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
+      zeros.
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout on each group's
       weights. A single group uses ``dropout_rng`` itself (so all-1 ratios reproduce
       ``softmax_attention`` exactly); several groups use ``fold_in(dropout_rng, ratio)``, and
@@ -336,7 +339,11 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
     dtype: output dtype (default ``query.dtype``); pooling, statistics and softmax are float32.
     precision: passed to the einsums.
     module: a Flax module to sow the weights tuple into (``intermediates/attention_weights``).
-    is_causal: add a causal mask (applied before pooling; see "Pooled mask").
+    is_causal: add a causal mask (applied before pooling; see "Pooled mask"). Decoding with a
+      key/value cache is therefore not a full causal pass: a cached step pools only the keys seen
+      so far, the full pass pools whole windows.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     ratios: one static int >= 1 per head (required).
     pool: ``'avg'`` (default), ``'max'`` or ``'stride'``.
     kernel: ``'softmax'`` (default, scaled by ``scale``) or ``'linear'`` (dual form, elu + 1).
@@ -359,6 +366,7 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
       ``stats``, a grid that does not match ``kv_len``, bias with the linear kernel, bad shapes.
   """
   shapes = C.validate_qkv(query, key, value)
+  key, value = C.repeat_kv_heads(key, value, shapes)
   ratios = validate_ratios(ratios, shapes.heads)
   pool_fn = _lookup(POOLS, pool, "pool")
   kernel_fn, accepts_bias = _lookup(KERNELS, kernel, "kernel")
@@ -369,7 +377,7 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
   bn_options = BatchNormOptions(stats, bn_eps, bn_mean_weight) if batchnorm else None
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 

@@ -28,20 +28,25 @@ def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
 def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
                       dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                       dtype=None, precision=None, module=None, is_causal: bool = False,
-                      scale: float | None = None, return_weights: bool = False):
+                      causal_alignment: str = "top_left", scale: float | None = None,
+                      return_weights: bool = False):
   """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
+      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
     bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: bool, broadcastable like ``bias``; True = may attend. Fully masked rows give zeros.
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
+      zeros.
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
     dtype: output dtype (default: ``query.dtype``). Softmax statistics are float32 regardless.
     precision: passed to the einsums.
     module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask.
+    is_causal: add a causal mask, aligned by ``causal_alignment``.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     scale: logits scale, default ``1/√d_qk``.
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
 
@@ -49,7 +54,8 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
   shapes = C.validate_qkv(query, key, value)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal)
+  key, value = C.repeat_kv_heads(key, value, shapes)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
