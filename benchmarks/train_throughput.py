@@ -5,7 +5,7 @@ A training step is forward, backward and optimizer update of the real model
 median of warm steps (``benchmarks.common``). Reported: steps/s, tokens/s (batch × sequence length
 per second) and examples/s, with XLA's memory numbers and FLOP count of the compiled step.
 
-Models (SPEC §4):
+Models (docs/maths.md §4):
 
 * ``uea``: the UEA reference encoder, ``EncoderClassifier`` with 2 layers, d_model 512, 8 heads,
   feed-forward 2048, dropout 0.1, learnable positions, BatchNorm instead of LayerNorm after each

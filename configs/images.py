@@ -1,4 +1,4 @@
-r"""DeiT/ViT image classification with any attention variant (SPEC §4).
+r"""DeiT/ViT image classification with any attention variant (docs/maths.md §4).
 
 Data sets (``dataset=``):
 

@@ -1,8 +1,8 @@
-r"""Long Range Arena ListOps with any attention variant (SPEC §4), in two reference settings.
+r"""Long Range Arena ListOps with any attention variant (docs/maths.md §4), in two reference settings.
 
 Settings (``setting=``):
 
-* ``jax_lra`` — the JAX LRA setup of SPEC §4: 4 layers, d_model 512, 8 heads, MLP 1024, pre-LN,
+* ``jax_lra`` — the JAX LRA setup of docs/maths.md §4: 4 layers, d_model 512, 8 heads, MLP 1024, pre-LN,
   sinusoidal positions (LRA's ``learn_pos_emb=False``), dropout 0.1, CLS pooling, batch 32,
   5000 steps. Optimizer as in LRA's ``listops/train.py`` and ``base_listops_config.py``: Adam with
   b1 0.9, b2 0.98, eps 1e-9, decoupled weight decay 0.1, and the schedule

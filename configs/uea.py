@@ -1,4 +1,4 @@
-r"""UEA multivariate time-series classification with the reference model of the protocol (SPEC §4).
+r"""UEA multivariate time-series classification with the reference model of the protocol (docs/maths.md §4).
 
 Reference model: 2 layers, d_model 512, 8 heads, feed-forward 2048, dropout 0.1, learnable
 positional embedding, BatchNorm, post-norm, flattened read-out (the TST lineage of the protocol),
@@ -40,7 +40,7 @@ Command (one run) and what to expect::
       --workdir=workdirs/uea_jv_softmax
 
 prints the final metrics, among them ``best/test_accuracy`` (best-test protocol). The published
-reference for this data set and model is 98.7% (SPEC §5, best test accuracy, labelled "reference"
+reference for this data set and model is 98.7% (docs/maths.md §5, best test accuracy, labelled "reference"
 in results/uea.md); this project's own measurements, over 3 seeds and both protocols, are in
 results/uea.md, produced by ``scripts/reproduce_uea.py`` (see its docstring). A reference-model
 run of JapaneseVowels takes on the order of 10–20 minutes on a 2-core CPU; ``size=small`` a few.
@@ -66,7 +66,7 @@ DATASETS = {
     "UWaveGestureLibrary": (MEDIUM, 100),
     "BasicMotions": (MEDIUM, 100),
 }
-# The ten data sets of the standard protocol (SPEC §4); BasicMotions is an offline extra.
+# The ten data sets of the standard protocol (docs/maths.md §4); BasicMotions is an offline extra.
 PROTOCOL_DATASETS = tuple(name for name in DATASETS if name != "BasicMotions")
 # Shipped inside the aeon package: available without a download.
 BUNDLED_DATASETS = ("JapaneseVowels", "BasicMotions")

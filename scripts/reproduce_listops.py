@@ -7,7 +7,7 @@ writes
   accuracy after the last step (LRA's protocol), test accuracy at the best validation accuracy,
   parameter count, analytic attention FLOPs per example, wall time;
 * the same path with ``.md``: mean ± std over seeds per variant, a column "reference (published,
-  full scale)" with SPEC §5's softmax numbers, and the full-scale commands.
+  full scale)" with docs/maths.md §5's softmax numbers, and the full-scale commands.
 
 Resuming: a finished run (``final_metrics.json`` in its workdir) is reused and an interrupted one
 resumes from its last checkpoint, so re-running the same command only does what is missing.
@@ -50,7 +50,7 @@ DEFAULT_SEEDS = (0, 1, 2)
 SETTINGS = ("pytorch", "jax_lra")
 PRESETS = ("short", "full")
 
-# SPEC §5, published by others at full scale (LRA data, 5000 steps): (setting, variant) → accuracy.
+# docs/maths.md §5, published by others at full scale (LRA data, 5000 steps): (setting, variant) → accuracy.
 REFERENCE = {("jax_lra", "softmax"): 0.3637, ("pytorch", "softmax"): 0.371}
 REFERENCE_HEADER = "reference (published, full scale)"
 
@@ -170,7 +170,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
       "multiply-add = 2, projections left out (primal_dual/analysis/flops.py); linear runs in its "
       "O(N) primal form. Wall time covers training and the periodic evaluations."
       + grid.shared_machine_note(command) + " Per-run records: listops.json.\n",
-      f"The column *{REFERENCE_HEADER}* holds SPEC §5's published softmax number for this "
+      f"The column *{REFERENCE_HEADER}* holds docs/maths.md §5's published softmax number for this "
       "setting, measured by others on the full LRA data (96k examples of 500–2000 tokens, 5000 "
       "steps) with their own code. " + (
           "It is not comparable to the runs above, which use a smaller preset (shorter "

@@ -78,7 +78,7 @@ PROTOCOL_TITLES = {
     "clean": "clean protocol — test accuracy of the checkpoint selected on a validation split "
              "carved from TRAIN",
 }
-# SPEC §5, published by others (best test accuracy over epochs): (data set, variant) → accuracy.
+# docs/maths.md §5, published by others (best test accuracy over epochs): (data set, variant) → accuracy.
 REFERENCE = {("JapaneseVowels", "softmax"): 0.987}
 REFERENCE_TEN_DATASET_AVERAGE = {"softmax": 0.719}
 REFERENCE_HEADER = "reference (published, best-test)"

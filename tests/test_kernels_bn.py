@@ -1,4 +1,4 @@
-"""Attention-BN (SPEC §3.4): reference, invariances, why the queries are normalised, masking."""
+"""Attention-BN (docs/maths.md §3.4): reference, invariances, why the queries are normalised, masking."""
 
 import functools
 

@@ -147,7 +147,7 @@ def test_unit_ratios_with_batchnorm_equal_batchnorm_attention(kernel):
 
 
 def test_average_pooling_commutes_with_projection():
-  """Pooling K/V after their projections = pooling the inputs, then projecting (SPEC §3.5)."""
+  """Pooling K/V after their projections = pooling the inputs, then projecting (docs/maths.md §3.5)."""
   rng = np.random.default_rng(3)
   batch, kv_len, d_in, heads, d, ratio = 2, 7, 5, 2, 3, 3
   x = rng.normal(size=(batch, kv_len, d_in))

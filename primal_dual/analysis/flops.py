@@ -20,7 +20,7 @@ Each variant's formula is part of its registry entry (``primal_dual.registry``);
   ``Σ_h a v``, ``Σ_j a u``);
 * hyla_linear_value, linear_plain: ``4·N²·D``.
 
-SH therefore costs ``(1/H) Σ_h N_h/N`` of softmax, which is SPEC's ``(1/H) Σ_h 1/r_h`` when every
+SH therefore costs ``(1/H) Σ_h N_h/N`` of softmax, which is docs/maths.md's ``(1/H) Σ_h 1/r_h`` when every
 ``r_h`` divides ``N`` (this module counts the exact ``ceil``, prefix tokens such as CLS included,
 and 2-D windows on an image grid).
 

@@ -1,4 +1,4 @@
-"""Fuzzy-logic regression tasks as a random-access, JAX-generated data source (SPEC §4).
+"""Fuzzy-logic regression tasks as a random-access, JAX-generated data source (docs/maths.md §4).
 
 Variables ``x ∈ [0, 1]^n``. A *conjunction* is a minterm over all ``n`` variables: a polarity
 vector ``p ∈ {0, 1}^n`` with literal ``x_i`` where ``p_i = 1`` and ``1 − x_i`` where ``p_i = 0``,

@@ -1,4 +1,4 @@
-"""Symbolic Raven (sRAVEN) problems as a random-access, JAX-generated data source (SPEC §4).
+"""Symbolic Raven (sRAVEN) problems as a random-access, JAX-generated data source (docs/maths.md §4).
 
 A problem is a 3 × 3 grid of panels; each panel has ``F`` integer features in ``[0, V)``. Every
 feature follows one rule along each row of the grid (rows drawn independently):

@@ -1,4 +1,4 @@
-"""The UEA multivariate time-series archive (SPEC §4): `.ts` reading, preprocessing, splits.
+"""The UEA multivariate time-series archive (docs/maths.md §4): `.ts` reading, preprocessing, splits.
 
 Pure NumPy; the TFDS builder and the sources (``uea_sources``, ``uea_info``) are in
 :mod:`primal_dual.data.builders`, which imports this module (never the other way round).
@@ -53,7 +53,7 @@ ARCHIVE_DATASETS: tuple[str, ...] = (
     "PEMS-SF", "PhonemeSpectra", "RacketSports", "SelfRegulationSCP1", "SelfRegulationSCP2",
     "SpokenArabicDigits", "StandWalkJump", "UWaveGestureLibrary",
 )
-# The ten data sets of the standard Transformer protocol (SPEC §4).
+# The ten data sets of the standard Transformer protocol (docs/maths.md §4).
 PROTOCOL_DATASETS: tuple[str, ...] = (
     "EthanolConcentration", "FaceDetection", "Handwriting", "Heartbeat", "JapaneseVowels",
     "PEMS-SF", "SelfRegulationSCP1", "SelfRegulationSCP2", "SpokenArabicDigits",

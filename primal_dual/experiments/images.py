@@ -1,4 +1,4 @@
-"""The 'images' task: DeiT/ViT-style image classification (SPEC §4).
+"""The 'images' task: DeiT/ViT-style image classification (docs/maths.md §4).
 
 Config fields read:
   ``config.data``: ``dataset`` ('digits' | 'cifar10' | 'imagenet2012'), ``data_dir`` (TFDS folder

@@ -1,4 +1,4 @@
-"""The 'listops' task: Long Range Arena ListOps (SPEC §4), and a model summary (size, FLOPs).
+"""The 'listops' task: Long Range Arena ListOps (docs/maths.md §4), and a model summary (size, FLOPs).
 
 Config fields read:
   ``config.data``: ``preset`` ('full' | 'short' | 'tiny', see ``primal_dual.data.listops.PRESETS``),

@@ -1,4 +1,4 @@
-"""The 'logic' task: in-context regression of fuzzy-logic functions (SPEC §4).
+"""The 'logic' task: in-context regression of fuzzy-logic functions (docs/maths.md §4).
 
 Data (``primal_dual.data.logic``). Splits:
 

@@ -1,4 +1,4 @@
-"""The 'sraven' task: symbolic Raven matrices, compositional generalisation (SPEC §4).
+"""The 'sraven' task: symbolic Raven matrices, compositional generalisation (docs/maths.md §4).
 
 Data (``primal_dual.data.sraven``). Splits:
 

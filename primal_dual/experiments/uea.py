@@ -1,4 +1,4 @@
-"""The 'uea' task: UEA multivariate time-series classification (SPEC §4).
+"""The 'uea' task: UEA multivariate time-series classification (docs/maths.md §4).
 
 Config fields read (``config.data``): ``dataset`` (archive name), ``protocol`` ('best_test' or
 'clean'), ``data_dir``, ``manual_dir``, ``validation_fraction``, ``split_seed``.

@@ -1,4 +1,4 @@
-"""Attention kernels: pure functions with Flax's ``attention_fn`` contract (SPEC §1, §3)."""
+"""Attention kernels: pure functions with Flax's ``attention_fn`` contract (docs/maths.md §1, §3)."""
 
 from primal_dual.kernels.batchnorm import batchnorm_attention
 from primal_dual.kernels.hyla import hyla_attention

@@ -1,6 +1,6 @@
 """Shared machinery of every attention kernel.
 
-Shapes follow Flax (SPEC §1): ``query [batch..., q_len, heads, d_qk]``, ``key [batch..., kv_len,
+Shapes follow Flax (docs/maths.md §1): ``query [batch..., q_len, heads, d_qk]``, ``key [batch..., kv_len,
 kv_heads, d_qk]``, ``value [batch..., kv_len, kv_heads, d_v]``; ``mask`` (any dtype, nonzero = may
 attend) and ``bias`` (additive) broadcast to ``[batch..., heads, q_len, kv_len]``.
 

@@ -1,4 +1,4 @@
-"""Attention-BN: batch normalisation on the input of the SVR primal (SPEC §3.4).
+"""Attention-BN: batch normalisation on the input of the SVR primal (docs/maths.md §3.4).
 
 The keys are the SVR's training inputs, so their statistics (over the key axis, per example, head
 and channel, valid keys only) normalise both the keys and the queries (the test inputs) before the
@@ -76,7 +76,7 @@ def _statistics_of_queries_and_keys(q, k, mask):
 
 
 # statistics source -> (q [q_len, d], k [kv_len, d], mask [q_len, kv_len] | None) -> (mean, var).
-# 'keys' is SPEC §3.4; a query (key) is valid when it may attend to (be seen by) any key (query).
+# 'keys' is docs/maths.md §3.4; a query (key) is valid when it may attend to (be seen by) any key (query).
 STATISTICS_SOURCES: dict[str, Callable] = {
     "keys": _statistics_of_keys,
     "queries": _statistics_of_queries,
@@ -167,7 +167,7 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
     kernel: ``'softmax'`` (``q̂ᵀk̂·scale + bias``) or ``'linear'`` (dual form, ``Φ = elu + 1``).
     eps: ε of the normalisation.
     mean_weight: β, how much of the mean is removed (0 = scale only).
-    statistics: whose statistics normalise: ``'keys'`` (SPEC), ``'queries'`` or
+    statistics: whose statistics normalise: ``'keys'`` (docs/maths.md), ``'queries'`` or
       ``'queries_and_keys'`` (pooled), each over its valid rows.
     scale: softmax logits scale, default ``1/√d_qk``.
     linear_eps: denominator guard of the linear kernel.

@@ -1,4 +1,4 @@
-"""HYLA, hypernetwork linear attention (SPEC §3.7).
+"""HYLA, hypernetwork linear attention (docs/maths.md §3.7).
 
 For one example, with heads ``h``, queries ``i`` and keys ``j``::
 
@@ -57,7 +57,7 @@ def hyla_scores_one_head(q, k, bias, mask, *, scale: float, precision=None):
 def rms_head_normalization(scores, mask):
   """``a_hij = s_hij / √(mean_h s_hij² + 1e-6)``: RMS over the head axis, no learned scale.
 
-  The mean runs over every head, masked ones included (their score is 0), as in SPEC §3.7.
+  The mean runs over every head, masked ones included (their score is 0), as in docs/maths.md §3.7.
   """
   del mask  # Masked scores are already 0 and stay 0.
   mean_square = jnp.mean(jnp.square(scores), axis=1, keepdims=True)
@@ -148,7 +148,7 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
                    causal_alignment: str = "top_left", normalization: str = "rms_head", value_network: str = "mlp_relu",
                    query_chunk_size: int | None = None, scale: float | None = None,
                    return_weights: bool = False):
-  """HYLA attention (SPEC §3.7).
+  """HYLA attention (docs/maths.md §3.7).
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``.

@@ -1,4 +1,4 @@
-"""Linear attention and positive random features: kernels with a finite feature map (SPEC §2, §3.2).
+"""Linear attention and positive random features: kernels with a finite feature map (docs/maths.md §2, §3.2).
 
 With a finite feature map ``Φ`` the SVR dual ``Σ_j Φ(q)ᵀΦ(k_j) v_j / h(q)`` can be evaluated in its
 primal form ``Φ(q)ᵀS / Φ(q)ᵀz`` with ``S = Σ_j Φ(k_j) v_jᵀ`` and ``z = Σ_j Φ(k_j)``: O(N) instead of
@@ -337,7 +337,7 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
                              causal_alignment: str = "top_left",
                              return_weights: bool = False, num_features: int = 256,
                              feature_key=None):
-  """Softmax attention approximated in the primal with positive random features (SPEC §2).
+  """Softmax attention approximated in the primal with positive random features (docs/maths.md §2).
 
   ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` with ``x̃ = x/D^¼`` and ``ω ~ N(0, I)`` (``m = num_features``),
   so ``E[Φ(q)ᵀΦ(k)] = exp(qᵀk/√D)``; then ``out_i = Φ(q_i)ᵀS / Φ(q_i)ᵀz`` in O(N·m). The error

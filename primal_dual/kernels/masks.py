@@ -3,7 +3,7 @@
 The kernels also take masks of any other dtype (nonzero = may attend), such as the float32 masks
 of ``flax.linen.make_attention_mask``; :func:`combine_masks` does too and returns bool.
 
-Sparse attention (SPEC §3.3) fits each query's SVR on a subset of the keys; these masks say which.
+Sparse attention (docs/maths.md §3.3) fits each query's SVR on a subset of the keys; these masks say which.
 They combine with every kernel through its ``mask`` argument; :func:`combine_masks` intersects or
 unites them (the union of a local and a strided pattern is Child et al.'s fixed sparse pattern).
 """

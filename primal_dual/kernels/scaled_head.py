@@ -1,4 +1,4 @@
-"""Attention-SH (scaled heads) and Attention-BN+SH (SPEC §3.5, §3.6).
+"""Attention-SH (scaled heads) and Attention-BN+SH (docs/maths.md §3.5, §3.6).
 
 In the SVR view each head is a regression fitted on the keys; Attention-SH fits head ``h`` on fewer
 training points: its keys and values are pooled along the key axis in windows of ``ratios[h]``
@@ -10,7 +10,7 @@ The compute really shrinks: heads that share a ratio form a group (static, in Py
 heads are gathered, pooled once and attended on the pooled length, and the group outputs are
 scattered back into the original head order. Nothing is padded back to N.
 
-Conventions (chosen here, where SPEC is silent):
+Conventions (chosen here, where docs/maths.md is silent):
 
 * **Validity.** A key is valid for a head if some query of that head may see it
   (``_common.key_validity``; for padding masks this is the padding). Pooling only uses valid keys;

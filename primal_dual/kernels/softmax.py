@@ -1,4 +1,4 @@
-"""Softmax attention: the SVR dual with the exponential kernel ``exp(qᵀk/√D)`` (SPEC §3.1)."""
+"""Softmax attention: the SVR dual with the exponential kernel ``exp(qᵀk/√D)`` (docs/maths.md §3.1)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Every optimizer is the same chain, so the options mean the same thing whatever t
 Weight decay is therefore *decoupled* (AdamW-style: `p ← p − lr·(update + wd·p)`) for all three.
 Only parameters of rank ≥ 2 decay: kernels, embedding tables and positional embeddings. Rank ≤ 1
 parameters — biases, LayerNorm/BatchNorm scales and offsets, and any learned scalar — do not, as
-shrinking them toward zero changes what the layer computes rather than its capacity (SPEC §4 sRAVEN:
+shrinking them toward zero changes what the layer computes rather than its capacity (docs/maths.md §4 sRAVEN:
 "weight decay on non-vector parameters").
 
 Config fields (`config.optimizer`): name ('adamw' | 'radam' | 'sgd'), lr, b1, b2, eps (adam
