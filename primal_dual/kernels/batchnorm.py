@@ -15,6 +15,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels import fused
 from primal_dual.kernels.linear import DEFAULT_EPS as LINEAR_EPS
 from primal_dual.kernels.linear import linear_weights_one_head
 from primal_dual.kernels.softmax import softmax_weights_one_head
@@ -102,6 +103,14 @@ BN_KERNELS: dict[str, Callable] = {
 }
 
 
+def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistics: str):
+  """``(q̂ [q_len, d], k̂ [kv_len, d])`` float32 of one head: both normalised with the statistics
+  named by ``statistics`` (``STATISTICS_SOURCES``), over valid rows only."""
+  mean, var = STATISTICS_SOURCES[statistics](q, k, mask)
+  return tuple(normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight)
+               for x in (q, k))
+
+
 def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
                                eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
                                statistics: str = "keys", scale: float | None = None,
@@ -116,9 +125,8 @@ def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
   Returns:
     float32 ``[q_len, kv_len]``.
   """
-  mean, var = STATISTICS_SOURCES[statistics](q, k, mask)
-  q_hat, k_hat = (normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight)
-                  for x in (q, k))
+  q_hat, k_hat = normalized_one_head(q, k, mask, eps=eps, mean_weight=mean_weight,
+                                     statistics=statistics)
   scale = C.default_scale(q.shape[-1]) if scale is None else scale
   return BN_KERNELS[kernel](q_hat, k_hat, bias, mask, scale=scale,
                                        linear_eps=linear_eps, precision=precision)
@@ -136,7 +144,7 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
                         kernel: str = "softmax",
                         eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
                         statistics: str = "keys", scale: float | None = None,
-                        linear_eps: float = LINEAR_EPS):
+                        linear_eps: float = LINEAR_EPS, implementation: str = "auto"):
   """Attention-BN: the kernel on queries and keys normalised with the key statistics.
 
   For each example, head and channel: ``μ = mean_j k_j``, ``σ² = mean_j (k_j − μ)²`` over the
@@ -171,6 +179,9 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
       ``'queries_and_keys'`` (pooled), each over its valid rows.
     scale: softmax logits scale, default ``1/√d_qk``.
     linear_eps: denominator guard of the linear kernel.
+    implementation: ``'auto'`` (softmax kernel: normalise, then ``jax.nn.dot_product_attention``
+      when no weights or dropout are needed, see ``kernels.fused``), ``'fused'`` or
+      ``'reference'``.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
@@ -181,6 +192,15 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
   key, value = C.repeat_kv_heads(key, value, shapes)
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+  if fused.use_fused(implementation, return_weights=return_weights, module=module,
+                     dropout_rate=dropout_rate, deterministic=deterministic,
+                     same_head_size=shapes.d_qk == shapes.d_v, softmax_kernel=kernel == "softmax"):
+    q_hat, k_hat = C.map_heads(
+        lambda q, k, mask: normalized_one_head(q, k, mask, eps=eps, mean_weight=mean_weight,
+                                               statistics=statistics), q, k, mask)
+    out = fused.attend(q_hat, k_hat, v, bias, mask,
+                       scale=C.default_scale(shapes.d_qk) if scale is None else scale)
+    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
 
   def weights_fn(q, k, bias, mask):
     return batchnorm_weights_one_head(q, k, bias, mask, kernel=kernel, eps=eps,

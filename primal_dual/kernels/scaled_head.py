@@ -43,6 +43,7 @@ import numpy as np
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import batchnorm as bn_lib
+from primal_dual.kernels import fused
 from primal_dual.kernels import linear as linear_lib
 from primal_dual.kernels.softmax import softmax_weights_one_head
 
@@ -262,9 +263,9 @@ class BatchNormOptions(NamedTuple):
   mean_weight: float
 
 
-def _one_head(q, k, v, bias, mask, *, windows: KeyWindows | None, pool: Callable,
-              kernel: Callable, batchnorm: BatchNormOptions | None, scale: float, precision):
-  """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group.
+def _attention_inputs_one_head(q, k, v, bias, mask, *, windows: KeyWindows | None,
+                               pool: Callable, batchnorm: BatchNormOptions | None):
+  """What one head of one group attends with: ``(q [q_len, d], PooledKeys)``.
 
   ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
   normalised with key statistics of the pooled keys (``stats='pooled'``) or the full-length keys.
@@ -288,7 +289,15 @@ def _one_head(q, k, v, bias, mask, *, windows: KeyWindows | None, pool: Callable
                                              mean_weight=batchnorm.mean_weight)
 
     q, k_used = normalize(q), normalize(k_used)
-  weights = kernel(q, k_used, pooled.bias, pooled.mask, scale=scale, precision=precision)
+  return q, pooled._replace(key=k_used)
+
+
+def _one_head(q, k, v, bias, mask, *, windows: KeyWindows | None, pool: Callable,
+              kernel: Callable, batchnorm: BatchNormOptions | None, scale: float, precision):
+  """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group."""
+  q, pooled = _attention_inputs_one_head(q, k, v, bias, mask, windows=windows, pool=pool,
+                                         batchnorm=batchnorm)
+  weights = kernel(q, pooled.key, pooled.bias, pooled.mask, scale=scale, precision=precision)
   return weights, pooled.value
 
 
@@ -320,7 +329,8 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
                           stats: str = "pooled", bn_eps: float = 1e-5,
                           bn_mean_weight: float = 1.0,
                           grid_shape: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
-                          scale: float | None = None, return_weights: bool = False):
+                          scale: float | None = None, return_weights: bool = False,
+                          implementation: str = "auto"):
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
   Args:
@@ -357,6 +367,9 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
     return_weights: also return the weights: a tuple of float32 arrays, one per distinct ratio in
       increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
       map rows to heads with :func:`head_groups`.
+    implementation: ``'auto'`` (softmax kernel: each group's pooled keys and values go to
+      ``jax.nn.dot_product_attention`` when no weights or dropout are needed, see
+      ``kernels.fused``), ``'fused'`` or ``'reference'``.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights tuple if requested).
@@ -382,15 +395,26 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   groups = head_groups(ratios)
+  take_fused = fused.use_fused(
+      implementation, return_weights=return_weights, module=module, dropout_rate=dropout_rate,
+      deterministic=deterministic, same_head_size=shapes.d_qk == shapes.d_v,
+      softmax_kernel=kernel == "softmax")
   outputs, weights = [], []
   for ratio, heads in groups:
     heads = np.asarray(heads)
     windows = (None if ratio == 1 else
                key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens))
+    group_inputs = [_select_heads(x, heads, shapes.heads) for x in (q, k, v, bias, mask)]
+    if take_fused:
+      group_q, pooled = C.map_heads(functools.partial(
+          _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options),
+          *group_inputs)
+      outputs.append(fused.attend(group_q, pooled.key, pooled.value, pooled.bias, pooled.mask,
+                                  scale=scale))
+      continue
     one_head = functools.partial(_one_head, windows=windows, pool=pool_fn, kernel=kernel_fn,
                                  batchnorm=bn_options, scale=scale, precision=precision)
-    group_weights, group_values = C.map_heads(
-        one_head, *(_select_heads(x, heads, shapes.heads) for x in (q, k, v, bias, mask)))
+    group_weights, group_values = C.map_heads(one_head, *group_inputs)
     group_rng = dropout_rng
     if dropout_rng is not None and len(groups) > 1:
       group_rng = jax.random.fold_in(dropout_rng, ratio)
@@ -403,5 +427,7 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
   order = np.concatenate([np.asarray(heads) for _, heads in groups])
   out = _select_heads(jnp.concatenate(outputs, axis=1), np.argsort(order), shapes.heads)
+  if take_fused:
+    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
   return C.finish(out, tuple(weights), shapes=shapes, dtype=C.output_dtype(query, dtype),
                   module=module, return_weights=return_weights)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels import fused
 
 
 def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
@@ -29,7 +30,7 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
                       dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                       dtype=None, precision=None, module=None, is_causal: bool = False,
                       causal_alignment: str = "top_left", scale: float | None = None,
-                      return_weights: bool = False):
+                      return_weights: bool = False, implementation: str = "auto"):
   """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
 
   Args:
@@ -49,14 +50,27 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
       ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     scale: logits scale, default ``1/√d_qk``.
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    implementation: ``'auto'`` (``jax.nn.dot_product_attention`` when the call needs no weights
+      and no dropout on them, see ``kernels.fused``), ``'fused'`` (that path or a ValueError) or
+      ``'reference'`` (this module's own maths).
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
   shapes = C.validate_qkv(query, key, value)
   key, value = C.repeat_kv_heads(key, value, shapes)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
+  if fused.use_fused(implementation, return_weights=return_weights, module=module,
+                     dropout_rate=dropout_rate, deterministic=deterministic,
+                     same_head_size=shapes.d_qk == shapes.d_v):
+    # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
+    causal_apart = is_causal and mask is None and causal_alignment == "top_left"
+    mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal and not causal_apart,
+                                         causal_alignment)
+    out = fused.attend(*(C.to_heads_major(x) for x in (query, key, value)), bias, mask,
+                       scale=scale, is_causal=causal_apart)
+    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def weights_fn(q, k, bias, mask):
