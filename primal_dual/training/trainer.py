@@ -240,9 +240,14 @@ class EvalTracker:
 
 
 def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
-  """The effective config: `training_defaults()` overridden by `config`, frozen."""
+  """The effective config: `training_defaults()` overridden by `config`, frozen.
+
+  Raises:
+    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`).
+  """
   if isinstance(config, ml_collections.FrozenConfigDict):
     config = config.as_configdict()
+  config_lib.validate(config)
   return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
 
 
@@ -414,6 +419,10 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
   if unknown:
     raise errors.ConfigError(
         f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})')
+  if config.selection.split not in splits:
+    raise errors.ConfigError(
+        f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
+        f'({sorted(splits)})')
   return Experiment(
       config=config, task=task, splits=splits, metadata=metadata, model=model, mesh=mesh, tx=tx,
       schedule=schedule, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
@@ -679,6 +688,23 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
 # Evaluation of a finished (or running) workdir.
 
 
+def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
+  """(checkpoint folder, step or None for the newest) of 'latest', 'selected' or a step number.
+
+  Raises:
+    errors.ConfigError: anything else.
+  """
+  name = str(checkpoint)
+  if name == 'selected':
+    return checkpointing.SELECTED_DIR, None
+  if name == 'latest':
+    return checkpointing.CHECKPOINT_DIR, None
+  if name.isdigit():
+    return checkpointing.CHECKPOINT_DIR, int(name)
+  raise errors.ConfigError(
+      f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
+
+
 def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
   """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
 
@@ -691,13 +717,12 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
 
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+    errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
   """
+  directory, step = _checkpoint_location(checkpoint)
   workdir = os.path.abspath(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   experiment = build_experiment(config)
-  directory = checkpointing.SELECTED_DIR if checkpoint == 'selected' else (
-      checkpointing.CHECKPOINT_DIR)
-  step = None if checkpoint in ('latest', 'selected') else int(checkpoint)
   with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
                                   async_save=False) as checkpointer:
     state, _ = checkpointer.restore(step, experiment.restore_target())
