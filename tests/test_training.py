@@ -685,6 +685,18 @@ def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
           workdir, trainer.resolve_config(tiny_config(**{field: value})))
 
 
+def test_definition_keeps_option_dicts_whole_and_skips_fields_it_predates(tmp_path):
+  stored = workdir_lib.definition(tiny_config(**{'model.attention_options': {}}))
+  current = workdir_lib.definition(tiny_config(**{'model.attention_options': {'ratios': (1, 2)}}))
+  assert workdir_lib.differences(stored, current) == [
+      "model.attention_options {} != {'ratios': [1, 2]}"]
+  # A field the stored definition lacks (added to the code after the workdir's runs) is not
+  # compared; one it names that the current config lacks is.
+  older = {k: v for k, v in stored.items() if k != 'loader.batch_reads'}
+  assert workdir_lib.differences(older, stored) == []
+  assert workdir_lib.differences(stored, older) == ["loader.batch_reads False != '<unset>'"]
+
+
 def test_workdir_of_an_earlier_version_is_judged_by_its_config_json(uninterrupted, tmp_path):
   """Workdirs written before experiment.json existed hold config.json alone; a mismatch is found
   from it, and a config that fits but cannot restore leaves that config.json unchanged."""

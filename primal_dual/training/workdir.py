@@ -60,16 +60,12 @@ def _as_dict(config) -> dict:
   return dict(config)
 
 
-def _flatten(value: Any, prefix: str, out: dict) -> None:
-  if isinstance(value, Mapping):
-    for key, item in value.items():
-      _flatten(item, f'{prefix}.{key}', out)
-  else:
-    out[prefix] = value
-
-
 def definition(config) -> dict[str, Any]:
-  """The experiment-defining fields of `config`, flattened to dotted names.
+  """The experiment-defining fields of `config`, by dotted name.
+
+  A section of `DEFINING_FIELDS` (e.g. 'model') contributes one entry per field
+  ('model.attention'); a field that is itself a dict ('model.attention_options') is kept whole, so
+  that `{}` and `{'ratios': ...}` differ.
 
   Args:
     config: a (frozen or not) ConfigDict or a plain dict, e.g. read from config.json.
@@ -84,17 +80,23 @@ def definition(config) -> dict[str, Any]:
     value = as_dict
     for part in field.split('.'):
       value = value.get(part, _UNSET) if isinstance(value, Mapping) else _UNSET
-    _flatten(value, field, flat)
+    if isinstance(value, Mapping):
+      flat.update({f'{field}.{key}': item for key, item in value.items()})
+    elif value is not _UNSET:  # a config of an earlier version may lack the field
+      flat[field] = value
   for field in LOCATION_FIELDS:
     flat.pop(field, None)
   return json.loads(json.dumps(flat, default=str))
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-  """`"name stored != current"` for every field on which two definitions differ, sorted."""
-  return [f'{name} {stored.get(name, _UNSET)!r} != {current.get(name, _UNSET)!r}'
-          for name in sorted(set(stored) | set(current))
-          if stored.get(name, _UNSET) != current.get(name, _UNSET)]
+  """`"name stored != current"` for every stored field whose current value differs, sorted.
+
+  Fields the stored definition does not name are not compared: the workdir's runs predate them
+  (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
+  """
+  return [f'{name} {stored[name]!r} != {current.get(name, _UNSET)!r}'
+          for name in sorted(stored) if stored[name] != current.get(name, _UNSET)]
 
 
 def stored_definition(workdir: str) -> dict[str, Any] | None:
@@ -155,9 +157,10 @@ def _read_holder(path: str) -> dict | None:
   """The lock file's {'pid', 'host'}, or None if it is gone or unreadable."""
   try:
     with open(path) as f:
-      return json.load(f)
+      holder = json.load(f)
   except (OSError, ValueError):
     return None
+  return holder if isinstance(holder, dict) else None
 
 
 # A lock file is created empty and then written; one that stays unreadable this long was left by
@@ -166,12 +169,19 @@ _UNREADABLE_LOCK_GRACE_S = 10.0
 
 
 def _is_stale(path: str, holder: dict | None) -> bool:
+  """Whether the lock at `path` (content `holder`) was left by a process that is gone.
+
+  Only a process on this host can be checked; a lock from another host is never stale.
+  """
   if holder is None:
     try:
       return time.time() - os.path.getmtime(path) > _UNREADABLE_LOCK_GRACE_S
     except OSError:
       return True  # removed meanwhile
-  return holder.get('host') == socket.gethostname() and not _pid_alive(int(holder.get('pid', 0)))
+  pid = holder.get('pid')
+  if not isinstance(pid, int) or pid <= 0:
+    return True  # not a lock this module wrote
+  return holder.get('host') == socket.gethostname() and not _pid_alive(pid)
 
 
 class WorkdirLock:
