@@ -154,25 +154,33 @@ def test_user_error_is_one_line_with_exit_status_2(name, tmp_path):
   assert re.fullmatch(r'error: .*' + expected + r'.*', lines[0]), lines[0]
 
 
-def test_ctrl_c_stops_with_one_line_naming_the_steps(tmp_path):
-  """SIGINT during training: one line with the last step and checkpoint; the lock is released."""
-  config_file = _synthetic_config_file(tmp_path)
+def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
+  """While a job trains, the same command again exits at once naming the job's process; SIGINT
+  then stops the job with one line giving the last step and checkpoint, and frees the workdir."""
   workdir = tmp_path / 'run'
+  args = [f'--config={_synthetic_config_file(tmp_path)}:steps=1000000',
+          '--config.log_every_steps=1', '--config.checkpoint_every_steps=5', f'--workdir={workdir}']
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  process = subprocess.Popen(
-      [sys.executable, os.path.join(REPO_ROOT, 'train.py'), f'--config={config_file}:steps=1000000',
-       '--config.log_every_steps=1', '--config.checkpoint_every_steps=5', f'--workdir={workdir}'],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+  job = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, 'train.py'), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=REPO_ROOT)
   try:
     deadline = time.monotonic() + 120
     while not (workdir / 'checkpoints' / '5').exists() and time.monotonic() < deadline:
       time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    second = _run('train.py', args)
+    records_before_stop = (workdir / 'metrics.jsonl').read_text().splitlines()
+    job.send_signal(signal.SIGINT)
+    _, stderr = job.communicate(timeout=60)
   finally:
-    if process.poll() is None:
-      process.kill()
-  assert process.returncode == 2, stderr
+    if job.poll() is None:
+      job.kill()
+  assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
+  assert second.stderr.startswith(
+      f'error: workdir {workdir} is in use by process {job.pid} on {socket.gethostname()}; ')
+  steps = [json.loads(line)['step'] for line in records_before_stop]
+  assert steps == sorted(set(steps))  # one writer: no duplicate or out-of-order records
+  assert job.returncode == 2, stderr
   assert len(stderr.splitlines()) == 1, stderr
   assert re.fullmatch(r'error: stopped at step \d+; last checkpoint step \d+; re-run the same '
                       r'command to resume', stderr.strip()), stderr

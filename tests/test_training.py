@@ -12,6 +12,7 @@ import math
 import errno
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -763,7 +764,34 @@ def test_workdir_that_is_a_file_is_a_user_error(tmp_path):
     trainer.train_and_evaluate(tiny_config(), str(path))
 
 
-def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(tmp_path):
+def test_unwritable_workdirs_are_user_errors(tmp_path, monkeypatch):
+  """Permissions cannot be tested for real as root (the test VM's user), so the OS answers are
+  simulated: a parent that refuses the new folder, and an existing folder that is read-only."""
+  def refuse(path, exist_ok=False):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+  with monkeypatch.context() as patch:
+    patch.setattr(os, 'makedirs', refuse)
+    with pytest.raises(errors.WorkdirError,
+                       match='cannot create workdir .*/run: Permission denied'):
+      workdir_lib.make_workdir(str(tmp_path / 'run'))
+  monkeypatch.setattr(os, 'access', lambda path, mode: False)
+  with pytest.raises(errors.WorkdirError, match=f'workdir {tmp_path} is read-only'):
+    trainer.train_and_evaluate(tiny_config(), str(tmp_path))
+
+
+def _send_sigint():
+  os.kill(os.getpid(), signal.SIGINT)
+
+
+def _raise_keyboard_interrupt():
+  raise KeyboardInterrupt()
+
+
+@pytest.mark.parametrize('interrupt, stopped_at', [
+    (_send_sigint, 7),  # the first Ctrl-C asks the loop to stop before the next step
+    (_raise_keyboard_interrupt, 6),  # the second one (KeyboardInterrupt) stops at once
+])
+def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(interrupt, stopped_at, tmp_path):
   workdir = str(tmp_path)
   original = sharding.shard_batch
   seen = []
@@ -772,14 +800,16 @@ def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(tmp_path):
     if 'valid' not in batch:
       seen.append(1)
       if len(seen) == 7:
-        raise KeyboardInterrupt()
+        interrupt()
     return original(batch, mesh)
+  handler = signal.getsignal(signal.SIGINT)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(sharding, 'shard_batch', interrupt_seventh_batch)
     with pytest.raises(errors.StoppedError) as info:
       trainer.train_and_evaluate(tiny_config(), workdir)
-  assert str(info.value) == (
-      'stopped at step 6; last checkpoint step 4; re-run the same command to resume')
+  assert str(info.value) == (f'stopped at step {stopped_at}; last checkpoint step 4; re-run the '
+                             'same command to resume')
+  assert signal.getsignal(signal.SIGINT) is handler
   assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
 
 

@@ -40,7 +40,9 @@ import json
 import math
 import operator
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -611,6 +613,38 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
 _MAX_PENDING_METRICS = 500
 
 
+class _StopRequest:
+  """Turns the first Ctrl-C (SIGINT) during training into a request to stop between steps.
+
+  A KeyboardInterrupt raised wherever the main thread happens to be (inside Orbax waiting for a
+  checkpoint to finalise, inside grain) prints those libraries' tracebacks and can cut a save
+  short; the training loop instead checks `requested` before each step. A second Ctrl-C
+  interrupts at once. Outside the main thread (where signal handlers cannot be set) this does
+  nothing and Ctrl-C raises KeyboardInterrupt as usual.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._installed = threading.current_thread() is threading.main_thread()
+    if self._installed:
+      self._previous = signal.signal(signal.SIGINT, self._request)
+
+  def _restore_previous_handler(self) -> None:
+    # None: the previous handler was not set from Python; Python's own raises KeyboardInterrupt.
+    previous = self._previous if self._previous is not None else signal.default_int_handler
+    signal.signal(signal.SIGINT, previous)
+
+  def _request(self, signum, frame):  # pylint: disable=unused-argument
+    self.requested = True
+    self._restore_previous_handler()  # the next Ctrl-C interrupts at once
+
+  def close(self) -> None:
+    """Puts the previous SIGINT handler back."""
+    if self._installed:
+      self._restore_previous_handler()
+      self._installed = False
+
+
 def _train_loop(experiment: Experiment, state: TrainState, start_step: int, train_iterator,
                 checkpointer: checkpointing.Checkpointer,
                 selected_checkpointer: checkpointing.Checkpointer | None, tracker: EvalTracker,
@@ -627,10 +661,13 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
   pending_metrics: list = []
   unchecked = None  # (step, loss) of the previous step, checked one step late (no stall).
   log_clock = (time.monotonic(), start_step)
+  stop = _StopRequest()
 
   completed = start_step
   try:
     for step in range(start_step + 1, total_steps + 1):
+      if stop.requested:
+        raise KeyboardInterrupt()
       batch = sharding.shard_batch(next(train_iterator), experiment.mesh)
       state, loss, metrics = experiment.train_step(state, batch)
       completed = step
@@ -676,6 +713,8 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
     # Ctrl-C: the checkpoints already saved are complete (the caller waits for pending
     # asynchronous saves); say where a re-run resumes.
     raise errors.StoppedError(completed, last_checkpoint_step) from None
+  finally:
+    stop.close()
 
   if start_step >= total_steps:  # Already finished: report without training further.
     last_eval = evaluate(experiment, state)
