@@ -85,6 +85,12 @@ def _read_only_workdir(tmp_path) -> str:
   return str(workdir)
 
 
+def _broken_config_file(tmp_path) -> str:
+  path = tmp_path / 'broken.py'
+  path.write_text('def get_config(arg=None):\n  config = None\n  return config.foo\n')
+  return str(path)
+
+
 def _a_file(tmp_path) -> str:
   path = tmp_path / 'a_file'
   path.write_text('')
@@ -103,6 +109,9 @@ CASES = {
     'missing config file': (
         'train.py', lambda c, t: [f'--config={t}/nope.py', f'--workdir={t}/run'],
         r'config file .*nope\.py not found'),
+    'config file that raises': (
+        'train.py', lambda c, t: [f'--config={_broken_config_file(t)}', f'--workdir={t}/run'],
+        r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'"),
     'zero model size': (
         'train.py', lambda c, t: [f'--config={c}', '--config.model.hidden=0',
                                   f'--workdir={t}/run'],

@@ -10,6 +10,7 @@ import difflib
 import importlib.util
 import os
 import sys
+import traceback
 from typing import NoReturn
 
 from absl import flags
@@ -123,9 +124,12 @@ def describe_flag_error(error: BaseException, argv: list[str], config_flag: str 
     described = _describe_config_override_error(argv, config_flag)
     if described:
       return described
-  if isinstance(error, KeyError) and error.args:
-    return f'config: {error.args[0]}'
-  return str(error)
+  if isinstance(error, flags.Error):
+    return str(error)
+  # Anything else came from the code of a config file: say what and where, as a traceback would.
+  frames = traceback.extract_tb(error.__traceback__)
+  where = f' at {frames[-1].filename}:{frames[-1].lineno}' if frames else ''
+  return f'loading the config failed{where}: {type(error).__name__}: {error}'
 
 
 def _check_config_file(config_flag: str) -> None:
