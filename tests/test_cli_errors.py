@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from primal_dual.experiments import grid
 from primal_dual.training import config_lib
 from primal_dual.training import trainer
 from primal_dual.training import workdir as workdir_lib
@@ -57,17 +58,11 @@ def _foreign_workdir(tmp_path, config_file) -> str:
   """A workdir of an earlier version whose config.json has seed 5."""
   workdir = tmp_path / 'foreign'
   workdir.mkdir()
-  config = trainer.resolve_config(_load_synthetic_config(config_file))
+  config = trainer.resolve_config(grid.load_config(config_file, None))
   as_dict = json.loads(config_lib.to_json(config))
   as_dict['seed'] = 5
   (workdir / 'config.json').write_text(json.dumps(as_dict))
   return str(workdir)
-
-
-def _load_synthetic_config(config_file):
-  namespace = {}
-  exec(open(config_file).read(), namespace)  # pylint: disable=exec-used
-  return namespace['get_config']()
 
 
 def _busy_workdir(tmp_path) -> str:

@@ -10,6 +10,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 
 import jax
 import pytest
@@ -216,7 +217,7 @@ def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
   into the same tables and keeps the provenance command of the report it replaces."""
   results, markdown = tmp_path / "uea.json", tmp_path / "uea.md"
   for name, target in (("uea.json", results), ("uea.md", markdown)):
-    target.write_bytes(open(os.path.join(REPO_ROOT, "results", name), "rb").read())
+    shutil.copyfile(os.path.join(REPO_ROOT, "results", name), target)
   committed_json, committed_md = results.read_text(), markdown.read_text()
   assert reproduce_uea.main(["--report_only", f"--results={results}",
                              f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]) == 0
