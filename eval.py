@@ -15,11 +15,12 @@ JSON under `analyses` in eval.json and their figures into the workdir. Example::
 
 import json
 import os
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
+
+from primal_dual.training import cli
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A workdir written by train.py.')
 _SPLITS = flags.DEFINE_list('splits', [], 'Splits to evaluate (default: the task\'s).')
@@ -33,6 +34,9 @@ _MAX_EXAMPLES = flags.DEFINE_integer(
     'max_examples', 0,
     "At most this many examples per analysis; 0 = the analysis' default (redundancy: all).")
 flags.mark_flags_as_required(['workdir'])
+flags.register_validator(
+    'checkpoint', lambda name: name in ('latest', 'selected') or name.isdigit(),
+    message="--checkpoint must be 'latest', 'selected' or a step number")
 
 
 def _evaluate_and_analyse(workdir: str) -> dict:
@@ -78,8 +82,7 @@ def main(argv: list[str]) -> int:
       report = trainer.evaluate_workdir(_WORKDIR.value, tuple(_SPLITS.value) or None,
                                          _CHECKPOINT.value)
   except errors.UserError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+    return cli.report(str(e))
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() == 0:
     print(f"checkpoint: {report['checkpoint']} (step {report['step']})")
@@ -93,4 +96,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -8,12 +8,13 @@ as one line `error: ...` with exit status 2.
 Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
 """
 
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from primal_dual.training import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, optionally with an argument: configs/uea.py:dataset=Heartbeat',
@@ -29,15 +30,18 @@ def main(argv: list[str]) -> int:
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   # Imported here so that `--help` stays fast.
+  from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
   try:
+    config_lib.validate(_CONFIG.value)  # before JAX loads: a bad size is reported at once
+    from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
     sharding.maybe_initialize_distributed(_CONFIG.value)
     from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
     final = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except errors.UserError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+    return cli.report(str(e))
+  except KeyboardInterrupt:  # during set-up; the training loop reports its own step
+    return cli.report('stopped before training started; re-run the same command to start again')
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() == 0:
     for name, value in final.items():
@@ -46,4 +50,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -218,8 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     jobs=args.jobs)
   for record in records:
     validate_record(record)
-  command = grid.invocation("scripts/reproduce_listops.py", argv)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
+  command = grid.report_command("scripts/reproduce_listops.py", argv, markdown_path,
+                                report_only=args.report_only)
   with open(markdown_path, "w") as f:
     f.write(markdown_report(records, command))
   print(f"wrote {args.results}, {markdown_path}")

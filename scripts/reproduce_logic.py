@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   records = grid.records_for_report(runs, root, os.path.join(args.out, f"{stem}.json"),
                                     report_only=args.report_only, record_fn=record_fn,
                                     jobs=args.jobs)
-  command = grid.invocation("scripts/reproduce_logic.py", argv)
+  command = grid.report_command("scripts/reproduce_logic.py", argv,
+                                os.path.join(args.out, f"{stem}.md"), report_only=args.report_only)
   paths = common.write_report(
       records, args.out, stem, markdown_report(records, command),
       lambda path: common.plot_curves(

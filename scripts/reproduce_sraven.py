@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   results_json = os.path.join(args.out, f"{stem}.json")
   records = grid.records_for_report(runs, root, results_json, report_only=args.report_only,
                                     record_fn=make_record_fn(args.max_examples), jobs=args.jobs)
-  command = grid.invocation("scripts/reproduce_sraven.py", argv)
+  command = grid.report_command("scripts/reproduce_sraven.py", argv,
+                                os.path.join(args.out, f"{stem}.md"), report_only=args.report_only)
   chance = whole_panel_chance(runs[0].config_file, runs[0].config_arg)
   paths = write_report(
       records, args.out, stem, markdown_report(records, command, chance),

@@ -291,7 +291,8 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
       "the heads' attention maps on the test split (higher = heads less redundant; see "
       "primal_dual/analysis/redundancy.py). Attention FLOPs are analytic (QK and AV products at "
       "the padded length, primal_dual/analysis/flops.py), relative to softmax. Train time is the "
-      "wall time of training and per-epoch evaluation. Per-run records: uea.json.\n",
+      "wall time of training and per-epoch evaluation." + grid.shared_machine_note(command)
+      + " Per-run records: uea.json.\n",
   ]
   for protocol, title in PROTOCOL_TITLES.items():
     chosen = [r for r in records if r["protocol"] == protocol]
@@ -373,7 +374,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--dry_run", action="store_true",
                       help="list the runs and whether each is finished; train nothing")
   parser.add_argument("--report_only", action="store_true",
-                      help="write the JSON, tables and figures of the finished runs; train nothing")
+                      help="re-render the tables and figures from every record of --results; "
+                           "train nothing")
   args = parser.parse_args(argv)
   grid.check_variants_and_seeds(parser, args, DEFAULT_VARIANTS, default_seeds=DEFAULT_SEEDS)
   unknown = [p for p in args.protocols if p not in PROTOCOLS]
@@ -400,16 +402,17 @@ def main(argv: Sequence[str] | None = None) -> int:
       done = grid.is_finished(os.path.join(args.root, run.name))
       print(f"  {'finished' if done else 'to train'}  {run.name}  ({run.config_arg})")
     return 0
-  if args.report_only:
-    runs = [run for run in runs if grid.is_finished(os.path.join(args.root, run.name))]
-  records = grid.run_grid(runs, args.root, args.results,
-                          record_fn=make_record_fn(args.redundancy_examples), jobs=args.jobs)
+  # --report_only re-renders every record of the results JSON, whatever workdirs exist here.
+  records = grid.records_for_report(runs, args.root, args.results, report_only=args.report_only,
+                                    record_fn=make_record_fn(args.redundancy_examples),
+                                    jobs=args.jobs)
   for record in records:
     validate_record(record)
-  command = "python scripts/reproduce_uea.py " + " ".join(sys.argv[1:] if argv is None else argv)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
+  command = grid.report_command("scripts/reproduce_uea.py", argv, markdown_path,
+                                report_only=args.report_only)
   with open(markdown_path, "w") as f:
-    f.write(markdown_report(records, command.strip()))
+    f.write(markdown_report(records, command))
   figures = write_figures(records, args.root, os.path.dirname(os.path.abspath(args.results)))
   print(f"wrote {args.results}, {markdown_path}" + "".join(f", {p}" for p in figures))
   return 0

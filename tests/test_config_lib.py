@@ -48,6 +48,36 @@ def test_unknown_key_message_lists_known_keys():
     config_lib.parse_arg('lrr=1', lr=0.1, runlocal=False)
 
 
+def test_unknown_key_suggests_the_closest_one():
+  with pytest.raises(errors.ConfigError, match="'lrr' in 'lrr=1'; did you mean 'lr'\\? known"):
+    config_lib.parse_arg('lrr=1', lr=0.1, runlocal=False)
+
+
+def _with_model(**fields):
+  config = config_lib.training_defaults()
+  config.model = ml_collections.ConfigDict(fields)
+  return config
+
+
+@pytest.mark.parametrize('fields, message', [
+    ({'num_layers': 0}, r'config.model.num_layers=0 must be a positive integer'),
+    ({'model_dim': -16}, r'config.model.model_dim=-16 must be a positive integer'),
+    ({'num_heads': 2.0}, r'config.model.num_heads=2.0 must be a positive integer'),
+    ({'hidden': True}, r'config.model.hidden=True must be a positive integer'),
+    ({'dropout_rate': 1.0}, r'config.model.dropout_rate=1.0 must be in \[0, 1\)'),
+    ({'attention_dropout_rate': -0.1}, r'config.model.attention_dropout_rate=-0.1 must be in'),
+])
+def test_validate_refuses_bad_sizes_and_rates(fields, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    config_lib.validate(_with_model(**fields))
+
+
+def test_validate_accepts_sound_models_and_empty_ones():
+  config_lib.validate(_with_model(num_layers=1, model_dim=16, num_heads=2, dropout_rate=0.0,
+                                  attention_dropout_rate=0.5))
+  config_lib.validate(config_lib.training_defaults())
+
+
 def test_lock_refuses_new_fields_but_allows_overrides():
   config = config_lib.lock(config_lib.training_defaults())
   config.optimizer.lr = 0.5  # command-line overrides of existing fields still work

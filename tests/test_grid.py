@@ -106,3 +106,16 @@ def test_report_helpers():
              {"attention": "softmax", "n": 3}]
   assert grid.first_by_variant(records, "n") == {"softmax": 1, "sh": 2}
   assert grid.field("n")(records[1]) == 2 and grid.field("missing")(records[1]) is None
+
+
+def test_report_command_keeps_the_command_of_the_report_it_replaces(tmp_path):
+  markdown = tmp_path / "r.md"
+  assert grid.report_command("scripts/x.py", ["--jobs=3"], str(markdown), report_only=True) == (
+      "python scripts/x.py --jobs=3")  # no report yet: this command
+  markdown.write_text("# Title\n\nMeasured by `python scripts/x.py --jobs=6 --quick` on a GPU.\n")
+  assert grid.previous_report_command(str(markdown)) == "python scripts/x.py --jobs=6 --quick"
+  assert grid.report_command("scripts/x.py", ["--report_only"], str(markdown),
+                             report_only=True) == "python scripts/x.py --jobs=6 --quick"
+  # A grid that trains names its own command, whatever the old report said.
+  assert grid.report_command("scripts/x.py", ["--jobs=2"], str(markdown), report_only=False) == (
+      "python scripts/x.py --jobs=2")

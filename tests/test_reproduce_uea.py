@@ -10,6 +10,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 
 import jax
 import pytest
@@ -209,3 +210,25 @@ def test_eval_cli_redundancy_matches_the_grid_record(grid_runs, capsys):
   assert result["head_distance"] == pytest.approx(record["head_distance"], rel=1e-6)
   assert report["results"]["test"]["accuracy"] == pytest.approx(record["final_test_accuracy"])
   assert os.path.exists(result["files"]["plot"])
+
+
+def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
+  """No workdirs here (a fresh clone): --report_only renders every record of the results JSON
+  into the same tables and keeps the provenance command of the report it replaces."""
+  results, markdown = tmp_path / "uea.json", tmp_path / "uea.md"
+  for name, target in (("uea.json", results), ("uea.md", markdown)):
+    shutil.copyfile(os.path.join(REPO_ROOT, "results", name), target)
+  committed_json, committed_md = results.read_text(), markdown.read_text()
+  assert reproduce_uea.main(["--report_only", f"--results={results}",
+                             f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]) == 0
+  assert results.read_text() == committed_json  # no record dropped or rewritten
+  rendered = markdown.read_text()
+
+  def table_rows(text):
+    return [line for line in text.splitlines() if line.startswith("| ")]
+  assert table_rows(rendered) == table_rows(committed_md)
+  groups = {(r["protocol"], r["dataset"], r["attention"]) for r in json.loads(committed_json)}
+  protocols = {protocol for protocol, _, _ in groups}
+  assert len(table_rows(rendered)) == len(groups) + len(protocols)  # + one header per table
+  assert (grid.previous_report_command(str(markdown)) ==
+          grid.previous_report_command(os.path.join(REPO_ROOT, "results", "uea.md")))

@@ -7,9 +7,14 @@ that build the same programs (the uninterrupted, crashed and resumed runs) compi
 
 import dataclasses
 import functools
+import gc
 import json
 import math
+import errno
 import os
+import shutil
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -34,6 +39,7 @@ from primal_dual.training import periodic
 from primal_dual.training import sharding
 from primal_dual.training import tasks
 from primal_dual.training import trainer
+from primal_dual.training import workdir as workdir_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -290,8 +296,11 @@ def test_maybe_initialize_distributed_single_process_is_a_no_op(monkeypatch):
 
 def test_eval_tracker_best_and_selected():
   tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
-  assert tracker.update(1, {'validation': {'accuracy': 0.5}, 'test': {'accuracy': 0.9}})
-  assert not tracker.update(2, {'validation': {'accuracy': 0.5}, 'test': {'accuracy': 0.2}})
+  assert tracker.update(1, {'validation': {'accuracy': 0.5, 'loss': 1.0},
+                            'test': {'accuracy': 0.9}})
+  # A tie on accuracy with a higher validation loss does not replace the selection.
+  assert not tracker.update(2, {'validation': {'accuracy': 0.5, 'loss': 1.5},
+                                'test': {'accuracy': 0.2}})
   assert tracker.update(3, {'validation': {'accuracy': 0.7}, 'test': {'accuracy': 0.6}})
   assert not tracker.update(4, {'validation': {'accuracy': float('nan')},
                                 'test': {'accuracy': 0.1}})
@@ -307,6 +316,27 @@ def test_eval_tracker_best_and_selected():
   assert low.summary()['best/validation_loss'] == 1.0
   with pytest.raises(errors.UnknownNameError):
     trainer.EvalTracker('accuracy', 'highest', 'validation')
+
+
+def test_eval_tracker_breaks_ties_by_loss_then_later_step():
+  tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
+
+  def evaluation(accuracy, loss, test_accuracy):
+    return {'validation': {'accuracy': accuracy, 'loss': loss}, 'test': {'accuracy': test_accuracy}}
+  assert tracker.update(1, evaluation(0.5, 1.0, 0.1))
+  assert tracker.update(2, evaluation(0.5, 0.8, 0.2))  # tie, lower loss
+  assert not tracker.update(3, evaluation(0.5, 0.9, 0.3))  # tie, higher loss
+  assert tracker.update(4, evaluation(0.5, 0.8, 0.4))  # tie, same loss: the later step
+  assert not tracker.update(5, evaluation(0.4, 0.1, 0.5))  # lower accuracy, whatever the loss
+  summary = tracker.summary()
+  assert summary['selected/step'] == 4 and summary['selected/test_accuracy'] == 0.4
+  assert summary['best/validation_step'] == 1  # best/ keeps the earliest of tied values
+  assert tracker.rule == 'max validation accuracy; ties: lower validation loss, then later step'
+  # Without a loss the tie goes to the later step.
+  no_loss = trainer.EvalTracker('accuracy', 'max', 'validation')
+  no_loss.update(1, {'validation': {'accuracy': 0.5}})
+  assert no_loss.update(2, {'validation': {'accuracy': 0.5}})
+  assert no_loss.summary()['selected/step'] == 2
 
 
 def test_metric_sums_collapse_without_changing_the_mean():
@@ -553,9 +583,16 @@ def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
   assert meta['step'] == 8
   jax.tree.map(np.testing.assert_array_equal, expected, actual)
 
-  # A finished workdir is not trained further: calling again only re-evaluates.
+  # A finished workdir is not trained further: calling again returns its final metrics and
+  # leaves final_metrics.json as it was.
+  final_path = os.path.join(workdir, 'final_metrics.json')
+  with open(final_path, 'rb') as f:
+    written = f.read()
   again = trainer.train_and_evaluate(tiny_config(), workdir)
   assert again['test/accuracy'] == final['test/accuracy']
+  assert again == json.loads(written)
+  with open(final_path, 'rb') as f:
+    assert f.read() == written
 
 
 def test_batch_reads_train_and_resume_exactly(tmp_path):
@@ -603,6 +640,191 @@ def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
   else:
     assert bad_step < 4 and kept == [] and 'no checkpoint was saved' in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# One workdir, one experiment, one process.
+
+
+def test_workdir_stores_its_experiment_and_the_selection_rule(uninterrupted):
+  workdir, final, _ = uninterrupted
+  with open(os.path.join(workdir, workdir_lib.EXPERIMENT_FILE)) as f:
+    stored = json.load(f)
+  assert stored['fields'] == list(workdir_lib.DEFINING_FIELDS)
+  assert stored['definition']['model.hidden'] == 8
+  assert stored['definition']['optimizer.name'] == 'adamw'
+  assert 'num_train_steps' not in stored['definition']
+  assert final['selected/rule'] == (
+      'max validation accuracy; ties: lower validation loss, then later step')
+  with open(os.path.join(workdir, 'final_metrics.json')) as f:
+    assert json.load(f)['selected/rule'] == final['selected/rule']
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))  # released at the end
+
+
+def test_another_experiment_is_refused_before_anything_is_written(uninterrupted):
+  workdir, _, _ = uninterrupted
+  before = {name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)}
+  other = tiny_config(seed=1, **{'model.hidden': 16, 'num_train_steps': 100})
+  with pytest.raises(errors.WorkdirError) as info:
+    trainer.train_and_evaluate(other, workdir)
+  assert str(info.value) == (f'workdir {workdir} holds another experiment: model.hidden 8 != 16; '
+                             'seed 0 != 1; use a new --workdir')
+  assert {name: os.path.getmtime(os.path.join(workdir, name))
+          for name in os.listdir(workdir)} == before
+
+
+def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
+  workdir = str(tmp_path)
+  workdir_lib.write_definition(workdir, trainer.resolve_config(tiny_config()))
+  longer = tiny_config(num_train_steps=80, log_every_steps=7, eval_every_steps=9,
+                       checkpoint_every_steps=11, progress_bar=True, keep_checkpoints=1,
+                       **{'mesh.model': 1, 'data.data_dir': '/elsewhere'})
+  workdir_lib.check_same_experiment(workdir, trainer.resolve_config(longer))
+  for field, value in [('optimizer.lr', 0.5), ('batch_size', 16), ('task', 'other'),
+                       ('data.num_train', 32), ('loader.batch_reads', True)]:
+    with pytest.raises(errors.WorkdirError, match=f'holds another experiment: {field} '):
+      workdir_lib.check_same_experiment(
+          workdir, trainer.resolve_config(tiny_config(**{field: value})))
+
+
+def test_definition_keeps_option_dicts_whole_and_skips_fields_it_predates(tmp_path):
+  stored = workdir_lib.definition(tiny_config(**{'model.attention_options': {}}))
+  current = workdir_lib.definition(tiny_config(**{'model.attention_options': {'ratios': (1, 2)}}))
+  assert workdir_lib.differences(stored, current) == [
+      "model.attention_options {} != {'ratios': [1, 2]}"]
+  # A field the stored definition lacks (added to the code after the workdir's runs) is not
+  # compared; one it names that the current config lacks is.
+  older = {k: v for k, v in stored.items() if k != 'loader.batch_reads'}
+  assert workdir_lib.differences(older, stored) == []
+  assert workdir_lib.differences(stored, older) == ["loader.batch_reads False != '<unset>'"]
+
+
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+def test_workdir_of_an_earlier_version_is_judged_by_its_config_json(uninterrupted, tmp_path):
+  """Workdirs written before experiment.json existed hold config.json alone; a mismatch is found
+  from it, and a config that fits but cannot restore leaves that config.json unchanged."""
+  reference, _, _ = uninterrupted
+  workdir = str(tmp_path / 'old')
+  shutil.copytree(reference, workdir)
+  os.remove(os.path.join(workdir, workdir_lib.EXPERIMENT_FILE))
+  with pytest.raises(errors.WorkdirError, match=r"model.dropout_rate 0.1 != 0.3"):
+    trainer.train_and_evaluate(tiny_config(**{'model.dropout_rate': 0.3}), workdir)
+  # Without any config.json the shape mismatch surfaces in the restore: nothing is rewritten.
+  os.remove(os.path.join(workdir, 'config.json'))
+  with pytest.raises(Exception):  # pylint: disable=broad-except
+    trainer.train_and_evaluate(tiny_config(num_train_steps=12, **{'model.hidden': 16}), workdir)
+  gc.collect()  # Orbax's abandoned reads complain when collected: here, not in a later test.
+  assert not os.path.exists(os.path.join(workdir, 'config.json'))
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.EXPERIMENT_FILE))
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
+
+
+def _write_lock(workdir, pid, host):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, workdir_lib.LOCK_FILE), 'w') as f:
+    json.dump({'pid': pid, 'host': host}, f)
+
+
+def _dead_pid() -> int:
+  process = subprocess.Popen([sys.executable, '-c', 'pass'])
+  process.wait()
+  return process.pid
+
+
+def test_a_live_lock_refuses_a_second_run(tmp_path):
+  workdir = str(tmp_path)
+  host = socket.gethostname()
+  _write_lock(workdir, os.getppid(), host)
+  with pytest.raises(errors.WorkdirError) as info:
+    trainer.train_and_evaluate(tiny_config(), workdir)
+  assert str(info.value).startswith(
+      f'workdir {workdir} is in use by process {os.getppid()} on {host}; ')
+  assert sorted(os.listdir(workdir)) == [workdir_lib.LOCK_FILE]  # nothing else was written
+  # A lock held on another host cannot be checked, so it is respected too.
+  _write_lock(workdir, _dead_pid(), 'another-host')
+  with pytest.raises(errors.WorkdirError, match='in use by process .* on another-host'):
+    workdir_lib.WorkdirLock(workdir).acquire()
+
+
+def test_a_stale_lock_is_taken_over_and_released_on_errors(tmp_path):
+  workdir = str(tmp_path)
+  path = os.path.join(workdir, workdir_lib.LOCK_FILE)
+  _write_lock(workdir, _dead_pid(), socket.gethostname())
+  with pytest.raises(RuntimeError):
+    with workdir_lib.WorkdirLock(workdir):
+      with open(path) as f:
+        assert json.load(f) == {'pid': os.getpid(), 'host': socket.gethostname()}
+      with pytest.raises(errors.WorkdirError, match=f'in use by process {os.getpid()}'):
+        workdir_lib.WorkdirLock(workdir).acquire()
+      raise RuntimeError('the run failed')
+  assert not os.path.exists(path)
+
+
+def test_workdir_that_is_a_file_is_a_user_error(tmp_path):
+  path = tmp_path / 'file'
+  path.write_text('')
+  with pytest.raises(errors.WorkdirError, match='is a file, not a folder'):
+    trainer.train_and_evaluate(tiny_config(), str(path))
+
+
+def test_unwritable_workdirs_are_user_errors(tmp_path, monkeypatch):
+  """Permissions cannot be tested for real as root (the test VM's user), so the OS answers are
+  simulated: a parent that refuses the new folder, and an existing folder that is read-only."""
+  def refuse(path, exist_ok=False):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+  with monkeypatch.context() as patch:
+    patch.setattr(os, 'makedirs', refuse)
+    with pytest.raises(errors.WorkdirError,
+                       match='cannot create workdir .*/run: Permission denied'):
+      workdir_lib.make_workdir(str(tmp_path / 'run'))
+  monkeypatch.setattr(os, 'access', lambda path, mode: False)
+  with pytest.raises(errors.WorkdirError, match=f'workdir {tmp_path} is read-only'):
+    trainer.train_and_evaluate(tiny_config(), str(tmp_path))
+
+
+def _send_sigint():
+  os.kill(os.getpid(), signal.SIGINT)
+
+
+def _raise_keyboard_interrupt():
+  raise KeyboardInterrupt()
+
+
+@pytest.mark.parametrize('interrupt, stopped_at', [
+    (_send_sigint, 7),  # the first Ctrl-C asks the loop to stop before the next step
+    (_raise_keyboard_interrupt, 6),  # the second one (KeyboardInterrupt) stops at once
+])
+def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(interrupt, stopped_at, tmp_path):
+  workdir = str(tmp_path)
+  original = sharding.shard_batch
+  seen = []
+
+  def interrupt_seventh_batch(batch, mesh):
+    if 'valid' not in batch:
+      seen.append(1)
+      if len(seen) == 7:
+        interrupt()
+    return original(batch, mesh)
+  handler = signal.getsignal(signal.SIGINT)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'shard_batch', interrupt_seventh_batch)
+    with pytest.raises(errors.StoppedError) as info:
+      trainer.train_and_evaluate(tiny_config(), workdir)
+  assert str(info.value) == (f'stopped at step {stopped_at}; last checkpoint step 4; re-run the '
+                             'same command to resume')
+  assert signal.getsignal(signal.SIGINT) is handler
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
+
+
+def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+
+  def disk_full(self, step, scalars):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), 'metrics.jsonl')
+  monkeypatch.setattr(metrics_logging.MetricWriter, 'write_scalars', disk_full)
+  with pytest.raises(errors.DiskFullError, match=f'no space left on the disk of {workdir}; '):
+    trainer.train_and_evaluate(tiny_config(), workdir)
+  assert not trainer._is_disk_full(RuntimeError('wrapped'))
 
 
 def test_train_cli_reports_user_errors_in_one_line(tmp_path):

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -127,6 +128,35 @@ def invocation(script: str, argv: Sequence[str] | None) -> str:
   (a re-rendered report names the command that trained its runs)."""
   args = sys.argv[1:] if argv is None else list(argv)
   return " ".join(["python", script, *(a for a in args if a != "--report_only")])
+
+
+# The provenance line every report starts with: "Measured by `python scripts/... --jobs=6` on ...".
+_PROVENANCE = re.compile(r"Measured by `(python [^`]+)`")
+
+
+def previous_report_command(markdown_path: str) -> str | None:
+  """The command named by the provenance line of the report at ``markdown_path`` (None if there
+  is no report or it names none)."""
+  if not os.path.exists(markdown_path):
+    return None
+  with open(markdown_path) as f:
+    found = _PROVENANCE.search(f.read())
+  return found.group(1) if found else None
+
+
+def report_command(script: str, argv: Sequence[str] | None, markdown_path: str, *,
+                   report_only: bool) -> str:
+  """The command a report names as the one that produced its records.
+
+  A grid that trains names its own command line (``invocation``). A re-render (``report_only``)
+  keeps the command of the report it replaces: the records came from that command, and the
+  re-render may run elsewhere with other arguments (without ``--jobs``, another ``--root``).
+  """
+  if report_only:
+    previous = previous_report_command(markdown_path)
+    if previous:
+      return previous
+  return invocation(script, argv)
 
 
 def shared_machine_note(command: str) -> str:

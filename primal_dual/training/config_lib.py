@@ -18,7 +18,9 @@ as `arg`. Values are typed by the defaults' types (int, float, bool, str); a bar
 default to True. Values cannot contain commas.
 """
 
+import difflib
 import json
+import math
 import os
 from typing import Any
 
@@ -82,7 +84,10 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     key = key.strip()
     if key not in defaults:
       known = ', '.join(sorted(defaults)) or '(none)'
-      raise errors.ConfigError(f'unknown config argument {key!r} in {arg!r}; known: {known}')
+      close = difflib.get_close_matches(key, list(defaults), n=1)
+      hint = f'did you mean {close[0]!r}? ' if close else ''
+      raise errors.ConfigError(
+          f'unknown config argument {key!r} in {arg!r}; {hint}known: {known}')
     default = defaults[key]
     if not has_value:
       if not isinstance(default, bool):
@@ -153,6 +158,29 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict()
   config.data = ml_collections.ConfigDict()
   return config
+
+
+# Model fields that count something (layers, widths, heads, patch side): positive integers.
+POSITIVE_MODEL_FIELDS = ('num_layers', 'model_dim', 'num_heads', 'mlp_dim', 'hidden', 'patch_size')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks model sizes and dropout rates, which otherwise fail deep inside a trace (or not at all).
+
+  Raises:
+    errors.ConfigError: a field of `POSITIVE_MODEL_FIELDS` that is not an integer > 0, or a
+      `config.model.*dropout_rate` outside [0, 1).
+  """
+  model = config.get('model') or {}
+  for name in POSITIVE_MODEL_FIELDS:
+    value = model.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+      raise errors.ConfigError(f'config.model.{name}={value!r} must be a positive integer')
+  for name, value in model.items():
+    if not name.endswith('dropout_rate'):
+      continue
+    if not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 <= value < 1):
+      raise errors.ConfigError(f'config.model.{name}={value!r} must be in [0, 1)')
 
 
 def merge(base: ml_collections.ConfigDict,

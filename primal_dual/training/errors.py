@@ -58,3 +58,31 @@ def lookup(registry: dict, name: str, what: str):
   except (KeyError, TypeError):
     known = ', '.join(sorted(registry))
     raise UnknownNameError(f'unknown {what} {name!r}; known: {known}') from None
+
+
+class WorkdirError(UserError):
+  """The workdir cannot be used: another experiment's, in use by another process, not writable."""
+
+
+class StoppedError(UserError):
+  """The user stopped training (Ctrl-C); the message says where and how to resume.
+
+  Attributes:
+    step: the last completed training step.
+    last_checkpoint_step: the step of the newest checkpoint, None if none was saved.
+  """
+
+  def __init__(self, step: int, last_checkpoint_step: int | None):
+    kept = ('no checkpoint was saved yet' if last_checkpoint_step is None else
+            f'last checkpoint step {last_checkpoint_step}')
+    super().__init__(f'stopped at step {step}; {kept}; re-run the same command to resume')
+    self.step = step
+    self.last_checkpoint_step = last_checkpoint_step
+
+
+class DiskFullError(UserError):
+  """Writing into the workdir failed because its disk is full."""
+
+  def __init__(self, folder: str):
+    super().__init__(f'no space left on the disk of {folder}; free space there and re-run the '
+                     'same command to resume')

@@ -9,12 +9,14 @@ Usable from the command line (`train.py`, `eval.py`) and from a notebook::
 
 What one run does:
 
-1. Fills the config's missing fields from `config_lib.training_defaults()`, freezes it and writes
-   it to `workdir/config.json`.
+1. Fills the config's missing fields from `config_lib.training_defaults()` and freezes it; refuses
+   a workdir that holds another experiment or that another live process uses (`workdir.py`).
 2. Builds the task's data and model, a `('data', 'model')` mesh, the optimizer, and jits
    `train_step` / `eval_step` once with shardings (`sharding.py`).
 3. Resumes from the newest checkpoint in `workdir/checkpoints` if there is one (state, data
-   iterator position, evaluation tracker), else initialises from `config.seed`.
+   iterator position, evaluation tracker), else initialises from `config.seed`; only then writes
+   `workdir/experiment.json` and `workdir/config.json`. A workdir that already finished is
+   reported as such and left untouched.
 4. Trains to `config.num_train_steps` (or `config.num_epochs` × steps per epoch), with logging,
    evaluation and checkpointing decided by `periodic.PeriodicActions` (all happen after the final
    step). A non-finite loss raises `errors.NonFiniteLossError` naming the step; no checkpoint is
@@ -23,18 +25,24 @@ What one run does:
    the last log, and from the evaluation tracker `'best/{split}_{metric}'` (best value of the
    selection metric over all evaluations: the optimistic "best test accuracy over epochs" of
    the UEA tables) and `'selected/{split}_{metric}'` (every split's metrics at the evaluation where
-   `config.selection.split` was best: the clean protocol), plus `'selected/step'`.
+   `config.selection.split` was best: the clean protocol; ties go to the lower loss on that split,
+   then to the later step), plus `'selected/step'` and the rule in words, `'selected/rule'`.
 
 Per-step randomness is `fold_in(state.rng, state.step)`, so a resumed run reproduces an
 uninterrupted one exactly.
 """
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import math
 import operator
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -57,6 +65,9 @@ from primal_dual.training import optim
 from primal_dual.training import periodic
 from primal_dual.training import sharding
 from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import workdir as workdir_lib
+
+FINAL_METRICS_FILE = 'final_metrics.json'
 
 
 @flax.struct.dataclass
@@ -177,10 +188,17 @@ def _stack(records: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
 _MODES: dict[str, Callable[[float, float], bool]] = {'max': operator.gt, 'min': operator.lt}
 
 
+def _loss_rank(loss: float | None) -> float:
+  """A loss for comparison: missing or non-finite losses rank as infinitely bad."""
+  return loss if loss is not None and math.isfinite(loss) else math.inf
+
+
 class EvalTracker:
   """Tracks the best value of one metric per split and the evaluation chosen on one split.
 
-  Ties keep the earlier evaluation. Non-finite values are ignored.
+  `best/` keeps the earliest of tied values. The selected evaluation is the one with the best
+  metric on the selection split; ties go to the lower loss on that split, then to the later step
+  (`rule` states this). Non-finite metric values are ignored.
 
   Args:
     metric: metric name, e.g. 'accuracy'.
@@ -198,24 +216,41 @@ class EvalTracker:
     self.selected: dict[str, float] = {}
     self.selected_step: int | None = None
 
+  @property
+  def rule(self) -> str:
+    """The selection rule in words (written to final_metrics.json as `selected/rule`)."""
+    split = self.selection_split
+    return (f'{self.mode} {split} {self.metric}; ties: lower {split} loss, then later step')
+
   def update(self, step: int, results: Mapping[str, Mapping[str, float]]) -> bool:
-    """Records one evaluation (split → metric → value); True if the selection improved."""
+    """Records one evaluation (split → metric → value); True if it became the selected one."""
     for split, metrics in results.items():
       value = metrics.get(self.metric)
       if value is None or not math.isfinite(value):
         continue
       if split not in self.best or self._better(value, self.best[split]):
         self.best[split], self.best_step[split] = value, step
-    value = results.get(self.selection_split, {}).get(self.metric)
+    selection = results.get(self.selection_split, {})
+    value = selection.get(self.metric)
     if value is None or not math.isfinite(value):
       return False
-    current = self.selected.get(f'{self.selection_split}_{self.metric}')
-    if current is not None and not self._better(value, current):
+    if not self._beats_selected(value, selection.get('loss')):
       return False
     self.selected = {f'{split}_{name}': v for split, metrics in results.items()
                      for name, v in metrics.items()}
     self.selected_step = step
     return True
+
+  def _beats_selected(self, value: float, loss: float | None) -> bool:
+    """Whether a later evaluation with selection metric `value` and loss `loss` replaces the
+    selected one: a better metric, or an equal metric with a loss that is not higher."""
+    current = self.selected.get(f'{self.selection_split}_{self.metric}')
+    if current is None or self._better(value, current):
+      return True
+    if value != current:
+      return False
+    current_loss = self.selected.get(f'{self.selection_split}_loss')
+    return _loss_rank(loss) <= _loss_rank(current_loss)  # equal losses: the later step wins
 
   def summary(self) -> dict[str, float]:
     """`best/{split}_{metric}`, `best/{split}_step`, `selected/{split}_{name}`, `selected/step`."""
@@ -244,9 +279,14 @@ class EvalTracker:
 
 
 def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
-  """The effective config: `training_defaults()` overridden by `config`, frozen."""
+  """The effective config: `training_defaults()` overridden by `config`, frozen.
+
+  Raises:
+    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`).
+  """
   if isinstance(config, ml_collections.FrozenConfigDict):
     config = config.as_configdict()
+  config_lib.validate(config)
   return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
 
 
@@ -486,6 +526,10 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
   if unknown:
     raise errors.ConfigError(
         f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})')
+  if config.selection.split not in splits:
+    raise errors.ConfigError(
+        f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
+        f'({sorted(splits)})')
   return Experiment(
       config=config, task=task, splits=splits, metadata=metadata, model=model, mesh=mesh, tx=tx,
       schedule=schedule, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
@@ -562,29 +606,80 @@ def _write_json(path: str, payload: Mapping) -> None:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from `workdir` if it holds checkpoints) and evaluates; see module doc.
 
+  The workdir must hold the same experiment (`workdir.DEFINING_FIELDS`) or none, and no other
+  live process may be using it (process 0 holds `workdir/.lock` while it runs).
+
   Args:
     config: a ConfigDict; fields missing from it take `config_lib.training_defaults()`.
     workdir: output folder (config.json, metrics.jsonl, tensorboard/, checkpoints/).
 
   Returns:
-    The final metrics (also written to `workdir/final_metrics.json`).
+    The final metrics (also written to `workdir/final_metrics.json`); for a workdir that already
+    finished, the metrics it stored then.
 
   Raises:
-    errors.UserError: a config problem, missing data, or a non-finite loss.
+    errors.UserError: a config problem, missing data, a non-finite loss, another experiment's or
+      a busy workdir, Ctrl-C (`errors.StoppedError`), a full disk (`errors.DiskFullError`).
   """
   config = resolve_config(config)
+  workdir = os.path.abspath(workdir)
+  workdir_lib.check_same_experiment(workdir, config)  # before writing anything, even the lock
+  with _workdir_lock(workdir):
+    # Checked again under the lock: a run may have claimed the workdir in between.
+    workdir_lib.check_same_experiment(workdir, config)
+    try:
+      return _train_in_workdir(config, workdir)
+    except Exception as e:  # pylint: disable=broad-except
+      if _is_disk_full(e):
+        raise errors.DiskFullError(workdir) from e
+      raise
+
+
+def _workdir_lock(workdir: str):
+  """The workdir's lock on process 0; processes of one multi-process run share the workdir."""
+  if jax.process_index() != 0:
+    return contextlib.nullcontext()
+  return workdir_lib.WorkdirLock(workdir)
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+  """Whether ENOSPC is anywhere in `error`'s chain (Orbax re-raises write errors wrapped)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _read_final_metrics(workdir: str) -> dict | None:
+  path = os.path.join(workdir, FINAL_METRICS_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> dict[str, float]:
+  """`train_and_evaluate` once the workdir is locked and known to hold this experiment."""
   experiment = build_experiment(config)
   num_parameters = parameter_count(experiment.abstract_state.params)
   if jax.process_index() == 0:
     print(f'model: {num_parameters:,} parameters ({config.task}, '
           f'attention={config.model.get("attention", "-")})', flush=True)
-  workdir = os.path.abspath(workdir)
-  if jax.process_index() == 0:
-    config_lib.write_config(config, workdir)
-
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=config.keep_checkpoints,
       async_save=config.async_checkpointing)
+  start_step = checkpointer.latest_step()
+  finished = _read_final_metrics(workdir)
+  if start_step is not None and start_step >= experiment.total_steps and finished is not None:
+    checkpointer.close()
+    if jax.process_index() == 0:
+      print(f'workdir {workdir} already finished at step {start_step}; nothing to train, '
+            f'{FINAL_METRICS_FILE} left as it was', file=sys.stderr)
+    return finished
+
   selected_checkpointer = None
   if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
     selected_checkpointer = checkpointing.Checkpointer(
@@ -593,13 +688,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tracker = _make_tracker(config, experiment.task)
   train_iterator = experiment.make_train_iterator()
 
-  start_step = checkpointer.latest_step()
   if start_step is None:
     start_step, state = 0, experiment.init_state()
   else:
     state, meta = checkpointer.restore(start_step, experiment.restore_target(),
                                        data_iterator=train_iterator)
     tracker.load_state_dict(meta.get('tracker', {}))
+  # Only now, with the checkpoint restored or the state initialised, is the config known to fit
+  # the workdir's checkpoints: a failed restore leaves the previous config.json in place.
+  if jax.process_index() == 0:
+    workdir_lib.write_definition(workdir, config)
+    config_lib.write_config(config, workdir)
   # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
   metrics_logging.truncate_metrics_after(workdir, start_step)
   if selected_checkpointer is not None:
@@ -618,12 +717,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     for manager in (checkpointer, selected_checkpointer):
       if manager is not None:
         manager.close()
+  if tracker.selected_step is not None:
+    final['selected/rule'] = tracker.rule
   final['model/num_parameters'] = num_parameters
-  _write_json(os.path.join(workdir, 'final_metrics.json'), final)
+  _write_json(os.path.join(workdir, FINAL_METRICS_FILE), final)
   return final
 
 
 _MAX_PENDING_METRICS = 500
+
+
+class _StopRequest:
+  """Turns the first Ctrl-C (SIGINT) during training into a request to stop between steps.
+
+  A KeyboardInterrupt raised wherever the main thread happens to be (inside Orbax waiting for a
+  checkpoint to finalise, inside grain) prints those libraries' tracebacks and can cut a save
+  short; the training loop instead checks `requested` before each step. A second Ctrl-C
+  interrupts at once. Outside the main thread (where signal handlers cannot be set) this does
+  nothing and Ctrl-C raises KeyboardInterrupt as usual.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._installed = threading.current_thread() is threading.main_thread()
+    if self._installed:
+      self._previous = signal.signal(signal.SIGINT, self._request)
+
+  def _restore_previous_handler(self) -> None:
+    # None: the previous handler was not set from Python; Python's own raises KeyboardInterrupt.
+    previous = self._previous if self._previous is not None else signal.default_int_handler
+    signal.signal(signal.SIGINT, previous)
+
+  def _request(self, signum, frame):  # pylint: disable=unused-argument
+    self.requested = True
+    self._restore_previous_handler()  # the next Ctrl-C interrupts at once
+
+  def close(self) -> None:
+    """Puts the previous SIGINT handler back."""
+    if self._installed:
+      self._restore_previous_handler()
+      self._installed = False
 
 
 def _train_loop(experiment: Experiment, state: TrainState, start_step: int, train_iterator,
@@ -640,49 +773,61 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
   pending_metrics: list = []
   unchecked = None  # (first step, losses) of the previous call, checked one call late (no stall).
   log_clock = (time.monotonic(), start_step)
+  stop = _StopRequest()
 
-  step = start_step
-  while step < total_steps:
-    num_steps = min(steps_per_call, total_steps - step)
-    state, losses, metrics = experiment.run_steps(state, num_steps, train_iterator)
-    pending_metrics.append(metrics)
-    if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
-      pending_metrics = [_sum_metrics(pending_metrics)]
-    if unchecked is not None:
+  completed = start_step
+  try:
+    while completed < total_steps:
+      if stop.requested:
+        raise KeyboardInterrupt()
+      num_steps = min(steps_per_call, total_steps - completed)
+      state, losses, metrics = experiment.run_steps(state, num_steps, train_iterator)
+      pending_metrics.append(metrics)
+      if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
+        pending_metrics = [_sum_metrics(pending_metrics)]
+      if unchecked is not None:
+        _check_finite(*unchecked, last_checkpoint_step)
+      unchecked = (completed + 1, losses)
+      completed += num_steps
+      step = completed
+      due = actions.due(step)
+      progress.update(num_steps)
+      if not due:
+        continue
       _check_finite(*unchecked, last_checkpoint_step)
-    unchecked = (step + 1, losses)
-    step += num_steps
-    due = actions.due(step)
-    progress.update(num_steps)
-    if not due:
-      continue
-    _check_finite(*unchecked, last_checkpoint_step)
-    unchecked = None
-    scalars = {}  # Everything logged at this step goes into one metrics.jsonl record.
+      unchecked = None
+      scalars = {}  # Everything logged at this step goes into one metrics.jsonl record.
 
-    if 'log' in due:
-      now = time.monotonic()
-      last_train = {f'train/{k}': v for k, v in _reduce_metrics(pending_metrics).items()}
-      last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
-      last_train['train/steps_per_second'] = (step - log_clock[1]) / max(now - log_clock[0], 1e-9)
-      log_clock = (now, step)
-      pending_metrics = []
-      scalars.update(last_train)
-      progress.update(0, loss=last_train.get('train/loss', float('nan')))
+      if 'log' in due:
+        now = time.monotonic()
+        last_train = {f'train/{k}': v for k, v in _reduce_metrics(pending_metrics).items()}
+        last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
+        last_train['train/steps_per_second'] = (
+            (step - log_clock[1]) / max(now - log_clock[0], 1e-9))
+        log_clock = (now, step)
+        pending_metrics = []
+        scalars.update(last_train)
+        progress.update(0, loss=last_train.get('train/loss', float('nan')))
 
-    if 'eval' in due:
-      last_eval = evaluate(experiment, state)
-      improved = tracker.update(step, last_eval)
-      scalars.update({**_flatten(last_eval), **tracker.summary()})
-      if improved and selected_checkpointer is not None:
-        selected_checkpointer.save(step, state, meta={'step': step,
-                                                      'tracker': tracker.state_dict()})
+      if 'eval' in due:
+        last_eval = evaluate(experiment, state)
+        improved = tracker.update(step, last_eval)
+        scalars.update({**_flatten(last_eval), **tracker.summary()})
+        if improved and selected_checkpointer is not None:
+          selected_checkpointer.save(step, state, meta={'step': step,
+                                                        'tracker': tracker.state_dict()})
 
-    if 'checkpoint' in due:
-      checkpointer.save(step, state, meta={'step': step, 'tracker': tracker.state_dict()},
-                        data_iterator=train_iterator)
-      last_checkpoint_step = step
-    writer.write_scalars(step, scalars)
+      if 'checkpoint' in due:
+        checkpointer.save(step, state, meta={'step': step, 'tracker': tracker.state_dict()},
+                          data_iterator=train_iterator)
+        last_checkpoint_step = step
+      writer.write_scalars(step, scalars)
+  except KeyboardInterrupt:
+    # Ctrl-C: the checkpoints already saved are complete (the caller waits for pending
+    # asynchronous saves); say where a re-run resumes.
+    raise errors.StoppedError(completed, last_checkpoint_step) from None
+  finally:
+    stop.close()
 
   if start_step >= total_steps:  # Already finished: report without training further.
     last_eval = evaluate(experiment, state)
@@ -693,6 +838,23 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
 
 # ------------------------------------------------------------------------------------------------
 # Evaluation of a finished (or running) workdir.
+
+
+def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
+  """(checkpoint folder, step or None for the newest) of 'latest', 'selected' or a step number.
+
+  Raises:
+    errors.ConfigError: anything else.
+  """
+  name = str(checkpoint)
+  if name == 'selected':
+    return checkpointing.SELECTED_DIR, None
+  if name == 'latest':
+    return checkpointing.CHECKPOINT_DIR, None
+  if name.isdigit():
+    return checkpointing.CHECKPOINT_DIR, int(name)
+  raise errors.ConfigError(
+      f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
 
 
 def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
@@ -707,13 +869,12 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
 
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+    errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
   """
+  directory, step = _checkpoint_location(checkpoint)
   workdir = os.path.abspath(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   experiment = build_experiment(config)
-  directory = checkpointing.SELECTED_DIR if checkpoint == 'selected' else (
-      checkpointing.CHECKPOINT_DIR)
-  step = None if checkpoint in ('latest', 'selected') else int(checkpoint)
   with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
                                   async_save=False) as checkpointer:
     state, _ = checkpointer.restore(step, experiment.restore_target())

@@ -1,0 +1,160 @@
+"""What `train.py` and `eval.py` share: every problem a user can fix is one line, exit status 2.
+
+Flag parsing (absl, and ml_collections' `--config` file with its `--config.<field>` overrides)
+raises a variety of exceptions with multi-line messages or tracebacks; `parse_flags` turns each
+into one line `error: ...`. Only ml_collections and absl are imported here, so that these errors
+come back before JAX is loaded.
+"""
+
+import difflib
+import importlib.util
+import os
+import sys
+import traceback
+from typing import NoReturn
+
+from absl import flags
+
+from primal_dual.training import errors
+
+EXIT_USER_ERROR = 2
+
+# What absl and ml_collections raise while parsing flags or loading a config file.
+_FLAG_ERRORS = (flags.Error, KeyError, AttributeError, OSError, ValueError, TypeError,
+                ImportError, SyntaxError)
+
+
+def report(message: str) -> int:
+  """Prints `error: <message>` as one line on stderr; returns the exit status for it, 2."""
+  print(f'error: {one_line(message)}', file=sys.stderr)
+  return EXIT_USER_ERROR
+
+
+def fail(message: str) -> NoReturn:
+  """`report`, then exits (for flag parsing, which has no exit status to return)."""
+  sys.exit(report(message))
+
+
+def one_line(message: str) -> str:
+  """`message` with its line breaks and runs of spaces folded into single spaces."""
+  return ' '.join(str(message).split())
+
+
+def user_error_in_chain(error: BaseException | None) -> errors.UserError | None:
+  """The innermost `UserError` in `error`'s cause/context chain (config files raise them while
+  ml_collections loads them, and ml_collections wraps them), or None."""
+  found, seen = None, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, errors.UserError):
+      found = error
+    error = error.__cause__ or error.__context__
+  return found
+
+
+def _config_file_and_arg(spec: str) -> tuple[str, str | None]:
+  """'configs/uea.py:dataset=X' → ('configs/uea.py', 'dataset=X')."""
+  path, has_arg, arg = spec.partition(':')
+  return path, (arg if has_arg else None)
+
+
+def _flag_values(argv: list[str], name: str) -> list[tuple[str, str]]:
+  """(flag name, value) for every `--<name>...=value` / `--<name>... value` in argv."""
+  found = []
+  for index, item in enumerate(argv):
+    if not item.startswith(f'--{name}'):
+      continue
+    flag, has_value, value = item[2:].partition('=')
+    if not has_value and index + 1 < len(argv):
+      value = argv[index + 1]
+    found.append((flag, value))
+  return found
+
+
+def _load_config(spec: str):
+  """Calls `get_config(arg)` of the config file named by `spec`, without overrides."""
+  path, arg = _config_file_and_arg(spec)
+  module_spec = importlib.util.spec_from_file_location('_config_for_message', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def unknown_field_message(config, field: str) -> str | None:
+  """'unknown config field --config.a.b; did you mean --config.a.c?' if `field` (dotted, without
+  'config.') is not in `config`, else None. The suggestion is difflib's closest name."""
+  node, parts = config, field.split('.')
+  for depth, part in enumerate(parts):
+    keys = list(node.keys()) if hasattr(node, 'keys') else []
+    if part in keys:
+      node = node[part]
+      continue
+    message = f'unknown config field --config.{field}'
+    close = difflib.get_close_matches(part, keys, n=1)
+    if close:
+      fixed = '.'.join(parts[:depth] + close + parts[depth + 1:])
+      return f'{message}; did you mean --config.{fixed}?'
+    return f'{message}; known at that level: {", ".join(sorted(keys)) or "(none)"}'
+  return None
+
+
+def _describe_config_override_error(argv: list[str], config_flag: str) -> str | None:
+  """Names the unknown `--config.<field>` override in argv, or None if none is unknown."""
+  specs = [value for flag, value in _flag_values(argv, config_flag) if flag == config_flag]
+  if not specs:
+    return None
+  try:
+    config = _load_config(specs[-1])
+  except Exception:  # pylint: disable=broad-except
+    return None  # the file itself is the problem; reported from the original error
+  for flag, _ in _flag_values(argv, f'{config_flag}.'):
+    message = unknown_field_message(config, flag[len(config_flag) + 1:])
+    if message:
+      return message
+  return None
+
+
+def describe_flag_error(error: BaseException, argv: list[str], config_flag: str = 'config'
+                        ) -> str:
+  """One line saying what is wrong with the command line that raised `error` while parsing."""
+  user_error = user_error_in_chain(error)
+  if user_error is not None:
+    return str(user_error)
+  if isinstance(error, (KeyError, AttributeError)):
+    described = _describe_config_override_error(argv, config_flag)
+    if described:
+      return described
+  if isinstance(error, flags.Error):
+    return str(error)
+  # Anything else came from the code of a config file: say what and where, as a traceback would.
+  frames = traceback.extract_tb(error.__traceback__)
+  where = f' at {frames[-1].filename}:{frames[-1].lineno}' if frames else ''
+  return f'loading the config failed{where}: {type(error).__name__}: {error}'
+
+
+def _check_config_file(config_flag: str) -> None:
+  """ml_collections reports a config file it cannot find only when the config is first read;
+  ask for it now so that the problem is reported with the flags'."""
+  if config_flag not in flags.FLAGS:
+    return
+  spec = flags.FLAGS[config_flag].config_filename
+  if spec is None:
+    return
+  path, _ = _config_file_and_arg(spec)
+  if not os.path.isfile(path):
+    fail(f'config file {path} not found (--{config_flag}={spec})')
+  _ = flags.FLAGS[config_flag].value.keys()
+
+
+def parse_flags(argv: list[str], config_flag: str = 'config') -> list[str]:
+  """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with errors in one line.
+
+  Returns:
+    The arguments left after the flags (argv[0] first), as absl's own parser does.
+  """
+  try:
+    remaining = flags.FLAGS(argv)
+    _check_config_file(config_flag)
+  except _FLAG_ERRORS as e:  # UserError is a ValueError
+    fail(describe_flag_error(e, argv, config_flag))
+  return remaining
