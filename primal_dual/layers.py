@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from primal_dual import _decode
 from primal_dual.registry import (ATTENTION_REGISTRY, AttentionVariant, KernelParam,
                                   make_attention_fn, register_attention)
 
@@ -93,6 +94,11 @@ class MultiHeadAttention(nn.Module):
     deterministic: default for ``__call__``'s ``deterministic``.
     dtype, param_dtype, precision: as in Flax.
     use_bias: biases on the projections.
+    decode: autoregressive decoding with a key/value cache (collection ``cache``: ``cached_key``,
+      ``cached_value``, ``cache_index``), as ``flax.linen.MultiHeadDotProductAttention``: ``init``
+      on the full-length input sizes the cache, then each ``apply(..., mutable=['cache'])`` feeds
+      one position ``[batch..., 1, in]``, which attends to the positions fed so far (see
+      ``primal_dual._decode`` for the Attention-BN/SH caveat).
   """
   num_heads: int
   qkv_features: int | None = None
@@ -109,6 +115,26 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
   use_bias: bool = True
+  decode: bool = False
+
+  def _decode_step(self, key: jax.Array, value: jax.Array, mask: jax.Array | None):
+    """Writes one position's ``key``/``value [batch..., 1, heads, d]`` into the cache; returns the
+    cached keys and values ``[batch..., max_length, heads, d]`` and the mask of the keys seen so
+    far. The first call (``init``) only creates the cache at the input's shape."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      return key, value, mask
+    _decode.check_step_shape(cached_key.value, key)
+    i = index.value
+    cached_key.value = _decode.write_step(cached_key.value, key, i)
+    cached_value.value = _decode.write_step(cached_value.value, value, i)
+    index.value = i + 1
+    *batch_shape, max_length, _, _ = cached_key.value.shape
+    mask = _decode.seen_keys_mask(mask, i, max_length, tuple(batch_shape))
+    return cached_key.value, cached_value.value, mask
 
   def _kernel_params(self, head_dim: int) -> dict[str, jax.Array]:
     """The learned parameters the variant's registry entry declares, by keyword name."""
@@ -162,6 +188,8 @@ class MultiHeadAttention(nn.Module):
     query = projection("query")(inputs_q)
     key = projection("key")(inputs_k)
     value = projection("value")(inputs_v)
+    if self.decode:
+      key, value, mask = self._decode_step(key, value, mask)
 
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic

@@ -135,3 +135,23 @@ def test_context_options_reach_only_kernels_that_declare_them():
   assert not isinstance(fn, functools.partial) or "grid_shape" not in fn.keywords
   fn = layers.make_attention_fn("sh", {"ratios": (1, 2)}, {"num_prefix_tokens": 1})
   assert fn.keywords["num_prefix_tokens"] == 1
+
+
+@pytest.mark.parametrize("name", ["softmax", "hyla"])
+def test_decoding_with_a_cache_equals_the_full_causal_pass(name, inputs):
+  x, _ = inputs
+  params = _layer(name).init(jax.random.key(0), x)["params"]
+  full = _layer(name).apply({"params": params}, x, mask=nn.make_causal_mask(x[..., 0]))
+  decoder = _layer(name, decode=True)
+  cache = decoder.init(jax.random.key(0), x)["cache"]  # sized by the full-length input
+  assert cache["cached_key"].shape == (2, LENGTH, HEADS, WIDTH // HEADS)
+  step = jax.jit(functools.partial(decoder.apply, mutable=["cache"]))
+  outputs = []
+  for t in range(LENGTH):
+    out, variables = step({"params": params, "cache": cache}, x[:, t:t + 1])
+    cache = variables["cache"]
+    outputs.append(out)
+  np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-6)
+  assert int(cache["cache_index"]) == LENGTH
+  with pytest.raises(ValueError, match="one position at a time"):
+    decoder.apply({"params": params, "cache": cache}, x[:, :2], mutable=["cache"])

@@ -1,0 +1,42 @@
+"""One autoregressive decoding step with a key/value cache, shared by the Linen and NNX layers.
+
+The cache holds the projected keys and values of the whole sequence, ``[batch..., max_length,
+heads, head_dim]``, filled up to ``index``. A step writes the new position's key and value at
+``index`` and lets its single query attend to the positions ``0..index`` only. Every step thus
+attends to the keys seen so far: for a kernel whose row depends only on those keys (softmax,
+linear, HYLA) that is the row of the full causal pass; Attention-BN's statistics and
+Attention-SH's pooled windows are computed from the keys seen so far instead of the whole
+sequence, so those rows differ from a full causal pass before the last position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_step_shape(cached: jax.Array, new: jax.Array) -> None:
+  """Raises ValueError unless ``new`` is one position ``[batch..., 1, heads, head_dim]`` of
+  ``cached [batch..., max_length, heads, head_dim]``."""
+  expected = (*cached.shape[:-3], 1, *cached.shape[-2:])
+  if tuple(new.shape) != expected:
+    raise ValueError(f"decoding feeds one position at a time: expected projected keys of shape "
+                     f"{expected} (cache {tuple(cached.shape)}), got {tuple(new.shape)}")
+
+
+def write_step(cached: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+  """``cached [batch..., max_length, heads, d]`` with position ``index`` replaced by ``new
+  [batch..., 1, heads, d]`` (cast to the cache's dtype)."""
+  start = [jnp.zeros((), index.dtype)] * cached.ndim
+  start[-3] = index
+  return jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), start)
+
+
+def seen_keys_mask(mask: jax.Array | None, index: jax.Array, max_length: int,
+                   batch_shape: tuple[int, ...]) -> jax.Array:
+  """The step's mask ``[batch..., 1, 1, max_length]`` (bool): keys ``0..index``, and ``mask``
+  (any dtype, nonzero = may attend, broadcastable to ``[batch..., heads, 1, max_length]``) if
+  given."""
+  seen = jnp.arange(max_length) <= index
+  seen = jnp.broadcast_to(seen, (*batch_shape, 1, 1, max_length))
+  return seen if mask is None else jnp.logical_and(seen, jnp.asarray(mask) != 0)
