@@ -27,7 +27,8 @@ PRIMAL = {"random_feature"}
 # A cached decoding step equals the full causal pass's row only when nothing per-sequence is
 # computed from the keys: Attention-BN's statistics and Attention-SH's pooled windows are.
 PER_SEQUENCE_KEYS = {"bn", "linear_bn", "sh", "bn_sh"}
-HYLA = {name for name in NAMES if name.startswith("hyla")}
+# Variants built on hyla_attention (linear_plain is its normalization='none', value_network='linear').
+HYLA = {name for name in NAMES if name.startswith("hyla")} | {"linear_plain"}
 
 
 def attention_fn(name):
