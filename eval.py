@@ -18,7 +18,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from primal_dual.training import cli
 
@@ -66,10 +65,7 @@ def _evaluate_and_analyse(workdir: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  cli.start_main(argv)
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
   from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
   from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top

@@ -11,7 +11,6 @@ Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/tra
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from primal_dual.training import cli
@@ -25,10 +24,7 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  cli.start_main(argv)
   # Imported here so that `--help` stays fast.
   from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top

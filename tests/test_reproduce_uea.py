@@ -12,11 +12,10 @@ import json
 import os
 import shutil
 
-import jax
 import pytest
 
 import cli_helpers
-from jax.experimental.compilation_cache import compilation_cache
+import helpers
 
 from primal_dual.experiments import grid
 
@@ -33,20 +32,8 @@ def _load(name, relative_path):
 reproduce_uea = _load("reproduce_uea", os.path.join("scripts", "reproduce_uea.py"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache_dir(tmp_path_factory):
-  """A fresh persistent compilation cache: the second run reuses the first one's programs."""
-  saved = {name: getattr(jax.config, name) for name in (
-      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-      "jax_persistent_cache_min_entry_size_bytes")}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
+    helpers.fresh_compilation_cache)
 
 
 def _snapshot(root):

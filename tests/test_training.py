@@ -21,13 +21,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 
 import cli_helpers
-from jax.experimental.compilation_cache import compilation_cache
+import helpers
 from jax.sharding import PartitionSpec
 
 from primal_dual.training import checkpointing
@@ -44,51 +43,9 @@ from primal_dual.training import workdir as workdir_lib
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compilation_cache_dir(tmp_path_factory):
-  """A fresh persistent compilation cache for this module, restored afterwards."""
-  saved = {name: getattr(jax.config, name) for name in (
-      'jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
-      'jax_persistent_cache_min_entry_size_bytes')}
-  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-
-
-def tiny_config(**overrides) -> ml_collections.ConfigDict:
-  """8 steps of the synthetic task on a (data=4, model=2) mesh of the 8 virtual CPU devices."""
-  config = config_lib.training_defaults()
-  config.task = 'synthetic'
-  config.num_train_steps = 8
-  config.batch_size = 8
-  config.eval_batch_size = 16
-  config.log_every_steps = 2
-  config.eval_every_steps = 4
-  config.checkpoint_every_steps = 4
-  config.progress_bar = False
-  config.mesh.data = -1
-  config.mesh.model = 2
-  config.optimizer.lr = 0.05
-  config.optimizer.schedule = 'warmup_cosine'
-  config.optimizer.warmup_steps = 2
-  config.optimizer.weight_decay = 0.01
-  config.optimizer.grad_clip_norm = 1.0
-  config.model = ml_collections.ConfigDict(dict(hidden=8, dropout_rate=0.1, use_batch_norm=True))
-  # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
-  config.data = ml_collections.ConfigDict(dict(
-      num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3))
-  for key, value in overrides.items():
-    target = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      target = target[parent]
-    target[leaf] = value
-  return config
+compilation_cache_dir = pytest.fixture(scope='module', autouse=True)(
+    helpers.fresh_compilation_cache)
+tiny_config = helpers.tiny_config
 
 
 class Crash(Exception):

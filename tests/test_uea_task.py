@@ -2,6 +2,7 @@
 
 import pytest
 
+import helpers
 from primal_dual.experiments.grid import load_config
 from primal_dual.training import errors, trainer
 
@@ -16,13 +17,7 @@ def data_dir(tmp_path_factory):
 def _config(arg, **overrides):
   config = load_config(CONFIG, arg)
   with config.unlocked():
-    for dotted, value in overrides.items():
-      node = config
-      *parents, leaf = dotted.split(".")
-      for parent in parents:
-        node = node[parent]
-      node[leaf] = value
-  return config
+    return helpers.set_fields(config, overrides)
 
 
 def test_unknown_attention_name_lists_the_known_ones():

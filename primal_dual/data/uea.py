@@ -40,7 +40,7 @@ import dataclasses
 import math
 import os
 import pathlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

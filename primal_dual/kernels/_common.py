@@ -237,6 +237,24 @@ def contract_values(weights: Array, value: Array, precision=None) -> Array:
                     preferred_element_type=F32)
 
 
+def attend_with_weights(weights_one_head: Callable, q: Array, k: Array, v: Array,
+                        bias: Array | None, mask: Array | None, *, shapes: QKVShapes, query: Array,
+                        dtype, module, return_weights: bool, dropout_rng, dropout_rate: float,
+                        broadcast_dropout: bool, deterministic: bool, precision=None):
+  """The reference path of a kernel defined by its one-head weights.
+
+  ``weights_one_head(q [q_len, d], k [kv_len, d], bias, mask) -> float32 [q_len, kv_len]`` is
+  mapped over heads-major ``q, k, bias, mask`` (``[B, H, ...]``); the weights are dropped out,
+  contracted with ``v [B, H, kv_len, d_v]`` and the output finished as :func:`finish` does.
+  """
+  weights = map_heads(weights_one_head, q, k, bias, mask)
+  dropped = apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                          broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  out = map_heads(lambda w, v: contract_values(w, v, precision), dropped, v)
+  return finish(out, weights, shapes=shapes, dtype=output_dtype(query, dtype), module=module,
+                return_weights=return_weights)
+
+
 def output_dtype(query: Array, dtype) -> jnp.dtype:
   return jnp.dtype(dtype) if dtype is not None else query.dtype
 

@@ -76,9 +76,7 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
   def weights_fn(q, k, bias, mask):
     return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
 
-  weights = C.map_heads(weights_fn, q, k, bias, mask)
-  dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
-  out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped, v)
-  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
-                  return_weights=return_weights)
+  return C.attend_with_weights(
+      weights_fn, q, k, v, bias, mask, shapes=shapes, query=query, dtype=dtype, module=module,
+      return_weights=return_weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout, deterministic=deterministic, precision=precision)

@@ -13,7 +13,9 @@ import sys
 import traceback
 from typing import NoReturn
 
+from absl import app
 from absl import flags
+from absl import logging
 
 from primal_dual.training import errors
 
@@ -22,6 +24,15 @@ EXIT_USER_ERROR = 2
 # What absl and ml_collections raise while parsing flags or loading a config file.
 _FLAG_ERRORS = (flags.Error, KeyError, AttributeError, OSError, ValueError, TypeError,
                 ImportError, SyntaxError)
+
+
+def start_main(argv: list[str]) -> None:
+  """The common start of `train.py`'s and `eval.py`'s `main`: no stray positional arguments, and
+  Orbax's per-save INFO logs hidden unless `--verbosity` was given."""
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
 
 
 def report(message: str) -> int:

@@ -1,0 +1,61 @@
+"""Helpers shared by the test modules: config overrides, the tiny synthetic config, and a fresh
+persistent compilation cache per module."""
+
+import jax
+import ml_collections
+from jax.experimental.compilation_cache import compilation_cache
+
+from primal_dual.training import config_lib
+
+
+def set_fields(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """Sets dotted fields (``{'optimizer.lr': 0.1}``) of ``config`` in place and returns it."""
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split('.')
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+  """8 steps of the synthetic task on a (data=4, model=2) mesh of the 8 virtual CPU devices."""
+  config = config_lib.training_defaults()
+  config.task = 'synthetic'
+  config.num_train_steps = 8
+  config.batch_size = 8
+  config.eval_batch_size = 16
+  config.log_every_steps = 2
+  config.eval_every_steps = 4
+  config.checkpoint_every_steps = 4
+  config.progress_bar = False
+  config.mesh.data = -1
+  config.mesh.model = 2
+  config.optimizer.update(lr=0.05, schedule='warmup_cosine', warmup_steps=2, weight_decay=0.01,
+                          grad_clip_norm=1.0)
+  config.model = ml_collections.ConfigDict(dict(hidden=8, dropout_rate=0.1, use_batch_norm=True))
+  # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
+  config.data = ml_collections.ConfigDict(dict(
+      num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3))
+  return set_fields(config, overrides)
+
+
+_CACHE_OPTIONS = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+                  'jax_persistent_cache_min_entry_size_bytes')
+
+
+def fresh_compilation_cache(tmp_path_factory):
+  """Fixture body: a fresh persistent compilation cache for one module, restored afterwards (a
+  later run of the same program reuses the first one's compilation). Use as
+  ``compilation_cache_dir = pytest.fixture(scope='module', autouse=True)(fresh_compilation_cache)``.
+  """
+  saved = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
