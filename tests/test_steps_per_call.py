@@ -1,6 +1,7 @@
 """Several optimizer steps per jitted call (config.steps_per_call) and training batches made on
 the device (config.train_data_on_device), on the sRAVEN and logic tasks."""
 
+import helpers
 import jax
 import ml_collections
 import numpy as np
@@ -24,8 +25,7 @@ def _config(module=sraven_configs, **overrides):
   config = ml_collections.ConfigDict(module.get_config("runlocal").to_dict())
   config.update(dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4,
                      checkpoint_every_steps=4, async_checkpointing=False))
-  config.update(overrides)
-  return config
+  return helpers.set_fields(config, overrides)
 
 
 def _train(config, workdir):
@@ -98,9 +98,63 @@ def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, tas
   splits, metadata = task.build_data(config)
   batch_fn = jax.jit(task.device_train_stream(config, metadata))
   indices = np.arange(8, dtype=np.uint32)
-  batch = batch_fn(indices)
+  batch = batch_fn(indices, config.seed)
   assert set(batch) == set(task.TRAIN_FIELDS)
   assert batch["inputs"].shape == (8, *splits["train"][0]["inputs"].shape)
-  other_seed = ml_collections.ConfigDict(dict(config.to_dict(), seed=config.seed + 1))
-  other = jax.jit(task.device_train_stream(other_seed, metadata))(indices)
+  other = batch_fn(indices, config.seed + 1)
   assert not np.array_equal(np.asarray(batch["inputs"]), np.asarray(other["inputs"]))
+
+
+def _metric_records(workdir):
+  from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
+  return [{k: v for k, v in r.items() if "steps_per_second" not in k}
+          for r in metrics_logging.read_metrics(str(workdir))]
+
+
+def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
+  """config.seeds: replicas in one vmapped program, each in <workdir>/seed_<s> exactly like a
+  single run of that seed (to float tolerance), killed and resumed like one too."""
+  # SGD: Adam's normalised updates turn last-bit differences of near-zero gradients (vmapped
+  # reductions add in another order) into lr-sized ones; SGD keeps them at the float level.
+  common = {"steps_per_call": 2, "train_data_on_device": True, "optimizer.name": "sgd",
+            "optimizer.lr": 0.05}
+  final = trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "both"))
+  assert {k.split("/")[0] for k in final} == {"seed_0", "seed_3"}
+  for seed in (3,):  # the second replica: its slices of every stacked array
+    alone_final, alone = _train(_config(seed=seed, **common), tmp_path / f"alone_{seed}")
+    replica_dir = tmp_path / "both" / f"seed_{seed}"
+    _, replica_state = trainer.restore_workdir(str(replica_dir))
+    _assert_same_params(jax.device_get(replica_state.params), alone, rtol=1e-4, atol=1e-5)
+    for name, value in alone_final.items():
+      if "steps_per_second" not in name and isinstance(value, float):
+        np.testing.assert_allclose(final[f"seed_{seed}/{name}"], value, rtol=1e-4, atol=1e-6)
+    for got, want in zip(_metric_records(replica_dir), _metric_records(tmp_path / f"alone_{seed}"),
+                         strict=True):
+      assert got.keys() == want.keys() and got["step"] == want["step"]
+    assert (replica_dir / "config.json").read_text() == (
+        tmp_path / f"alone_{seed}" / "config.json").read_text()
+
+  # Killed after the step-4 checkpoint, resumed: the same replicas as the uninterrupted run.
+  original, calls = trainer.StepRunner.__call__, []
+
+  def crash_on_third_call(self, *args):
+    calls.append(1)
+    if len(calls) == 3:
+      raise Crash()
+    return original(self, *args)
+
+  monkeypatch.setattr(trainer.StepRunner, "__call__", crash_on_third_call)
+  with pytest.raises(Crash):
+    trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
+  monkeypatch.setattr(trainer.StepRunner, "__call__", original)
+  trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
+  for seed in (0, 3):
+    _, expected = trainer.restore_workdir(str(tmp_path / "both" / f"seed_{seed}"))
+    _, resumed = trainer.restore_workdir(str(tmp_path / "crashed" / f"seed_{seed}"))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(expected.params),
+                 jax.device_get(resumed.params))
+
+
+def test_seeds_need_generated_batches(tmp_path):
+  with pytest.raises(errors.ConfigError, match="train_data_on_device=True"):
+    trainer.train_and_evaluate(_config(seeds=(0, 1)), str(tmp_path))

@@ -485,10 +485,11 @@ def _padded_pool(config: SRavenConfig, split: str) -> tuple[np.ndarray, int]:
   return _read_only(pool), len(ids)
 
 
-def replica_stream_seed(stream_seed: int, seed: int) -> np.uint32:
-  """The train-stream seed of run ``seed`` when batches are made on the device: runs that differ
-  only in ``seed`` see different problems (the host loader shuffles one stream instead)."""
-  return np.uint32(np.random.SeedSequence([int(stream_seed), int(seed)]).generate_state(1)[0])
+def replica_stream_seed(stream_seed: int, seed: jax.Array | int) -> jax.Array:
+  """uint32 ``[]``: the train-stream seed of run ``seed`` when batches are made on the device, so
+  runs that differ only in ``seed`` see different problems (the host loader shuffles one stream
+  instead). Traceable in ``seed``: replicas trained in one program each pass their own."""
+  return jax.random.bits(jax.random.fold_in(jax.random.key(stream_seed), seed), (), jnp.uint32)
 
 
 def check_seed(seed: int) -> np.uint32:

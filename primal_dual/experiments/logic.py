@@ -193,15 +193,16 @@ def build_data(config: ml_collections.ConfigDict):
 
 
 def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
-                        ) -> Callable[[jax.Array], dict[str, jax.Array]]:
-  """``indices uint32 [B] -> TRAIN_FIELDS`` of the train stream, made on the device."""
+                        ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+  """``(indices uint32 [B], seed int []) -> TRAIN_FIELDS`` of run ``seed``'s train stream, made
+  on the device."""
   tasks = metadata["tasks"]
   stream = logic.split_stream(tasks, "train")
-  seed = sraven.replica_stream_seed(config.data.get("stream_seed", 0), config.seed)
+  stream_seed = config.data.get("stream_seed", 0)
   variances = np.asarray(logic.task_moments(tasks)[1], np.float32)
 
-  def batch(indices):
-    records = stream(seed, indices)
+  def batch(indices, seed):
+    records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
     records["task_variance"] = jnp.asarray(variances)[records["task_id"]]
     return {name: records[name] for name in TRAIN_FIELDS}
   return batch

@@ -253,13 +253,14 @@ def build_data(config: ml_collections.ConfigDict):
 
 
 def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
-                        ) -> Callable[[jax.Array], dict[str, jax.Array]]:
-  """``indices uint32 [B] -> {'inputs', 'targets'}`` of the train stream, made on the device."""
+                        ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+  """``(indices uint32 [B], seed int []) -> {'inputs', 'targets'}`` of run ``seed``'s train
+  stream, made on the device."""
   stream = sraven.split_stream(metadata["problems"], "train")
-  seed = sraven.replica_stream_seed(config.data.get("stream_seed", 0), config.seed)
+  stream_seed = config.data.get("stream_seed", 0)
 
-  def batch(indices):
-    records = stream(seed, indices)
+  def batch(indices, seed):
+    records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
     return {name: records[name] for name in TRAIN_FIELDS}
   return batch
 

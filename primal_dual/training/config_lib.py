@@ -127,6 +127,9 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Generated tasks (sRAVEN, logic): make each training batch on the device inside the step
   # from a counter-based key, instead of reading it from the host loader.
   config.train_data_on_device = False
+  # Several seeds in one program: the replicas (same config, these seeds) train as one vmapped
+  # step; each keeps its own `<workdir>/seed_<s>` as if run alone. Empty: one run of `seed`.
+  config.seeds = ()
   config.checkpoint_every_epochs = 0
   config.keep_checkpoints = 3
   config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.

@@ -153,6 +153,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec('data'))
 
 
+def with_leading_axis(shardings: Any, mesh: Mesh) -> Any:
+  """The shardings of a pytree stacked on a new, unsplit leading axis (replicas)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)), shardings)
+
+
 def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
   """``[steps, batch, ...]`` batches of several steps: the batch axis split over `data`."""
   return NamedSharding(mesh, PartitionSpec(None, 'data'))

@@ -17,8 +17,9 @@ A `Task` bundles four things:
 * `eval_splits`: the splits evaluated periodically and at the end (those absent from `splits`
   are skipped), and the default model-selection metric (`selection_metric`, `selection_mode`).
 * optionally `device_train_stream(config, metadata) -> batch_fn`, for generated tasks:
-  `batch_fn(indices uint32 [batch]) -> batch` makes training records `indices` of the train
-  stream inside a jitted step (traceable; used with `config.train_data_on_device`).
+  `batch_fn(indices uint32 [batch], seed int32 []) -> batch` makes records `indices` of run
+  `seed`'s train stream inside a jitted step (traceable in both; used with
+  `config.train_data_on_device`).
 
 Registering a task::
 
@@ -58,7 +59,7 @@ class Task:
   selection_metric: str = 'accuracy'
   selection_mode: str = 'max'
   device_train_stream: Callable[[ml_collections.ConfigDict, dict[str, Any]],
-                                Callable[[jax.Array], Batch]] | None = None
+                                Callable[[jax.Array, jax.Array], Batch]] | None = None
 
 
 TASKS: dict[str, Task] = {}

@@ -134,9 +134,10 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.M
   return new_state, loss, metrics
 
 
-def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None, *, num_steps: int,
-                model: nn.Module, tx: optax.GradientTransformation, loss_fn: Callable,
-                device_batch: Callable[[jax.Array], Mapping[str, jax.Array]] | None = None,
+def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None,
+                data_seed: jax.Array | None = None, *, num_steps: int, model: nn.Module,
+                tx: optax.GradientTransformation, loss_fn: Callable,
+                device_batch: Callable[..., Mapping[str, jax.Array]] | None = None,
                 batch_size: int = 0, batch_sharding=None
                 ) -> tuple[TrainState, jax.Array, dict]:
   """`num_steps` calls of `train_step` in one program (`lax.scan`; pure, jit it).
@@ -145,9 +146,10 @@ def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None, *, n
     state: the current TrainState.
     batches: dict of `[num_steps, batch_size, ...]` arrays, or None when `device_batch` makes
       each step's batch on the device.
+    data_seed: int32 `[]`, the run's seed, which picks its stream of generated batches.
     num_steps: K, the scan length.
     model, tx, loss_fn: as for `train_step`.
-    device_batch: `device_batch(indices uint32 [batch_size]) -> batch`; step s (0-based, the
+    device_batch: `device_batch(indices uint32 [batch_size], data_seed) -> batch`; step s (the
       state's step before the update) trains on records `s·batch_size … s·batch_size + B − 1`
       of the task's train stream, so the data do not depend on K.
     batch_size: the global batch size (with `device_batch`).
@@ -160,7 +162,7 @@ def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None, *, n
     if device_batch is not None:
       indices = (state.step.astype(jnp.uint32) * jnp.uint32(batch_size)
                  + jnp.arange(batch_size, dtype=jnp.uint32))
-      batch = device_batch(indices)
+      batch = device_batch(indices, data_seed)
       if batch_sharding is not None:
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
     state, loss, metrics = train_step(state, batch, model=model, tx=tx, loss_fn=loss_fn)
@@ -326,6 +328,8 @@ class Experiment:
   eval_step: Callable
   action_periods: dict[str, int]
   run_steps: 'StepRunner'
+  seeds: tuple[int, ...] | None  # replicas trained in one program (config.seeds), or None
+  run_shardings: TrainState  # of the trained state: `state_shardings`, stacked for replicas
 
   def make_train_iterator(self):
     """A checkpointable grain iterator of this process's training batches (endless), or None
@@ -358,10 +362,11 @@ class StepRunner:
   """
 
   def __init__(self, single_step: Callable, compile_steps: Callable[[int], Callable], mesh,
-               steps_per_call: int, device_data: bool):
+               steps_per_call: int, device_data: bool, data_seed: jax.Array):
     self._single_step, self._compile_steps = single_step, compile_steps
     self._compiled: dict[int, Callable] = {}
     self.mesh, self.steps_per_call, self.device_data = mesh, steps_per_call, device_data
+    self.data_seed = data_seed  # int32 [] (one run) or [replicas]
 
   def __call__(self, state: TrainState, num_steps: int, train_iterator):
     if self.steps_per_call == 1 and not self.device_data:
@@ -372,7 +377,17 @@ class StepRunner:
     if not self.device_data:
       batches = sharding.shard_stacked_batch(
           _stack([next(train_iterator) for _ in range(num_steps)]), self.mesh)
-    return self._compiled[num_steps](state, batches)
+    return self._compiled[num_steps](state, batches, self.data_seed)
+
+
+def _replica_seeds(config) -> tuple[int, ...] | None:
+  """`config.seeds` as a tuple of distinct ints, or None for an ordinary single run."""
+  seeds = tuple(int(s) for s in (config.get('seeds') or ()))
+  if not seeds:
+    return None
+  if len(set(seeds)) != len(seeds):
+    raise errors.ConfigError(f'config.seeds must be distinct; got {seeds}')
+  return seeds
 
 
 def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
@@ -491,34 +506,51 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
       rng=replicated)
 
   batch_sharding = sharding.batch_sharding(mesh)
+  seeds = _replica_seeds(config)
+  # Replicas (config.seeds) stack their states on a leading axis, kept whole on every device.
+  run_shardings = (state_shardings if seeds is None
+                   else sharding.with_leading_axis(state_shardings, mesh))
   jit_init = jax.jit(create_state, out_shardings=state_shardings)
   jit_train = jax.jit(
       functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
       in_shardings=(state_shardings, batch_sharding),
       out_shardings=(state_shardings, replicated, replicated),
       donate_argnums=(0,))
-  jit_eval = jax.jit(
-      functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics),
-      in_shardings=(state_shardings, batch_sharding), out_shardings=replicated)
+  evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
+  jit_eval = jax.jit(evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
+                     in_shardings=(run_shardings, batch_sharding), out_shardings=replicated)
 
   device_data = bool(config.get('train_data_on_device', False))
   if device_data and task.device_train_stream is None:
     raise errors.ConfigError(f'task {task.name!r} has no on-device train stream; set '
                              'config.train_data_on_device=False')
+  if seeds is not None and not device_data:
+    raise errors.ConfigError('config.seeds trains its replicas in one program on batches made on '
+                             'the device; set config.train_data_on_device=True (sRAVEN, logic)')
   device_batch = task.device_train_stream(config, metadata) if device_data else None
 
   def compile_steps(num_steps: int) -> Callable:
+    steps = functools.partial(train_steps, num_steps=num_steps, model=model, tx=tx,
+                              loss_fn=task.loss_and_metrics, device_batch=device_batch,
+                              batch_size=config.batch_size, batch_sharding=batch_sharding)
+    if seeds is not None:
+      steps = jax.vmap(steps, in_axes=(0, None, 0))
     scanned = jax.jit(
-        functools.partial(train_steps, num_steps=num_steps, model=model, tx=tx,
-                          loss_fn=task.loss_and_metrics, device_batch=device_batch,
-                          batch_size=config.batch_size, batch_sharding=batch_sharding),
-        in_shardings=(state_shardings,
-                      None if device_data else sharding.stacked_batch_sharding(mesh)),
-        out_shardings=(state_shardings, replicated, replicated), donate_argnums=(0,))
+        steps, in_shardings=(run_shardings,
+                             None if device_data else sharding.stacked_batch_sharding(mesh),
+                             replicated),
+        out_shardings=(run_shardings, replicated, replicated), donate_argnums=(0,))
     return _in_mesh(scanned, mesh)
 
+  data_seed = jnp.asarray(config.seed if seeds is None else seeds, jnp.int32)
   run_steps = StepRunner(_in_mesh(jit_train, mesh), compile_steps, mesh,
-                         int(config.get('steps_per_call', 1)), device_data)
+                         int(config.get('steps_per_call', 1)), device_data, data_seed)
+  if seeds is None:
+    init_state = lambda: jit_init(root_rng)  # pylint: disable=unnecessary-lambda-assignment
+  else:
+    jit_init_replicas = jax.jit(jax.vmap(create_state), out_shardings=run_shardings)
+    replica_rngs = jnp.stack([jax.random.PRNGKey(seed) for seed in seeds])
+    init_state = lambda: jit_init_replicas(replica_rngs)  # pylint: disable=unnecessary-lambda-assignment
   action_periods = _action_periods(config, steps_per_epoch)
 
   eval_splits = _as_tuple(config.eval_splits) or task.eval_splits
@@ -536,25 +568,60 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
       local_batch_size=config.batch_size // jax.process_count(), eval_batch_size=eval_batch_size,
       eval_splits=tuple(s for s in eval_splits if s in splits),
       state_shardings=state_shardings, abstract_state=abstract_state,
-      init_state=_in_mesh(lambda: jit_init(root_rng), mesh),
+      init_state=_in_mesh(init_state, mesh),
       train_step=_in_mesh(jit_train, mesh), eval_step=_in_mesh(jit_eval, mesh),
-      action_periods=action_periods, run_steps=run_steps)
+      action_periods=action_periods, run_steps=run_steps, seeds=seeds,
+      run_shardings=run_shardings)
 
 
-def _sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[float, float]]:
-  """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer)."""
+def _sum_metrics(metric_list: list[Mapping[str, tuple]], replicas: bool = False
+                 ) -> dict[str, tuple[Any, Any]]:
+  """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer), in float64:
+  Python floats for a single run, `[replicas]` arrays for replicas."""
   totals = {}
   for metrics in jax.device_get(metric_list):
     for name, (total, count) in metrics.items():
-      previous = totals.get(name, (0.0, 0.0))
-      totals[name] = (previous[0] + float(total), previous[1] + float(count))
+      total, count = (np.asarray(x, np.float64) for x in (total, count))
+      if name in totals:
+        total, count = totals[name][0] + total, totals[name][1] + count
+      totals[name] = (total, count)
+  if not replicas:
+    totals = {name: (float(t), float(c)) for name, (t, c) in totals.items()}
   return totals
+
+
+def _means(totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+  return {name: float(total) / float(count) if count else float('nan')
+          for name, (total, count) in totals.items()}
 
 
 def _reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
   """Σ sums / Σ counts over a list of per-batch (sum, count) dicts."""
-  return {name: total / count if count else float('nan')
-          for name, (total, count) in _sum_metrics(metric_list).items()}
+  return _means(_sum_metrics(metric_list))
+
+
+def _reduce_runs(metric_list: list[Mapping[str, tuple]], replicas: bool) -> list[dict[str, float]]:
+  """`_reduce_metrics` per run: `[means]`, or one dict per replica."""
+  totals = _sum_metrics(metric_list, replicas)
+  if not replicas:
+    return [_means(totals)]
+  num = len(next(iter(totals.values()))[0]) if totals else 0
+  return [_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
+
+
+def evaluate_runs(experiment: Experiment, state: TrainState,
+                  split_names: tuple[str, ...] | None = None) -> list[dict[str, dict[str, float]]]:
+  """`evaluate` of every run: `[results]`, or one per replica of a stacked state."""
+  replicas = experiment.seeds is not None
+  per_split = {}
+  for split in split_names or experiment.eval_splits:
+    if split not in experiment.splits:
+      raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
+    per_batch = [experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
+                 for batch in experiment.eval_batches(split)]
+    per_split[split] = _reduce_runs(per_batch, replicas)
+  num_runs = len(experiment.seeds) if replicas else 1
+  return [{split: runs[i] for split, runs in per_split.items()} for i in range(num_runs)]
 
 
 def evaluate(experiment: Experiment, state: TrainState,
@@ -564,14 +631,7 @@ def evaluate(experiment: Experiment, state: TrainState,
   Returns:
     split → metric name → mean over the split's examples.
   """
-  results = {}
-  for split in split_names or experiment.eval_splits:
-    if split not in experiment.splits:
-      raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
-    per_batch = [experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
-                 for batch in experiment.eval_batches(split)]
-    results[split] = _reduce_metrics(per_batch)
-  return results
+  return evaluate_runs(experiment, state, split_names)[0]
 
 
 def _flatten(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -580,11 +640,15 @@ def _flatten(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
 
 
 def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int | None) -> None:
-  """Raises for the first non-finite loss; `losses` are those of steps `first_step, …`."""
-  values = np.reshape(np.asarray(jax.device_get(losses), np.float64), -1)
-  bad = np.flatnonzero(~np.isfinite(values))
+  """Raises for the first step with a non-finite loss; `losses` are those of steps
+  `first_step, …` (`[]`, `[steps]`, or `[replicas, steps]`)."""
+  values = np.asarray(jax.device_get(losses), np.float64)
+  per_step = values.reshape(-1, values.shape[-1] if values.ndim else 1)  # [runs, steps]
+  finite = np.isfinite(per_step)
+  bad = np.flatnonzero(~finite.all(axis=0))
   if bad.size:
-    raise errors.NonFiniteLossError(first_step + int(bad[0]), float(values[bad[0]]),
+    column = per_step[:, bad[0]]
+    raise errors.NonFiniteLossError(first_step + int(bad[0]), float(column[~finite[:, bad[0]]][0]),
                                     last_checkpoint_step)
 
 
@@ -661,6 +725,72 @@ def _read_final_metrics(workdir: str) -> dict | None:
     return json.load(f)
 
 
+@dataclasses.dataclass
+class _Run:
+  """The files and bookkeeping of one trained model: the whole run, or one replica of
+  `config.seeds` (then in `<workdir>/seed_<s>`, a workdir of its own that looks as if that seed
+  had been trained alone)."""
+  config: ml_collections.FrozenConfigDict
+  workdir: str
+  checkpointer: checkpointing.Checkpointer
+  selected_checkpointer: checkpointing.Checkpointer | None = None
+  tracker: EvalTracker | None = None
+  writer: metrics_logging.MetricWriter | None = None
+  last_train: dict[str, float] = dataclasses.field(default_factory=dict)
+  last_eval: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+    for manager in (self.checkpointer, self.selected_checkpointer):
+      if manager is not None:
+        manager.close()
+
+
+def replica_config(config: ml_collections.FrozenConfigDict,
+                   seed: int) -> ml_collections.FrozenConfigDict:
+  """The config of one replica of `config.seeds`: `config` with `seed` and no `seeds`."""
+  return resolve_config(config_lib.merge(config.as_configdict(), {'seed': seed, 'seeds': ()}))
+
+
+def _runs_of(config, workdir: str, seeds: tuple[int, ...] | None) -> list[_Run]:
+  """One `_Run` for a single run; one per seed, in `<workdir>/seed_<s>`, for replicas."""
+  if seeds is None:
+    configs = [(config, workdir)]
+  else:
+    configs = [(replica_config(config, s), os.path.join(workdir, f'seed_{s}')) for s in seeds]
+  runs = []
+  for run_config, run_workdir in configs:
+    workdir_lib.check_same_experiment(run_workdir, run_config)
+    runs.append(_Run(run_config, run_workdir, checkpointing.Checkpointer(
+        os.path.join(run_workdir, checkpointing.CHECKPOINT_DIR), keep=config.keep_checkpoints,
+        async_save=config.async_checkpointing)))
+  return runs
+
+
+def _common_start_step(runs: list[_Run]) -> int | None:
+  """The newest checkpoint step every run has (replicas saved together; a kill during a save
+  can leave one replica a checkpoint ahead), or None when a run has none."""
+  steps = [set(run.checkpointer.all_steps()) for run in runs]
+  common = set.intersection(*steps)
+  if not common:
+    if any(steps):
+      raise errors.CheckpointNotFoundError(
+          f'the replicas under {os.path.dirname(runs[0].workdir)} share no checkpoint step; '
+          'delete their checkpoints/ folders to start again')
+    return None
+  return max(common)
+
+
+def _stack_states(states: list[TrainState], shardings: TrainState) -> TrainState:
+  return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), shardings)
+
+
+def _replica(tree: Any, index: int | None) -> Any:
+  """Replica `index` of a stacked pytree; the tree itself for a single run (`index` None)."""
+  return tree if index is None else jax.tree.map(lambda x: x[index], tree)
+
+
 def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> dict[str, float]:
   """`train_and_evaluate` once the workdir is locked and known to hold this experiment."""
   experiment = build_experiment(config)
@@ -668,60 +798,81 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
   if jax.process_index() == 0:
     print(f'model: {num_parameters:,} parameters ({config.task}, '
           f'attention={config.model.get("attention", "-")})', flush=True)
-  checkpointer = checkpointing.Checkpointer(
-      os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=config.keep_checkpoints,
-      async_save=config.async_checkpointing)
-  start_step = checkpointer.latest_step()
-  finished = _read_final_metrics(workdir)
-  if start_step is not None and start_step >= experiment.total_steps and finished is not None:
-    checkpointer.close()
-    if jax.process_index() == 0:
-      print(f'workdir {workdir} already finished at step {start_step}; nothing to train, '
-            f'{FINAL_METRICS_FILE} left as it was', file=sys.stderr)
-    return finished
+  runs = _runs_of(config, workdir, experiment.seeds)
+  try:
+    return _train_runs(experiment, runs, num_parameters)
+  finally:
+    for run in runs:
+      run.close()
 
-  selected_checkpointer = None
-  if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
-    selected_checkpointer = checkpointing.Checkpointer(
-        os.path.join(workdir, checkpointing.SELECTED_DIR), keep=1,
-        async_save=config.async_checkpointing)
-  tracker = _make_tracker(config, experiment.task)
+
+def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -> dict:
+  """Restores or initialises every run, trains them together, writes their final metrics."""
+  config = experiment.config
+  start_step = _common_start_step(runs)
+  finished = [_read_final_metrics(run.workdir) for run in runs]
+  if (start_step is not None and start_step >= experiment.total_steps
+      and all(f is not None for f in finished)):
+    if jax.process_index() == 0:
+      print(f'workdir {os.path.commonpath([r.workdir for r in runs])} already finished at step '
+            f'{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was',
+            file=sys.stderr)
+    return _combined(runs, finished, experiment.seeds is not None)
+
+  for run in runs:
+    if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
+      run.selected_checkpointer = checkpointing.Checkpointer(
+          os.path.join(run.workdir, checkpointing.SELECTED_DIR), keep=1,
+          async_save=config.async_checkpointing)
+    run.tracker = _make_tracker(config, experiment.task)
   train_iterator = experiment.make_train_iterator()
 
   if start_step is None:
     start_step, state = 0, experiment.init_state()
   else:
-    state, meta = checkpointer.restore(start_step, experiment.restore_target(),
-                                       data_iterator=train_iterator)
-    tracker.load_state_dict(meta.get('tracker', {}))
-  # Only now, with the checkpoint restored or the state initialised, is the config known to fit
-  # the workdir's checkpoints: a failed restore leaves the previous config.json in place.
-  if jax.process_index() == 0:
-    workdir_lib.write_definition(workdir, config)
-    config_lib.write_config(config, workdir)
-  # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
-  metrics_logging.truncate_metrics_after(workdir, start_step)
-  if selected_checkpointer is not None:
-    selected_checkpointer.delete_after(start_step)
+    states = []
+    for run in runs:
+      run_state, meta = run.checkpointer.restore(start_step, experiment.restore_target(),
+                                                 data_iterator=train_iterator)
+      run.tracker.load_state_dict(meta.get('tracker', {}))
+      states.append(run_state)
+    state = (states[0] if experiment.seeds is None
+             else _stack_states(states, experiment.run_shardings))
+  for run in runs:
+    # Only now, with the checkpoint restored or the state initialised, is the config known to
+    # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
+    if jax.process_index() == 0:
+      os.makedirs(run.workdir, exist_ok=True)
+      workdir_lib.write_definition(run.workdir, run.config)
+      config_lib.write_config(run.config, run.workdir)
+    # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
+    metrics_logging.truncate_metrics_after(run.workdir, start_step)
+    for manager in (run.checkpointer, run.selected_checkpointer):
+      if manager is not None:
+        manager.delete_after(start_step)
+    run.writer = metrics_logging.MetricWriter(run.workdir)
 
-  writer = metrics_logging.MetricWriter(workdir)
   progress = metrics_logging.ProgressBar(
       experiment.total_steps, min(start_step, experiment.total_steps),
       enabled=config.progress_bar)
   try:
-    final = _train_loop(experiment, state, start_step, train_iterator, checkpointer,
-                        selected_checkpointer, tracker, writer, progress)
+    finals = _train_loop(experiment, state, start_step, train_iterator, runs, progress)
   finally:
     progress.close()
-    writer.close()
-    for manager in (checkpointer, selected_checkpointer):
-      if manager is not None:
-        manager.close()
-  if tracker.selected_step is not None:
-    final['selected/rule'] = tracker.rule
-  final['model/num_parameters'] = num_parameters
-  _write_json(os.path.join(workdir, FINAL_METRICS_FILE), final)
-  return final
+  for run, final in zip(runs, finals):
+    if run.tracker.selected_step is not None:
+      final['selected/rule'] = run.tracker.rule
+    final['model/num_parameters'] = num_parameters
+    _write_json(os.path.join(run.workdir, FINAL_METRICS_FILE), final)
+  return _combined(runs, finals, experiment.seeds is not None)
+
+
+def _combined(runs: list[_Run], finals: list[dict], replicas: bool) -> dict:
+  """A single run's final metrics, or every replica's under `seed_<s>/`."""
+  if not replicas:
+    return finals[0]
+  return {f'{os.path.basename(run.workdir)}/{name}': value
+          for run, final in zip(runs, finals) for name, value in final.items()}
 
 
 _MAX_PENDING_METRICS = 500
@@ -760,16 +911,13 @@ class _StopRequest:
 
 
 def _train_loop(experiment: Experiment, state: TrainState, start_step: int, train_iterator,
-                checkpointer: checkpointing.Checkpointer,
-                selected_checkpointer: checkpointing.Checkpointer | None, tracker: EvalTracker,
-                writer: metrics_logging.MetricWriter, progress: metrics_logging.ProgressBar
-                ) -> dict[str, float]:
+                runs: list[_Run], progress: metrics_logging.ProgressBar) -> list[dict[str, float]]:
+  """Trains from `start_step` to the end; returns each run's final metrics."""
   total_steps = experiment.total_steps
   actions = periodic.PeriodicActions(total_steps, every=experiment.action_periods)
   steps_per_call = experiment.run_steps.steps_per_call
+  replicas = experiment.seeds is not None
   last_checkpoint_step = start_step or None
-  last_eval: dict[str, dict[str, float]] = {}
-  last_train: dict[str, float] = {}
   pending_metrics: list = []
   unchecked = None  # (first step, losses) of the previous call, checked one call late (no stall).
   log_clock = (time.monotonic(), start_step)
@@ -784,7 +932,7 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
       state, losses, metrics = experiment.run_steps(state, num_steps, train_iterator)
       pending_metrics.append(metrics)
       if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
-        pending_metrics = [_sum_metrics(pending_metrics)]
+        pending_metrics = [_sum_metrics(pending_metrics, replicas)]
       if unchecked is not None:
         _check_finite(*unchecked, last_checkpoint_step)
       unchecked = (completed + 1, losses)
@@ -796,32 +944,40 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
         continue
       _check_finite(*unchecked, last_checkpoint_step)
       unchecked = None
-      scalars = {}  # Everything logged at this step goes into one metrics.jsonl record.
+      scalars = [{} for _ in runs]  # Everything a run logs at this step: one metrics.jsonl record.
 
       if 'log' in due:
         now = time.monotonic()
-        last_train = {f'train/{k}': v for k, v in _reduce_metrics(pending_metrics).items()}
-        last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
-        last_train['train/steps_per_second'] = (
-            (step - log_clock[1]) / max(now - log_clock[0], 1e-9))
+        per_run = _reduce_runs(pending_metrics, replicas)
+        for run, reduced, out in zip(runs, per_run, scalars):
+          run.last_train = {f'train/{k}': v for k, v in reduced.items()}
+          run.last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
+          run.last_train['train/steps_per_second'] = (
+              (step - log_clock[1]) / max(now - log_clock[0], 1e-9))
+          out.update(run.last_train)
         log_clock = (now, step)
         pending_metrics = []
-        scalars.update(last_train)
-        progress.update(0, loss=last_train.get('train/loss', float('nan')))
+        progress.update(0, loss=runs[0].last_train.get('train/loss', float('nan')))
 
       if 'eval' in due:
-        last_eval = evaluate(experiment, state)
-        improved = tracker.update(step, last_eval)
-        scalars.update({**_flatten(last_eval), **tracker.summary()})
-        if improved and selected_checkpointer is not None:
-          selected_checkpointer.save(step, state, meta={'step': step,
-                                                        'tracker': tracker.state_dict()})
+        for index, (run, results, out) in enumerate(
+            zip(runs, evaluate_runs(experiment, state), scalars)):
+          run.last_eval = results
+          improved = run.tracker.update(step, results)
+          out.update({**_flatten(results), **run.tracker.summary()})
+          if improved and run.selected_checkpointer is not None:
+            run.selected_checkpointer.save(step, _replica(state, index if replicas else None),
+                                           meta={'step': step,
+                                                 'tracker': run.tracker.state_dict()})
 
       if 'checkpoint' in due:
-        checkpointer.save(step, state, meta={'step': step, 'tracker': tracker.state_dict()},
-                          data_iterator=train_iterator)
+        for index, run in enumerate(runs):
+          run.checkpointer.save(step, _replica(state, index if replicas else None),
+                                meta={'step': step, 'tracker': run.tracker.state_dict()},
+                                data_iterator=train_iterator)
         last_checkpoint_step = step
-      writer.write_scalars(step, scalars)
+      for run, out in zip(runs, scalars):
+        run.writer.write_scalars(step, out)
   except KeyboardInterrupt:
     # Ctrl-C: the checkpoints already saved are complete (the caller waits for pending
     # asynchronous saves); say where a re-run resumes.
@@ -830,10 +986,14 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
     stop.close()
 
   if start_step >= total_steps:  # Already finished: report without training further.
-    last_eval = evaluate(experiment, state)
-  final = {'step': total_steps, **last_train, **_flatten(last_eval), **tracker.summary()}
-  writer.flush()
-  return final
+    for run, results in zip(runs, evaluate_runs(experiment, state)):
+      run.last_eval = results
+  finals = []
+  for run in runs:
+    finals.append({'step': total_steps, **run.last_train, **_flatten(run.last_eval),
+                   **run.tracker.summary()})
+    run.writer.flush()
+  return finals
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ DEFINING_FIELDS = (
     'model',
     'optimizer',
     'seed',
+    'seeds',
     'batch_size',
     'loader.batch_reads',  # decides the order of the training examples
     'train_data_on_device',  # decides which generated examples a run trains on
