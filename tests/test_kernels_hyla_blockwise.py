@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from primal_dual.kernels import hyla
 from primal_dual.kernels import hyla_blockwise as hb
@@ -70,6 +72,27 @@ def test_forward_and_gradients_equal_dense_ragged_masked_biased(case):
   out = assert_blockwise_equals_dense(q, k, v, bias, mask, 4, normalization=normalization,
                                       value_network=value_network, is_causal=case % 2 == 1)
   assert np.abs(out).max() > 0.1  # the comparison is not between zeros
+
+
+@settings(max_examples=8)  # each example compiles four programs
+@given(data=st.data())
+def test_property_random_shapes_blocks_and_broadcasts_equal_dense(data):
+  """Any lengths and block size; mask and bias broadcast along random axes (dbias keeps them)."""
+  batch_shape = data.draw(st.sampled_from([(), (2,), (2, 1)]))
+  heads, q_len, kv_len = (data.draw(st.integers(1, n)) for n in (3, 7, 7))
+  normalization, value_network = data.draw(st.sampled_from(COMBINATIONS))
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+  q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, heads, d_v=data.draw(st.integers(1, 3)))
+  full = (*batch_shape, heads, q_len, kv_len)
+
+  def broadcast_shape():  # each axis kept or set to 1
+    return tuple(n if data.draw(st.booleans()) else 1 for n in full)
+
+  mask = data.draw(st.sampled_from([None, rng.random(broadcast_shape()) > 0.3]))
+  bias = data.draw(st.sampled_from([None, rng.normal(size=broadcast_shape()).astype(np.float32)]))
+  assert_blockwise_equals_dense(q, k, v, bias, mask, data.draw(st.integers(1, 4)),
+                                normalization=normalization, value_network=value_network,
+                                is_causal=data.draw(st.booleans()))
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])

@@ -217,7 +217,8 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
   if query_chunk_size is not None and (not isinstance(query_chunk_size, int)
                                        or query_chunk_size < 1):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+  if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                 or block_size < 1):
     raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
   if block_size is not None and blockwise_supported(
       normalization=normalization, deterministic=deterministic, dropout_rate=dropout_rate,

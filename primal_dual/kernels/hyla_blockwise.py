@@ -10,8 +10,8 @@ For one example, with heads ``h, g``, queries ``i``, keys ``j`` and scale ``c`` 
   out_hi = Σ_j a_hij u_ij                      (linear value network: Σ_j a_hij v_hj)
 
 The normalisation runs across heads, not across keys, so every quantity of tile ``(I, J)`` needs
-only that tile's ``q, k, v, bias, mask``: the forward pass accumulates ``out [H, bq, d_v]`` (float32)
-over key blocks and no running statistic is needed.
+only that tile's ``q, k, v, bias, mask``: the forward pass accumulates ``out [H, bq, d_v]``
+(float32) over key blocks and no running statistic is needed.
 
 Backward (``jax.custom_vjp``; each tile is recomputed, the only residuals are the inputs). With
 ``dout [H, q, d_v]``::
@@ -114,7 +114,8 @@ def tile_of(x, qi, ki, cfg: Config):
 
 
 def add_tile(acc, tile, qi, ki, cfg: Config):
-  """``acc`` (``[H', Q', K']``) plus ``tile`` (``[H, bq, bk]``) summed onto ``acc``'s broadcast axes."""
+  """``acc`` (``[H', Q', K']``) plus ``tile`` (``[H, bq, bk]``) summed over ``acc``'s broadcast
+  axes and added at tile ``(qi, ki)``."""
   axes = tuple(a for a in range(3) if acc.shape[a] == 1 and tile.shape[a] > 1)
   tile = jnp.sum(tile, axis=axes, keepdims=True).astype(acc.dtype)
   starts = (0, qi * cfg.q_block if acc.shape[1] > 1 else 0,
@@ -193,7 +194,7 @@ def tile_gradients(state: TileState, qb, kb, vb, dout, valid, cfg: Config):
     float32 ``(dq [H, bq, D], dk [H, bk, D], dv [H, bk, d_v], ds [H, bq, bk])``; ``ds`` is also
     the gradient of the bias tile.
   """
-  f32 = dict(precision=cfg.precision, preferred_element_type=C.F32)
+  f32 = {"precision": cfg.precision, "preferred_element_type": C.F32}
   v32 = vb.astype(C.F32)
   if cfg.value_network == "linear":
     da = jnp.einsum("hqd,hkd->hqk", dout, v32, **f32)
