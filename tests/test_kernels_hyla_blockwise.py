@@ -238,3 +238,17 @@ def test_backward_never_holds_a_length_squared_buffer():
   assert dense_temp >= n * n * d_v * 4  # the dense program does hold the quadratic tensor
   assert block_temp < dense_temp / 4, (block_temp, dense_temp)
   assert block_temp < n * n * 4  # below even one [q, k] float32 score matrix
+
+
+def test_blockwise_memory_grows_linearly_with_length():
+  """Forward+backward temp bytes at fixed blocks: doubling N adds about twice the last increment
+  (a quadratic buffer would add four times)."""
+  def temp_bytes(n):
+    q, k, v = (jax.ShapeDtypeStruct((1, n, 2, 4), jnp.float32) for _ in range(3))
+    block = functools.partial(hyla.hyla_attention, block_size=32, is_causal=True)
+    return _grad_program(block, q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+  sizes = [temp_bytes(n) for n in (256, 512, 1024, 2048)]
+  increments = np.diff(sizes)
+  assert np.all(increments > 0), sizes
+  assert np.all(increments[1:] <= 2.5 * increments[:-1]), sizes

@@ -34,7 +34,9 @@ full-size mask or bias the peak memory is linear in the length for fixed block s
 gradient has the bias's own size.
 
 Not covered (``hyla_attention`` falls back to the dense path for them): softmax normalisation (a
-per-key normalisation that needs running statistics), dropout, returned or sown weights.
+per-key normalisation that needs running statistics), dropout, returned or sown weights. Being a
+``custom_vjp``, the kernel supports reverse-mode differentiation only (``jax.grad``, ``jax.vjp``;
+not ``jax.jvp``/``jax.jacfwd``).
 """
 
 from __future__ import annotations
