@@ -105,24 +105,29 @@ def pad_axis(x, axis: int, size: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _tile_window(shape, qi, ki, cfg: Config):
+  """``(starts, sizes)`` of tile ``(qi, ki)`` in a ``[H', Q', K']`` array (axes of size 1 stay)."""
+  q_full, k_full = shape[1] > 1, shape[2] > 1
+  starts = (0, qi * cfg.q_block if q_full else 0, ki * cfg.k_block if k_full else 0)
+  sizes = (shape[0], cfg.q_block if q_full else 1, cfg.k_block if k_full else 1)
+  return starts, sizes
+
+
 def tile_of(x, qi, ki, cfg: Config):
   """The ``[H', bq|1, bk|1]`` tile ``(qi, ki)`` of a one-example ``[H', Q', K']`` mask or bias."""
   if x is None:
     return None
-  sizes = (x.shape[0], cfg.q_block if x.shape[1] > 1 else 1,
-           cfg.k_block if x.shape[2] > 1 else 1)
-  starts = (0, qi * cfg.q_block if x.shape[1] > 1 else 0, ki * cfg.k_block if x.shape[2] > 1 else 0)
+  starts, sizes = _tile_window(x.shape, qi, ki, cfg)
   return jax.lax.dynamic_slice(x, starts, sizes)
 
 
 def add_tile(acc, tile, qi, ki, cfg: Config):
   """``acc`` (``[H', Q', K']``) plus ``tile`` (``[H, bq, bk]``) summed over ``acc``'s broadcast
   axes and added at tile ``(qi, ki)``."""
-  axes = tuple(a for a in range(3) if acc.shape[a] == 1 and tile.shape[a] > 1)
+  starts, sizes = _tile_window(acc.shape, qi, ki, cfg)
+  axes = tuple(a for a in range(3) if sizes[a] == 1 and tile.shape[a] > 1)
   tile = jnp.sum(tile, axis=axes, keepdims=True).astype(acc.dtype)
-  starts = (0, qi * cfg.q_block if acc.shape[1] > 1 else 0,
-            ki * cfg.k_block if acc.shape[2] > 1 else 0)
-  current = jax.lax.dynamic_slice(acc, starts, tile.shape)
+  current = jax.lax.dynamic_slice(acc, starts, sizes)
   return jax.lax.dynamic_update_slice(acc, current + tile, starts)
 
 
