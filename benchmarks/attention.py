@@ -26,7 +26,9 @@ divisions and the terms of a reduction) counts 1::
   HYLA (rms_head normalisation, relu value MLP), per example with the head sum explicit:
       B·(2HN²D [scores] + 5HN² [scale, square, mean over heads, multiply] + N² [rsqrt]
          + 2HN²D [u = Σ_h a_h v_h] + N²D [relu] + 2HN²D [out = Σ_j a u])
-      The chunked form (query_chunk_size) does the same arithmetic block by block.
+      The chunked form (query_chunk_size) does the same arithmetic block by block, and so does the
+      blockwise form (block_size) over (query block × key block) tiles; its backward pass
+      recomputes every tile, about one more forward, which the 3 × rule below does not count.
 
   forward_backward = 3 × forward (the backward pass costs about twice the forward: one matmul per
   operand gradient for each forward matmul). This is the usual rule of thumb, not an exact count.
@@ -62,8 +64,10 @@ from primal_dual.kernels.scaled_head import pooled_length, scaled_head_attention
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 QUICK_LENGTHS = (16, 32)
 # Flags whose default depends on --quick.
-FULL_DEFAULTS = dict(lengths=list(DEFAULT_LENGTHS), repeats=5, hyla_chunk=128, matmul_size=2048)
-QUICK_DEFAULTS = dict(lengths=list(QUICK_LENGTHS), repeats=1, hyla_chunk=8, matmul_size=256)
+FULL_DEFAULTS = dict(lengths=list(DEFAULT_LENGTHS), repeats=5, hyla_chunk=128, hyla_block=128,
+                     matmul_size=2048)
+QUICK_DEFAULTS = dict(lengths=list(QUICK_LENGTHS), repeats=1, hyla_chunk=8, hyla_block=8,
+                      matmul_size=256)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SOFTMAX_ELEMENTWISE_PER_LOGIT = 6
 BACKWARD_OVER_FORWARD = 2.0
@@ -82,6 +86,7 @@ class Options(NamedTuple):
   sh_ratios: tuple[int, ...]
   hyla_chunk: int
   num_features: int
+  hyla_block: int = 128
 
 
 class KernelSpec(NamedTuple):
@@ -190,6 +195,9 @@ KERNELS: dict[str, KernelSpec] = {
     "hyla_chunked": KernelSpec(lambda o: functools.partial(hyla_attention,
                                                            query_chunk_size=o.hyla_chunk),
                                hyla_flops, "hyla_attention(query_chunk_size)"),
+    "hyla_blockwise": KernelSpec(lambda o: functools.partial(hyla_attention,
+                                                             block_size=o.hyla_block),
+                                 hyla_flops, "hyla_attention(block_size), query × key tiles"),
 }
 
 
@@ -539,7 +547,8 @@ def render_markdown(payload) -> str:
                                     "jax_version", "flax_version", "date_utc", "command")),
       "",
       f"Sizes: batch {config['batch']}, heads {config['heads']}, head dim {config['head_dim']}; "
-      f"SH ratios {tuple(config['sh_ratios'])}; HYLA query_chunk_size {config['hyla_chunk']}; "
+      f"SH ratios {tuple(config['sh_ratios'])}; HYLA query_chunk_size {config['hyla_chunk']}, "
+      f"block_size {config.get('hyla_block')}; "
       f"random features m = {config['num_features']}. Times are medians of warm calls "
       "(compile excluded). Definitions: benchmarks/README.md.",
       "",
@@ -646,6 +655,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="skip timing when XLA's peak bytes exceed this")
   parser.add_argument("--hyla-chunk", type=int, default=None,
                       help="HYLA query_chunk_size (default 128; 8 with --quick)")
+  parser.add_argument("--hyla-block", type=int, default=None,
+                      help="HYLA blockwise block_size (default 128; 8 with --quick)")
   parser.add_argument("--num-features", type=int, default=256, help="random features m")
   parser.add_argument("--sh-ratios", type=_int_list, default=None,
                       help="one per head; default (1,1,2,2,4,4,8,8) pattern for any head count")
@@ -655,8 +666,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--device-label", default=None,
                       help="name in the file names and report (default: cpu, or platform-kind)")
   parser.add_argument("--quick", action="store_true",
-                      help="tiny run: lengths 16,32, 1 repeat, matmul 256, HYLA chunk 8 (flags "
-                           "given explicitly still win)")
+                      help="tiny run: lengths 16,32, 1 repeat, matmul 256, HYLA chunk and block "
+                           "8 (flags given explicitly still win)")
   args = parser.parse_args(argv)
   for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
     if getattr(args, name) is None:
@@ -668,7 +679,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, log=print) -> dict[str, Path]:
   """Runs the benchmark described by ``args`` and writes JSON, Markdown and the plot."""
   label = args.device_label or common.default_device_label()
-  options = Options(args.sh_ratios, args.hyla_chunk, args.num_features)
+  options = Options(args.sh_ratios, args.hyla_chunk, args.num_features, args.hyla_block)
   limits = RunLimits(args.repeats, args.budget_s, args.time_cap_s, args.memory_cap_gib * 2**30)
   lengths = sorted(args.lengths)
   roofline = {d: measure_matmul(args.matmul_size, d, max(args.repeats, 3)) for d in args.dtypes}
@@ -692,6 +703,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Path]:
                 head_dim=args.head_dim, repeats=args.repeats, budget_s=args.budget_s,
                 time_cap_s=args.time_cap_s, memory_cap_gib=args.memory_cap_gib,
                 sh_ratios=list(args.sh_ratios), hyla_chunk=args.hyla_chunk,
+                hyla_block=args.hyla_block,
                 num_features=args.num_features, matmul_size=args.matmul_size,
                 kernel_descriptions={k: KERNELS[k].description for k in args.kernels})
   payload = dict(metadata=common.run_metadata(label), config=config, roofline=roofline,

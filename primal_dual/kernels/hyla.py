@@ -16,6 +16,10 @@ Memory: the two MLP value networks hold ``u`` of shape ``[B, q_len, kv_len, D_v]
 ``[B, c, kv_len, D_v]`` of it exists at a time (the scores ``a`` of shape ``[B, H, q_len, kv_len]``
 are still computed in full: they are returned, sown and dropped out exactly like softmax weights,
 which keeps chunked and unchunked results identical, dropout included).
+With ``block_size=b`` the call goes to :mod:`hyla_blockwise`, which tiles queries and keys and
+never stores ``u`` nor the scores (forward and backward memory linear in the length); it covers
+rms_head/none × every value network, masks, bias and causal, and the calls it does not cover
+(softmax normalisation, active dropout, returned or sown weights) run the dense path here.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels import hyla_blockwise
 
-RMS_EPS = 1e-6
+RMS_EPS = hyla_blockwise.RMS_EPS  # one constant for the dense and the blockwise paths
 
 
 def hyla_scores_one_head(q, k, bias, mask, *, scale: float, precision=None):
@@ -142,12 +147,24 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   return out[:, :, :q_len]
 
 
+def blockwise_supported(*, normalization: str, deterministic: bool, dropout_rate: float,
+                        module, return_weights: bool) -> bool:
+  """Whether a ``hyla_attention`` call can run blockwise (else the exact dense path runs).
+
+  Softmax normalises over keys (it would need running statistics), dropout and returned or sown
+  weights need the whole ``[H, q_len, kv_len]`` weights.
+  """
+  dropout_active = not deterministic and dropout_rate != 0.0
+  return (normalization in hyla_blockwise.NORMALIZATIONS and not dropout_active
+          and module is None and not return_weights)
+
+
 def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                    dtype=None, precision=None, module=None, is_causal: bool = False,
                    causal_alignment: str = "top_left", normalization: str = "rms_head", value_network: str = "mlp_relu",
                    query_chunk_size: int | None = None, scale: float | None = None,
-                   return_weights: bool = False):
+                   return_weights: bool = False, block_size: int | None = None):
   """HYLA attention (docs/maths.md §3.7).
 
   Args:
@@ -176,13 +193,19 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
     scale: score scale, default ``1/√d_qk``.
     return_weights: also return ``a`` as float32 ``[batch..., heads, q_len, kv_len]`` (before
       dropout).
+    block_size: if set, compute over (query block × key block) tiles of this size with
+      :func:`hyla_blockwise.hyla_blockwise_attention` (same result to float rounding, no
+      ``[q_len, kv_len]``-sized tensor in the forward or backward pass) whenever
+      :func:`blockwise_supported` says the call allows it; otherwise this option is ignored and
+      the dense path (with ``query_chunk_size`` if given) runs.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads (fewer than the query heads),
-      unknown ``normalization``/``value_network``, or a ``query_chunk_size`` below 1.
+      unknown ``normalization``/``value_network``, or a ``query_chunk_size`` or ``block_size``
+      below 1.
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
@@ -194,6 +217,16 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
   if query_chunk_size is not None and (not isinstance(query_chunk_size, int)
                                        or query_chunk_size < 1):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
+  if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                 or block_size < 1):
+    raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
+  if block_size is not None and blockwise_supported(
+      normalization=normalization, deterministic=deterministic, dropout_rate=dropout_rate,
+      module=module, return_weights=return_weights):
+    return hyla_blockwise.hyla_blockwise_attention(
+        query, key, value, bias, mask, block_size=block_size, is_causal=is_causal,
+        causal_alignment=causal_alignment, normalization=normalization,
+        value_network=value_network, scale=scale, dtype=dtype, precision=precision)
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
