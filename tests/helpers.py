@@ -2,6 +2,7 @@
 persistent compilation cache per module."""
 
 import jax
+import numpy as np
 import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -59,3 +60,17 @@ def fresh_compilation_cache(tmp_path_factory):
   for name, value in saved.items():
     jax.config.update(name, value)
   compilation_cache.reset_cache()
+
+
+def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):
+  """NumPy ``query [batch..., q_len, heads, d]``, ``key``/``value [batch..., kv_len, heads, d|d_v]``
+  drawn from ``rng`` (a ``numpy.random.Generator``)."""
+  def draw(length, features):
+    return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
+  return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
+
+
+def padding_mask(rng, batch_shape, kv_len, min_valid=1):
+  """Key padding ``[batch..., 1, 1, kv_len]`` with a random number of valid keys per example."""
+  lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
+  return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]

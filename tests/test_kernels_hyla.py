@@ -4,6 +4,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import helpers
 import numpy as np
 import pytest
 from hypothesis import given
@@ -19,15 +20,8 @@ TOL = dict(rtol=2e-4, atol=2e-5)
 COMBINATIONS = list(itertools.product(sorted(hyla.NORMALIZATIONS), sorted(hyla.VALUE_NETWORKS)))
 
 
-def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):
-  def draw(length, features):
-    return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
-  return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
-
-
-def padding_mask(rng, batch_shape, kv_len, min_valid=1):
-  lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
-  return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]
+random_qkv = helpers.random_qkv
+padding_mask = helpers.padding_mask
 
 
 def assert_matches_reference(q, k, v, bias, mask, query_chunk_size=None, **options):

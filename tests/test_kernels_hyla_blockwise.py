@@ -5,6 +5,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import helpers
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,14 +19,10 @@ STATIC = ("normalization", "value_network", "is_causal", "causal_alignment", "bl
 
 
 def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=4, d_v=3, dtype=np.float32):
-  def draw(length, features):
-    return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
-  return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
+  return helpers.random_qkv(rng, batch_shape, q_len, kv_len, heads, d, d_v, dtype)
 
 
-def padding_mask(rng, batch_shape, kv_len, min_valid=1):
-  lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
-  return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]
+padding_mask = helpers.padding_mask
 
 
 def assert_close(actual, expected, tol=2e-5):

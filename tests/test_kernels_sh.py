@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
+import helpers
 import numpy as np
 import pytest
 from hypothesis import given
@@ -26,16 +27,8 @@ softmax_jit = jax.jit(softmax_attention, static_argnames=("return_weights", "det
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):
-  def draw(length, features):
-    return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
-  return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
-
-
-def padding_mask(rng, batch_shape, kv_len, min_valid=1):
-  """Key padding ``[batch..., 1, 1, kv_len]`` with a random number of valid keys per example."""
-  lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
-  return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]
+random_qkv = helpers.random_qkv
+padding_mask = helpers.padding_mask
 
 
 def head_weights(weights, ratios):
@@ -200,12 +193,20 @@ def _dot_general_shapes(jaxpr):
 def test_compiled_computation_works_on_pooled_length():
   ratios, q_len, kv_len, d = (1, 1, 2, 2, 4, 4, 8, 8), 5, 24, 4
   q, k, v = random_qkv(np.random.default_rng(5), (1,), q_len, kv_len, len(ratios), d=d, d_v=d)
-  fn = functools.partial(sh.scaled_head_attention, ratios=ratios)
+  fn = functools.partial(sh.scaled_head_attention, ratios=ratios, implementation="reference")
   shapes = _dot_general_shapes(jax.make_jaxpr(fn)(q, k, v).jaxpr)
   # Per group of 2 heads: logits [B, 2, q_len, ceil(N/r)] and weights·values [B, 2, q_len, d_v].
   # No product ever has the full width N for heads with r > 1.
   expected = [(1, 2, q_len, kv_len // r) for r in (1, 2, 4, 8)] + [(1, 2, q_len, d)] * 4
   assert sorted(shapes) == sorted(expected), shapes
+  # The fused path (jax.nn.dot_product_attention per group) attends on the same pooled lengths:
+  # one logits product per group, of width ceil(N/r), and only the ratio-1 group's is N wide.
+  fused_shapes = _dot_general_shapes(jax.make_jaxpr(
+      functools.partial(sh.scaled_head_attention, ratios=ratios, implementation="fused"))(
+          q, k, v).jaxpr)
+  widths = [shape[-1] for shape in fused_shapes]
+  assert {kv_len // r for r in (1, 2, 4, 8)} <= set(widths), fused_shapes
+  assert widths.count(kv_len) == 1, fused_shapes
 
   # XLA's own count shrinks roughly like attention_cost_ratio once attention dominates.
   q, k, v = random_qkv(np.random.default_rng(5), (1,), 64, 64, len(ratios), d=8, d_v=8)
