@@ -1,4 +1,4 @@
-"""Train a model: `python train.py --config=configs/<file>.py[:arg] --workdir=<dir>`.
+"""Train a model: `python train.py --config=primal_dual/configs/<file>.py[:arg] --workdir=<dir>`.
 
 Config fields can be overridden on the command line, e.g. `--config.optimizer.lr=3e-4
 --config.num_train_steps=1000`. Re-running with the same workdir resumes from its last
@@ -16,7 +16,9 @@ from ml_collections import config_flags
 from primal_dual.training import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Config file, optionally with an argument: configs/uea.py:dataset=Heartbeat',
+    'config', None,
+    'Config file or packaged config name, optionally with an argument: uea:dataset=Heartbeat or '
+    'primal_dual/configs/uea.py:dataset=Heartbeat',
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.')

@@ -1,7 +1,7 @@
 r"""Reproduce image classification with softmax, linear, BN, SH and BN+SH attention (ViT/DeiT).
 
-Runs variants × seeds with ``configs/images.py`` (one workdir per run under ``--root``), then
-writes
+Runs variants × seeds with ``primal_dual/configs/images.py`` (one workdir per run under
+``--root``), then writes
 
 * ``--results`` (default results/images.json): one record per run (``RECORD_SCHEMA``): accuracy
   on the evaluation split after the last step, parameter count, analytic attention FLOPs per
@@ -40,7 +40,7 @@ if REPO_ROOT not in sys.path:
 
 from primal_dual.experiments import grid  # noqa: E402
 
-CONFIG_FILE = os.path.join(REPO_ROOT, "configs", "images.py")
+CONFIG_FILE = "images"  # a packaged config (primal_dual/configs/images.py)
 DEFAULT_VARIANTS = ("softmax", "linear", "bn", "sh", "bn_sh")
 QUICK_VARIANTS = ("softmax", "sh")
 DEFAULT_SEEDS = (0, 1, 2)
@@ -60,7 +60,7 @@ decay 0.05, 5 warm-up epochs, cosine, 300 epochs; without DeiT's label smoothing
 RandAugment, random erasing and stochastic depth):
 
 ```
-python train.py --config=configs/images.py:dataset=imagenet2012,model=tiny,attention=softmax,\\
+python train.py --config=primal_dual/configs/images.py:dataset=imagenet2012,model=tiny,attention=softmax,\\
 data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_softmax
 python scripts/reproduce_images.py --dataset=imagenet2012 --model=tiny --data_dir=$TFDS_DATA_DIR \\
     --root=workdirs/deit_tiny --results=results/images_imagenet.json
@@ -93,7 +93,7 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = os.path.relpath(CONFIG_FILE)
+  config_file = CONFIG_FILE
   runs = []
   for seed in args.seeds:
     for attention in args.variants:

@@ -1,7 +1,7 @@
 r"""Reproduce ListOps (LRA) accuracy and attention cost for softmax, linear, BN, SH and BN+SH.
 
-Runs variants × seeds with ``configs/listops.py`` (one workdir per run under ``--root``), then
-writes
+Runs variants × seeds with ``primal_dual/configs/listops.py`` (one workdir per run under
+``--root``), then writes
 
 * ``--results`` (default results/listops.json): one record per run (``RECORD_SCHEMA``): test
   accuracy after the last step (LRA's protocol), test accuracy at the best validation accuracy,
@@ -43,7 +43,7 @@ if REPO_ROOT not in sys.path:
 
 from primal_dual.experiments import grid  # noqa: E402
 
-CONFIG_FILE = os.path.join(REPO_ROOT, "configs", "listops.py")
+CONFIG_FILE = "listops"  # a packaged config (primal_dual/configs/listops.py)
 DEFAULT_VARIANTS = ("softmax", "linear", "bn", "sh", "bn_sh")
 QUICK_VARIANTS = ("softmax", "sh")
 DEFAULT_SEEDS = (0, 1, 2)
@@ -62,7 +62,7 @@ LRA-sized data (`preset=full`: 96k/2k/2k expressions of 500–2000 tokens; gener
 with TFDS on first use, about half a minute):
 
 ```
-python train.py --config=configs/listops.py:setting=jax_lra,preset=full,attention=softmax \\
+python train.py --config=primal_dual/configs/listops.py:setting=jax_lra,preset=full,attention=softmax \\
     --workdir=workdirs/listops_lra_softmax
 python scripts/reproduce_listops.py --setting=jax_lra --preset=full \\
     --root=workdirs/listops_lra --results=results/listops_lra.json
@@ -96,7 +96,7 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = os.path.relpath(CONFIG_FILE)
+  config_file = CONFIG_FILE
   runs = []
   for seed in args.seeds:
     for attention in args.variants:

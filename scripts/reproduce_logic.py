@@ -1,23 +1,23 @@
 r"""Reproduce the fuzzy-logic comparison: HYLA against softmax and linear attention (R²).
 
-Runs the grid (``configs/logic.py``, one workdir per run under ``--root``): the preset's main
-variants × seeds 0, 1, 2 and its ablations × seed 0 (``reproduce_sraven.GRID_VARIANTS``). For every
-run it
-records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's OOD), ``ood``
-(held-out conjunctions) and ``validation`` at the checkpoint selected on validation R² (both
-definitions: against each task's variance, and the paper's per-sequence mean), the last
-evaluation's values, the learning curve, the median logged steps/s (first log period, which
-includes compilation, left out) and the wall time; it writes ``<out>/logic.json``,
-``<out>/logic.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for the
-reference scale) and ``<out>/logic_curves.png``.
+Runs the grid (``primal_dual/configs/logic.py``, one workdir per run under ``--root``): the preset's
+main variants × seeds 0, 1, 2 and its ablations × seed 0 (``reproduce_sraven.GRID_VARIANTS``). For
+every run it records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's
+OOD), ``ood`` (held-out conjunctions) and ``validation`` at the checkpoint selected on validation R²
+(both definitions: against each task's variance, and the paper's per-sequence mean), the last
+evaluation's values, the learning curve, the median logged steps/s (first log period, which includes
+compilation, left out) and the wall time; it writes ``<out>/logic.json``, ``<out>/logic.md`` (mean ±
+std over seeds, HYLA/softmax step-time ratio, the GPU command for the reference scale) and
+``<out>/logic_curves.png``.
 
 Commands (from the repository root)::
 
   # CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
-  # (configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
+  # (primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
   .venv/bin/python scripts/reproduce_logic.py
 
-  # The paper's setup (configs/logic.py `paper`: 50k steps of batch 128), for an accelerator.
+  # The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
+  # accelerator.
   python scripts/reproduce_logic.py --preset=paper --root=workdirs/logic_paper
 
   # Smoke test: 2 tiny runs (softmax and hyla, runlocal).
@@ -41,12 +41,12 @@ import reproduce_sraven as common  # noqa: E402  (sets up the repository import 
 
 from primal_dual.experiments import grid  # noqa: E402
 
-CONFIG_FILE = os.path.join("configs", "logic.py")
+CONFIG_FILE = "logic"  # a packaged config (primal_dual/configs/logic.py)
 RESULTS_STEM = "logic"
 CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
 REFERENCE_COMMAND = ("python scripts/reproduce_logic.py --preset=paper "
                      "--root=workdirs/logic_paper --out=results/paper")
-REFERENCE_SINGLE_RUN = ("python train.py --config=configs/logic.py:preset=paper,"
+REFERENCE_SINGLE_RUN = ("python train.py --config=primal_dual/configs/logic.py:preset=paper,"
                         "attention=hyla,seed=0 --workdir=workdirs/logic_paper_hyla")
 
 
@@ -89,8 +89,8 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   presets = sorted({str(r["preset"]) for r in records})
   lines = [
       "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
-      common.environment_line(command, records) + f" Preset: {', '.join(presets)} (configs/logic.py). "
-      "Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
+      common.environment_line(command, records) + f" Preset: {', '.join(presets)} "
+      "(primal_dual/configs/logic.py). Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
       "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
       "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
       "of the same name; curves: the _curves.png next to it.\n",

@@ -1,6 +1,6 @@
 r"""Reproduce the sRAVEN claim: HYLA against softmax and linear attention on held-out rule combos.
 
-Runs the grid (``configs/sraven.py``, one workdir per run under ``--root``):
+Runs the grid (``primal_dual/configs/sraven.py``, one workdir per run under ``--root``):
 the preset's main variants × seeds 0, 1, 2 and its ablations × seed 0 (``GRID_VARIANTS``: for
 ``cpu`` softmax, linear, hyla and hyla_no_relu, hyla_no_norm; for ``paper`` the paper's baselines
 softmax, linear_plain, hyla and the other Table A1 rows). The fuzzy-logic grid uses the same plan.
@@ -21,11 +21,12 @@ HYLA's step time relative to softmax's, the GPU command for the reference scale)
 Commands (from the repository root)::
 
   # CPU preset: 11 runs of 12k steps. At the speeds measured on this 2-core CPU under a load
-  # average of 6-8 (configs/sraven.py): softmax ~12 min, HYLA and its ablations ~35 min per run;
-  # linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.
+  # average of 6-8 (primal_dual/configs/sraven.py): softmax ~12 min, HYLA and its ablations
+  # ~35 min per run; linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.
   .venv/bin/python scripts/reproduce_sraven.py
 
-  # The paper's setup (configs/sraven.py `paper`, 156,250 steps of batch 128): an accelerator.
+  # The paper's setup (primal_dual/configs/sraven.py `paper`, 156,250 steps of batch 128): an
+  # accelerator.
   python scripts/reproduce_sraven.py --preset=paper --root=workdirs/sraven_paper
 
   # Smoke test: 2 tiny runs (softmax and hyla, runlocal), seconds each.
@@ -52,7 +53,7 @@ import numpy as np  # noqa: E402
 
 from primal_dual.experiments import grid  # noqa: E402
 
-CONFIG_FILE = os.path.join("configs", "sraven.py")
+CONFIG_FILE = "sraven"  # a packaged config (primal_dual/configs/sraven.py)
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
 # the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
 GRID_VARIANTS = {
@@ -67,7 +68,7 @@ LATENT_CACHE = "latent_code.json"
 RESULTS_STEM = "sraven"
 REFERENCE_COMMAND = ("python scripts/reproduce_sraven.py --preset=paper "
                      "--root=workdirs/sraven_paper --out=results/paper")
-REFERENCE_SINGLE_RUN = ("python train.py --config=configs/sraven.py:preset=paper,"
+REFERENCE_SINGLE_RUN = ("python train.py --config=primal_dual/configs/sraven.py:preset=paper,"
                         "attention=hyla,seed=0 --workdir=workdirs/sraven_paper_hyla")
 
 
@@ -265,8 +266,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str, chance: 
   presets = sorted({str(r["preset"]) for r in records})
   lines = [
       "# sRAVEN: compositional generalisation of HYLA, softmax and linear attention\n",
-      environment_line(command, records) + f" Preset: {', '.join(presets)} (configs/sraven.py). Cells are "
-      "mean ± std over seeds (n runs). Accuracies are those of the checkpoint selected on the "
+      environment_line(command, records) + f" Preset: {', '.join(presets)} "
+      "(primal_dual/configs/sraven.py). Cells are mean ± std over seeds (n runs). Accuracies are "
+      "those of the checkpoint selected on the "
       "in-distribution validation split: ID = the in-distribution test split, OOD = problems "
       "whose rule combination was held out of training. Whole-panel accuracy is the exact match "
       f"of every feature of the answer panel; chance is {100 * chance:.2f}%. Latent decoding: "

@@ -1,8 +1,8 @@
 r"""Reproduce the time-series claims: UEA accuracy and head redundancy of softmax, BN, SH and BN+SH.
 
-Runs the grid data sets × variants × seeds × protocols with ``configs/uea.py`` (one workdir per
-run under ``--root``), then for every run computes head redundancy on the test split, parameter
-count and analytic attention FLOPs, and writes
+Runs the grid data sets × variants × seeds × protocols with ``primal_dual/configs/uea.py`` (one
+workdir per run under ``--root``), then for every run computes head redundancy on the test split,
+parameter count and analytic attention FLOPs, and writes
 
 * ``--results`` (default results/uea.json): one record per run (``RECORD_SCHEMA``);
 * the same path with ``.md``: mean ± std over seeds per data set × variant, one table per
@@ -22,8 +22,8 @@ or the selected one (``clean``); definition in ``primal_dual/analysis/redundancy
 
 Commands (from the repository root)::
 
-  # CPU budget: the configs/default.py model (d 64, 4 heads), 100 epochs, on the data sets found
-  # (JapaneseVowels and BasicMotions offline): 2 × 6 × 3 × 2 = 72 runs, about 2 h on 2 cores
+  # CPU budget: the primal_dual/configs/default.py model (d 64, 4 heads), 100 epochs, on the data
+  # sets found (JapaneseVowels and BasicMotions offline): 2 × 6 × 3 × 2 = 72 runs, about 2 h on 2 cores
   # (measured step times: JapaneseVowels ~1 s per epoch, BasicMotions ~0.3 s, plus ~20 s of
   # compilation and ~10 s of analysis per run).
   .venv/bin/python scripts/reproduce_uea.py --model_size=small
@@ -56,10 +56,10 @@ if REPO_ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from configs import uea as uea_config  # noqa: E402
+from primal_dual.configs import uea as uea_config  # noqa: E402
 from primal_dual.experiments import grid  # noqa: E402
 
-CONFIG_FILE = os.path.join(REPO_ROOT, "configs", "uea.py")
+CONFIG_FILE = "uea"  # a packaged config (primal_dual/configs/uea.py)
 DEFAULT_VARIANTS = ("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn")
 DEFAULT_SEEDS = (0, 1, 2)
 ANALYSIS_FILE = "uea_analysis.json"
@@ -132,8 +132,8 @@ def check_datasets(names: Sequence[str], manual_dir: str | None) -> None:
   from primal_dual.data import uea  # pylint: disable=g-import-not-at-top
   for name in names:
     if name not in uea_config.DATASETS:
-      raise ValueError(f"--datasets: {name!r} is not configured in configs/uea.py; choose from "
-                       f"{', '.join(uea_config.DATASETS)}")
+      raise ValueError(f"--datasets: {name!r} is not configured in primal_dual/configs/uea.py; "
+                       f"choose from {', '.join(uea_config.DATASETS)}")
     uea.ts_paths(name, manual_dir or None)  # FileNotFoundError says where to put the files.
 
 
@@ -148,7 +148,7 @@ def run_name(dataset: str, protocol: str, attention: str, model_size: str, seed:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = os.path.relpath(CONFIG_FILE)
+  config_file = CONFIG_FILE
   # --runlocal replaces the model by a tiny one: record that, not the size it overrides.
   size_label = "runlocal" if args.runlocal else args.model_size
   runs = []
