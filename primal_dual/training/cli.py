@@ -1,4 +1,5 @@
-"""What `train.py` and `eval.py` share: every problem a user can fix is one line, exit status 2.
+"""What the commands (`primal-dual train|eval`, `train.py`, `eval.py`) share: every problem a user
+can fix is one line, exit status 2.
 
 Flag parsing (absl, and ml_collections' `--config` file with its `--config.<field>` overrides)
 raises a variety of exceptions with multi-line messages or tracebacks; `parse_flags` turns each
@@ -9,7 +10,7 @@ come back before JAX is loaded.
 import difflib
 import sys
 import traceback
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from absl import app
 from absl import flags
@@ -24,9 +25,23 @@ _FLAG_ERRORS = (flags.Error, KeyError, AttributeError, OSError, ValueError, Type
                 ImportError, SyntaxError)
 
 
+def run_command(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
+  """absl's `app.run` of a command's `main` (`primal_dual/commands/`) with `parse_flags`; exits
+  with main's return value."""
+  app.run(main, argv=argv, flags_parser=parse_flags)
+  raise AssertionError('app.run returned')  # it exits
+
+
+def show_in_help(module_name: str) -> None:
+  """absl's `--help` lists the flags of the main module (`sys.argv[0]`) only; the commands define
+  theirs in `module_name` (`primal_dual/commands/`), so they are listed for the main module too."""
+  for flag in flags.FLAGS.get_flags_for_module(module_name):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def start_main(argv: list[str]) -> None:
-  """The common start of `train.py`'s and `eval.py`'s `main`: no stray positional arguments, and
-  Orbax's per-save INFO logs hidden unless `--verbosity` was given."""
+  """The common start of the commands' `main`: no stray positional arguments, and Orbax's
+  per-save INFO logs hidden unless `--verbosity` was given."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
