@@ -160,7 +160,8 @@ def test_model_summary_parameters_and_flops():
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(
+      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

@@ -21,7 +21,8 @@ SMALL = logic.LogicConfig(num_variables=3, num_terms=2, seq_len=4)
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

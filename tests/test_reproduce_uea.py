@@ -29,7 +29,8 @@ def _load(name, relative_path):
   return module
 
 
-reproduce_uea = _load("reproduce_uea", os.path.join("scripts", "reproduce_uea.py"))
+reproduce_uea = _load("reproduce_uea",
+                      os.path.join("primal_dual", "experiments", "reproduce", "uea.py"))
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(

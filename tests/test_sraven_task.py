@@ -23,7 +23,8 @@ SMALL = sraven.SRavenConfig(num_features=2, num_values=5, rules=("constant", "ad
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

@@ -1,5 +1,8 @@
 r"""Reproduce image classification with softmax, linear, BN, SH and BN+SH attention (ViT/DeiT).
 
+Run it as ``python scripts/reproduce_images.py`` from a clone or ``primal-dual reproduce images``
+where the package is installed (the same flags; outputs relative to the current folder).
+
 Runs variants × seeds with ``primal_dual/configs/images.py`` (one workdir per run under
 ``--root``), then writes
 
@@ -34,11 +37,7 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-  sys.path.insert(0, REPO_ROOT)
-
-from primal_dual.experiments import grid  # noqa: E402
+from primal_dual.experiments import grid
 
 CONFIG_FILE = "images"  # a packaged config (primal_dual/configs/images.py)
 DEFAULT_VARIANTS = ("softmax", "linear", "bn", "sh", "bn_sh")

@@ -1,7 +1,10 @@
 r"""Reproduce the fuzzy-logic comparison: HYLA against softmax and linear attention (R²).
 
+Run it as ``python scripts/reproduce_logic.py`` from a clone or ``primal-dual reproduce logic``
+where the package is installed (the same flags; outputs relative to the current folder).
+
 Runs the grid (``primal_dual/configs/logic.py``, one workdir per run under ``--root``): the preset's
-main variants × seeds 0, 1, 2 and its ablations × seed 0 (``reproduce_sraven.GRID_VARIANTS``). For
+main variants × seeds 0, 1, 2 and its ablations × seed 0 (``reproduce.sraven.GRID_VARIANTS``). For
 every run it records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's
 OOD), ``ood`` (held-out conjunctions) and ``validation`` at the checkpoint selected on validation R²
 (both definitions: against each task's variance, and the paper's per-sequence mean), the last
@@ -33,13 +36,8 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if SCRIPTS_DIR not in sys.path:
-  sys.path.insert(0, SCRIPTS_DIR)
-
-import reproduce_sraven as common  # noqa: E402  (sets up the repository import path too)
-
-from primal_dual.experiments import grid  # noqa: E402
+from primal_dual.experiments import grid
+from primal_dual.experiments.reproduce import sraven as common
 
 CONFIG_FILE = "logic"  # a packaged config (primal_dual/configs/logic.py)
 RESULTS_STEM = "logic"

@@ -1,5 +1,8 @@
 r"""Reproduce the sRAVEN claim: HYLA against softmax and linear attention on held-out rule combos.
 
+Run it as ``python scripts/reproduce_sraven.py`` from a clone or ``primal-dual reproduce sraven``
+where the package is installed (the same flags; outputs relative to the current folder).
+
 Runs the grid (``primal_dual/configs/sraven.py``, one workdir per run under ``--root``):
 the preset's main variants × seeds 0, 1, 2 and its ablations × seed 0 (``GRID_VARIANTS``: for
 ``cpu`` softmax, linear, hyla and hyla_no_relu, hyla_no_norm; for ``paper`` the paper's baselines
@@ -45,13 +48,9 @@ import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-  sys.path.insert(0, REPO_ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from primal_dual.experiments import grid  # noqa: E402
+from primal_dual.experiments import grid
 
 CONFIG_FILE = "sraven"  # a packaged config (primal_dual/configs/sraven.py)
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs

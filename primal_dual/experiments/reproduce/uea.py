@@ -1,5 +1,8 @@
 r"""Reproduce the time-series claims: UEA accuracy and head redundancy of softmax, BN, SH and BN+SH.
 
+Run it as ``python scripts/reproduce_uea.py`` from a clone or ``primal-dual reproduce uea``
+where the package is installed (the same flags; outputs relative to the current folder).
+
 Runs the grid data sets × variants × seeds × protocols with ``primal_dual/configs/uea.py`` (one
 workdir per run under ``--root``), then for every run computes head redundancy on the test split,
 parameter count and analytic attention FLOPs, and writes
@@ -50,14 +53,10 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-  sys.path.insert(0, REPO_ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from primal_dual.configs import uea as uea_config  # noqa: E402
-from primal_dual.experiments import grid  # noqa: E402
+from primal_dual.configs import uea as uea_config
+from primal_dual.experiments import grid
 
 CONFIG_FILE = "uea"  # a packaged config (primal_dual/configs/uea.py)
 DEFAULT_VARIANTS = ("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn")
