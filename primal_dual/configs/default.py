@@ -4,7 +4,8 @@ Same protocol as ``uea.py`` here (BatchNorm, post-norm, learnable positions, fla
 RAdam lr 1e-3, batch 16, test accuracy after every epoch) but a model small enough to train to the
 end in a few minutes on a 2-core CPU: 2 layers, d_model 64, 4 heads, feed-forward 128, 40 epochs.
 
-Command and expected result (``make train`` runs exactly this)::
+Command and expected result (``make train`` runs this, naming the config by its short name
+``--config=default``; installed: ``primal-dual train --config=default --workdir=...``)::
 
   python train.py --config=primal_dual/configs/default.py --workdir=workdirs/default
 
