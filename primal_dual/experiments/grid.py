@@ -5,7 +5,8 @@ is finished and is not trained again; an unfinished one resumes from its last ch
 trainer does that). After every run the collected records are written to a JSON file, so a grid
 killed half-way loses at most the run in progress.
 
-Used by the reproduction scripts in ``scripts/``::
+Used by the reproduction grids in ``primal_dual/experiments/reproduce/`` (``config_file`` is a
+packaged config's short name or a config file's path, ``load_config``)::
 
   runs = [GridRun(name=f"jv_{a}_s{s}", config_file="uea",
                   config_arg=f"dataset=JapaneseVowels,attention={a},seed={s}",
