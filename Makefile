@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
-CONFIG ?= configs/default.py
+# A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
+CONFIG ?= default
 
 .PHONY: install test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean
 

@@ -1,49 +1,16 @@
-"""Train a model: `python train.py --config=configs/<file>.py[:arg] --workdir=<dir>`.
+"""Train a model: `python train.py --config=<config>[:arg] --workdir=<dir>`, the same as
+`primal-dual train`.
 
-Config fields can be overridden on the command line, e.g. `--config.optimizer.lr=3e-4
---config.num_train_steps=1000`. Re-running with the same workdir resumes from its last
-checkpoint. Problems the user can fix (bad config value, missing data, diverged loss) are printed
-as one line `error: ...` with exit status 2.
-
-Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
+`<config>` is a packaged config's short name (`default`, `uea`, ...) or a config file's path, e.g.
+`--config=primal_dual/configs/uea.py:dataset=Heartbeat`; `--config.<field>=<value>` overrides a
+field. The command itself (flags, errors, resuming) is `primal_dual/commands/train.py`.
 """
 
-
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
+from primal_dual.commands import train as _command
 from primal_dual.training import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Config file, optionally with an argument: configs/uea.py:dataset=Heartbeat',
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string(
-    'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.')
-flags.mark_flags_as_required(['config', 'workdir'])
-
-
-def main(argv: list[str]) -> int:
-  cli.start_main(argv)
-  # Imported here so that `--help` stays fast.
-  from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
-  try:
-    config_lib.validate(_CONFIG.value)  # before JAX loads: a bad size is reported at once
-    from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
-    sharding.maybe_initialize_distributed(_CONFIG.value)
-    from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
-    final = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except errors.UserError as e:
-    return cli.report(str(e))
-  except KeyboardInterrupt:  # during set-up; the training loop reports its own step
-    return cli.report('stopped before training started; re-run the same command to start again')
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_index() == 0:
-    for name, value in final.items():
-      print(f'{name:40s} {value}')
-  return 0
-
+_command.define_flags()
+main = _command.main
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run_command(main)

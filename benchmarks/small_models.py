@@ -8,9 +8,9 @@ one call, then timed over ``--repeats`` calls (median); a model-step is one opti
 model. The projection for a paper grid is ``runs × steps / (model-steps/s)`` of pure training,
 evaluations excluded.
 
-Models: the ``paper`` presets of ``configs/sraven.py`` (402,824 parameters, batch 128, 36 tokens)
-and ``configs/logic.py`` (151,265 parameters, batch 128, 32 tokens). Reference anchors (the paper's
-own code on this project's 2-core CPU, sRAVEN batch 128, median ms per step): softmax 201.6,
+Models: the ``paper`` presets of ``primal_dual/configs/sraven.py`` (402,824 parameters, batch 128,
+36 tokens) and ``primal_dual/configs/logic.py`` (151,265 parameters, batch 128, 32 tokens).
+Reference anchors (the paper's own code on this project's 2-core CPU, sRAVEN batch 128, median ms per step): softmax 201.6,
 linear attention 174.8, HYLA 296.6.
 
   python -m benchmarks.small_models --out-dir benchmarks/results            # CPU: K = 1, 10
@@ -32,7 +32,7 @@ import ml_collections
 from benchmarks import common
 from primal_dual.training import trainer
 
-MODELS = {"sraven": "configs.sraven", "logic": "configs.logic"}
+MODELS = {"sraven": "primal_dual.configs.sraven", "logic": "primal_dual.configs.logic"}
 VARIANTS = ("softmax", "linear_plain", "hyla")
 # The paper's code on this project's CPU (sRAVEN, batch 128): median ms per training step.
 PAPER_CODE_CPU_MS = {"softmax": 201.6, "linear_plain": 174.8, "hyla": 296.6}

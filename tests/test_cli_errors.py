@@ -112,7 +112,7 @@ CASES = {
                                   f'--workdir={t}/run'],
         r'config\.model\.hidden=0 must be a positive integer'),
     'no layers': (
-        'train.py', lambda c, t: ['--config=configs/default.py:runlocal',
+        'train.py', lambda c, t: ['--config=primal_dual/configs/default.py:runlocal',
                                   '--config.model.num_layers=-1', f'--workdir={t}/run'],
         r'config\.model\.num_layers=-1 must be a positive integer'),
     'dropout rate of 1': (

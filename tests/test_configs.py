@@ -1,4 +1,5 @@
-"""Every configs/*.py builds, is locked, and has a runlocal variant; bad arguments fail clearly."""
+"""Every primal_dual/configs/*.py builds, is locked, and has a runlocal variant; bad arguments fail
+clearly; the packaged short names resolve."""
 
 import glob
 import os
@@ -6,11 +7,13 @@ import os
 import ml_collections
 import pytest
 
+from primal_dual import configs
 from primal_dual.experiments.grid import load_config
-from primal_dual.training import config_lib, errors
+from primal_dual.training import cli, config_lib, errors
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(REPO_ROOT, "configs", "*.py"))
+CONFIG_DIR = os.path.join(REPO_ROOT, "primal_dual", "configs")
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
                       if not p.endswith("__init__.py"))
 
 
@@ -36,10 +39,65 @@ def test_config_builds_locked_with_every_trainer_field(path, arg):
 def test_config_docstring_gives_a_command(path):
   with open(path) as f:
     source = f.read()
-  assert "train.py --config=configs/" in source, f"{path}: docstring lacks the exact command"
+  assert "train.py --config=primal_dual/configs/" in source, (
+      f"{path}: docstring lacks the exact command")
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_config_rejects_unknown_arguments(path):
   with pytest.raises(errors.ConfigError, match="not_an_option"):
     load_config(path, "not_an_option=1")
+
+
+# -- packaged short names --------------------------------------------------------------------------
+
+
+def test_packaged_names_are_the_config_files():
+  assert configs.packaged_names() == sorted(
+      os.path.splitext(os.path.basename(p))[0] for p in CONFIG_FILES)
+
+
+@pytest.mark.parametrize("name", configs.packaged_names())
+def test_short_name_and_package_paths_resolve_from_any_folder(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # no primal_dual/configs/ or configs/ folder here
+  expected = os.path.join(CONFIG_DIR, f"{name}.py")
+  for spec in (name, f"primal_dual/configs/{name}.py", f"configs/{name}.py"):
+    assert os.path.samefile(configs.resolve(spec), expected), spec
+
+
+@pytest.mark.parametrize("name", configs.packaged_names())
+def test_every_packaged_config_builds_by_short_name_with_runlocal(name):
+  config = load_config(name, "runlocal")
+  assert config.is_locked and config.task and config.model.attention
+
+
+def test_an_existing_file_wins_over_a_packaged_config_of_its_name(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "uea.py").write_text("def get_config(arg=None):\n  return arg\n")
+  assert configs.resolve("configs/uea.py") == "configs/uea.py"
+  assert load_config("configs/uea.py", "mine") == "mine"
+
+
+def test_unknown_short_name_is_one_line_listing_the_packaged_ones():
+  with pytest.raises(errors.ConfigError) as raised:
+    configs.resolve("uae")
+  message = str(raised.value)
+  assert "\n" not in message and message.startswith("unknown config 'uae'")
+  assert all(name in message for name in configs.packaged_names())
+
+
+def test_missing_file_names_the_file_and_the_packaged_configs(tmp_path):
+  with pytest.raises(errors.ConfigError, match=r"config file .*nope\.py not found; packaged "
+                                               r"configs: default, "):
+    configs.resolve(str(tmp_path / "nope.py"))
+
+
+def test_command_line_specs_keep_their_argument_and_other_flags():
+  argv = ["train", "--config=uea:dataset=Heartbeat,runlocal", "--config.seed=3", "--config",
+          "default", "--workdir=w"]
+  resolved = cli.resolve_config_specs(argv)
+  assert resolved[0] == "train" and resolved[2:4] == ["--config.seed=3", "--config"]
+  assert resolved[1] == (f"--config={os.path.join(CONFIG_DIR, 'uea.py')}"
+                         ":dataset=Heartbeat,runlocal")
+  assert resolved[4:] == [os.path.join(CONFIG_DIR, "default.py"), "--workdir=w"]

@@ -1,5 +1,5 @@
-"""The HYLA paper's setups (configs/sraven.py and configs/logic.py `paper` presets): model sizes,
-position buckets, attention width, dropout, the paper's linear attention, its R² and schedule."""
+"""The HYLA paper's setups (primal_dual/configs/sraven.py and primal_dual/configs/logic.py `paper`
+presets): model sizes, position buckets, attention width, dropout, the paper's linear attention, its R² and schedule."""
 
 import flax.linen as nn
 import jax
@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import logic as logic_configs
-from configs import sraven as sraven_configs
+from primal_dual.configs import logic as logic_configs
+from primal_dual.configs import sraven as sraven_configs
 from primal_dual import registry
 from primal_dual.experiments import logic as logic_task
 from primal_dual.experiments import sraven as sraven_task

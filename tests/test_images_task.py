@@ -16,7 +16,7 @@ from primal_dual.training import errors
 from primal_dual.training import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILE = os.path.join(REPO, "configs", "images.py")
+CONFIG_FILE = os.path.join(REPO, "primal_dual", "configs", "images.py")
 # Data set → (image side, patch size, default ViT preset).
 EXPECTED = {"digits": (16, 4, "micro"), "cifar10": (32, 4, "tiny"),
             "imagenet2012": (224, 16, "tiny")}
@@ -138,7 +138,8 @@ def test_model_summary_parameters_and_flops():
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(
+      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

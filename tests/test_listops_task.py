@@ -20,7 +20,7 @@ from primal_dual.models import EncoderClassifier
 from primal_dual.training import errors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILE = os.path.join(REPO, "configs", "listops.py")
+CONFIG_FILE = os.path.join(REPO, "primal_dual", "configs", "listops.py")
 SETTINGS = {"jax_lra": dict(num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024,
                             pooling="cls"),
             "pytorch": dict(num_layers=2, model_dim=64, num_heads=2, mlp_dim=128,
@@ -160,7 +160,8 @@ def test_model_summary_parameters_and_flops():
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(
+      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

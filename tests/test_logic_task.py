@@ -1,4 +1,4 @@
-"""Tests of the 'logic' task (primal_dual/experiments/logic.py), configs/logic.py and
+"""Tests of the 'logic' task (primal_dual/experiments/logic.py), primal_dual/configs/logic.py and
 scripts/reproduce_logic.py (its --quick grid is the task's end-to-end run)."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import logic as logic_configs
+from primal_dual.configs import logic as logic_configs
 from primal_dual.data import logic
 from primal_dual.experiments import logic as task
 from primal_dual.layers import ATTENTION_REGISTRY
@@ -21,7 +21,8 @@ SMALL = logic.LogicConfig(num_variables=3, num_terms=2, seq_len=4)
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

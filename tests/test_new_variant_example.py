@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from configs import sraven as sraven_configs
-from configs import uea as uea_configs
+from primal_dual.configs import sraven as sraven_configs
+from primal_dual.configs import uea as uea_configs
 from primal_dual import registry
 from primal_dual.analysis import flops
 from primal_dual.training import trainer

@@ -29,7 +29,8 @@ def _load(name, relative_path):
   return module
 
 
-reproduce_uea = _load("reproduce_uea", os.path.join("scripts", "reproduce_uea.py"))
+reproduce_uea = _load("reproduce_uea",
+                      os.path.join("primal_dual", "experiments", "reproduce", "uea.py"))
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
@@ -151,7 +152,7 @@ def _record(dataset, attention, seed, accuracy, protocol="best_test"):
 
 
 def test_markdown_report_reference_column_and_ten_dataset_average():
-  from configs import uea as uea_config  # pylint: disable=g-import-not-at-top
+  from primal_dual.configs import uea as uea_config  # pylint: disable=g-import-not-at-top
   records = [_record("JapaneseVowels", "softmax", 0, 0.9),
              _record("JapaneseVowels", "softmax", 1, 0.8),
              _record("JapaneseVowels", "bn", 0, 0.7),

@@ -1,4 +1,4 @@
-"""Tests of the 'sraven' task (primal_dual/experiments/sraven.py), configs/sraven.py and
+"""Tests of the 'sraven' task (primal_dual/experiments/sraven.py), primal_dual/configs/sraven.py and
 scripts/reproduce_sraven.py (its --quick grid is the task's end-to-end run)."""
 
 import importlib.util
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import sraven as sraven_configs
+from primal_dual.configs import sraven as sraven_configs
 from primal_dual.data import sraven
 from primal_dual.experiments import grid
 from primal_dual.experiments import sraven as task
@@ -23,7 +23,8 @@ SMALL = sraven.SRavenConfig(num_features=2, num_values=5, rules=("constant", "ad
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -215,4 +216,4 @@ def test_speed_ratio_is_step_time_ratio():
   assert script.speed_ratio(records) == pytest.approx(4.0)
   assert script.speed_ratio(records[:2]) is None
   assert math.isclose(script.whole_panel_chance(
-      os.path.join(REPO_ROOT, "configs", "sraven.py"), "preset=paper"), 8.0**-4)
+      os.path.join(REPO_ROOT, "primal_dual", "configs", "sraven.py"), "preset=paper"), 8.0**-4)

@@ -7,8 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import logic as logic_configs
-from configs import sraven as sraven_configs
+from primal_dual.configs import logic as logic_configs
+from primal_dual.configs import sraven as sraven_configs
 from primal_dual.data import logic
 from primal_dual.data import sraven
 from primal_dual.experiments import logic as logic_task

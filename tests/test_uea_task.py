@@ -6,7 +6,7 @@ import helpers
 from primal_dual.experiments.grid import load_config
 from primal_dual.training import errors, trainer
 
-CONFIG = "configs/uea.py"
+CONFIG = "primal_dual/configs/uea.py"
 
 
 @pytest.fixture(scope="module")

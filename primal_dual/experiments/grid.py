@@ -5,9 +5,10 @@ is finished and is not trained again; an unfinished one resumes from its last ch
 trainer does that). After every run the collected records are written to a JSON file, so a grid
 killed half-way loses at most the run in progress.
 
-Used by the reproduction scripts in ``scripts/``::
+Used by the reproduction grids in ``primal_dual/experiments/reproduce/`` (``config_file`` is a
+packaged config's short name or a config file's path, ``load_config``)::
 
-  runs = [GridRun(name=f"jv_{a}_s{s}", config_file="configs/uea.py",
+  runs = [GridRun(name=f"jv_{a}_s{s}", config_file="uea",
                   config_arg=f"dataset=JapaneseVowels,attention={a},seed={s}",
                   tags=dict(dataset="JapaneseVowels", attention=a, seed=s)) for a in ... for s in ...]
   records = run_grid(runs, "workdirs/uea_grid", "results/uea.json", record_fn=my_record)
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import os
 import platform
@@ -46,12 +46,10 @@ class GridRun:
 
 
 def load_config(config_file: str, config_arg: str | None):
-  """Imports a ``configs/*.py`` file by path and returns ``get_config(config_arg)``."""
-  spec = importlib.util.spec_from_file_location(
-      "grid_config_" + os.path.splitext(os.path.basename(config_file))[0], config_file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(config_arg)
+  """``get_config(config_arg)`` of a config file, or of a packaged config named by its short name
+  (``"uea"``; ``primal_dual.configs.resolve``)."""
+  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  return configs.load(config_file, config_arg)
 
 
 def _read_json(path: str) -> Any:

@@ -1,4 +1,5 @@
-"""What `train.py` and `eval.py` share: every problem a user can fix is one line, exit status 2.
+"""What the commands (`primal-dual train|eval`, `train.py`, `eval.py`) share: every problem a user
+can fix is one line, exit status 2.
 
 Flag parsing (absl, and ml_collections' `--config` file with its `--config.<field>` overrides)
 raises a variety of exceptions with multi-line messages or tracebacks; `parse_flags` turns each
@@ -7,11 +8,9 @@ come back before JAX is loaded.
 """
 
 import difflib
-import importlib.util
-import os
 import sys
 import traceback
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from absl import app
 from absl import flags
@@ -26,9 +25,23 @@ _FLAG_ERRORS = (flags.Error, KeyError, AttributeError, OSError, ValueError, Type
                 ImportError, SyntaxError)
 
 
+def run_command(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
+  """absl's `app.run` of a command's `main` (`primal_dual/commands/`) with `parse_flags`; exits
+  with main's return value."""
+  app.run(main, argv=argv, flags_parser=parse_flags)
+  raise AssertionError('app.run returned')  # it exits
+
+
+def show_in_help(module_name: str) -> None:
+  """absl's `--help` lists the flags of the main module (`sys.argv[0]`) only; the commands define
+  theirs in `module_name` (`primal_dual/commands/`), so they are listed for the main module too."""
+  for flag in flags.FLAGS.get_flags_for_module(module_name):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def start_main(argv: list[str]) -> None:
-  """The common start of `train.py`'s and `eval.py`'s `main`: no stray positional arguments, and
-  Orbax's per-save INFO logs hidden unless `--verbosity` was given."""
+  """The common start of the commands' `main`: no stray positional arguments, and Orbax's
+  per-save INFO logs hidden unless `--verbosity` was given."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
@@ -64,7 +77,7 @@ def user_error_in_chain(error: BaseException | None) -> errors.UserError | None:
 
 
 def _config_file_and_arg(spec: str) -> tuple[str, str | None]:
-  """'configs/uea.py:dataset=X' → ('configs/uea.py', 'dataset=X')."""
+  """'uea.py:dataset=X' → ('uea.py', 'dataset=X')."""
   path, has_arg, arg = spec.partition(':')
   return path, (arg if has_arg else None)
 
@@ -83,12 +96,10 @@ def _flag_values(argv: list[str], name: str) -> list[tuple[str, str]]:
 
 
 def _load_config(spec: str):
-  """Calls `get_config(arg)` of the config file named by `spec`, without overrides."""
-  path, arg = _config_file_and_arg(spec)
-  module_spec = importlib.util.spec_from_file_location('_config_for_message', path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg is not None else module.get_config()
+  """Calls `get_config(arg)` of the config file or packaged name `spec` names, without
+  overrides."""
+  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  return configs.load(*_config_file_and_arg(spec))
 
 
 def unknown_field_message(config, field: str) -> str | None:
@@ -143,17 +154,31 @@ def describe_flag_error(error: BaseException, argv: list[str], config_flag: str 
   return f'loading the config failed{where}: {type(error).__name__}: {error}'
 
 
+def resolve_config_specs(argv: list[str], config_flag: str = 'config') -> list[str]:
+  """argv with each `--<config_flag>=<file or packaged name>[:arg]` naming the config's file
+  (`primal_dual.configs.resolve`: `--config=uea:dataset=X` works from any folder).
+
+  Raises:
+    ConfigError: an unknown short name or a missing file (one line, the packaged names listed).
+  """
+  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  resolved, index = list(argv), 0
+  while index < len(resolved):
+    item = resolved[index]
+    if item == f'--{config_flag}' and index + 1 < len(resolved):
+      resolved[index + 1] = configs.resolve_spec(resolved[index + 1])
+      index += 1
+    elif item.startswith(f'--{config_flag}='):
+      resolved[index] = f'--{config_flag}=' + configs.resolve_spec(item.partition('=')[2])
+    index += 1
+  return resolved
+
+
 def _check_config_file(config_flag: str) -> None:
-  """ml_collections reports a config file it cannot find only when the config is first read;
-  ask for it now so that the problem is reported with the flags'."""
-  if config_flag not in flags.FLAGS:
+  """ml_collections reports a problem with a config file only when the config is first read;
+  read it now so that the problem is reported with the flags'."""
+  if config_flag not in flags.FLAGS or flags.FLAGS[config_flag].config_filename is None:
     return
-  spec = flags.FLAGS[config_flag].config_filename
-  if spec is None:
-    return
-  path, _ = _config_file_and_arg(spec)
-  if not os.path.isfile(path):
-    fail(f'config file {path} not found (--{config_flag}={spec})')
   _ = flags.FLAGS[config_flag].value.keys()
 
 
@@ -164,6 +189,7 @@ def parse_flags(argv: list[str], config_flag: str = 'config') -> list[str]:
     The arguments left after the flags (argv[0] first), as absl's own parser does.
   """
   try:
+    argv = resolve_config_specs(argv, config_flag)
     remaining = flags.FLAGS(argv)
     _check_config_file(config_flag)
   except _FLAG_ERRORS as e:  # UserError is a ValueError

@@ -1,4 +1,5 @@
-"""Config helpers: the `key=value,flag` argument of `configs/*.py`, defaults, locking, saving.
+"""Config helpers: the `key=value,flag` argument of `primal_dual/configs/*.py`, defaults, locking,
+saving.
 
 Every config file follows one pattern::
 
@@ -13,8 +14,8 @@ Every config file follows one pattern::
       config.num_train_steps = 20
     return config_lib.lock(config)
 
-`train.py --config=configs/uea.py:dataset=Heartbeat,runlocal` passes `'dataset=Heartbeat,runlocal'`
-as `arg`. Values are typed by the defaults' types (int, float, bool, str); a bare name sets a bool
+`train.py --config=primal_dual/configs/uea.py:dataset=Heartbeat,runlocal` passes
+`'dataset=Heartbeat,runlocal'` as `arg`. Values are typed by the defaults' types (int, float, bool, str); a bare name sets a bool
 default to True. Values cannot contain commas.
 """
 
@@ -64,7 +65,8 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """Parses a `key=value,key=value,flag` string into a ConfigDict typed by `defaults`.
 
   Args:
-    arg: the string after `:` in `--config=configs/x.py:arg`, or None / '' for all defaults.
+    arg: the string after `:` in `--config=primal_dual/configs/x.py:arg`, or None / '' for all
+      defaults.
     **defaults: every accepted key with its default value; the default's type (bool, int, float,
       str; None means str) decides how the value is parsed.
 
@@ -210,8 +212,8 @@ def merge(base: ml_collections.ConfigDict,
 def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Locks `config` in place (adding a field raises; existing fields may still be overridden).
 
-  Locking is what `configs/*.py` return: command-line overrides of existing fields still work,
-  a misspelt override raises.
+  Locking is what `primal_dual/configs/*.py` return: command-line overrides of existing fields
+  still work, a misspelt override raises.
   """
   config.lock()
   return config

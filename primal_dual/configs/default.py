@@ -1,23 +1,24 @@
 r"""The default job: UEA JapaneseVowels (bundled with ``aeon``, works offline) with a small model.
 
-Same protocol as ``configs/uea.py`` (BatchNorm, post-norm, learnable positions, flattened read-out,
+Same protocol as ``uea.py`` here (BatchNorm, post-norm, learnable positions, flattened read-out,
 RAdam lr 1e-3, batch 16, test accuracy after every epoch) but a model small enough to train to the
 end in a few minutes on a 2-core CPU: 2 layers, d_model 64, 4 heads, feed-forward 128, 40 epochs.
 
-Command and expected result (``make train`` runs exactly this)::
+Command and expected result (``make train`` runs this, naming the config by its short name
+``--config=default``; installed: ``primal-dual train --config=default --workdir=...``)::
 
-  python train.py --config=configs/default.py --workdir=workdirs/default
+  python train.py --config=primal_dual/configs/default.py --workdir=workdirs/default
 
 prints the final metrics; ``best/test_accuracy`` (best over epochs, the published protocol) and
 ``test/accuracy`` (last epoch). Measured from a fresh clone on the project's idle 2-core CPU VM
 (seed 0, 40 epochs = 496 steps): both 0.9919, 45 s for the training command (3 seeds of the same
 setup: 98.9 ± 0.3% best-test, README).
 
-Arguments: the same as ``configs/uea.py`` (``attention=``, ``protocol=``, ``seed=``, ``epochs=``,
-``runlocal``), e.g. ``--config=configs/default.py:attention=bn_sh``.
+Arguments: the same as ``uea.py`` (``attention=``, ``protocol=``, ``seed=``, ``epochs=``,
+``runlocal``), e.g. ``--config=primal_dual/configs/default.py:attention=bn_sh``.
 """
 
-from configs import uea
+from primal_dual.configs import uea
 from primal_dual.training import config_lib
 
 

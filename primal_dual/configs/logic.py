@@ -10,7 +10,7 @@ every split: ``r2`` (R² against each task's exact target variance, this library
 and ``r2_per_sequence`` (the paper's: ``1 − (ŷ − y)²/var_seq`` per sequence, ``var_seq`` the
 variance of that sequence's ``seq_len`` targets, query included, then averaged).
 
-Arguments (``--config=configs/logic.py:key=value,...``):
+Arguments (``--config=primal_dual/configs/logic.py:key=value,...``):
   preset: 'paper' (the paper's code and headline protocol) or 'cpu' (smaller model and task).
   attention: any name of ``primal_dual.layers.ATTENTION_REGISTRY``.
   seed: model initialisation, data order and dropout. steps: -1 = the preset's.
@@ -28,20 +28,20 @@ dropout 0.1, unidirectional T5 buckets with ``num_buckets = max_distance = seq_l
 bias tables are 2 × 8 × 16 smaller). Batch 128, AdamW lr 1e-3, warm-up 100, cosine to 1e-4
 reached at step 49,900 and held, weight decay 0.1 on non-vector parameters, 50,000 steps::
 
-  python train.py --config=configs/logic.py:preset=paper,attention=hyla \
+  python train.py --config=primal_dual/configs/logic.py:preset=paper,attention=hyla \
       --workdir=workdirs/logic_paper_hyla
 
 ``cpu`` — n = 4, 2 terms, seq_len 16, test fraction 0.5, ``ood`` = term sets with any held-out
 conjunction; the paper's model structure at d 64, 8 heads, q/k/v width 16, 2 layers, MLP 128;
 batch 64, 6000 steps (300 warm-up, cosine to 1e-4), same optimizer::
 
-  python train.py --config=configs/logic.py:preset=cpu,attention=hyla --workdir=workdirs/logic_hyla
+  python train.py --config=primal_dual/configs/logic.py:preset=cpu,attention=hyla --workdir=workdirs/logic_hyla
 
 The results in ``results/logic.md`` were measured with the earlier model of this preset (q/k/v
 width = model width, bidirectional buckets, no attention dropout, xavier MLP).
 """
 
-from configs.sraven import paper_model, preset_config
+from primal_dual.configs.sraven import paper_model, preset_config
 from primal_dual.training import config_lib
 
 PAPER_DATA = dict(num_variables=4, num_terms=2, seq_len=32, ood_fraction=0.25, split_seed=0,

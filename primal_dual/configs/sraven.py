@@ -1,6 +1,6 @@
 r"""Symbolic Raven (sRAVEN): compositional generalisation of HYLA, softmax and linear attention.
 
-Arguments (``--config=configs/sraven.py:key=value,...``):
+Arguments (``--config=primal_dual/configs/sraven.py:key=value,...``):
   preset: 'paper' (the HYLA paper's code, for an accelerator) or 'cpu' (a smaller problem and
     model of the same structure, for a 2-core CPU), see ``PRESETS``.
   attention: any name of ``primal_dual.layers.ATTENTION_REGISTRY`` (softmax, linear_plain, hyla,
@@ -28,7 +28,7 @@ warm-up``) and held, 156,250 steps (20M problems). Test and OOD: 51,200 problems
 paper's code; ``validation`` (4,096 problems, in distribution, its own stream) is this library's
 addition for checkpoint selection. A job for an accelerator::
 
-  python train.py --config=configs/sraven.py:preset=paper,attention=hyla \
+  python train.py --config=primal_dual/configs/sraven.py:preset=paper,attention=hyla \
       --workdir=workdirs/sraven_paper_hyla
 
 ``cpu`` — the same model structure (q/k/v width apart from the model width with head size 4,
@@ -38,7 +38,7 @@ the 120 rule multisets (30) held out; d 64, 8 heads, q/k/v width 32, 2 layers, M
 AdamW lr 1e-3, 500 warm-up steps, cosine to 1e-4 at 12k steps, weight decay 0.1. Whole-panel
 chance is 8⁻³ = 0.2%::
 
-  python train.py --config=configs/sraven.py:preset=cpu,attention=hyla \
+  python train.py --config=primal_dual/configs/sraven.py:preset=cpu,attention=hyla \
       --workdir=workdirs/sraven_hyla
 
 prints ``test/whole_panel_accuracy`` (in-distribution), ``ood/whole_panel_accuracy`` (held-out
@@ -112,7 +112,7 @@ def apply_runlocal(config) -> None:
 
 
 def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title: str):
-  """The locked config of ``presets[arg.preset]`` for ``task`` (shared with configs/logic.py);
+  """The locked config of ``presets[arg.preset]`` for ``task`` (shared with logic.py);
   ``title`` names the task in messages."""
   if arg.preset not in presets:
     raise ValueError(f"unknown {title} preset {arg.preset!r}; choose one of {sorted(presets)}")

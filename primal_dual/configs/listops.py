@@ -41,11 +41,11 @@ model, 4 steps: a smoke test).
 Commands::
 
   # JAX LRA, full scale (accelerator; LRA reports 36.37% test accuracy for softmax)
-  python train.py --config=configs/listops.py:setting=jax_lra,preset=full,attention=softmax \
+  python train.py --config=primal_dual/configs/listops.py:setting=jax_lra,preset=full,attention=softmax \
       --workdir=workdirs/listops_lra_softmax
   # PyTorch lineage on the short preset (CPU: a step costs about 1.3 s of CPU time, so 1–1.5 h
   # on 2 cores; results/listops.md holds the measured accuracies)
-  python train.py --config=configs/listops.py:setting=pytorch,preset=short,attention=bn_sh \
+  python train.py --config=primal_dual/configs/listops.py:setting=pytorch,preset=short,attention=bn_sh \
       --workdir=workdirs/listops_short_bn_sh
   # every variant × 3 seeds, tabulated: python scripts/reproduce_listops.py
 """

@@ -4,7 +4,7 @@ Reference model: 2 layers, d_model 512, 8 heads, feed-forward 2048, dropout 0.1,
 positional embedding, BatchNorm, post-norm, flattened read-out (the TST lineage of the protocol),
 RAdam lr 1e-3, batch 16, 100 epochs (PEMS-SF 400), evaluation after every epoch.
 
-Arguments (``--config=configs/uea.py:key=value,...``):
+Arguments (``--config=primal_dual/configs/uea.py:key=value,...``):
   dataset: archive name (``DATASETS``: the ten of the protocol plus BasicMotions). JapaneseVowels
     and BasicMotions ship with ``aeon``; the others are read from
     ``<manual_dir>/<Name>/<Name>_{TRAIN,TEST}.ts``.
@@ -13,7 +13,7 @@ Arguments (``--config=configs/uea.py:key=value,...``):
   protocol: 'best_test' (report ``best/test_accuracy``, the best test accuracy over epochs: what
     published tables use, optimistic) or 'clean' (a stratified 20% validation split carved from
     TRAIN picks the checkpoint; report ``selected/test_accuracy``).
-  size: 'reference' (the protocol's model) or 'small' (the ``configs/default.py`` model: d_model 64,
+  size: 'reference' (the protocol's model) or 'small' (the ``default.py`` model: d_model 64,
     4 heads, feed-forward 128, for CPU budgets); ``MODEL_SIZES``.
   seed: model/data-order seed. epochs: -1 = the protocol's (100, PEMS-SF 400).
   manual_dir, data_dir: data folders. runlocal: a tiny model (1 layer, d 16, 2 heads) and 2 epochs
@@ -36,7 +36,7 @@ proportions (``sh_ratios_for``): short → (1,1,2,2) / (1,2), medium → (1,1,2,
 
 Command (one run) and what to expect::
 
-  python train.py --config=configs/uea.py:dataset=JapaneseVowels,attention=softmax \
+  python train.py --config=primal_dual/configs/uea.py:dataset=JapaneseVowels,attention=softmax \
       --workdir=workdirs/uea_jv_softmax
 
 prints the final metrics, among them ``best/test_accuracy`` (best-test protocol). The published
@@ -87,7 +87,7 @@ def sh_ratios_for(ratios: tuple[int, ...], num_heads: int) -> tuple[int, ...]:
 
 def _check_choice(name: str, value: str, choices) -> None:
   if value not in choices:
-    raise errors.ConfigError(f"configs/uea.py: unknown {name} {value!r}; choose one of "
+    raise errors.ConfigError(f"primal_dual/configs/uea.py: unknown {name} {value!r}; choose one of "
                              f"{', '.join(sorted(choices))}")
 
 

@@ -39,10 +39,10 @@ Arguments: ``dataset``, ``model`` (micro | tiny | small; '' = the data set's def
 Commands::
 
   # CPU demo (about 3 minutes on 2 cores)
-  python train.py --config=configs/images.py:dataset=digits,attention=softmax \
+  python train.py --config=primal_dual/configs/images.py:dataset=digits,attention=softmax \
       --workdir=workdirs/digits_softmax
   # DeiT-tiny on ImageNet (accelerators; prepare imagenet2012 with TFDS first)
-  python train.py --config=configs/images.py:dataset=imagenet2012,model=tiny,attention=bn_sh,\
+  python train.py --config=primal_dual/configs/images.py:dataset=imagenet2012,model=tiny,attention=bn_sh,\
 data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_bn_sh
   # every variant × 3 seeds on digits, tabulated: python scripts/reproduce_images.py
 """

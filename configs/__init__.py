@@ -1,1 +1,0 @@
-"""Experiment configs: each module defines ``get_config(arg=None)`` returning a locked ConfigDict."""

@@ -1,0 +1,48 @@
+"""The `primal-dual` console command (pyproject.toml `[project.scripts]`)::
+
+  primal-dual train --config=default:runlocal --workdir=/tmp/run   # the same as python train.py
+  primal-dual eval --workdir=/tmp/run                               # the same as python eval.py
+  primal-dual reproduce uea --dry_run                    # python scripts/reproduce_uea.py --dry_run
+
+`primal-dual <command> --help` lists a command's flags. `train` and `eval` are absl programs
+(`primal_dual/commands/train.py`, `evaluate.py`); `reproduce TASK` runs the grid of
+`primal_dual/experiments/reproduce/<TASK>.py`. A problem the user can fix is one line
+`error: ...` with exit status 2.
+"""
+
+import importlib
+import sys
+from typing import NoReturn
+
+PROG = 'primal-dual'
+
+# Command → module with `define_flags()` and an absl `main(argv)`.
+ABSL_COMMANDS = {'train': 'primal_dual.commands.train', 'eval': 'primal_dual.commands.evaluate'}
+COMMANDS = (*ABSL_COMMANDS, 'reproduce')
+
+
+def _run_absl_command(name: str, args: list[str]) -> NoReturn:
+  """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status)."""
+  from primal_dual.training import cli  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(ABSL_COMMANDS[name])
+  sys.argv = [f'{PROG} {name}', *args]  # absl's --help names sys.argv[0] and prints __main__'s doc
+  sys.modules['__main__'].__doc__ = module.__doc__
+  module.define_flags()
+  cli.run_command(module.main, sys.argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if not argv or argv[0] in ('-h', '--help', 'help'):
+    print(__doc__, file=sys.stdout if argv else sys.stderr)
+    return 0 if argv else 2
+  name, args = argv[0], argv[1:]
+  if name in ABSL_COMMANDS:
+    _run_absl_command(name, args)  # exits
+  if name == 'reproduce':
+    from primal_dual.commands import reproduce  # pylint: disable=g-import-not-at-top
+    return reproduce.main(args)
+  print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} "
+        f"(`{PROG} --help`)", file=sys.stderr)
+  return 2

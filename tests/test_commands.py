@@ -1,0 +1,91 @@
+"""The `primal-dual` console command (`python -m primal_dual`): its subcommands are train.py,
+eval.py and the reproduce grids, run from any folder; user errors are one line with exit status 2."""
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from primal_dual import commands
+from primal_dual.commands import reproduce
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
+  """`python -m primal_dual ARGS` in `cwd` (not the clone: packaged configs must be found)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT,
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run([sys.executable, "-m", "primal_dual", *args], capture_output=True,
+                        text=True, env=env, cwd=cwd, timeout=120, check=False)
+
+
+def _one_line_error(result: subprocess.CompletedProcess, pattern: str) -> None:
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_the_console_script_is_the_commands_main():
+  with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+    scripts = tomllib.load(f)["project"]["scripts"]
+  assert scripts == {"primal-dual": "primal_dual.commands:main"}
+
+
+def test_help_lists_the_commands(tmp_path):
+  result = _run(["--help"], tmp_path)
+  assert result.returncode == 0
+  for name in commands.COMMANDS:
+    assert f"primal-dual {name}" in result.stdout
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["trian"], r"unknown command 'trian'; choose one of train, eval, reproduce"),
+    (["reproduce", "uae"], r"unknown reproduction 'uae'; choose one of uea, listops, images"),
+    (["train", "--config=uae", "--workdir=w"], r"unknown config 'uae'; packaged configs: default"),
+    (["train", "--config=default:runlocal", "--config.optimzer.lr=1", "--workdir=w"],
+     r"did you mean --config\.optimizer\.lr\?"),
+    (["eval", "--workdir=no_such_workdir"], r"config\.json not found"),
+])
+def test_user_errors_are_one_line(args, pattern, tmp_path):
+  _one_line_error(_run(args, tmp_path), pattern)
+
+
+def test_no_command_prints_the_usage_and_fails(tmp_path):
+  result = _run([], tmp_path)
+  assert result.returncode == 2 and "primal-dual train" in result.stderr
+
+
+def test_train_and_eval_help_list_their_flags(tmp_path):
+  # absl's --help exits with status 1, as `python train.py --help` does.
+  train = _run(["train", "--help"], tmp_path)
+  assert "primal-dual train" in train.stdout
+  assert "--config" in train.stdout and "--workdir" in train.stdout
+  evaluate = _run(["eval", "--help"], tmp_path)
+  assert "--checkpoint" in evaluate.stdout and "--analyses" in evaluate.stdout
+
+
+def test_reproduce_help_lists_the_tasks_and_each_grid_its_flags(tmp_path):
+  result = _run(["reproduce", "--help"], tmp_path)
+  assert result.returncode == 0
+  assert all(task in result.stdout for task in reproduce.TASKS)
+  grid_help = _run(["reproduce", "uea", "--help"], tmp_path)
+  assert grid_help.returncode == 0
+  assert grid_help.stdout.startswith("usage: primal-dual reproduce uea")
+  assert "--jobs" in grid_help.stdout
+
+
+@pytest.mark.parametrize("task", reproduce.TASKS)
+def test_scripts_are_thin_wrappers_of_the_packaged_grids(task):
+  path = os.path.join(REPO_ROOT, "scripts", f"reproduce_{task}.py")
+  spec = importlib.util.spec_from_file_location(f"wrapper_{task}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  packaged = importlib.import_module(f"primal_dual.experiments.reproduce.{task}")
+  assert module.main is packaged.main
