@@ -219,3 +219,25 @@ def test_timestamped_ts_rejected(tmp_path):
   path.write_text("@timeStamps true\n@classLabel true a\n@data\n(0,1):a\n")
   with pytest.raises(ValueError, match="timeStamps"):
     uea.read_ts(path)
+
+
+def test_prepared_data_follow_their_source_files(tmp_path):
+  """A prepared data set records its source files: an edited file or another manual_dir is
+  prepared again, a manual_dir that does not exist is an error (never the bundled copy)."""
+  tfds_dir, manual, other = tmp_path / "tfds", tmp_path / "manual", tmp_path / "other"
+  rows = ["1,2,3:10,20,30:10", "3,4,5:30,40,50:9", "5,6:50,60:2"]
+  for folder in (manual, other):
+    _write_ts(folder / "Heartbeat" / "Heartbeat_TRAIN.ts", rows)
+    _write_ts(folder / "Heartbeat" / "Heartbeat_TEST.ts", ["1,2,3,4,5:10,20:10"])
+
+  def train_labels(manual_dir):
+    sources = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual_dir)
+    return _stack(sources["train"])["label"].tolist()
+
+  assert train_labels(manual) == [2, 1, 0]
+  _write_ts(manual / "Heartbeat" / "Heartbeat_TRAIN.ts", rows[:2] + ["5,6:50,60:10"])
+  # Labels 10, 9, 10: classes 9 and 10 only, so 10 -> 1; the edited file, not the old copy.
+  assert train_labels(manual) == [1, 0, 1]
+  assert train_labels(other) == [2, 1, 0]  # another manual_dir: its own files
+  with pytest.raises(FileNotFoundError, match="manual_dir .*missing does not exist"):
+    builders.uea_sources("JapaneseVowels", data_dir=tfds_dir, manual_dir=tmp_path / "missing")

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
+import json
 import os
-from typing import Any, Iterator, Mapping, Sequence
+import shutil
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -120,22 +123,59 @@ def decoded_sources(builder: tfds.core.DatasetBuilder,
           for s, r in zip(splits, raw)}
 
 
+SOURCE_FINGERPRINT_FILE = "source_fingerprint.json"
+
+
+def file_fingerprint(paths: Mapping[str, os.PathLike[str] | str]) -> dict[str, dict[str, Any]]:
+  """``{name: {'path', 'size', 'sha256'}}`` of source files (resolved paths, content hashes)."""
+  out = {}
+  for name, path in sorted(paths.items()):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+      for chunk in iter(lambda: f.read(1 << 20), b""):
+        digest.update(chunk)
+    out[name] = {"path": os.path.realpath(path), "size": os.path.getsize(path),
+                 "sha256": digest.hexdigest()}
+  return out
+
+
+def _stored_fingerprint(builder) -> dict | None:
+  path = os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _is_current(builder, fingerprint: dict | None) -> bool:
+  """Prepared from these sources (``fingerprint`` None: sources unknown, any preparation is)."""
+  return builder.is_prepared() and (fingerprint is None
+                                    or _stored_fingerprint(builder) == fingerprint)
+
+
 def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
                      config: str | tfds.core.BuilderConfig, *,
                      data_dir: str | os.PathLike[str] | None = None,
-                     manual_dir: str | os.PathLike[str] | None = None
+                     manual_dir: str | os.PathLike[str] | None = None,
+                     source_fingerprint: Callable[[], dict | None] | None = None
                      ) -> tfds.core.GeneratorBasedBuilder:
   """Opens ``builder_cls`` with ``config`` in ``data_dir``, preparing it first if needed.
 
   Preparation holds an exclusive file lock next to the data, so processes that start at once
   (a grid's ``--jobs``, several hosts on one file system) prepare a data set once and the others
   wait for it, instead of writing the same folder concurrently.
+
+  ``source_fingerprint()`` describes the files a preparation reads (``file_fingerprint``; None when
+  they cannot be found, e.g. deleted after preparing). It is stored beside the prepared data; a
+  data set prepared from other files (edited, or another ``manual_dir``), or prepared before
+  fingerprints were kept, is prepared again.
   """
   def open_builder():
     return builder_cls(config=config, data_dir=None if data_dir is None else os.fspath(data_dir),
                        file_format=FILE_FORMAT)
+  fingerprint = None if source_fingerprint is None else source_fingerprint()
   builder = open_builder()
-  if builder.is_prepared():
+  if _is_current(builder, fingerprint):
     return builder
   lock_path = os.path.join(os.path.dirname(builder.data_dir), ".prepare.lock")
   os.makedirs(os.path.dirname(lock_path), exist_ok=True)
@@ -143,11 +183,29 @@ def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     # Reopened: a builder made before another process finished has no prepared metadata.
     builder = open_builder()
-    if not builder.is_prepared():
+    if not _is_current(builder, fingerprint):
+      if builder.is_prepared():  # prepared from other source files: prepare again
+        shutil.rmtree(builder.data_dir)
+        builder = open_builder()
       download_config = tfds.download.DownloadConfig(
           manual_dir=None if manual_dir is None else os.fspath(manual_dir))
       builder.download_and_prepare(download_config=download_config)
+      if fingerprint is not None:
+        with open(os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE), "w") as f:
+          json.dump(fingerprint, f, indent=1, sort_keys=True)
   return builder
+
+
+def uea_fingerprint(name: str, manual_dir) -> Callable[[], dict | None]:
+  """``source_fingerprint`` of a UEA data set: its two ``.ts`` files, or None if they are gone
+  (a prepared copy is then used as it is; without one, preparing reports the missing files)."""
+  def fingerprint():
+    uea.check_manual_dir(name, manual_dir)
+    try:
+      return file_fingerprint(uea.ts_paths(name, manual_dir))
+    except FileNotFoundError:
+      return None
+  return fingerprint
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,10 +382,10 @@ def uea_sources(name: str, *, data_dir: str | os.PathLike[str] | None = None,
   unknown = [s for s in splits if s not in uea.ALL_SPLITS]
   if unknown:
     raise ValueError(f"Unknown UEA split(s) {unknown}; choose from {list(uea.ALL_SPLITS)}.")
-  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir,
-                                      manual_dir=manual_dir)
+  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir, manual_dir=manual_dir,
+                             source_fingerprint=uea_fingerprint(name, manual_dir))
   archive = decoded_sources(builder, [s for s in uea.ARCHIVE_SPLITS
-                                               if s in splits or s == "train"])
+                                      if s in splits or s == "train"])
   out = {s: archive[s] for s in uea.ARCHIVE_SPLITS if s in splits}
   if any(s in uea.CLEAN_SPLITS for s in splits):
     labels = np.asarray(builder.info.metadata["train_labels"], np.int32)
@@ -348,8 +406,8 @@ def uea_info(name: str, *, data_dir: str | os.PathLike[str] | None = None,
     ``dict(num_classes, num_channels, max_length, num_train, num_test, class_names)``.
   """
   uea.check_name(name)
-  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir,
-                                      manual_dir=manual_dir)
+  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir, manual_dir=manual_dir,
+                             source_fingerprint=uea_fingerprint(name, manual_dir))
   metadata: Mapping[str, Any] = builder.info.metadata
   keys = ("num_classes", "num_channels", "max_length", "num_train", "num_test", "class_names")
   return {k: metadata[k] for k in keys}

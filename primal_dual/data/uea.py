@@ -181,6 +181,18 @@ def read_ts(path: str | os.PathLike[str]) -> TsFile:
   return TsFile(series=series, labels=np.asarray(labels, dtype=str), header=header)
 
 
+def check_manual_dir(name: str, manual_dir: str | os.PathLike[str] | None) -> None:
+  """Raises FileNotFoundError for a user's ``manual_dir`` that does not exist, naming the files
+  it should hold (never falling back to a bundled copy the user did not ask for)."""
+  if manual_dir is None or pathlib.Path(manual_dir).is_dir():
+    return
+  expected = [str(pathlib.Path(manual_dir) / name / f"{name}_{s.upper()}.ts")
+              for s in ARCHIVE_SPLITS]
+  raise FileNotFoundError(
+      f"manual_dir {manual_dir} does not exist; UEA data set {name} would be read from "
+      f"{expected[0]} and {expected[1]}. " + DOWNLOAD_HELP)
+
+
 def ts_paths(name: str,
              manual_dir: str | os.PathLike[str] | None = None) -> dict[str, pathlib.Path]:
   """Returns ``{'train': path, 'test': path}`` of a data set's `.ts` files.
