@@ -1,4 +1,4 @@
-"""Helpers shared by the test modules: config overrides, the tiny synthetic config, and a fresh
+"""Helpers shared by the test modules: the tiny synthetic config, random attention inputs, and a fresh
 persistent compilation cache per module."""
 
 import jax
@@ -7,17 +7,6 @@ import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
 
 from primal_dual.training import config_lib
-
-
-def set_fields(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
-  """Sets dotted fields (``{'optimizer.lr': 0.1}``) of ``config`` in place and returns it."""
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('.')
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
@@ -39,7 +28,7 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
   config.data = ml_collections.ConfigDict(dict(
       num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3))
-  return set_fields(config, overrides)
+  return config_lib.with_fields(config, overrides)
 
 
 _CACHE_OPTIONS = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',

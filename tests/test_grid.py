@@ -119,3 +119,35 @@ def test_report_command_keeps_the_command_of_the_report_it_replaces(tmp_path):
   # A grid that trains names its own command, whatever the old report said.
   assert grid.report_command("scripts/x.py", ["--jobs=2"], str(markdown), report_only=False) == (
       "python scripts/x.py --jobs=2")
+
+
+def test_replica_runs_give_one_record_per_seed(tmp_path):
+  """A GridRun with replica_seeds trains them in one program and yields a record per seed, read
+  from <root>/<name>/seed_<s>; a second call reuses them."""
+  run = grid.GridRun(name="pair", config_file="sraven", config_arg="runlocal",
+                     tags={"attention": "softmax"}, overrides={"steps_per_call": 2},
+                     replica_seeds=(0, 5))
+  config = run.config()
+  assert tuple(config.seeds) == (0, 5) and config.train_data_on_device and config.steps_per_call == 2
+  results = str(tmp_path / "results.json")
+  records = grid.run_grid([run], str(tmp_path / "runs"), results, log=lambda _: None)
+  assert [(r["name"], r["seed"]) for r in records] == [("pair/seed_0", 0), ("pair/seed_5", 5)]
+  assert records[0]["metrics"] != records[1]["metrics"]
+  assert records[0]["overrides"] == {"steps_per_call": 2, "seeds": [0, 5]}
+  for record in records:
+    assert record["metrics"]["model/num_parameters"] > 0
+  assert run.is_finished(str(tmp_path / "runs"))
+  assert grid.run_grid([run], str(tmp_path / "runs"), results, log=lambda _: None) == records
+
+
+def test_hyla_grids_group_seeds_into_replica_runs():
+  from primal_dual.experiments.reproduce import sraven as reproduce_sraven  # pylint: disable=g-import-not-at-top
+  runs = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
+  main, ablations = reproduce_sraven.GRID_VARIANTS["paper"]
+  assert [r.tags["attention"] for r in runs[:3]] == list(main)
+  assert all(r.replica_seeds == (0, 1, 2) for r in runs[:3])
+  assert [(r.tags["attention"], r.tags["seed"], r.replica_seeds) for r in runs[3:]] == [
+      (name, 0, ()) for name in ablations]
+  assert all(r.overrides == {"train_data_on_device": True, "steps_per_call": 125} for r in runs)
+  plain = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1)
+  assert len(plain) == 3 * 3 + len(ablations) and not any(r.overrides for r in plain)

@@ -1,7 +1,6 @@
 """Several optimizer steps per jitted call (config.steps_per_call) and training batches made on
 the device (config.train_data_on_device), on the sRAVEN and logic tasks."""
 
-import helpers
 import jax
 import ml_collections
 import numpy as np
@@ -13,6 +12,7 @@ from primal_dual.data import logic
 from primal_dual.data import sraven
 from primal_dual.experiments import logic as logic_task
 from primal_dual.experiments import sraven as sraven_task
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import trainer
 
@@ -25,7 +25,7 @@ def _config(module=sraven_configs, **overrides):
   config = ml_collections.ConfigDict(module.get_config("runlocal").to_dict())
   config.update(dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4,
                      checkpoint_every_steps=4, async_checkpointing=False))
-  return helpers.set_fields(config, overrides)
+  return config_lib.with_fields(config, overrides)
 
 
 def _train(config, workdir):

@@ -2,8 +2,8 @@
 
 import pytest
 
-import helpers
 from primal_dual.experiments.grid import load_config
+from primal_dual.training import config_lib
 from primal_dual.training import errors, trainer
 
 CONFIG = "primal_dual/configs/uea.py"
@@ -17,7 +17,7 @@ def data_dir(tmp_path_factory):
 def _config(arg, **overrides):
   config = load_config(CONFIG, arg)
   with config.unlocked():
-    return helpers.set_fields(config, overrides)
+    return config_lib.with_fields(config, overrides)
 
 
 def test_unknown_attention_name_lists_the_known_ones():

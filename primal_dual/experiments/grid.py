@@ -38,11 +38,40 @@ RUN_LOG = "grid_run.log"
 
 @dataclasses.dataclass(frozen=True)
 class GridRun:
-  """One job: ``get_config(config_arg)`` of ``config_file``, trained in ``<root>/<name>``."""
+  """One job: ``get_config(config_arg)`` of ``config_file``, trained in ``<root>/<name>``.
+
+  ``overrides`` sets config fields after ``get_config`` (dotted names, e.g.
+  ``{'steps_per_call': 125}``). With ``replica_seeds`` the job trains those seeds in one program
+  (``config.seeds``; batches made on the device) and yields one record per seed, each read from
+  ``<root>/<name>/seed_<s>``.
+  """
   name: str
   config_file: str
   config_arg: str
   tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  replica_seeds: tuple[int, ...] = ()
+
+  def config(self):
+    """The run's config: ``get_config(config_arg)`` with the overrides (and seeds) set."""
+    config = load_config(self.config_file, self.config_arg)
+    overrides = dict(self.overrides)
+    if self.replica_seeds:
+      overrides.update(seeds=tuple(self.replica_seeds), train_data_on_device=True)
+    if not overrides:
+      return config
+    from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
+    return config_lib.with_fields(config, overrides)
+
+  def workdirs(self, root: str) -> list[tuple[int | None, str]]:
+    """``(seed, workdir)`` of each model the run trains: one, or one per replica seed."""
+    workdir = os.path.join(root, self.name)
+    if not self.replica_seeds:
+      return [(None, workdir)]
+    return [(seed, os.path.join(workdir, f"seed_{seed}")) for seed in self.replica_seeds]
+
+  def is_finished(self, root: str) -> bool:
+    return all(is_finished(workdir) for _, workdir in self.workdirs(root))
 
 
 def load_config(config_file: str, config_arg: str | None):
@@ -170,7 +199,7 @@ def shared_machine_note(command: str) -> str:
 def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) one run; returns its final metrics and the wall time it took here."""
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
-  config = load_config(run.config_file, run.config_arg)
+  config = run.config()
   start = time.time()
   metrics = trainer.train_and_evaluate(config, workdir)
   info_path = os.path.join(workdir, RUN_INFO)
@@ -194,7 +223,9 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
   repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
   command = [sys.executable, "-m", "primal_dual.experiments.grid", run.config_file,
-             run.config_arg, workdir]
+             run.config_arg, workdir,
+             json.dumps({"overrides": dict(run.overrides),
+                         "replica_seeds": list(run.replica_seeds)})]
   log_path = os.path.join(workdir, RUN_LOG)
   with open(log_path, "w") as log_file:
     result = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -209,7 +240,7 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
 def _train_unfinished_in_parallel(runs: Sequence[GridRun], root: str, jobs: int,
                                   log: Callable[[str], None]) -> None:
   """Trains every unfinished run, ``jobs`` subprocesses at a time (finished runs are skipped)."""
-  todo = [run for run in runs if not is_finished(os.path.join(root, run.name))]
+  todo = [run for run in runs if not run.is_finished(root)]
   if not todo:
     return
   log(f"training {len(todo)} runs, {jobs} at a time (logs: <workdir>/{RUN_LOG})")
@@ -252,21 +283,28 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
     _train_unfinished_in_parallel(runs, root, jobs, log)
   records = []
   for index, run in enumerate(runs):
-    workdir = os.path.join(root, run.name)
-    if is_finished(workdir):
+    group_workdir = os.path.join(root, run.name)
+    if run.is_finished(root):
       log(f"[{index + 1}/{len(runs)}] {run.name}: finished earlier, reusing")
     else:
       log(f"[{index + 1}/{len(runs)}] {run.name}: training")
-      train_one(run, workdir)
-    metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
-    info = _read_json(os.path.join(workdir, RUN_INFO)) if os.path.exists(
-        os.path.join(workdir, RUN_INFO)) else {"wall_time_s": float("nan")}
-    record = {"name": run.name, "config_file": run.config_file, "config_arg": run.config_arg,
-              **dict(run.tags), "wall_time_s": info["wall_time_s"],
-              "hardware": info.get("hardware"), "metrics": metrics}
-    if record_fn is not None:
-      record.update(record_fn(run, metrics, workdir))
-    records.append(record)
+      train_one(run, group_workdir)
+    info_path = os.path.join(group_workdir, RUN_INFO)
+    # Replicas trained together share one wall time (that of the whole program).
+    info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
+    for seed, workdir in run.workdirs(root):
+      metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
+      record = {"name": run.name if seed is None else f"{run.name}/seed_{seed}",
+                "config_file": run.config_file, "config_arg": run.config_arg,
+                **dict(run.tags), **({} if seed is None else {"seed": seed}),
+                "wall_time_s": info["wall_time_s"], "hardware": info.get("hardware"),
+                "metrics": metrics}
+      if run.overrides or run.replica_seeds:
+        record["overrides"] = {**dict(run.overrides), **(
+            {"seeds": list(run.replica_seeds)} if run.replica_seeds else {})}
+      if record_fn is not None:
+        record.update(record_fn(run, metrics, workdir))
+      records.append(record)
     _write_json(results_json, records)
   return records
 
@@ -407,14 +445,17 @@ def summary_table(records: Sequence[Mapping[str, Any]], group_by: Sequence[str],
 
 
 def _main(argv: Sequence[str]) -> int:
-  """``python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR``: one run."""
-  if len(argv) != 3:
-    print("usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR",
+  """``python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]``: one run;
+  JSON holds its ``overrides`` and ``replica_seeds``."""
+  if len(argv) not in (3, 4):
+    print("usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
           file=sys.stderr)
     return 2
-  config_file, config_arg, workdir = argv
+  config_file, config_arg, workdir = argv[:3]
+  extra = json.loads(argv[3]) if len(argv) == 4 else {}
   train_one(GridRun(name=os.path.basename(workdir), config_file=config_file,
-                    config_arg=config_arg), workdir)
+                    config_arg=config_arg, overrides=extra.get("overrides", {}),
+                    replica_seeds=tuple(extra.get("replica_seeds", ()))), workdir)
   return 0
 
 

@@ -23,7 +23,7 @@ import difflib
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import ml_collections
 
@@ -186,6 +186,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
       continue
     if not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 <= value < 1):
       raise errors.ConfigError(f'config.model.{name}={value!r} must be in [0, 1)')
+
+
+def with_fields(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
+                ) -> ml_collections.ConfigDict:
+  """An unlocked copy of `config` with dotted fields set (`{'optimizer.lr': 0.1}`)."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split('.')
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
 
 
 def merge(base: ml_collections.ConfigDict,

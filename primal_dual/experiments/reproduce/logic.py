@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = common.parse_args(argv, __doc__.split("\n\n")[0])
   root = args.root or os.path.join("workdirs", f"logic_{'quick' if args.quick else args.preset}")
   stem = RESULTS_STEM + ("_quick" if args.quick else "")
-  runs = common.build_runs(CONFIG_FILE, "logic", args.preset, args.quick, args.steps)
+  runs = common.build_runs(CONFIG_FILE, "logic", args.preset, args.quick, args.steps,
+                           args.steps_per_call, args.seeds_together)
   print(f"Fuzzy-logic grid: {len(runs)} runs under {root}")
   records = grid.records_for_report(runs, root, os.path.join(args.out, f"{stem}.json"),
                                     report_only=args.report_only, record_fn=record_fn,

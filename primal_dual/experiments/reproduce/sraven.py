@@ -84,18 +84,33 @@ def grid_plan(quick: bool, preset: str = "cpu") -> list[tuple[str, int]]:
           + [(attention, 0) for attention in ablations])
 
 
-def build_runs(config_file: str, task: str, preset: str, quick: bool, steps: int
-               ) -> list[grid.GridRun]:
-  """One ``GridRun`` per (attention, seed); ``quick`` uses the configs' ``runlocal``."""
-  runs = []
+def build_runs(config_file: str, task: str, preset: str, quick: bool, steps: int,
+               steps_per_call: int = 1, seeds_together: bool = False) -> list[grid.GridRun]:
+  """The grid's ``GridRun``s; ``quick`` uses the configs' ``runlocal``.
+
+  One run per (attention, seed); with ``seeds_together``, one run per attention trains its seeds
+  as replicas in one program (batches made on the device). ``steps_per_call > 1`` (or
+  ``seeds_together``) trains on device-made batches, that many steps per jitted call.
+  """
+  label = "quick" if quick else preset
+  overrides = ({"train_data_on_device": True, "steps_per_call": steps_per_call}
+               if steps_per_call > 1 or seeds_together else {})
+  seeds_by_variant: dict[str, list[int]] = {}
   for attention, seed in grid_plan(quick, preset):
-    config_arg = f"preset={preset},attention={attention},seed={seed}"
-    config_arg += f",steps={steps}" if steps > 0 else ""
-    config_arg += ",runlocal" if quick else ""
-    label = "quick" if quick else preset
-    runs.append(grid.GridRun(name=f"{task}_{label}_{attention}_s{seed}", config_file=config_file,
-                             config_arg=config_arg,
-                             tags=dict(attention=attention, seed=seed, preset=label)))
+    seeds_by_variant.setdefault(attention, []).append(seed)
+  runs = []
+  for attention, seeds in seeds_by_variant.items():
+    groups = [tuple(seeds)] if seeds_together and len(seeds) > 1 else [(s,) for s in seeds]
+    for group in groups:
+      config_arg = f"preset={preset},attention={attention},seed={group[0]}"
+      config_arg += f",steps={steps}" if steps > 0 else ""
+      config_arg += ",runlocal" if quick else ""
+      together = len(group) > 1
+      runs.append(grid.GridRun(
+          name=f"{task}_{label}_{attention}_s{'-'.join(map(str, group))}",
+          config_file=config_file, config_arg=config_arg,
+          tags=dict(attention=attention, preset=label, **({} if together else {"seed": group[0]})),
+          overrides=overrides, replica_seeds=group if together else ()))
   return runs
 
 
@@ -320,6 +335,11 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
   parser.add_argument("--quick", action="store_true",
                       help="2 tiny runs (softmax, hyla; the configs' runlocal) for smoke tests")
   parser.add_argument("--steps", type=int, default=-1, help="override the preset's steps")
+  parser.add_argument("--steps_per_call", type=int, default=1,
+                      help="optimizer steps per jitted call (> 1: batches made on the device); "
+                           "must divide the preset's log/eval/checkpoint periods (e.g. 125)")
+  parser.add_argument("--seeds_together", action="store_true",
+                      help="train each variant's seeds as replicas of one program (config.seeds)")
   parser.add_argument("--root", default="", help="parent of the runs' workdirs")
   parser.add_argument("--jobs", type=int, default=1,
                       help="runs trained at once, one process each (e.g. 6 on a GPU)")
@@ -335,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv, __doc__.split("\n\n")[0])
   root = args.root or os.path.join("workdirs", f"sraven_{'quick' if args.quick else args.preset}")
   stem = RESULTS_STEM + ("_quick" if args.quick else "")
-  runs = build_runs(CONFIG_FILE, "sraven", args.preset, args.quick, args.steps)
+  runs = build_runs(CONFIG_FILE, "sraven", args.preset, args.quick, args.steps,
+                    args.steps_per_call, args.seeds_together)
   print(f"sRAVEN grid: {len(runs)} runs under {root}")
   results_json = os.path.join(args.out, f"{stem}.json")
   records = grid.records_for_report(runs, root, results_json, report_only=args.report_only,
