@@ -178,12 +178,13 @@ def test_targets_pass_miss_and_missing_data():
 def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   from benchmarks import small_models  # pylint: disable=g-import-not-at-top
   assert small_models.main(["--quick", "--models", "logic", "--variants", "linear_plain",
-                            "--steps-per-call", "2", "--repeats", "1",
-                            "--out-dir", str(tmp_path)]) == 0
+                            "--steps-per-call", "2", "--seeds-per-program", "1,2",
+                            "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
   payload = json.loads((tmp_path / "small_models.json").read_text())
-  (row,) = payload["rows"]
-  assert (row["model"], row["variant"], row["steps_per_call"], row["data"]) == (
-      "logic", "linear_plain", 2, "device")
+  row, pair = payload["rows"]
+  assert (row["model"], row["variant"], row["steps_per_call"], row["seeds"], row["data"]) == (
+      "logic", "linear_plain", 2, 1, "device")
+  assert pair["seeds"] == 2 and pair["ms_per_step"] > 0
   assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"],
                                                  1e3 / row["ms_per_step"])
-  assert "| logic | linear_plain | 2 | device |" in (tmp_path / "small_models.md").read_text()
+  assert "| logic | linear_plain | 2 | 1 | device |" in (tmp_path / "small_models.md").read_text()
