@@ -106,8 +106,13 @@ def refuse_grouped_heads(shapes: QKVShapes, kernel: str, reason: str) -> None:
                      f"{shapes.heads} query heads and {shapes.kv_heads} key/value heads")
 
 
-def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array | None:
+def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes, *,
+                         materialize: bool = True) -> Array | None:
   """Broadcasts a mask or bias to ``[B, heads, q_len, kv_len]`` with the batch flattened.
+
+  With ``materialize=False`` an argument shared by every example (e.g. a relative-position bias
+  ``[1, heads, q, k]``) stays ``[1, ...]`` (4-D, broadcastable) instead of being copied per
+  example; kernels that combine it by broadcasting (HYLA's batched einsums) take that form.
 
   Returns None for None. Raises ValueError when ``x`` does not broadcast.
   """
@@ -116,12 +121,18 @@ def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array
   target = (*shapes.batch_shape, shapes.heads, shapes.q_len, shapes.kv_len)
   x = jnp.asarray(x)
   try:
-    x = jnp.broadcast_to(x, target)
+    full = jnp.broadcast_shapes(x.shape, target)
   except ValueError:
+    full = None
+  if full != target:
     raise ValueError(
         f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
-        f" = {target}") from None
-  return x.reshape((-1, *target[-3:]))
+        f" = {target}")
+  x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
+  batch_axes = len(shapes.batch_shape)
+  if not materialize and all(n == 1 for n in x.shape[:batch_axes]):
+    return x.reshape((1, *x.shape[batch_axes:]))
+  return jnp.broadcast_to(x, target).reshape((-1, *target[-3:]))
 
 
 # causal_alignment -> offset(q_len, kv_len): query i sees keys j <= i + offset.
@@ -165,15 +176,16 @@ def as_bool_mask(mask) -> Array | None:
 
 
 def prepare_mask_and_bias(mask, bias, shapes: QKVShapes, is_causal: bool = False,
-                          causal_alignment: str = "top_left"):
-  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None.
+                          causal_alignment: str = "top_left", *, materialize: bool = True):
+  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None
+  (``materialize=False``: see :func:`broadcast_logits_arg`).
 
   ``mask`` may have any dtype (nonzero = may attend); the result is bool.
   """
   mask = combine_causal(as_bool_mask(mask), is_causal, shapes.q_len, shapes.kv_len,
                         causal_alignment)
-  return (broadcast_logits_arg(mask, "mask", shapes),
-          broadcast_logits_arg(bias, "bias", shapes))
+  return (broadcast_logits_arg(mask, "mask", shapes, materialize=materialize),
+          broadcast_logits_arg(bias, "bias", shapes, materialize=materialize))
 
 
 def to_heads_major(x: Array) -> Array:

@@ -36,18 +36,19 @@ from primal_dual.kernels import hyla_blockwise
 RMS_EPS = hyla_blockwise.RMS_EPS  # one constant for the dense and the blockwise paths
 
 
-def hyla_scores_one_head(q, k, bias, mask, *, scale: float, precision=None):
-  """Raw scores of one head, zero where masked.
+def hyla_scores(q, k, bias, mask, *, scale: float, precision=None):
+  """Raw scores of every head, zero where masked.
 
   Args:
-    q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``.
-    bias: ``[q_len, kv_len]`` additive or None. mask: ``[q_len, kv_len]`` bool or None.
+    q: ``[B, q_len, H, d_qk]``. k: ``[B, kv_len, H, d_qk]`` (Flax's layout, batch flattened:
+      batched einsums in this layout are what XLA runs fastest, no heads-major copies).
+    bias: ``[B, H, q_len, kv_len]`` additive or None. mask: bool, the same shape, or None.
     scale: multiplies ``qᵀk`` (``1/√d_qk`` by default).
 
   Returns:
-    float32 ``[q_len, kv_len]``.
+    float32 ``[B, H, q_len, kv_len]``.
   """
-  scores = jnp.einsum("qd,kd->qk", q, k, precision=precision,
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision,
                       preferred_element_type=C.F32) * scale
   if bias is not None:
     scores = scores + bias.astype(C.F32)
@@ -87,19 +88,20 @@ NORMALIZATIONS: dict[str, Callable] = {
 }
 
 
-# --- Value networks for one example: a [H, q, kv] float32, v [H, kv, d_v] -> [H, q, d_v] f32. ---
-# Operands are cast to the value dtype and accumulated in float32 (like _common.contract_values).
+# --- Value networks: a [B, H, q, kv] float32, v [B, kv, H, d_v] (Flax layout) -> [B, q, H, d_v]
+# float32 (Flax layout again). Operands are cast to the value dtype and accumulated in float32 (like
+# _common.contract_values); every batch and head is one einsum (the heads are coupled anyway).
 
 
 def _mix_heads(a, v, precision):
-  """``Σ_h a_hij v_hj`` -> ``[q, kv, d_v]`` float32."""
-  return jnp.einsum("hqk,hkd->qkd", a.astype(v.dtype), v, precision=precision,
+  """``Σ_h a_hij v_hj`` -> ``[B, q, kv, d_v]`` float32."""
+  return jnp.einsum("bhqk,bkhd->bqkd", a.astype(v.dtype), v, precision=precision,
                     preferred_element_type=C.F32)
 
 
 def _read_out(a, u, dtype, precision):
-  """``out_hi = Σ_j a_hij u_ij`` -> ``[H, q, d_v]`` float32."""
-  return jnp.einsum("hqk,qkd->hqd", a.astype(dtype), u.astype(dtype), precision=precision,
+  """``out_hi = Σ_j a_hij u_ij`` -> ``[B, q, H, d_v]`` float32."""
+  return jnp.einsum("bhqk,bqkd->bqhd", a.astype(dtype), u.astype(dtype), precision=precision,
                     preferred_element_type=C.F32)
 
 
@@ -115,7 +117,7 @@ def mlp_linear_value_network(a, v, precision=None):
 
 def linear_value_network(a, v, precision=None):
   """``out_hi = Σ_j a_hij v_hj``: plain per-head attention with weights ``a``."""
-  return jnp.einsum("hqk,hkd->hqd", a.astype(v.dtype), v, precision=precision,
+  return jnp.einsum("bhqk,bkhd->bqhd", a.astype(v.dtype), v, precision=precision,
                     preferred_element_type=C.F32)
 
 
@@ -133,18 +135,18 @@ def _lookup(registry: dict, name: str, argument: str):
 
 
 def _chunked_over_queries(fn: Callable, a, v, chunk: int):
-  """Runs ``fn(a_block, v) -> [B, H, c, d_v]`` over query blocks of size ``chunk``.
+  """Runs ``fn(a_block, v) -> [B, c, H, d_v]`` over query blocks of size ``chunk``.
 
   ``a`` is ``[B, H, q_len, kv]``; q_len is zero-padded to a multiple of ``chunk`` (padded rows have
-  a = 0, hence output 0) and sliced off again.
+  a = 0, hence output 0) and sliced off again. Returns ``[B, q_len, H, d_v]``.
   """
   batch, heads, q_len, kv_len = a.shape
   num_chunks = -(-q_len // chunk)
   a = jnp.pad(a, ((0, 0), (0, 0), (0, num_chunks * chunk - q_len), (0, 0)))
   blocks = jnp.moveaxis(a.reshape(batch, heads, num_chunks, chunk, kv_len), 2, 0)
-  out = jax.lax.map(lambda block: fn(block, v), blocks)  # [chunks, B, H, c, d_v]
-  out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, num_chunks * chunk, -1)
-  return out[:, :, :q_len]
+  out = jax.lax.map(lambda block: fn(block, v), blocks)  # [chunks, B, c, H, d_v]
+  out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk, heads, -1)
+  return out[:, :q_len]
 
 
 def blockwise_supported(*, normalization: str, deterministic: bool, dropout_rate: float,
@@ -227,21 +229,20 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
         query, key, value, bias, mask, block_size=block_size, is_causal=is_causal,
         causal_alignment=causal_alignment, normalization=normalization,
         value_network=value_network, scale=scale, dtype=dtype, precision=precision)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
+  # A bias or mask shared by the examples stays [1, H, q, kv]: the einsums broadcast it.
+  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment,
+                                       materialize=False)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+  q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (query, key, value))  # batch flattened
 
-  def scores_fn(q, k, bias, mask):
-    return hyla_scores_one_head(q, k, bias, mask, scale=scale, precision=precision)
-
-  weights = normalize(C.map_heads(scores_fn, q, k, bias, mask), mask)
+  weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=precision), mask)
   dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                             broadcast_dropout=broadcast_dropout, deterministic=deterministic)
-  # The network couples heads, so only the batch is mapped.
-  per_batch = jax.vmap(functools.partial(network, precision=precision))
+  run_network = functools.partial(network, precision=precision)
   if query_chunk_size is None:
-    out = per_batch(dropped, v)
+    out = run_network(dropped, v)
   else:
-    out = _chunked_over_queries(per_batch, dropped, v, query_chunk_size)
+    out = _chunked_over_queries(run_network, dropped, v, query_chunk_size)
+  out = jnp.swapaxes(out, 1, 2)  # finish takes heads-major; XLA folds the two transposes
   return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
                   return_weights=return_weights)
