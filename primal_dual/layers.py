@@ -158,7 +158,7 @@ class MultiHeadAttention(nn.Module):
     Args:
       inputs_q: queries' inputs. inputs_k: keys' inputs (default ``inputs_q``).
       inputs_v: values' inputs (default ``inputs_k``).
-      mask: bool, broadcastable to ``[batch..., heads, q_len, kv_len]``, True = may attend.
+      mask: any dtype, broadcastable to ``[batch..., heads, q_len, kv_len]``; nonzero = may attend.
       bias: additive logits bias, same broadcast shape (e.g. a relative position bias).
       deterministic: disables dropout (default: the attribute, else True).
       dropout_rng: explicit dropout key (default: the module's ``dropout`` rng stream).
