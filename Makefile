@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean
+.PHONY: install lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The formatter and the pyflakes checks (pyproject [tool.ruff]); `ruff format .` fixes the first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests

@@ -48,6 +48,7 @@ class Timing(NamedTuple):
     iqr_s: interquartile range (75th − 25th percentile) of the samples; 0 with one sample.
     samples_s: every measured call.
   """
+
   median_s: float
   iqr_s: float
   samples_s: tuple[float, ...]
@@ -77,8 +78,9 @@ def repeats_within_budget(first_call_s: float, repeats: int, budget_s: float) ->
   return max(1, min(repeats, int(budget_s // first_call_s)))
 
 
-def time_warm(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1,
-              budget_s: float = math.inf) -> Timing:
+def time_warm(
+  fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1, budget_s: float = math.inf
+) -> Timing:
   """Median of ``repeats`` warm calls of an already compiled ``fn``.
 
   The first ``warmup`` calls are not measured (the last of them sets how many repeats fit in
@@ -98,6 +100,7 @@ def time_warm(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1,
 
 class CompiledStats(NamedTuple):
   """Deterministic numbers of one compiled executable (see the module docstring)."""
+
   temp_bytes: int
   argument_bytes: int
   output_bytes: int
@@ -113,8 +116,13 @@ def memory_numbers(compiled) -> dict[str, int]:
   argument = int(analysis.argument_size_in_bytes)
   output = int(analysis.output_size_in_bytes)
   alias = int(analysis.alias_size_in_bytes)
-  return dict(temp_bytes=temp, argument_bytes=argument, output_bytes=output, alias_bytes=alias,
-              peak_bytes=argument + output + temp - alias)
+  return dict(
+    temp_bytes=temp,
+    argument_bytes=argument,
+    output_bytes=output,
+    alias_bytes=alias,
+    peak_bytes=argument + output + temp - alias,
+  )
 
 
 def xla_flops(compiled) -> float | None:
@@ -175,29 +183,30 @@ def result_path(out_dir: str | os.PathLike, stem: str, suffix: str, device_label
 def run_metadata(device_label: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Where and how a benchmark ran: device, software versions, CPU, date and command line."""
   import flax  # Local import: only needed for its version.
+
   devices = jax.devices()
   return {
-      "device_label": device_label,
-      "platform": devices[0].platform,
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "jax_version": jax.__version__,
-      "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-      "flax_version": flax.__version__,
-      "python_version": platform.python_version(),
-      "cpu_model": cpu_model(),
-      "cpu_count": os.cpu_count(),
-      "os": platform.platform(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": " ".join([Path(sys.executable).name, "-m", _module_name(),
-                           *(argv or sys.argv[1:])]),
+    "device_label": device_label,
+    "platform": devices[0].platform,
+    "device_kind": devices[0].device_kind,
+    "device_count": len(devices),
+    "jax_version": jax.__version__,
+    "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+    "flax_version": flax.__version__,
+    "python_version": platform.python_version(),
+    "cpu_model": cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "os": platform.platform(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "command": " ".join([Path(sys.executable).name, "-m", _module_name(), *(argv or sys.argv[1:])]),
   }
 
 
 def _jaxlib_version() -> str | None:
   try:
     import jaxlib
+
     return jaxlib.__version__
   except Exception:
     return None
@@ -238,6 +247,7 @@ def write_json(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path:
 
 class Column(NamedTuple):
   """A Markdown table column: header, record key, formatter of the value."""
+
   header: str
   key: str
   format: Callable[[Any], str] = str
@@ -245,8 +255,10 @@ class Column(NamedTuple):
 
 def render_markdown_table(columns: Sequence[Column], rows: Iterable[Mapping[str, Any]]) -> str:
   """A GitHub Markdown table; missing values render as ``–``."""
-  lines = ["| " + " | ".join(c.header for c in columns) + " |",
-           "|" + "|".join("---" for _ in columns) + "|"]
+  lines = [
+    "| " + " | ".join(c.header for c in columns) + " |",
+    "|" + "|".join("---" for _ in columns) + "|",
+  ]
   for row in rows:
     cells = [("–" if row.get(c.key) is None else c.format(row[c.key])) for c in columns]
     lines.append("| " + " | ".join(cells) + " |")

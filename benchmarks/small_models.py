@@ -40,22 +40,43 @@ PAPER_CODE_CPU_MS = {"softmax": 201.6, "linear_plain": 174.8, "hyla": 296.6}
 PAPER_GRID_RUNS, PAPER_GRID_STEPS = 9, 156_250  # 3 variants × 3 seeds × 156,250 steps
 
 
-def build(model: str, variant: str, steps_per_call: int, device_data: bool, quick: bool = False,
-          num_seeds: int = 1):
+def build(
+  model: str,
+  variant: str,
+  steps_per_call: int,
+  device_data: bool,
+  quick: bool = False,
+  num_seeds: int = 1,
+):
   """The trainer's Experiment of the model's ``paper`` preset (``quick``: its tiny ``runlocal``
   version, for smoke tests), and an initial state."""
   arg = f"preset=paper,attention={variant}" + (",runlocal" if quick else "")
   config = importlib.import_module(MODELS[model]).get_config(arg)
   config = ml_collections.ConfigDict(config.to_dict())
-  config.update(dict(steps_per_call=steps_per_call, train_data_on_device=device_data,
-                     log_every_steps=0, eval_every_steps=0, checkpoint_every_steps=0,
-                     progress_bar=False, seeds=tuple(range(num_seeds)) if num_seeds > 1 else ()))
+  config.update(
+    dict(
+      steps_per_call=steps_per_call,
+      train_data_on_device=device_data,
+      log_every_steps=0,
+      eval_every_steps=0,
+      checkpoint_every_steps=0,
+      progress_bar=False,
+      seeds=tuple(range(num_seeds)) if num_seeds > 1 else (),
+    )
+  )
   experiment = trainer.build_experiment(trainer.resolve_config(config))
   return experiment, experiment.init_state()
 
 
-def time_steps(model: str, variant: str, steps_per_call: int, device_data: bool,
-               repeats: int, quick: bool = False, num_seeds: int = 1) -> dict[str, Any]:
+def time_steps(
+  model: str,
+  variant: str,
+  steps_per_call: int,
+  device_data: bool,
+  repeats: int,
+  quick: bool = False,
+  num_seeds: int = 1,
+) -> dict[str, Any]:
   experiment, state = build(model, variant, steps_per_call, device_data, quick, num_seeds)
   iterator = experiment.make_train_iterator()
   start = time.perf_counter()
@@ -71,11 +92,19 @@ def time_steps(model: str, variant: str, steps_per_call: int, device_data: bool,
   timing = common.summarize_samples(samples)
   # One model-step: one optimizer step of one model (N seeds in one program make N per step).
   ms_per_step = 1e3 * timing.median_s / (steps_per_call * num_seeds)
-  row = dict(model=model, variant=variant, steps_per_call=steps_per_call, seeds=num_seeds,
-             data="device" if device_data else "host", batch=experiment.config.batch_size,
-             first_call_s=first_call_s, ms_per_step=ms_per_step,
-             iqr_ms_per_step=1e3 * timing.iqr_s / (steps_per_call * num_seeds),
-             model_steps_per_s=1e3 / ms_per_step, repeats=repeats)
+  row = dict(
+    model=model,
+    variant=variant,
+    steps_per_call=steps_per_call,
+    seeds=num_seeds,
+    data="device" if device_data else "host",
+    batch=experiment.config.batch_size,
+    first_call_s=first_call_s,
+    ms_per_step=ms_per_step,
+    iqr_ms_per_step=1e3 * timing.iqr_s / (steps_per_call * num_seeds),
+    model_steps_per_s=1e3 / ms_per_step,
+    repeats=repeats,
+  )
   if model == "sraven" and variant in PAPER_CODE_CPU_MS and not quick:
     row["paper_code_cpu_ms"] = PAPER_CODE_CPU_MS[variant]
     row["speedup_vs_paper_code_cpu"] = PAPER_CODE_CPU_MS[variant] / ms_per_step
@@ -86,26 +115,38 @@ def projection(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Pure-training wall time of the paper sRAVEN grid at each K, runs one after the other."""
   out = []
   for k in sorted({r["steps_per_call"] for r in rows}):
-    per_variant = {r["variant"]: r["ms_per_step"] for r in rows
-                   if r["model"] == "sraven" and r["steps_per_call"] == k and r["seeds"] == 1}
+    per_variant = {
+      r["variant"]: r["ms_per_step"]
+      for r in rows
+      if r["model"] == "sraven" and r["steps_per_call"] == k and r["seeds"] == 1
+    }
     if set(per_variant) >= set(VARIANTS):
-      seconds = sum(per_variant[v] for v in VARIANTS) / 1e3 * PAPER_GRID_STEPS * (
-          PAPER_GRID_RUNS // len(VARIANTS))
-      out.append(dict(steps_per_call=k, grid_minutes=seconds / 60,
-                      aggregate_model_steps_per_s=PAPER_GRID_RUNS * PAPER_GRID_STEPS / seconds))
+      seconds = (
+        sum(per_variant[v] for v in VARIANTS)
+        / 1e3
+        * PAPER_GRID_STEPS
+        * (PAPER_GRID_RUNS // len(VARIANTS))
+      )
+      out.append(
+        dict(
+          steps_per_call=k,
+          grid_minutes=seconds / 60,
+          aggregate_model_steps_per_s=PAPER_GRID_RUNS * PAPER_GRID_STEPS / seconds,
+        )
+      )
   return out
 
 
 COLUMNS = [
-    common.Column("model", "model"),
-    common.Column("variant", "variant"),
-    common.Column("K", "steps_per_call"),
-    common.Column("N seeds", "seeds"),
-    common.Column("data", "data"),
-    common.Column("ms / model-step", "ms_per_step", lambda v: f"{v:.1f}"),
-    common.Column("model-steps/s", "model_steps_per_s", lambda v: f"{v:.1f}"),
-    common.Column("paper's code, CPU (ms, reference)", "paper_code_cpu_ms", lambda v: f"{v:.1f}"),
-    common.Column("speed-up vs paper's code", "speedup_vs_paper_code_cpu", lambda v: f"{v:.2f}×"),
+  common.Column("model", "model"),
+  common.Column("variant", "variant"),
+  common.Column("K", "steps_per_call"),
+  common.Column("N seeds", "seeds"),
+  common.Column("data", "data"),
+  common.Column("ms / model-step", "ms_per_step", lambda v: f"{v:.1f}"),
+  common.Column("model-steps/s", "model_steps_per_s", lambda v: f"{v:.1f}"),
+  common.Column("paper's code, CPU (ms, reference)", "paper_code_cpu_ms", lambda v: f"{v:.1f}"),
+  common.Column("speed-up vs paper's code", "speedup_vs_paper_code_cpu", lambda v: f"{v:.2f}×"),
 ]
 
 
@@ -114,8 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--models", default="sraven,logic")
   parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--steps-per-call", default="1,10")
-  parser.add_argument("--seeds-per-program", default="1",
-                      help="comma list of N: seeds trained as replicas of one program")
+  parser.add_argument(
+    "--seeds-per-program",
+    default="1",
+    help="comma list of N: seeds trained as replicas of one program",
+  )
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--host-data", action="store_true")
   parser.add_argument("--quick", action="store_true", help="tiny runlocal models (smoke test)")
@@ -128,23 +172,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     for variant in args.variants.split(","):
       for k in (int(x) for x in args.steps_per_call.split(",")):
         for n in (int(x) for x in args.seeds_per_program.split(",")):
-          rows.append(time_steps(model, variant, k, not args.host_data, args.repeats, args.quick,
-                                 n))
-          print(f"{model} {variant} K={k} N={n}: {rows[-1]['ms_per_step']:.1f} ms/model-step",
-                flush=True)
-  payload = dict(metadata=common.run_metadata(label, argv), rows=rows,
-                 paper_grid_projection=[] if args.quick else projection(rows))
-  json_path = common.write_json(common.result_path(args.out_dir, "small_models", "json", label),
-                                payload)
-  lines = ["# Small models: the trainer's own step, K steps per call\n",
-           common.render_metadata(payload["metadata"], ("device_label", "device_kind", "cpu_model",
-                                                        "cpu_count", "jax_version", "date_utc",
-                                                        "command")),
-           "", common.render_markdown_table(COLUMNS, rows), ""]
+          rows.append(
+            time_steps(model, variant, k, not args.host_data, args.repeats, args.quick, n)
+          )
+          print(
+            f"{model} {variant} K={k} N={n}: {rows[-1]['ms_per_step']:.1f} ms/model-step",
+            flush=True,
+          )
+  payload = dict(
+    metadata=common.run_metadata(label, argv),
+    rows=rows,
+    paper_grid_projection=[] if args.quick else projection(rows),
+  )
+  json_path = common.write_json(
+    common.result_path(args.out_dir, "small_models", "json", label), payload
+  )
+  lines = [
+    "# Small models: the trainer's own step, K steps per call\n",
+    common.render_metadata(
+      payload["metadata"],
+      (
+        "device_label",
+        "device_kind",
+        "cpu_model",
+        "cpu_count",
+        "jax_version",
+        "date_utc",
+        "command",
+      ),
+    ),
+    "",
+    common.render_markdown_table(COLUMNS, rows),
+    "",
+  ]
   for p in payload["paper_grid_projection"]:
-    lines.append(f"Paper sRAVEN grid (9 runs × 156,250 steps, one after the other, training only)"
-                 f" at K = {p['steps_per_call']}: {p['grid_minutes']:.0f} min, "
-                 f"{p['aggregate_model_steps_per_s']:.0f} model-steps/s.")
+    lines.append(
+      f"Paper sRAVEN grid (9 runs × 156,250 steps, one after the other, training only)"
+      f" at K = {p['steps_per_call']}: {p['grid_minutes']:.0f} min, "
+      f"{p['aggregate_model_steps_per_s']:.0f} model-steps/s."
+    )
   md_path = common.result_path(args.out_dir, "small_models", "md", label)
   md_path.write_text("\n".join(lines) + "\n")
   print(f"wrote {json_path} and {md_path}")

@@ -18,5 +18,6 @@ def __getattr__(name: str):
   """``primal_dual.nnx``, imported on first access (PEP 562)."""
   if name == "nnx":
     import importlib
+
     return importlib.import_module("primal_dual.nnx")
   raise AttributeError(f"module 'primal_dual' has no attribute {name!r}")

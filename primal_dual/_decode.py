@@ -20,8 +20,10 @@ def check_step_shape(cached: jax.Array, new: jax.Array) -> None:
   ``cached [batch..., max_length, heads, head_dim]``."""
   expected = (*cached.shape[:-3], 1, *cached.shape[-2:])
   if tuple(new.shape) != expected:
-    raise ValueError(f"decoding feeds one position at a time: expected projected keys of shape "
-                     f"{expected} (cache {tuple(cached.shape)}), got {tuple(new.shape)}")
+    raise ValueError(
+      f"decoding feeds one position at a time: expected projected keys of shape "
+      f"{expected} (cache {tuple(cached.shape)}), got {tuple(new.shape)}"
+    )
 
 
 def write_step(cached: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
@@ -32,8 +34,9 @@ def write_step(cached: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array
   return jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), start)
 
 
-def seen_keys_mask(mask: jax.Array | None, index: jax.Array, max_length: int,
-                   batch_shape: tuple[int, ...]) -> jax.Array:
+def seen_keys_mask(
+  mask: jax.Array | None, index: jax.Array, max_length: int, batch_shape: tuple[int, ...]
+) -> jax.Array:
   """The step's mask ``[batch..., 1, 1, max_length]`` (bool): keys ``0..index``, and ``mask``
   (any dtype, nonzero = may attend, broadcastable to ``[batch..., heads, 1, max_length]``) if
   given."""

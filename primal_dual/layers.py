@@ -24,11 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from primal_dual import _decode
-from primal_dual.registry import (ATTENTION_REGISTRY, AttentionVariant, KernelParam,
-                                  make_attention_fn, register_attention)
+from primal_dual.registry import (
+  ATTENTION_REGISTRY,
+  AttentionVariant,
+  KernelParam,
+  make_attention_fn,
+  register_attention,
+)
 
-__all__ = ["ATTENTION_REGISTRY", "AttentionVariant", "KernelParam", "MultiHeadAttention",
-           "make_attention_fn", "register_attention"]
+__all__ = [
+  "ATTENTION_REGISTRY",
+  "AttentionVariant",
+  "KernelParam",
+  "MultiHeadAttention",
+  "make_attention_fn",
+  "register_attention",
+]
+
 
 class _Projection(nn.Module):
   """``DenseGeneral`` with logically partitioned parameters of Flax's exact shapes.
@@ -38,6 +50,7 @@ class _Projection(nn.Module):
   through a flattened 2-D shape, which cannot carry 3-D logical axis names, so the kernel is made at
   its real shape here; the initializer sees the contracted axes as fan-in, like Flax's.
   """
+
   features: tuple[int, ...]
   contract_dims: int
   logical_axes: tuple[str, ...]
@@ -50,7 +63,7 @@ class _Projection(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    contracted = x.shape[x.ndim - self.contract_dims:]
+    contracted = x.shape[x.ndim - self.contract_dims :]
     kernel_shape = (*contracted, *self.features)
     n_in = len(contracted)
 
@@ -59,16 +72,25 @@ class _Projection(nn.Module):
       flat = self.kernel_init(rng, (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))), dtype)
       return jnp.reshape(flat, shape)
 
-    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.logical_axes),
-                        kernel_shape, self.param_dtype)
+    kernel = self.param(
+      "kernel",
+      nn.with_logical_partitioning(init, self.logical_axes),
+      kernel_shape,
+      self.param_dtype,
+    )
     bias = None
     if self.use_bias:
-      bias = self.param("bias", nn.with_logical_partitioning(
-          self.bias_init, self.logical_axes[n_in:]), self.features, self.param_dtype)
+      bias = self.param(
+        "bias",
+        nn.with_logical_partitioning(self.bias_init, self.logical_axes[n_in:]),
+        self.features,
+        self.param_dtype,
+      )
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     in_axes = tuple(range(x.ndim - n_in, x.ndim))
-    y = jax.lax.dot_general(x, kernel, ((in_axes, tuple(range(n_in))), ((), ())),
-                            precision=self.precision)
+    y = jax.lax.dot_general(
+      x, kernel, ((in_axes, tuple(range(n_in))), ((), ())), precision=self.precision
+    )
     if bias is not None:
       y = y + bias
     return y
@@ -100,6 +122,7 @@ class MultiHeadAttention(nn.Module):
       one position ``[batch..., 1, in]``, which attends to the positions fed so far (see
       ``primal_dual._decode`` for the Attention-BN/SH caveat).
   """
+
   num_heads: int
   qkv_features: int | None = None
   out_features: int | None = None
@@ -144,15 +167,22 @@ class MultiHeadAttention(nn.Module):
       init = spec.init
       if spec.logical_axes is not None:
         init = nn.with_logical_partitioning(init, spec.logical_axes)
-      created[name] = self.param(name, init, spec.shape(self.num_heads, head_dim),
-                                 self.param_dtype)
+      created[name] = self.param(name, init, spec.shape(self.num_heads, head_dim), self.param_dtype)
     return created
 
   @nn.compact
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
-               bias: jax.Array | None = None, deterministic: bool | None = None,
-               dropout_rng: jax.Array | None = None, sow_weights: bool = False) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    deterministic: bool | None = None,
+    dropout_rng: jax.Array | None = None,
+    sow_weights: bool = False,
+  ) -> jax.Array:
     """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len, in]``.
 
     Args:
@@ -172,18 +202,29 @@ class MultiHeadAttention(nn.Module):
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads:
-      raise ValueError(f"qkv_features={qkv_features} is not divisible by num_heads="
-                       f"{self.num_heads}; choose a width that is a multiple of the head count")
+      raise ValueError(
+        f"qkv_features={qkv_features} is not divisible by num_heads="
+        f"{self.num_heads}; choose a width that is a multiple of the head count"
+      )
     head_dim = qkv_features // self.num_heads
-    attention_fn = make_attention_fn(self.attention, self.attention_options,
-                                     self.attention_context)
-    dense_kwargs = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                        use_bias=self.use_bias, kernel_init=self.kernel_init,
-                        bias_init=self.bias_init)
+    attention_fn = make_attention_fn(self.attention, self.attention_options, self.attention_context)
+    dense_kwargs = dict(
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      precision=self.precision,
+      use_bias=self.use_bias,
+      kernel_init=self.kernel_init,
+      bias_init=self.bias_init,
+    )
 
     def projection(name):
-      return _Projection(features=(self.num_heads, head_dim), contract_dims=1,
-                         logical_axes=("embed", "heads", "kv"), name=name, **dense_kwargs)
+      return _Projection(
+        features=(self.num_heads, head_dim),
+        contract_dims=1,
+        logical_axes=("embed", "heads", "kv"),
+        name=name,
+        **dense_kwargs,
+      )
 
     query = projection("query")(inputs_q)
     key = projection("key")(inputs_k)
@@ -196,9 +237,25 @@ class MultiHeadAttention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0 and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
 
-    x = attention_fn(query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
-                     dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-                     deterministic=deterministic, dtype=self.dtype, precision=self.precision,
-                     module=self if sow_weights else None, **self._kernel_params(head_dim))
-    return _Projection(features=(features,), contract_dims=2,
-                       logical_axes=("heads", "kv", "embed"), name="out", **dense_kwargs)(x)
+    x = attention_fn(
+      query,
+      key,
+      value,
+      bias=bias,
+      mask=mask,
+      dropout_rng=dropout_rng,
+      dropout_rate=self.dropout_rate,
+      broadcast_dropout=self.broadcast_dropout,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      module=self if sow_weights else None,
+      **self._kernel_params(head_dim),
+    )
+    return _Projection(
+      features=(features,),
+      contract_dims=2,
+      logical_axes=("heads", "kv", "embed"),
+      name="out",
+      **dense_kwargs,
+    )(x)

@@ -64,20 +64,35 @@ class MultiHeadAttention(nnx.Module):
       by ``num_heads``.
   """
 
-  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
-               out_features: int | None = None, *, in_kv_features: int | None = None,
-               attention: str = "softmax", attention_options: Mapping[str, Any] | None = None,
-               attention_context: Mapping[str, Any] | None = None, dropout_rate: float = 0.0,
-               broadcast_dropout: bool = True, deterministic: bool | None = None,
-               decode: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None,
-               kernel_init: Callable = nn.initializers.lecun_normal(),
-               bias_init: Callable = nn.initializers.zeros_init(), use_bias: bool = True,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    *,
+    in_kv_features: int | None = None,
+    attention: str = "softmax",
+    attention_options: Mapping[str, Any] | None = None,
+    attention_context: Mapping[str, Any] | None = None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    deterministic: bool | None = None,
+    decode: bool = False,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = nn.initializers.lecun_normal(),
+    bias_init: Callable = nn.initializers.zeros_init(),
+    use_bias: bool = True,
+    rngs: nnx.Rngs,
+  ):
     qkv_features = in_features if qkv_features is None else qkv_features
     if qkv_features % num_heads:
-      raise ValueError(f"qkv_features={qkv_features} is not divisible by num_heads="
-                       f"{num_heads}; choose a width that is a multiple of the head count")
+      raise ValueError(
+        f"qkv_features={qkv_features} is not divisible by num_heads="
+        f"{num_heads}; choose a width that is a multiple of the head count"
+      )
     self.num_heads = num_heads
     self.head_dim = qkv_features // num_heads
     self.in_features = in_features
@@ -96,8 +111,15 @@ class MultiHeadAttention(nnx.Module):
     self.dtype = dtype
     self.precision = precision
 
-    linear = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, use_bias=use_bias,
-                  kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+    linear = dict(
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      use_bias=use_bias,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
     heads = (num_heads, self.head_dim)
     kv_in = in_features if in_kv_features is None else in_kv_features
     self.query = _projection(in_features, heads, -1, _QKV_AXES, **linear)
@@ -116,8 +138,10 @@ class MultiHeadAttention(nnx.Module):
     declared = lookup(self.attention).params
     for name, spec in declared.items():
       if hasattr(self, name):
-        raise ValueError(f"attention variant {self.attention!r} declares a kernel parameter "
-                         f"{name!r}, which is already an attribute of the NNX layer")
+        raise ValueError(
+          f"attention variant {self.attention!r} declares a kernel parameter "
+          f"{name!r}, which is already an attribute of the NNX layer"
+        )
       value = spec.init(rngs.params(), spec.shape(self.num_heads, self.head_dim), param_dtype)
       axes = None if spec.logical_axes is None else tuple(spec.logical_axes)
       setattr(self, name, nnx.Param(value, **_sharding(axes)))
@@ -157,11 +181,19 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("dropout needs an rng stream: pass rngs=nnx.Rngs(dropout=...)")
     return stream()
 
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
-               bias: jax.Array | None = None, deterministic: bool | None = None,
-               rngs: nnx.Rngs | nnx.RngStream | None = None, sow_weights: bool = False,
-               decode: bool | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    deterministic: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    sow_weights: bool = False,
+    decode: bool | None = None,
+  ) -> jax.Array:
     """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len,
     in_kv]``.
 
@@ -186,14 +218,25 @@ class MultiHeadAttention(nnx.Module):
       key, value, mask = self._decode_step(key, value, mask)
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic
-    attention_fn = make_attention_fn(self.attention, dict(self.attention_options),
-                                     dict(self.attention_context))
+    attention_fn = make_attention_fn(
+      self.attention, dict(self.attention_options), dict(self.attention_context)
+    )
     kernel_params = {name: getattr(self, name)[...] for name in self.kernel_param_names}
-    x = attention_fn(query, key, value, bias=bias, mask=mask,
-                     dropout_rng=self._dropout_rng(deterministic, rngs),
-                     dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-                     deterministic=deterministic, dtype=self.dtype, precision=self.precision,
-                     module=self if sow_weights else None, **kernel_params)
+    x = attention_fn(
+      query,
+      key,
+      value,
+      bias=bias,
+      mask=mask,
+      dropout_rng=self._dropout_rng(deterministic, rngs),
+      dropout_rate=self.dropout_rate,
+      broadcast_dropout=self.broadcast_dropout,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      module=self if sow_weights else None,
+      **kernel_params,
+    )
     return self.out(x)
 
 
@@ -205,9 +248,14 @@ def _projection(in_features, out_features, axis, logical_axes, **kwargs) -> nnx.
   """``nnx.LinearGeneral`` with the Linen layer's shapes and logical axis names: kernel
   ``[*in, *out]`` (``logical_axes``), bias ``[*out]`` (the output part of ``logical_axes``)."""
   n_out = 1 if isinstance(out_features, int) else len(out_features)
-  return nnx.LinearGeneral(in_features, out_features, axis=axis,
-                           kernel_metadata=_sharding(logical_axes),
-                           bias_metadata=_sharding(logical_axes[-n_out:]), **kwargs)
+  return nnx.LinearGeneral(
+    in_features,
+    out_features,
+    axis=axis,
+    kernel_metadata=_sharding(logical_axes),
+    bias_metadata=_sharding(logical_axes[-n_out:]),
+    **kwargs,
+  )
 
 
 def _sharding(logical_axes: tuple[str | None, ...] | None) -> dict[str, Any]:
@@ -235,12 +283,15 @@ def load_linen_params(module: MultiHeadAttention, params: Mapping[str, Any]) -> 
   state = nnx.state(module, nnx.Param)
   flat_own = _flatten(nnx.to_pure_dict(state))
   if set(flat_new) != set(flat_own):
-    raise ValueError(f"parameter names differ: missing {sorted(set(flat_own) - set(flat_new))}, "
-                     f"unexpected {sorted(set(flat_new) - set(flat_own))}")
+    raise ValueError(
+      f"parameter names differ: missing {sorted(set(flat_own) - set(flat_new))}, "
+      f"unexpected {sorted(set(flat_new) - set(flat_own))}"
+    )
   for path, value in flat_new.items():
     if jnp.shape(value) != jnp.shape(flat_own[path]):
-      raise ValueError(f"parameter {path}: shape {jnp.shape(value)}, the layer has "
-                       f"{jnp.shape(flat_own[path])}")
+      raise ValueError(
+        f"parameter {path}: shape {jnp.shape(value)}, the layer has {jnp.shape(flat_own[path])}"
+      )
   nnx.replace_by_pure_dict(state, params)
   nnx.update(module, state)
 

@@ -40,6 +40,7 @@ class AttentionShape:
     grid_shape: ``(gh, gw)`` when the non-prefix keys are an image patch grid (SH pools 2-D).
     num_prefix_tokens: leading tokens SH never pools (CLS).
   """
+
   length: int
   heads: int
   head_dim: int
@@ -63,6 +64,7 @@ class KernelParam:
     init: a Flax initializer ``init(key, shape, dtype)``.
     logical_axes: logical axis names for sharding (one per dimension; None = replicated).
   """
+
   shape: Callable[[int, int], tuple[int, ...]]
   init: Callable[..., jax.Array]
   logical_axes: tuple[str | None, ...] | None = None
@@ -71,6 +73,7 @@ class KernelParam:
 @dataclasses.dataclass(frozen=True)
 class AttentionVariant:
   """A registry entry (see the module docstring)."""
+
   factory: AttentionFactory
   flops: FlopCounter
   description: str = ""
@@ -81,10 +84,16 @@ class AttentionVariant:
 ATTENTION_REGISTRY: dict[str, AttentionVariant] = {}
 
 
-def register_attention(name: str, factory: AttentionFactory, description: str = "", *,
-                       flops: FlopCounter | None = None, takes_ratios: bool = False,
-                       params: Mapping[str, KernelParam] | None = None,
-                       overwrite: bool = False) -> AttentionVariant:
+def register_attention(
+  name: str,
+  factory: AttentionFactory,
+  description: str = "",
+  *,
+  flops: FlopCounter | None = None,
+  takes_ratios: bool = False,
+  params: Mapping[str, KernelParam] | None = None,
+  overwrite: bool = False,
+) -> AttentionVariant:
   """Adds a variant under ``name`` and returns its entry.
 
   Args:
@@ -98,8 +107,9 @@ def register_attention(name: str, factory: AttentionFactory, description: str = 
   """
   if name in ATTENTION_REGISTRY and not overwrite:
     raise ValueError(f"attention variant {name!r} is already registered; pass overwrite=True")
-  entry = AttentionVariant(factory, flops or quadratic_flops(2), description, takes_ratios,
-                           dict(params or {}))
+  entry = AttentionVariant(
+    factory, flops or quadratic_flops(2), description, takes_ratios, dict(params or {})
+  )
   ATTENTION_REGISTRY[name] = entry
   return entry
 
@@ -107,13 +117,15 @@ def register_attention(name: str, factory: AttentionFactory, description: str = 
 def lookup(name: str) -> AttentionVariant:
   """The entry of ``name``; ValueError listing the known names otherwise."""
   if name not in ATTENTION_REGISTRY:
-    raise ValueError(f"unknown attention variant {name!r}; known variants: "
-                     f"{', '.join(sorted(ATTENTION_REGISTRY))}")
+    raise ValueError(
+      f"unknown attention variant {name!r}; known variants: {', '.join(sorted(ATTENTION_REGISTRY))}"
+    )
   return ATTENTION_REGISTRY[name]
 
 
-def make_attention_fn(name: str, options: Mapping[str, Any] | None = None,
-                      context: Mapping[str, Any] | None = None) -> Callable[..., jax.Array]:
+def make_attention_fn(
+  name: str, options: Mapping[str, Any] | None = None, context: Mapping[str, Any] | None = None
+) -> Callable[..., jax.Array]:
   """Builds the ``attention_fn`` registered as ``name``.
 
   Args:
@@ -141,8 +153,9 @@ def default_ratios(num_heads: int) -> tuple[int, ...]:
   return tuple(1 if h < (num_heads + 1) // 2 else 2 for h in range(num_heads))
 
 
-def model_options(name: str, num_heads: int, *, ratios: tuple[int, ...] | None = None,
-                  **options) -> dict[str, Any]:
+def model_options(
+  name: str, num_heads: int, *, ratios: tuple[int, ...] | None = None, **options
+) -> dict[str, Any]:
   """The ``attention_options`` a model config gives variant ``name``.
 
   ``options`` are the task's own choices for this variant; a variant that takes ratios gets the
@@ -158,9 +171,11 @@ def model_options(name: str, num_heads: int, *, ratios: tuple[int, ...] | None =
 
 def quadratic_flops(products: int) -> FlopCounter:
   """``products`` N×N×D products (softmax has 2: QK and AV)."""
+
   def count(shape: AttentionShape, options: Mapping[str, Any]) -> float:
     del options
     return 2.0 * products * shape.length * shape.length * shape.width
+
   return count
 
 
@@ -179,19 +194,27 @@ def _random_feature_flops(shape: AttentionShape, options: Mapping[str, Any]) -> 
 def _scaled_head_flops(shape: AttentionShape, options: Mapping[str, Any]) -> float:
   ratios = options.get("ratios")
   if ratios is None or len(ratios) != shape.heads:
-    raise ValueError(f"SH FLOPs need attention_options['ratios'] with one ratio per head "
-                     f"(heads={shape.heads}); got {ratios!r}")
+    raise ValueError(
+      f"SH FLOPs need attention_options['ratios'] with one ratio per head "
+      f"(heads={shape.heads}); got {ratios!r}"
+    )
   grid = None if shape.grid_shape is None else tuple(shape.grid_shape)
-  pooled = [scaled_head.pooled_length(shape.length, int(r), grid_shape=grid,
-                                      num_prefix_tokens=shape.num_prefix_tokens) for r in ratios]
+  pooled = [
+    scaled_head.pooled_length(
+      shape.length, int(r), grid_shape=grid, num_prefix_tokens=shape.num_prefix_tokens
+    )
+    for r in ratios
+  ]
   return sum(4.0 * shape.length * n_h * shape.head_dim for n_h in pooled)
 
 
 def _hyla_flops(value_network: str) -> FlopCounter:
   """Scores and ``Σ_j a u`` plus, for the MLP value networks, ``Σ_h a v``: 3 or 2 products."""
+
   def count(shape: AttentionShape, options: Mapping[str, Any]) -> float:
     network = options.get("value_network", value_network)
     return quadratic_flops(2 if network == "linear" else 3)(shape, options)
+
   return count
 
 
@@ -200,57 +223,91 @@ def _hyla_flops(value_network: str) -> FlopCounter:
 
 def _partial(attention_fn, /, **fixed) -> AttentionFactory:
   """A factory binding ``fixed`` options, which the caller's options may override."""
+
   def factory(**options):
     return functools.partial(attention_fn, **{**fixed, **options})
+
   return factory
 
 
 def _random_feature_factory(*, feature_seed: int = 0, **options):
   # The random features are part of the model, not of the data: a fixed seed keeps them
   # identical across steps, processes and restarts.
-  return functools.partial(kernels.random_feature_attention,
-                           feature_key=jax.random.key(feature_seed), **options)
+  return functools.partial(
+    kernels.random_feature_attention, feature_key=jax.random.key(feature_seed), **options
+  )
 
 
-def _hyla(description: str, *, normalization: str = "rms_head",
-          value_network: str = "mlp_relu") -> dict[str, Any]:
-  return dict(factory=_partial(kernels.hyla_attention, normalization=normalization,
-                               value_network=value_network),
-              flops=_hyla_flops(value_network), description=description)
+def _hyla(
+  description: str, *, normalization: str = "rms_head", value_network: str = "mlp_relu"
+) -> dict[str, Any]:
+  return dict(
+    factory=_partial(
+      kernels.hyla_attention, normalization=normalization, value_network=value_network
+    ),
+    flops=_hyla_flops(value_network),
+    description=description,
+  )
 
 
 _BUILT_IN: dict[str, dict[str, Any]] = {
-    "softmax": dict(factory=_partial(kernels.softmax_attention),
-                    description="softmax attention (SVR dual, exp kernel)"),
-    "linear": dict(factory=_partial(kernels.linear_attention), flops=_linear_flops,
-                   description="linear attention, Φ = elu + 1"),
-    "random_feature": dict(factory=_random_feature_factory, flops=_random_feature_flops,
-                           description="softmax's approximate primal, random features"),
-    "bn": dict(factory=_partial(kernels.batchnorm_attention, kernel="softmax"),
-               description="Attention-BN (softmax)"),
-    "linear_bn": dict(factory=_partial(kernels.batchnorm_attention, kernel="linear"),
-                      description="Attention-BN (linear)"),
-    "sh": dict(factory=_partial(kernels.scaled_head_attention), flops=_scaled_head_flops,
-               takes_ratios=True, description="Attention-SH (heads on pooled keys)"),
-    "bn_sh": dict(factory=_partial(kernels.scaled_head_attention, batchnorm=True),
-                  flops=_scaled_head_flops, takes_ratios=True, description="Attention-BN+SH"),
-    "hyla": _hyla("HYLA: rms-head normalisation + relu value MLP"),
-    "hyla_no_relu": _hyla("HYLA ablation: value network without relu",
-                          value_network="mlp_linear"),
-    "hyla_no_norm": _hyla("HYLA ablation: no normalisation across heads", normalization="none"),
-    "hyla_softmax": _hyla("HYLA ablation: softmax over keys instead of rms over heads",
-                          normalization="softmax"),
-    "hyla_linear_value": _hyla(
-        "HYLA ablation: plain linear value aggregation (= linear attention with rms_head)",
-        value_network="linear"),
-    "hyla_no_relu_no_norm": _hyla(
-        "HYLA ablation: value network without relu and no normalisation across heads",
-        normalization="none", value_network="mlp_linear"),
-    # The HYLA paper's "linear attention" baseline: no feature map and no denominator,
-    # a_hij = q_hi·k_hj/√d + bias_hij (0 where masked), out_hi = Σ_j a_hij v_hj. Not `linear`
-    # (elu + 1 features, normalised), which is the primal-dual paper's.
-    "linear_plain": _hyla("linear attention of the HYLA paper: unnormalised q·k/√d + bias",
-                          normalization="none", value_network="linear"),
+  "softmax": dict(
+    factory=_partial(kernels.softmax_attention),
+    description="softmax attention (SVR dual, exp kernel)",
+  ),
+  "linear": dict(
+    factory=_partial(kernels.linear_attention),
+    flops=_linear_flops,
+    description="linear attention, Φ = elu + 1",
+  ),
+  "random_feature": dict(
+    factory=_random_feature_factory,
+    flops=_random_feature_flops,
+    description="softmax's approximate primal, random features",
+  ),
+  "bn": dict(
+    factory=_partial(kernels.batchnorm_attention, kernel="softmax"),
+    description="Attention-BN (softmax)",
+  ),
+  "linear_bn": dict(
+    factory=_partial(kernels.batchnorm_attention, kernel="linear"),
+    description="Attention-BN (linear)",
+  ),
+  "sh": dict(
+    factory=_partial(kernels.scaled_head_attention),
+    flops=_scaled_head_flops,
+    takes_ratios=True,
+    description="Attention-SH (heads on pooled keys)",
+  ),
+  "bn_sh": dict(
+    factory=_partial(kernels.scaled_head_attention, batchnorm=True),
+    flops=_scaled_head_flops,
+    takes_ratios=True,
+    description="Attention-BN+SH",
+  ),
+  "hyla": _hyla("HYLA: rms-head normalisation + relu value MLP"),
+  "hyla_no_relu": _hyla("HYLA ablation: value network without relu", value_network="mlp_linear"),
+  "hyla_no_norm": _hyla("HYLA ablation: no normalisation across heads", normalization="none"),
+  "hyla_softmax": _hyla(
+    "HYLA ablation: softmax over keys instead of rms over heads", normalization="softmax"
+  ),
+  "hyla_linear_value": _hyla(
+    "HYLA ablation: plain linear value aggregation (= linear attention with rms_head)",
+    value_network="linear",
+  ),
+  "hyla_no_relu_no_norm": _hyla(
+    "HYLA ablation: value network without relu and no normalisation across heads",
+    normalization="none",
+    value_network="mlp_linear",
+  ),
+  # The HYLA paper's "linear attention" baseline: no feature map and no denominator,
+  # a_hij = q_hi·k_hj/√d + bias_hij (0 where masked), out_hi = Σ_j a_hij v_hj. Not `linear`
+  # (elu + 1 features, normalised), which is the primal-dual paper's.
+  "linear_plain": _hyla(
+    "linear attention of the HYLA paper: unnormalised q·k/√d + bias",
+    normalization="none",
+    value_network="linear",
+  ),
 }
 
 for _name, _entry in _BUILT_IN.items():

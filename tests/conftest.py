@@ -2,6 +2,7 @@
 
 XLA_FLAGS must be set before JAX initialises its backends, hence at import time here.
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,7 +13,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=15, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+  "ci",
+  max_examples=15,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

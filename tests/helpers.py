@@ -22,17 +22,22 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   config.progress_bar = False
   config.mesh.data = -1
   config.mesh.model = 2
-  config.optimizer.update(lr=0.05, schedule='warmup_cosine', warmup_steps=2, weight_decay=0.01,
-                          grad_clip_norm=1.0)
+  config.optimizer.update(
+    lr=0.05, schedule='warmup_cosine', warmup_steps=2, weight_decay=0.01, grad_clip_norm=1.0
+  )
   config.model = ml_collections.ConfigDict(dict(hidden=8, dropout_rate=0.1, use_batch_norm=True))
   # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
-  config.data = ml_collections.ConfigDict(dict(
-      num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3))
+  config.data = ml_collections.ConfigDict(
+    dict(num_train=64, num_eval=20, seq_len=6, num_features=3, num_classes=3)
+  )
   return config_lib.with_fields(config, overrides)
 
 
-_CACHE_OPTIONS = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
-                  'jax_persistent_cache_min_entry_size_bytes')
+_CACHE_OPTIONS = (
+  'jax_compilation_cache_dir',
+  'jax_persistent_cache_min_compile_time_secs',
+  'jax_persistent_cache_min_entry_size_bytes',
+)
 
 
 def fresh_compilation_cache(tmp_path_factory):
@@ -54,8 +59,10 @@ def fresh_compilation_cache(tmp_path_factory):
 def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):
   """NumPy ``query [batch..., q_len, heads, d]``, ``key``/``value [batch..., kv_len, heads, d|d_v]``
   drawn from ``rng`` (a ``numpy.random.Generator``)."""
+
   def draw(length, features):
     return rng.normal(size=(*batch_shape, length, heads, features)).astype(dtype)
+
   return draw(q_len, d), draw(kv_len, d), draw(kv_len, d_v)
 
 

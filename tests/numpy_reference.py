@@ -30,8 +30,9 @@ def softmax_attention_ref(query, key, value, bias=None, mask=None, scale=None):
         valid = [j for j in range(kv_len) if mask[b + (h, i, j)]]
         if not valid:
           continue
-        logits = np.array([q[b + (i, h)] @ k[b + (j, h)] * scale + bias[b + (h, i, j)]
-                           for j in valid])
+        logits = np.array(
+          [q[b + (i, h)] @ k[b + (j, h)] * scale + bias[b + (h, i, j)] for j in valid]
+        )
         p = np.exp(logits - logits.max())
         p /= p.sum()
         for w, j in zip(p, valid):
@@ -76,8 +77,12 @@ def _linear_weights_one_head(q, k, mask, eps, bias=None):
   weights = np.zeros((q_len, kv_len))
   for i in range(q_len):
     shift = max(bias[i])
-    scores = [float(_elu_plus_one(q[i]) @ _elu_plus_one(k[j])) * np.exp(bias[i, j] - shift)
-              if mask[i, j] else 0.0 for j in range(kv_len)]
+    scores = [
+      float(_elu_plus_one(q[i]) @ _elu_plus_one(k[j])) * np.exp(bias[i, j] - shift)
+      if mask[i, j]
+      else 0.0
+      for j in range(kv_len)
+    ]
     total = sum(scores) + eps
     weights[i] = [s / total for s in scores]
   return weights
@@ -100,8 +105,9 @@ def linear_attention_ref(query, key, value, mask=None, eps=1e-6, bias=None):
   """Dual-form linear attention (Φ = elu + 1, no 1/√D; a bias multiplies the kernel by e^bias).
 
   Returns (out, weights) like softmax."""
-  return _loop_heads(query, key, value, bias, mask,
-                     lambda q, k, b, m: _linear_weights_one_head(q, k, m, eps, b))
+  return _loop_heads(
+    query, key, value, bias, mask, lambda q, k, b, m: _linear_weights_one_head(q, k, m, eps, b)
+  )
 
 
 def random_feature_attention_ref(query, key, value, omega, mask=None):
@@ -119,8 +125,9 @@ def random_feature_attention_ref(query, key, value, omega, mask=None):
   def one_head(q, k, bias, mask):
     weights = np.zeros((q.shape[0], k.shape[0]))
     for i in range(q.shape[0]):
-      scores = [float(features(q[i]) @ features(k[j])) if mask[i, j] else 0.0
-                for j in range(k.shape[0])]
+      scores = [
+        float(features(q[i]) @ features(k[j])) if mask[i, j] else 0.0 for j in range(k.shape[0])
+      ]
       if sum(scores) > 0:
         weights[i] = np.array(scores) / sum(scores)
     return weights
@@ -128,8 +135,17 @@ def random_feature_attention_ref(query, key, value, omega, mask=None):
   return _loop_heads(query, key, value, None, mask, one_head)
 
 
-def batchnorm_attention_ref(query, key, value, bias=None, mask=None, kernel="softmax", eps=1e-5,
-                            mean_weight=1.0, linear_eps=1e-6):
+def batchnorm_attention_ref(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  kernel="softmax",
+  eps=1e-5,
+  mean_weight=1.0,
+  linear_eps=1e-6,
+):
   """Attention-BN: per example and head, μ and σ² (population) of the keys over the valid keys
   (keys some query may attend to), per channel; q̂ = (q − βμ)/√(σ²+ε), k̂ likewise; then the kernel
   ('softmax' with 1/√D and bias, or 'linear' dual) on q̂, k̂. Returns (out, weights)."""

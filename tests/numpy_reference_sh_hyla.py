@@ -38,9 +38,13 @@ def sh_windows_ref(kv_len, ratio, grid_shape=None, num_prefix_tokens=0):
     gh, gw = grid_shape
     for wr in range(math.ceil(gh / ratio)):
       for wc in range(math.ceil(gw / ratio)):
-        windows.append([p + y * gw + x
-                        for y in range(wr * ratio, min((wr + 1) * ratio, gh))
-                        for x in range(wc * ratio, min((wc + 1) * ratio, gw))])
+        windows.append(
+          [
+            p + y * gw + x
+            for y in range(wr * ratio, min((wr + 1) * ratio, gh))
+            for x in range(wc * ratio, min((wc + 1) * ratio, gw))
+          ]
+        )
   return windows
 
 
@@ -65,10 +69,25 @@ def _elu1(x):
   return np.where(x > 0, x + 1.0, np.exp(x))
 
 
-def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="avg",
-                    kernel="softmax", batchnorm=False, stats="pooled", bn_eps=1e-5,
-                    bn_mean_weight=1.0, grid_shape=None, num_prefix_tokens=0, is_causal=False,
-                    causal_alignment="top_left"):
+def scaled_head_ref(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  ratios,
+  pool="avg",
+  kernel="softmax",
+  batchnorm=False,
+  stats="pooled",
+  bn_eps=1e-5,
+  bn_mean_weight=1.0,
+  grid_shape=None,
+  num_prefix_tokens=0,
+  is_causal=False,
+  causal_alignment="top_left",
+):
   """Attention-SH (and BN+SH) with loops.
 
   Returns:
@@ -101,8 +120,11 @@ def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="av
         pv.append(_pool_ref(vals, pool) if vals else np.zeros(d_v))
       qs = [q[b + (i, h)] for i in range(q_len)]
       if batchnorm:
-        src = ([pk[w] for w in range(n) if pvalid[w]] if stats == "pooled"
-               else [k[b + (j, h)] for j in range(kv_len) if valid[j]])
+        src = (
+          [pk[w] for w in range(n) if pvalid[w]]
+          if stats == "pooled"
+          else [k[b + (j, h)] for j in range(kv_len) if valid[j]]
+        )
         shift, div = _stats_ref(src, bn_eps, bn_mean_weight)
         qs = [(x - shift) / div for x in qs]
         pk = [(x - shift) / div for x in pk]
@@ -133,8 +155,18 @@ def scaled_head_ref(query, key, value, bias=None, mask=None, *, ratios, pool="av
 # ------------------------------------------------------------------------------------------------
 
 
-def hyla_ref(query, key, value, bias=None, mask=None, *, normalization="rms_head",
-             value_network="mlp_relu", is_causal=False, causal_alignment="top_left"):
+def hyla_ref(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  normalization="rms_head",
+  value_network="mlp_relu",
+  is_causal=False,
+  causal_alignment="top_left",
+):
   """HYLA with loops. Returns (out [batch..., q_len, heads, d_v], a [batch..., heads, q, kv])."""
   q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
   batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]

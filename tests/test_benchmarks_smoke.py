@@ -43,11 +43,16 @@ def outputs(tmp_path_factory) -> dict[str, Path]:
   folders = {"attention": root / "attention", "train_throughput": root / "train"}
   args = {"attention": ATTENTION_ARGS, "train_throughput": TRAIN_ARGS}
   processes = {
-      name: subprocess.Popen(
-          [sys.executable, "-m", f"benchmarks.{name}", *args[name], "--out-dir", str(folder)],
-          cwd=REPO_ROOT, env=_subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          text=True)
-      for name, folder in folders.items()}
+    name: subprocess.Popen(
+      [sys.executable, "-m", f"benchmarks.{name}", *args[name], "--out-dir", str(folder)],
+      cwd=REPO_ROOT,
+      env=_subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for name, folder in folders.items()
+  }
   for name, process in processes.items():
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, f"{name} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
@@ -77,8 +82,13 @@ def test_attention_has_every_kernel_length_dtype_and_pass(outputs):
   config = payload["config"]
   assert config["lengths"] == list(attention.QUICK_LENGTHS)
   assert config["dtypes"] == ["float32"]
-  expected = {(k, n, d, p) for k in attention.KERNELS for n in config["lengths"]
-              for d in config["dtypes"] for p in attention.PASSES}
+  expected = {
+    (k, n, d, p)
+    for k in attention.KERNELS
+    for n in config["lengths"]
+    for d in config["dtypes"]
+    for p in attention.PASSES
+  }
   seen = {(r["kernel"], r["length"], r["dtype"], r["pass"]) for r in payload["records"]}
   assert seen == expected
 
@@ -120,7 +130,9 @@ def test_train_throughput_writes_json_and_markdown(outputs):
   assert set(payload) == {"metadata", "config", "records"}
   records = payload["records"]
   assert {(r["model"], r["variant"], r["num_devices"]) for r in records} == {
-      ("uea", "softmax", 2), ("sraven", "softmax", 2)}
+    ("uea", "softmax", 2),
+    ("sraven", "softmax", 2),
+  }
   for r in records:
     assert r["status"] == "ok", r
     for field in ("time_s", "steps_per_s", "tokens_per_s", "compile_s", "num_params"):
@@ -134,8 +146,10 @@ def test_train_throughput_writes_json_and_markdown(outputs):
 
 def test_result_paths_keep_cpu_names_and_suffix_other_devices(tmp_path):
   assert common.result_path(tmp_path, "attention", "json", "cpu") == tmp_path / "attention.json"
-  assert (common.result_path(tmp_path, "attention", "json", "gpu-h100")
-          == tmp_path / "attention_gpu-h100.json")
+  assert (
+    common.result_path(tmp_path, "attention", "json", "gpu-h100")
+    == tmp_path / "attention_gpu-h100.json"
+  )
 
 
 def test_timing_summary_and_budget():
@@ -148,7 +162,8 @@ def test_timing_summary_and_budget():
 
 def test_device_count_env_replaces_the_count():
   env = train_throughput.device_count_env(
-      8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --foo=1"})
+    8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --foo=1"}
+  )
   assert env["XLA_FLAGS"].split() == ["--foo=1", "--xla_force_host_platform_device_count=8"]
 
 
@@ -164,11 +179,20 @@ def test_scaled_head_flops_reduce_to_softmax_and_shrink_with_ratios():
 
 def test_targets_pass_miss_and_missing_data():
   def record(kernel, length, time_s, temp_bytes=100, pass_name="forward_backward"):
-    return {"kernel": kernel, "length": length, "dtype": "float32", "pass": pass_name,
-            "time_s": time_s, "temp_bytes": temp_bytes}
+    return {
+      "kernel": kernel,
+      "length": length,
+      "dtype": "float32",
+      "pass": pass_name,
+      "time_s": time_s,
+      "temp_bytes": temp_bytes,
+    }
 
-  records = [record("softmax", 512, 1.0), record("jax_dot_product_attention", 512, 1.0),
-             record("batchnorm_softmax", 512, 2.0)]
+  records = [
+    record("softmax", 512, 1.0),
+    record("jax_dot_product_attention", 512, 1.0),
+    record("batchnorm_softmax", 512, 2.0),
+  ]
   targets = {t["name"]: t for t in attention.evaluate_targets(records, {})}
   assert targets["softmax_vs_jax_dot_product_attention"]["status"] == "PASS"
   assert targets["batchnorm_vs_softmax"]["status"] == "MISS"
@@ -177,14 +201,36 @@ def test_targets_pass_miss_and_missing_data():
 
 def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   from benchmarks import small_models  # pylint: disable=g-import-not-at-top
-  assert small_models.main(["--quick", "--models", "logic", "--variants", "linear_plain",
-                            "--steps-per-call", "2", "--seeds-per-program", "1,2",
-                            "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
+
+  assert (
+    small_models.main(
+      [
+        "--quick",
+        "--models",
+        "logic",
+        "--variants",
+        "linear_plain",
+        "--steps-per-call",
+        "2",
+        "--seeds-per-program",
+        "1,2",
+        "--repeats",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+      ]
+    )
+    == 0
+  )
   payload = json.loads((tmp_path / "small_models.json").read_text())
   row, pair = payload["rows"]
   assert (row["model"], row["variant"], row["steps_per_call"], row["seeds"], row["data"]) == (
-      "logic", "linear_plain", 2, 1, "device")
+    "logic",
+    "linear_plain",
+    2,
+    1,
+    "device",
+  )
   assert pair["seeds"] == 2 and pair["ms_per_step"] > 0
-  assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"],
-                                                 1e3 / row["ms_per_step"])
+  assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"], 1e3 / row["ms_per_step"])
   assert "| logic | linear_plain | 2 | 1 | device |" in (tmp_path / "small_models.md").read_text()

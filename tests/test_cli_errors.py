@@ -49,9 +49,15 @@ def _synthetic_config_file(tmp_path) -> str:
 
 def _run(script: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *args],
-                        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120,
-                        **kwargs)
+  return subprocess.run(
+    [sys.executable, os.path.join(REPO_ROOT, script), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+    timeout=120,
+    **kwargs,
+  )
 
 
 def _foreign_workdir(tmp_path, config_file) -> str:
@@ -69,7 +75,8 @@ def _busy_workdir(tmp_path) -> str:
   workdir = tmp_path / 'busy'
   workdir.mkdir()
   (workdir / workdir_lib.LOCK_FILE).write_text(
-      json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}))
+    json.dumps({'pid': os.getpid(), 'host': socket.gethostname()})
+  )
   return str(workdir)
 
 
@@ -94,53 +101,80 @@ def _a_file(tmp_path) -> str:
 
 # (script, arguments given the synthetic config file and tmp_path, expected message regex)
 CASES = {
-    'unknown config field': (
-        'train.py', lambda c, t: [f'--config={c}', '--config.optimzer.lr=0.1',
-                                  f'--workdir={t}/run'],
-        r'unknown config field --config\.optimzer\.lr; did you mean --config\.optimizer\.lr\?'),
-    'typo in config argument': (
-        'train.py', lambda c, t: [f'--config={c}:step=3', f'--workdir={t}/run'],
-        r"unknown config argument 'step' in 'step=3'; did you mean 'steps'\?"),
-    'missing config file': (
-        'train.py', lambda c, t: [f'--config={t}/nope.py', f'--workdir={t}/run'],
-        r'config file .*nope\.py not found'),
-    'config file that raises': (
-        'train.py', lambda c, t: [f'--config={_broken_config_file(t)}', f'--workdir={t}/run'],
-        r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'"),
-    'zero model size': (
-        'train.py', lambda c, t: [f'--config={c}', '--config.model.hidden=0',
-                                  f'--workdir={t}/run'],
-        r'config\.model\.hidden=0 must be a positive integer'),
-    'no layers': (
-        'train.py', lambda c, t: ['--config=primal_dual/configs/default.py:runlocal',
-                                  '--config.model.num_layers=-1', f'--workdir={t}/run'],
-        r'config\.model\.num_layers=-1 must be a positive integer'),
-    'dropout rate of 1': (
-        'train.py', lambda c, t: [f'--config={c}', '--config.model.dropout_rate=1.0',
-                                  f'--workdir={t}/run'],
-        r'config\.model\.dropout_rate=1\.0 must be in \[0, 1\)'),
-    'selection split the task lacks': (
-        'train.py', lambda c, t: [f'--config={c}', '--config.selection.split=dev',
-                                  f'--workdir={t}/run'],
-        r"config\.selection\.split='dev' is not a split of task 'synthetic'"),
-    'workdir is a file': (
-        'train.py', lambda c, t: [f'--config={c}', f'--workdir={_a_file(t)}'],
-        r'workdir .*a_file is a file, not a folder'),
-    'workdir is read-only': (
-        'train.py', lambda c, t: [f'--config={c}', f'--workdir={_read_only_workdir(t)}/run'],
-        r'cannot create workdir .*read_only/run: Permission denied'),
-    'workdir of another experiment': (
-        'train.py', lambda c, t: [f'--config={c}', f'--workdir={_foreign_workdir(t, c)}'],
-        r'workdir .*foreign holds another experiment: seed 5 != 0; use a new --workdir'),
-    'workdir in use': (
-        'train.py', lambda c, t: [f'--config={c}', f'--workdir={_busy_workdir(t)}'],
-        rf'workdir .*busy is in use by process {os.getpid()} on {re.escape(socket.gethostname())}'),
-    'eval of a bad checkpoint name': (
-        'eval.py', lambda c, t: [f'--workdir={t}', '--checkpoint=foo'],
-        r"--checkpoint must be 'latest', 'selected' or a step number"),
-    'eval of a folder without a run': (
-        'eval.py', lambda c, t: [f'--workdir={t}/nothing'],
-        r'config\.json not found'),
+  'unknown config field': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.optimzer.lr=0.1', f'--workdir={t}/run'],
+    r'unknown config field --config\.optimzer\.lr; did you mean --config\.optimizer\.lr\?',
+  ),
+  'typo in config argument': (
+    'train.py',
+    lambda c, t: [f'--config={c}:step=3', f'--workdir={t}/run'],
+    r"unknown config argument 'step' in 'step=3'; did you mean 'steps'\?",
+  ),
+  'missing config file': (
+    'train.py',
+    lambda c, t: [f'--config={t}/nope.py', f'--workdir={t}/run'],
+    r'config file .*nope\.py not found',
+  ),
+  'config file that raises': (
+    'train.py',
+    lambda c, t: [f'--config={_broken_config_file(t)}', f'--workdir={t}/run'],
+    r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'",
+  ),
+  'zero model size': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.model.hidden=0', f'--workdir={t}/run'],
+    r'config\.model\.hidden=0 must be a positive integer',
+  ),
+  'no layers': (
+    'train.py',
+    lambda c, t: [
+      '--config=primal_dual/configs/default.py:runlocal',
+      '--config.model.num_layers=-1',
+      f'--workdir={t}/run',
+    ],
+    r'config\.model\.num_layers=-1 must be a positive integer',
+  ),
+  'dropout rate of 1': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.model.dropout_rate=1.0', f'--workdir={t}/run'],
+    r'config\.model\.dropout_rate=1\.0 must be in \[0, 1\)',
+  ),
+  'selection split the task lacks': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.selection.split=dev', f'--workdir={t}/run'],
+    r"config\.selection\.split='dev' is not a split of task 'synthetic'",
+  ),
+  'workdir is a file': (
+    'train.py',
+    lambda c, t: [f'--config={c}', f'--workdir={_a_file(t)}'],
+    r'workdir .*a_file is a file, not a folder',
+  ),
+  'workdir is read-only': (
+    'train.py',
+    lambda c, t: [f'--config={c}', f'--workdir={_read_only_workdir(t)}/run'],
+    r'cannot create workdir .*read_only/run: Permission denied',
+  ),
+  'workdir of another experiment': (
+    'train.py',
+    lambda c, t: [f'--config={c}', f'--workdir={_foreign_workdir(t, c)}'],
+    r'workdir .*foreign holds another experiment: seed 5 != 0; use a new --workdir',
+  ),
+  'workdir in use': (
+    'train.py',
+    lambda c, t: [f'--config={c}', f'--workdir={_busy_workdir(t)}'],
+    rf'workdir .*busy is in use by process {os.getpid()} on {re.escape(socket.gethostname())}',
+  ),
+  'eval of a bad checkpoint name': (
+    'eval.py',
+    lambda c, t: [f'--workdir={t}', '--checkpoint=foo'],
+    r"--checkpoint must be 'latest', 'selected' or a step number",
+  ),
+  'eval of a folder without a run': (
+    'eval.py',
+    lambda c, t: [f'--workdir={t}/nothing'],
+    r'config\.json not found',
+  ),
 }
 
 _ROOT_IGNORES_PERMISSIONS = {'workdir is read-only'}
@@ -162,12 +196,21 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
   """While a job trains, the same command again exits at once naming the job's process; SIGINT
   then stops the job with one line giving the last step and checkpoint, and frees the workdir."""
   workdir = tmp_path / 'run'
-  args = [f'--config={_synthetic_config_file(tmp_path)}:steps=1000000',
-          '--config.log_every_steps=1', '--config.checkpoint_every_steps=5', f'--workdir={workdir}']
+  args = [
+    f'--config={_synthetic_config_file(tmp_path)}:steps=1000000',
+    '--config.log_every_steps=1',
+    '--config.checkpoint_every_steps=5',
+    f'--workdir={workdir}',
+  ]
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  job = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, 'train.py'), *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=REPO_ROOT)
+  job = subprocess.Popen(
+    [sys.executable, os.path.join(REPO_ROOT, 'train.py'), *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+  )
   try:
     deadline = time.monotonic() + 120
     while not (workdir / 'checkpoints' / '5').exists() and time.monotonic() < deadline:
@@ -181,11 +224,15 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
       job.kill()
   assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
   assert second.stderr.startswith(
-      f'error: workdir {workdir} is in use by process {job.pid} on {socket.gethostname()}; ')
+    f'error: workdir {workdir} is in use by process {job.pid} on {socket.gethostname()}; '
+  )
   steps = [json.loads(line)['step'] for line in records_before_stop]
   assert steps == sorted(set(steps))  # one writer: no duplicate or out-of-order records
   assert job.returncode == 2, stderr
   assert len(stderr.splitlines()) == 1, stderr
-  assert re.fullmatch(r'error: stopped at step \d+; last checkpoint step \d+; re-run the same '
-                      r'command to resume', stderr.strip()), stderr
+  assert re.fullmatch(
+    r'error: stopped at step \d+; last checkpoint step \d+; re-run the same '
+    r'command to resume',
+    stderr.strip(),
+  ), stderr
   assert not (workdir / workdir_lib.LOCK_FILE).exists()

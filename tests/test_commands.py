@@ -19,10 +19,21 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
   """`python -m primal_dual ARGS` in `cwd` (not the clone: packaged configs must be found)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return subprocess.run([sys.executable, "-m", "primal_dual", *args], capture_output=True,
-                        text=True, env=env, cwd=cwd, timeout=120, check=False)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO_ROOT,
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  )
+  return subprocess.run(
+    [sys.executable, "-m", "primal_dual", *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=cwd,
+    timeout=120,
+    check=False,
+  )
 
 
 def _one_line_error(result: subprocess.CompletedProcess, pattern: str) -> None:
@@ -45,14 +56,19 @@ def test_help_lists_the_commands(tmp_path):
     assert f"primal-dual {name}" in result.stdout
 
 
-@pytest.mark.parametrize("args, pattern", [
+@pytest.mark.parametrize(
+  "args, pattern",
+  [
     (["trian"], r"unknown command 'trian'; choose one of train, eval, reproduce"),
     (["reproduce", "uae"], r"unknown reproduction 'uae'; choose one of uea, listops, images"),
     (["train", "--config=uae", "--workdir=w"], r"unknown config 'uae'; packaged configs: default"),
-    (["train", "--config=default:runlocal", "--config.optimzer.lr=1", "--workdir=w"],
-     r"did you mean --config\.optimizer\.lr\?"),
+    (
+      ["train", "--config=default:runlocal", "--config.optimzer.lr=1", "--workdir=w"],
+      r"did you mean --config\.optimizer\.lr\?",
+    ),
     (["eval", "--workdir=no_such_workdir"], r"config\.json not found"),
-])
+  ],
+)
 def test_user_errors_are_one_line(args, pattern, tmp_path):
   _one_line_error(_run(args, tmp_path), pattern)
 

@@ -10,8 +10,14 @@ from primal_dual.training import errors
 
 
 def test_parse_arg_types_values_by_their_defaults():
-  arg = config_lib.parse_arg('steps=12,lr=3e-4,name=Heartbeat,shuffle=false',
-                             steps=1, lr=1.0, name='JapaneseVowels', shuffle=True, runlocal=False)
+  arg = config_lib.parse_arg(
+    'steps=12,lr=3e-4,name=Heartbeat,shuffle=false',
+    steps=1,
+    lr=1.0,
+    name='JapaneseVowels',
+    shuffle=True,
+    runlocal=False,
+  )
   assert arg.steps == 12 and isinstance(arg.steps, int)
   assert arg.lr == pytest.approx(3e-4) and isinstance(arg.lr, float)
   assert arg.name == 'Heartbeat'
@@ -31,12 +37,15 @@ def test_bare_flag_sets_bool_true_and_float_accepts_int_text():
   assert arg.lr == 2.0 and isinstance(arg.lr, float)
 
 
-@pytest.mark.parametrize('raw, message', [
+@pytest.mark.parametrize(
+  'raw, message',
+  [
     ('unknown=1', "unknown config argument 'unknown'"),
     ('steps=abc', 'expected a value of type int'),
     ('runlocal=maybe', 'expected a boolean'),
     ('steps', 'needs a value'),
-])
+  ],
+)
 def test_parse_arg_errors_are_clear_value_errors(raw, message):
   with pytest.raises(ValueError, match=message) as info:
     config_lib.parse_arg(raw, steps=1, runlocal=False)
@@ -59,22 +68,28 @@ def _with_model(**fields):
   return config
 
 
-@pytest.mark.parametrize('fields, message', [
+@pytest.mark.parametrize(
+  'fields, message',
+  [
     ({'num_layers': 0}, r'config.model.num_layers=0 must be a positive integer'),
     ({'model_dim': -16}, r'config.model.model_dim=-16 must be a positive integer'),
     ({'num_heads': 2.0}, r'config.model.num_heads=2.0 must be a positive integer'),
     ({'hidden': True}, r'config.model.hidden=True must be a positive integer'),
     ({'dropout_rate': 1.0}, r'config.model.dropout_rate=1.0 must be in \[0, 1\)'),
     ({'attention_dropout_rate': -0.1}, r'config.model.attention_dropout_rate=-0.1 must be in'),
-])
+  ],
+)
 def test_validate_refuses_bad_sizes_and_rates(fields, message):
   with pytest.raises(errors.ConfigError, match=message):
     config_lib.validate(_with_model(**fields))
 
 
 def test_validate_accepts_sound_models_and_empty_ones():
-  config_lib.validate(_with_model(num_layers=1, model_dim=16, num_heads=2, dropout_rate=0.0,
-                                  attention_dropout_rate=0.5))
+  config_lib.validate(
+    _with_model(
+      num_layers=1, model_dim=16, num_heads=2, dropout_rate=0.0, attention_dropout_rate=0.5
+    )
+  )
   config_lib.validate(config_lib.training_defaults())
 
 
@@ -98,8 +113,9 @@ def test_freeze_refuses_any_mutation():
 
 
 def test_merge_fills_defaults_and_keeps_task_fields():
-  override = ml_collections.ConfigDict({'batch_size': 8, 'optimizer': {'lr': 0.2},
-                                        'model': {'hidden': 32}, 'extra': 'x'})
+  override = ml_collections.ConfigDict(
+    {'batch_size': 8, 'optimizer': {'lr': 0.2}, 'model': {'hidden': 32}, 'extra': 'x'}
+  )
   merged = config_lib.merge(config_lib.training_defaults(), override)
   assert merged.batch_size == 8
   assert merged.optimizer.lr == 0.2

@@ -13,8 +13,9 @@ from primal_dual.training import cli, config_lib, errors
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "primal_dual", "configs")
-CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-                      if not p.endswith("__init__.py"))
+CONFIG_FILES = sorted(
+  p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not p.endswith("__init__.py")
+)
 
 
 def test_there_are_configs():
@@ -40,7 +41,8 @@ def test_config_docstring_gives_a_command(path):
   with open(path) as f:
     source = f.read()
   assert "train.py --config=primal_dual/configs/" in source, (
-      f"{path}: docstring lacks the exact command")
+    f"{path}: docstring lacks the exact command"
+  )
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
@@ -54,7 +56,8 @@ def test_config_rejects_unknown_arguments(path):
 
 def test_packaged_names_are_the_config_files():
   assert configs.packaged_names() == sorted(
-      os.path.splitext(os.path.basename(p))[0] for p in CONFIG_FILES)
+    os.path.splitext(os.path.basename(p))[0] for p in CONFIG_FILES
+  )
 
 
 @pytest.mark.parametrize("name", configs.packaged_names())
@@ -88,16 +91,26 @@ def test_unknown_short_name_is_one_line_listing_the_packaged_ones():
 
 
 def test_missing_file_names_the_file_and_the_packaged_configs(tmp_path):
-  with pytest.raises(errors.ConfigError, match=r"config file .*nope\.py not found; packaged "
-                                               r"configs: default, "):
+  with pytest.raises(
+    errors.ConfigError,
+    match=r"config file .*nope\.py not found; packaged "
+    r"configs: default, ",
+  ):
     configs.resolve(str(tmp_path / "nope.py"))
 
 
 def test_command_line_specs_keep_their_argument_and_other_flags():
-  argv = ["train", "--config=uea:dataset=Heartbeat,runlocal", "--config.seed=3", "--config",
-          "default", "--workdir=w"]
+  argv = [
+    "train",
+    "--config=uea:dataset=Heartbeat,runlocal",
+    "--config.seed=3",
+    "--config",
+    "default",
+    "--workdir=w",
+  ]
   resolved = cli.resolve_config_specs(argv)
   assert resolved[0] == "train" and resolved[2:4] == ["--config.seed=3", "--config"]
-  assert resolved[1] == (f"--config={os.path.join(CONFIG_DIR, 'uea.py')}"
-                         ":dataset=Heartbeat,runlocal")
+  assert resolved[1] == (
+    f"--config={os.path.join(CONFIG_DIR, 'uea.py')}:dataset=Heartbeat,runlocal"
+  )
   assert resolved[4:] == [os.path.join(CONFIG_DIR, "default.py"), "--workdir=w"]

@@ -3,6 +3,7 @@
 The reference for every number is aeon's own `.ts` reader plus plain NumPy, independent of the
 parser and preprocessing under test.
 """
+
 import pathlib
 
 import hypothesis
@@ -17,6 +18,7 @@ from primal_dual.data import uea
 
 def _aeon_raw(name, split):
   from aeon.datasets import load_from_ts_file  # slow import: only where needed
+
   path = importlib_resources.files("aeon") / "datasets" / "data" / name / f"{name}_{split}.ts"
   x, y = load_from_ts_file(str(path))
   return [np.asarray(s, np.float64) for s in x], np.asarray(y, str)
@@ -34,8 +36,9 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vowels(data_dir):
-  sources = builders.uea_sources("JapaneseVowels", data_dir=data_dir,
-                            splits=("train", "test", "train_fit", "validation"))
+  sources = builders.uea_sources(
+    "JapaneseVowels", data_dir=data_dir, splits=("train", "test", "train_fit", "validation")
+  )
   return {split: _stack(s) for split, s in sources.items()}, sources
 
 
@@ -72,9 +75,9 @@ def test_basic_motions_sizes(motions):
 def test_uea_info(data_dir, vowels):
   del vowels  # prepared there
   info = builders.uea_info("JapaneseVowels", data_dir=data_dir)
-  assert {k: info[k] for k in ("num_classes", "num_channels", "max_length", "num_train",
-                               "num_test")} == dict(num_classes=9, num_channels=12, max_length=29,
-                                                    num_train=270, num_test=370)
+  assert {
+    k: info[k] for k in ("num_classes", "num_channels", "max_length", "num_train", "num_test")
+  } == dict(num_classes=9, num_channels=12, max_length=29, num_train=270, num_test=370)
 
 
 @pytest.mark.parametrize("name", ["JapaneseVowels", "BasicMotions"])
@@ -89,8 +92,7 @@ def test_standardisation_uses_train_statistics(name, data_dir):
     a = arrays[split]
     for i, s in enumerate(series):
       length = s.shape[1]
-      np.testing.assert_allclose(a["inputs"][i, :length], (s.T - mean) / std, rtol=1e-5,
-                                 atol=1e-5)
+      np.testing.assert_allclose(a["inputs"][i, :length], (s.T - mean) / std, rtol=1e-5, atol=1e-5)
       assert not a["inputs"][i, length:].any()  # padding is zero
       assert not a["mask"][i, length:].any()
     np.testing.assert_array_equal(a["label"], [class_names.index(c) for c in labels])
@@ -107,8 +109,9 @@ def test_clean_protocol_splits(vowels):
   fit, validation = sources["train_fit"].indices, sources["validation"].indices
   assert len(np.intersect1d(fit, validation)) == 0
   np.testing.assert_array_equal(np.sort(np.concatenate([fit, validation])), np.arange(270))
-  np.testing.assert_array_equal(arrays["validation"]["inputs"],
-                                arrays["train"]["inputs"][validation])
+  np.testing.assert_array_equal(
+    arrays["validation"]["inputs"], arrays["train"]["inputs"][validation]
+  )
   np.testing.assert_array_equal(arrays["train_fit"]["label"], arrays["train"]["label"][fit])
   labels = arrays["train"]["label"]
   for c in range(9):  # 30 per class -> 6 in validation each
@@ -119,22 +122,29 @@ def test_clean_protocol_splits(vowels):
 def test_clean_split_is_deterministic_and_seeded(data_dir, vowels):
   del vowels
   again = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
-  other = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",),
-                          split_seed=1, validation_fraction=0.3)
+  other = builders.uea_sources(
+    "JapaneseVowels",
+    data_dir=data_dir,
+    splits=("validation",),
+    split_seed=1,
+    validation_fraction=0.3,
+  )
   first = builders.uea_sources("JapaneseVowels", data_dir=data_dir, splits=("validation",))
   np.testing.assert_array_equal(again["validation"].indices, first["validation"].indices)
   assert len(other["validation"]) == 81  # round(0.3 * 30) = 9 per class
   assert not np.array_equal(other["validation"].indices[:54], first["validation"].indices)
 
 
-@hypothesis.given(labels=st.lists(st.integers(0, 4), min_size=2, max_size=60),
-                  fraction=st.floats(0.05, 0.95), seed=st.integers(0, 2**31))
+@hypothesis.given(
+  labels=st.lists(st.integers(0, 4), min_size=2, max_size=60),
+  fraction=st.floats(0.05, 0.95),
+  seed=st.integers(0, 2**31),
+)
 def test_stratified_split_properties(labels, fraction, seed):
   labels = np.asarray(labels)
   fit, validation = uea.stratified_split(labels, fraction, seed)
   assert len(np.intersect1d(fit, validation)) == 0
-  np.testing.assert_array_equal(np.sort(np.concatenate([fit, validation])),
-                                np.arange(len(labels)))
+  np.testing.assert_array_equal(np.sort(np.concatenate([fit, validation])), np.arange(len(labels)))
   for c in np.unique(labels):
     n_c, v_c = (labels == c).sum(), (labels[validation] == c).sum()
     assert v_c < n_c  # every class keeps a training example
@@ -180,14 +190,20 @@ def _write_ts(path: pathlib.Path, lines):
 def test_manual_files_nan_handling_and_numeric_labels(tmp_path):
   """A hand-written data set in manual_dir: trailing NaN = padding, inner NaN = channel mean."""
   manual = tmp_path / "manual"
-  _write_ts(manual / "Heartbeat" / "Heartbeat_TRAIN.ts", [
-      "1,2,3,NaN:10,20,30,NaN:10",     # trailing all-NaN step -> length 3
-      "3,?,5:30,40,50:9",             # '?' inside -> 0 after standardising, mask True
-      "5,6:50,60:2",                  # length 2
-  ])
-  _write_ts(manual / "Heartbeat" / "Heartbeat_TEST.ts", [
-      "1,2,3,4,5:10,20:10",           # channel 2 shorter: its steps 3-5 are NaN -> 0
-  ])
+  _write_ts(
+    manual / "Heartbeat" / "Heartbeat_TRAIN.ts",
+    [
+      "1,2,3,NaN:10,20,30,NaN:10",  # trailing all-NaN step -> length 3
+      "3,?,5:30,40,50:9",  # '?' inside -> 0 after standardising, mask True
+      "5,6:50,60:2",  # length 2
+    ],
+  )
+  _write_ts(
+    manual / "Heartbeat" / "Heartbeat_TEST.ts",
+    [
+      "1,2,3,4,5:10,20:10",  # channel 2 shorter: its steps 3-5 are NaN -> 0
+    ],
+  )
   sources = builders.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
   train, test = _stack(sources["train"]), _stack(sources["test"])
   assert train["inputs"].shape == (3, 5, 2)  # T = 5, the longest over both splits
@@ -201,8 +217,9 @@ def test_manual_files_nan_handling_and_numeric_labels(tmp_path):
   assert train["inputs"][1, 1, 0] == 0.0 and train["mask"][1, 1]
   np.testing.assert_allclose(train["inputs"][1, 1, 1], (40 - mean[1]) / std[1], rtol=1e-5)
   np.testing.assert_array_equal(test["mask"][0], [True] * 5)
-  np.testing.assert_allclose(test["inputs"][0, :, 0], (np.arange(1, 6) - mean[0]) / std[0],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    test["inputs"][0, :, 0], (np.arange(1, 6) - mean[0]) / std[0], rtol=1e-5
+  )
   np.testing.assert_array_equal(test["inputs"][0, 2:, 1], 0.0)
 
 

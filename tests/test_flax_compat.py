@@ -49,8 +49,9 @@ _RNG = np.random.default_rng(0)
 # Two batch dimensions [2, 2]; the flattened twin has one batch dimension [4].
 INPUTS = jnp.asarray(_RNG.normal(size=(2, 2, LENGTH, FEATURES)), jnp.float32)
 FLAT_INPUTS = INPUTS.reshape(4, LENGTH, FEATURES)
-VALID = np.array([[[1, 1, 1, 1], [1, 1, 1, 0]],
-                  [[1, 1, 0, 0], [1, 0, 0, 0]]], bool)  # [2, 2, LENGTH]; nobody fully padded
+VALID = np.array(
+  [[[1, 1, 1, 1], [1, 1, 1, 0]], [[1, 1, 0, 0], [1, 0, 0, 0]]], bool
+)  # [2, 2, LENGTH]; nobody fully padded
 
 
 def flax_float_mask(name):
@@ -64,12 +65,14 @@ def flax_float_mask(name):
 
 
 def linen_module(name, **options):
-  return nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES,
-                                         attention_fn=attention_fn(name), **options)
+  return nn.MultiHeadDotProductAttention(
+    num_heads=HEADS, qkv_features=FEATURES, attention_fn=attention_fn(name), **options
+  )
 
 
 PARAMS = jax.jit(nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES).init)(
-    jax.random.key(1), FLAT_INPUTS)
+  jax.random.key(1), FLAT_INPUTS
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,8 +87,9 @@ def flat_reference(name):
 def test_linen_float_flax_masks_and_extra_batch_dims_with_sown_weights(name):
   mask = flax_float_mask(name)
   assert mask.dtype == jnp.float32
-  apply = jax.jit(functools.partial(linen_module(name).apply, sow_weights=True,
-                                    mutable=["intermediates"]))
+  apply = jax.jit(
+    functools.partial(linen_module(name).apply, sow_weights=True, mutable=["intermediates"])
+  )
   out, state = apply(PARAMS, INPUTS, mask=mask)
   assert out.shape == INPUTS.shape and out.dtype == jnp.float32
   # The float mask means what the bool mask means, and batch dimensions are independent.
@@ -104,8 +108,10 @@ def assert_sown_weights(name, state, batch_shape):
     return
   (weights,) = sown
   if name in ("sh", "bn_sh"):  # one array per ratio group: ratio 1 on head 0, ratio 2 on head 1
-    assert [w.shape for w in weights] == [(*batch_shape, 1, LENGTH, LENGTH),
-                                          (*batch_shape, 1, LENGTH, LENGTH // 2)]
+    assert [w.shape for w in weights] == [
+      (*batch_shape, 1, LENGTH, LENGTH),
+      (*batch_shape, 1, LENGTH, LENGTH // 2),
+    ]
   else:
     assert weights.shape == (*batch_shape, HEADS, LENGTH, LENGTH)
   for w in jax.tree.leaves(weights):
@@ -118,8 +124,9 @@ def test_linen_dropout_with_deterministic_false(name):
   module = linen_module(name, dropout_rate=0.5)
   if name in PRIMAL:
     with pytest.raises(ValueError, match="dropout"):
-      module.apply(PARAMS, FLAT_INPUTS, mask=mask, deterministic=False,
-                   rngs={"dropout": jax.random.key(0)})
+      module.apply(
+        PARAMS, FLAT_INPUTS, mask=mask, deterministic=False, rngs={"dropout": jax.random.key(0)}
+      )
     return
   apply = jax.jit(functools.partial(module.apply, deterministic=False))
 
@@ -132,8 +139,10 @@ def test_linen_dropout_with_deterministic_false(name):
   assert not np.allclose(first, clean, atol=1e-4)  # dropout happened
   assert not np.allclose(first, dropped(1), atol=1e-4)  # and follows the rng
   np.testing.assert_allclose(  # deterministic=True turns it off
-      jax.jit(functools.partial(module.apply, deterministic=True))(PARAMS, FLAT_INPUTS, mask=mask),
-      clean, atol=1e-6)
+    jax.jit(functools.partial(module.apply, deterministic=True))(PARAMS, FLAT_INPUTS, mask=mask),
+    clean,
+    atol=1e-6,
+  )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -155,8 +164,7 @@ def test_linen_softmax_with_float_masks_equals_flax_default():
   # before the output projection (so the output bias). Every other position agrees.
   np.testing.assert_allclose(ours[VALID], theirs[VALID], atol=1e-6)
   out_bias = np.asarray(PARAMS["params"]["out"]["bias"])
-  np.testing.assert_allclose(ours[~VALID], np.broadcast_to(out_bias, ours[~VALID].shape),
-                             atol=1e-6)
+  np.testing.assert_allclose(ours[~VALID], np.broadcast_to(out_bias, ours[~VALID].shape), atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +176,15 @@ SEQUENCE = jnp.asarray(np.random.default_rng(1).normal(size=(2, LENGTH, FEATURES
 
 def nnx_module(name, **options):
   """Same seed, same parameters for every kernel."""
-  return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=FEATURES,
-                                attention_fn=attention_fn(name), decode=False, rngs=nnx.Rngs(0),
-                                **options)
+  return nnx.MultiHeadAttention(
+    num_heads=HEADS,
+    in_features=FEATURES,
+    qkv_features=FEATURES,
+    attention_fn=attention_fn(name),
+    decode=False,
+    rngs=nnx.Rngs(0),
+    **options,
+  )
 
 
 @nnx.jit
@@ -186,7 +200,7 @@ def _decode_step(module, token):
 def decode_token_by_token(module, x):
   """Feeds ``x [batch, LENGTH, features]`` one position at a time through the key/value cache."""
   module.init_cache(x.shape)
-  return jnp.concatenate([_decode_step(module, x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
+  return jnp.concatenate([_decode_step(module, x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
 
 
 @nnx.jit
@@ -220,12 +234,12 @@ def test_nnx_decoding_with_a_cache(name):
 @pytest.mark.parametrize("name", ["softmax", "sh", "hyla"])
 def test_nnx_sow_weights(name):
   module = nnx_module(name)
-  out, intermediates = nnx.capture(module, nnx.Intermediate)(SEQUENCE, is_causal=True,
-                                                              sow_weights=True)
+  out, intermediates = nnx.capture(module, nnx.Intermediate)(
+    SEQUENCE, is_causal=True, sow_weights=True
+  )
   np.testing.assert_allclose(out, _full_causal_pass(module, SEQUENCE), rtol=1e-5, atol=1e-6)
   (weights,) = intermediates["attention_weights"].get_value()
-  assert_sown_weights(name, {"intermediates": {"attention_weights": (weights,)}},
-                      batch_shape=(2,))
+  assert_sown_weights(name, {"intermediates": {"attention_weights": (weights,)}}, batch_shape=(2,))
   if name == "softmax":  # causal: nothing above the diagonal
     np.testing.assert_array_equal(np.triu(np.asarray(weights), k=1), 0.0)
 
@@ -241,6 +255,12 @@ def test_nnx_grouped_key_value_heads(name):
   out = _full_causal_pass(module, SEQUENCE)
   assert out.shape == SEQUENCE.shape and np.all(np.isfinite(out))
   if name == "softmax":  # Flax's own grouping: query head h uses key/value head h // groups
-    default = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=FEATURES,
-                                     num_kv_heads=1, decode=False, rngs=nnx.Rngs(0))
+    default = nnx.MultiHeadAttention(
+      num_heads=HEADS,
+      in_features=FEATURES,
+      qkv_features=FEATURES,
+      num_kv_heads=1,
+      decode=False,
+      rngs=nnx.Rngs(0),
+    )
     np.testing.assert_allclose(out, default(SEQUENCE, is_causal=True), atol=1e-6)

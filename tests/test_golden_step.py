@@ -19,31 +19,49 @@ from primal_dual.training import trainer
 # rate 0, the second moves the parameters); losses of both, the second's gradient norm and the
 # sum of the parameters after it.
 GOLDEN = {
-    "softmax": {"loss_0": 2.357109546661377, "loss_1": 2.3630270957946777,
-                "grad_norm": 199.45819091796875, "param_sum": 50.09725376274764},
-    "hyla": {"loss_0": 2.5326290130615234, "loss_1": 2.696837902069092,
-             "grad_norm": 2612.931640625, "param_sum": 50.01769677232369},
+  "softmax": {
+    "loss_0": 2.357109546661377,
+    "loss_1": 2.3630270957946777,
+    "grad_norm": 199.45819091796875,
+    "param_sum": 50.09725376274764,
+  },
+  "hyla": {
+    "loss_0": 2.5326290130615234,
+    "loss_1": 2.696837902069092,
+    "grad_norm": 2612.931640625,
+    "param_sum": 50.01769677232369,
+  },
 }
 
 
 def _two_steps(attention: str, jit: bool) -> dict[str, float]:
-  config = config_lib.with_fields(sraven_configs.get_config(f"attention={attention},runlocal"),
-                                  {"mesh.data": 1})
+  config = config_lib.with_fields(
+    sraven_configs.get_config(f"attention={attention},runlocal"), {"mesh.data": 1}
+  )
   experiment = trainer.build_experiment(trainer.resolve_config(config))
   state = experiment.init_state()
   batch = trainer._stack([experiment.splits["train"][i] for i in range(8)])  # pylint: disable=protected-access
-  step = (experiment.train_step if jit else
-          lambda s, b: trainer.train_step(s, b, model=experiment.model, tx=experiment.tx,
-                                          loss_fn=experiment.task.loss_and_metrics))
+  step = (
+    experiment.train_step
+    if jit
+    else lambda s, b: trainer.train_step(
+      s, b, model=experiment.model, tx=experiment.tx, loss_fn=experiment.task.loss_and_metrics
+    )
+  )
   losses = []
   with contextlib.nullcontext() if jit else jax.disable_jit():
     for _ in range(2):
       state, loss, metrics = step(state, batch)
       losses.append(float(loss))
-  param_sum = sum(float(np.sum(np.asarray(x, np.float64)))
-                  for x in jax.tree.leaves(jax.device_get(state.params)))
-  return {"loss_0": losses[0], "loss_1": losses[1], "grad_norm": float(metrics["grad_norm"][0]),
-          "param_sum": param_sum}
+  param_sum = sum(
+    float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves(jax.device_get(state.params))
+  )
+  return {
+    "loss_0": losses[0],
+    "loss_1": losses[1],
+    "grad_norm": float(metrics["grad_norm"][0]),
+    "param_sum": param_sum,
+  }
 
 
 @pytest.mark.parametrize("attention", sorted(GOLDEN))

@@ -8,15 +8,28 @@ import pytest
 
 from primal_dual.experiments import grid
 
-CPU = {"platform": "cpu", "device_kind": "cpu", "device_count": 1, "host_machine": "x86_64",
-       "host_cpu_count": 2, "jax_version": "0.10.2"}
-H100 = {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "device_count": 1,
-        "host_machine": "x86_64", "host_cpu_count": 16, "jax_version": "0.11.2"}
+CPU = {
+  "platform": "cpu",
+  "device_kind": "cpu",
+  "device_count": 1,
+  "host_machine": "x86_64",
+  "host_cpu_count": 2,
+  "jax_version": "0.10.2",
+}
+H100 = {
+  "platform": "gpu",
+  "device_kind": "NVIDIA H100 80GB HBM3",
+  "device_count": 1,
+  "host_machine": "x86_64",
+  "host_cpu_count": 16,
+  "jax_version": "0.11.2",
+}
 
 
 def test_describe_hardware_names_each_distinct_machine_once():
   assert grid.describe_hardware([{"hardware": H100}, {"hardware": H100}]) == (
-      "1 × NVIDIA H100 80GB HBM3 (gpu; host x86_64 with 16 CPU cores; JAX 0.11.2)")
+    "1 × NVIDIA H100 80GB HBM3 (gpu; host x86_64 with 16 CPU cores; JAX 0.11.2)"
+  )
   mixed = grid.describe_hardware([{"hardware": CPU}, {"hardware": None}, {"hardware": CPU}])
   assert mixed == "x86_64 CPU with 2 cores (JAX 0.10.2) and unrecorded hardware"
   assert grid.describe_hardware([]) == "no runs"
@@ -32,9 +45,11 @@ def test_shared_machine_note_and_invocation():
   assert grid.shared_machine_note("python s.py --jobs=1") == ""
   assert grid.shared_machine_note("python s.py") == ""
   assert "With `--jobs=4`, 4 runs trained at once" in grid.shared_machine_note(
-      "python s.py --root=x --jobs=4")
+    "python s.py --root=x --jobs=4"
+  )
   assert grid.invocation("scripts/x.py", ["--jobs=3", "--report_only", "--quick"]) == (
-      "python scripts/x.py --jobs=3 --quick")
+    "python scripts/x.py --jobs=3 --quick"
+  )
 
 
 def test_jobs_below_one_and_missing_results_are_refused(tmp_path):
@@ -49,7 +64,8 @@ def test_report_only_reads_the_records_without_training(tmp_path):
   path.write_text(json.dumps([{"name": "a", "hardware": CPU}]))
   never_run = [grid.GridRun(name="a", config_file="no/such/config.py", config_arg="")]
   assert grid.records_for_report(never_run, str(tmp_path), str(path), report_only=True) == [
-      {"name": "a", "hardware": CPU}]
+    {"name": "a", "hardware": CPU}
+  ]
 
 
 def test_a_failing_parallel_run_raises_with_its_log_tail(tmp_path):
@@ -79,9 +95,11 @@ def test_variant_and_seed_arguments_fill_defaults_and_reject_unknown_names(capsy
   assert args.variants == ("softmax",) and args.seeds == (0,)
   args = _parse(["--variants=bn,hyla", "--seeds=4"])
   assert args.variants == ("bn", "hyla") and args.seeds == (4,)
-  for argv, message in ((["--variants=softmax,nope"], "--variants: unknown ['nope']"),
-                        (["--variants=,"], "--variants: unknown empty list"),
-                        (["--seeds=,"], "--seeds: give at least one seed")):
+  for argv, message in (
+    (["--variants=softmax,nope"], "--variants: unknown ['nope']"),
+    (["--variants=,"], "--variants: unknown empty list"),
+    (["--seeds=,"], "--seeds: give at least one seed"),
+  ):
     with pytest.raises(SystemExit) as exit_info:
       _parse(argv)
     assert exit_info.value.code == 2
@@ -92,18 +110,29 @@ def test_check_schema_names_every_problem():
   schema = {"name": (str,), "count": (int,), "flag": (bool,), "score": (int, float)}
   grid.check_schema({"name": "a", "count": 3, "flag": True, "score": 0.5}, schema, "X")
   with pytest.raises(ValueError) as failure:
-    grid.check_schema({"name": "a", "count": True, "score": "high"}, schema, "X",
-                      ["protocol: 'p' is not one of ['q']"])
+    grid.check_schema(
+      {"name": "a", "count": True, "score": "high"},
+      schema,
+      "X",
+      ["protocol: 'p' is not one of ['q']"],
+    )
   message = str(failure.value)
   assert message.startswith("X record 'a' does not match RECORD_SCHEMA: ")
-  for part in ("count: bool where ['int'] expected", "flag: missing",
-               "score: str where ['int', 'float'] expected", "protocol: 'p' is not one of"):
+  for part in (
+    "count: bool where ['int'] expected",
+    "flag: missing",
+    "score: str where ['int', 'float'] expected",
+    "protocol: 'p' is not one of",
+  ):
     assert part in message
 
 
 def test_report_helpers():
-  records = [{"attention": "softmax", "n": 1}, {"attention": "sh", "n": 2},
-             {"attention": "softmax", "n": 3}]
+  records = [
+    {"attention": "softmax", "n": 1},
+    {"attention": "sh", "n": 2},
+    {"attention": "softmax", "n": 3},
+  ]
   assert grid.first_by_variant(records, "n") == {"softmax": 1, "sh": 2}
   assert grid.field("n")(records[1]) == 2 and grid.field("missing")(records[1]) is None
 
@@ -111,24 +140,35 @@ def test_report_helpers():
 def test_report_command_keeps_the_command_of_the_report_it_replaces(tmp_path):
   markdown = tmp_path / "r.md"
   assert grid.report_command("scripts/x.py", ["--jobs=3"], str(markdown), report_only=True) == (
-      "python scripts/x.py --jobs=3")  # no report yet: this command
+    "python scripts/x.py --jobs=3"
+  )  # no report yet: this command
   markdown.write_text("# Title\n\nMeasured by `python scripts/x.py --jobs=6 --quick` on a GPU.\n")
   assert grid.previous_report_command(str(markdown)) == "python scripts/x.py --jobs=6 --quick"
-  assert grid.report_command("scripts/x.py", ["--report_only"], str(markdown),
-                             report_only=True) == "python scripts/x.py --jobs=6 --quick"
+  assert (
+    grid.report_command("scripts/x.py", ["--report_only"], str(markdown), report_only=True)
+    == "python scripts/x.py --jobs=6 --quick"
+  )
   # A grid that trains names its own command, whatever the old report said.
   assert grid.report_command("scripts/x.py", ["--jobs=2"], str(markdown), report_only=False) == (
-      "python scripts/x.py --jobs=2")
+    "python scripts/x.py --jobs=2"
+  )
 
 
 def test_replica_runs_give_one_record_per_seed(tmp_path):
   """A GridRun with replica_seeds trains them in one program and yields a record per seed, read
   from <root>/<name>/seed_<s>; a second call reuses them."""
-  run = grid.GridRun(name="pair", config_file="sraven", config_arg="runlocal",
-                     tags={"attention": "softmax"}, overrides={"steps_per_call": 2},
-                     replica_seeds=(0, 5))
+  run = grid.GridRun(
+    name="pair",
+    config_file="sraven",
+    config_arg="runlocal",
+    tags={"attention": "softmax"},
+    overrides={"steps_per_call": 2},
+    replica_seeds=(0, 5),
+  )
   config = run.config()
-  assert tuple(config.seeds) == (0, 5) and config.train_data_on_device and config.steps_per_call == 2
+  assert (
+    tuple(config.seeds) == (0, 5) and config.train_data_on_device and config.steps_per_call == 2
+  )
   results = str(tmp_path / "results.json")
   records = grid.run_grid([run], str(tmp_path / "runs"), results, log=lambda _: None)
   assert [(r["name"], r["seed"]) for r in records] == [("pair/seed_0", 0), ("pair/seed_5", 5)]
@@ -142,12 +182,14 @@ def test_replica_runs_give_one_record_per_seed(tmp_path):
 
 def test_hyla_grids_group_seeds_into_replica_runs():
   from primal_dual.experiments.reproduce import sraven as reproduce_sraven  # pylint: disable=g-import-not-at-top
+
   runs = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
   main, ablations = reproduce_sraven.GRID_VARIANTS["paper"]
   assert [r.tags["attention"] for r in runs[:3]] == list(main)
   assert all(r.replica_seeds == (0, 1, 2) for r in runs[:3])
   assert [(r.tags["attention"], r.tags["seed"], r.replica_seeds) for r in runs[3:]] == [
-      (name, 0, ()) for name in ablations]
+    (name, 0, ()) for name in ablations
+  ]
   assert all(r.overrides == {"train_data_on_device": True, "steps_per_call": 125} for r in runs)
   plain = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1)
   assert len(plain) == 3 * 3 + len(ablations) and not any(r.overrides for r in plain)

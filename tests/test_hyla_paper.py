@@ -20,8 +20,9 @@ from primal_dual.training import optim
 
 def _abstract_params(task, config, num_tokens, num_features):
   model = task.build_model(config, {"num_values": 8})
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                                jnp.zeros((1, num_tokens, num_features))))
+  variables = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), jnp.zeros((1, num_tokens, num_features)))
+  )
   return nn.unbox(variables["params"])
 
 
@@ -54,10 +55,78 @@ def test_logic_paper_model_parameter_count_and_head_size():
 
 
 # Bucket of offset n = query − key for n = 0 … T−1 (keys after the query share bucket 0).
-UNIDIRECTIONAL_36 = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22,
-                     23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 32, 33, 34, 35]
-UNIDIRECTIONAL_32 = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22,
-                     23, 24, 25, 26, 27, 28, 28, 29, 30, 31]
+UNIDIRECTIONAL_36 = [
+  0,
+  1,
+  2,
+  3,
+  4,
+  5,
+  6,
+  7,
+  8,
+  9,
+  10,
+  11,
+  12,
+  13,
+  14,
+  15,
+  16,
+  17,
+  18,
+  19,
+  20,
+  22,
+  23,
+  24,
+  25,
+  26,
+  27,
+  28,
+  29,
+  30,
+  31,
+  32,
+  32,
+  33,
+  34,
+  35,
+]
+UNIDIRECTIONAL_32 = [
+  0,
+  1,
+  2,
+  3,
+  4,
+  5,
+  6,
+  7,
+  8,
+  9,
+  10,
+  11,
+  12,
+  13,
+  14,
+  15,
+  16,
+  17,
+  18,
+  19,
+  21,
+  22,
+  23,
+  24,
+  25,
+  26,
+  27,
+  28,
+  28,
+  29,
+  30,
+  31,
+]
 
 
 @pytest.mark.parametrize("length, expected", [(36, UNIDIRECTIONAL_36), (32, UNIDIRECTIONAL_32)])
@@ -84,8 +153,9 @@ def test_attention_dropout_is_active_only_in_training():
   model, variables, inputs = _tiny_paper_model(sraven_configs, sraven_task, 36, 8)
 
   def run(train, seed):
-    return np.asarray(model.apply(variables, inputs, train=train,
-                                  rngs={"dropout": jax.random.key(seed)}))
+    return np.asarray(
+      model.apply(variables, inputs, train=train, rngs={"dropout": jax.random.key(seed)})
+    )
 
   np.testing.assert_array_equal(run(False, 1), run(False, 2))
   assert not np.allclose(run(True, 1), run(True, 2))
@@ -109,10 +179,13 @@ def test_linear_plain_is_the_papers_unnormalised_linear_attention():
 
 def test_per_sequence_r2_is_the_papers_definition():
   # Sequence 0: context targets 0 and 1, query target 0.5 → var = 1/6; prediction 0.7.
-  inputs = jnp.array([[[0.3, 0.0], [0.1, 1.0], [0.9, 0.0]],
-                      [[0.2, 0.4], [0.5, 0.4], [0.6, 0.0]]])
-  batch = {"inputs": inputs, "target": jnp.array([0.5, 0.4]),
-           "task_variance": jnp.array([0.1, 0.1]), "valid": jnp.array([True, False])}
+  inputs = jnp.array([[[0.3, 0.0], [0.1, 1.0], [0.9, 0.0]], [[0.2, 0.4], [0.5, 0.4], [0.6, 0.0]]])
+  batch = {
+    "inputs": inputs,
+    "target": jnp.array([0.5, 0.4]),
+    "task_variance": jnp.array([0.1, 0.1]),
+    "valid": jnp.array([True, False]),
+  }
   outputs = jnp.zeros((2, 3, 1)).at[:, -1, 0].set(jnp.array([0.7, 0.0]))
   _, metrics = logic_task.logic_loss_and_metrics(outputs, batch)
   total, count = (float(v) for v in metrics["r2_per_sequence"])
@@ -136,9 +209,9 @@ def test_logic_paper_preset_protocol():
   data = config.data
   assert (data.seq_len, data.test_fraction, data.ood_term_sets) == (32, 0.7, "all_held_out")
   assert config.num_train_steps == 50_000 and config.batch_size == 128
-  assert (config.optimizer.warmup_steps, config.optimizer.cosine_end) == (
-      100, "total_minus_warmup")
+  assert (config.optimizer.warmup_steps, config.optimizer.cosine_end) == (100, "total_minus_warmup")
   tasks = logic_task.logic_config(data)
   from primal_dual.data import logic  # pylint: disable=g-import-not-at-top
+
   assert len(logic.split_task_ids(tasks, "ood")) == 6  # C(4, 2): held-out conjunctions only
   assert len(logic.split_task_ids(tasks, "test")) == 46  # 70% of the 66 seen term sets

@@ -13,7 +13,8 @@ def digits():
 
 def _all_records(source):
   return np.stack([source[i]["image"] for i in range(len(source))]), np.array(
-      [source[i]["label"] for i in range(len(source))])
+    [source[i]["label"] for i in range(len(source))]
+  )
 
 
 def test_digits_sizes_shapes_and_range(digits):
@@ -31,12 +32,17 @@ def test_digits_sizes_shapes_and_range(digits):
 
 def test_digits_split_is_a_stratified_partition(digits):
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+
   full = load_digits()
   train_images, train_labels = _all_records(digits["train"])
   test_images, test_labels = _all_records(digits["test"])
   # Train and test together are exactly the data set (as a multiset of (image, label)).
-  rows = lambda x, y: sorted(zip(map(bytes, (x.reshape(len(x), -1) * 16).astype(np.uint8)), y.tolist()))
-  combined = rows(np.concatenate([train_images, test_images]), np.concatenate([train_labels, test_labels]))
+  rows = lambda x, y: sorted(
+    zip(map(bytes, (x.reshape(len(x), -1) * 16).astype(np.uint8)), y.tolist())
+  )
+  combined = rows(
+    np.concatenate([train_images, test_images]), np.concatenate([train_labels, test_labels])
+  )
   assert combined == rows(full.images / 16.0, full.target)
   # Each class is split in the requested proportion.
   test_counts = np.bincount(test_labels, minlength=10)
@@ -96,8 +102,14 @@ def test_random_crop_with_padding_is_a_valid_shift():
     for dy in range(-padding, padding + 1):
       for dx in range(-padding, padding + 1):
         shifted = np.zeros_like(image)
-        dst_y, src_y = slice(max(dy, 0), height + min(dy, 0)), slice(max(-dy, 0), height + min(-dy, 0))
-        dst_x, src_x = slice(max(dx, 0), width + min(dx, 0)), slice(max(-dx, 0), width + min(-dx, 0))
+        dst_y, src_y = (
+          slice(max(dy, 0), height + min(dy, 0)),
+          slice(max(-dy, 0), height + min(-dy, 0)),
+        )
+        dst_x, src_x = (
+          slice(max(dx, 0), width + min(dx, 0)),
+          slice(max(-dx, 0), width + min(-dx, 0)),
+        )
         shifted[dst_y, dst_x] = image[src_y, src_x]
         if np.array_equal(crop, shifted):
           matches.append((dy, dx))
@@ -115,7 +127,9 @@ def test_normalize_and_to_float():
   assert out.dtype == np.float32
   np.testing.assert_allclose(out[0, 0], [1.0, 3.0, 0.5])
   float_image = np.random.default_rng(0).random((3, 3, 3)).astype(np.float32)
-  np.testing.assert_allclose(images.normalize(float_image, mean, std) * std + mean, float_image, rtol=1e-6)
+  np.testing.assert_allclose(
+    images.normalize(float_image, mean, std) * std + mean, float_image, rtol=1e-6
+  )
 
 
 def test_resize_and_center_crop():
@@ -124,7 +138,9 @@ def test_resize_and_center_crop():
   out = images.resize_and_center_crop(image, size=16)
   assert out.shape == (16, 16, 3) and out.dtype == np.uint8
   assert out[:, 0].max() < 50 and out[:, -1].min() > 150
-  float_out = images.resize_and_center_crop(image.astype(np.float32) / 255, size=8, crop_fraction=1.0)
+  float_out = images.resize_and_center_crop(
+    image.astype(np.float32) / 255, size=8, crop_fraction=1.0
+  )
   assert float_out.shape == (8, 8, 3) and float_out.dtype == np.float32
 
 
@@ -158,7 +174,8 @@ def test_make_preprocess_digits_and_cifar10(digits):
   imagenet_record = {"image": np.zeros((50, 70, 3), np.uint8), "label": np.int64(999)}
   for train in (True, False):
     out = images.make_preprocess("imagenet2012", train=train, image_size=24)(
-        imagenet_record, np.random.default_rng(2))
+      imagenet_record, np.random.default_rng(2)
+    )
     assert out["inputs"].shape == (24, 24, 3)
 
 
@@ -172,10 +189,13 @@ def test_dataset_info():
     images.dataset_info("mnist")
 
 
-@pytest.mark.parametrize("name, expected", [
+@pytest.mark.parametrize(
+  "name, expected",
+  [
     ("cifar10", "tfds build cifar10 --file_format=array_record"),
     ("imagenet2012", "downloads/manual"),
-])
+  ],
+)
 def test_missing_tfds_data_set_says_how_to_prepare(tmp_path, name, expected):
   with pytest.raises(FileNotFoundError) as error:
     images.tfds_image_sources(name, data_dir=tmp_path)
@@ -191,9 +211,15 @@ def test_prepared_tfds_data_set_is_read(tmp_path):
     VERSION = tfds.core.Version("1.0.0")
 
     def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-          "image": tfds.features.Tensor(shape=(4, 4, 3), dtype=np.uint8),
-          "label": tfds.features.ClassLabel(num_classes=3)}))
+      return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.FeaturesDict(
+          {
+            "image": tfds.features.Tensor(shape=(4, 4, 3), dtype=np.uint8),
+            "label": tfds.features.ClassLabel(num_classes=3),
+          }
+        ),
+      )
 
     def _split_generators(self, dl_manager):
       del dl_manager
@@ -204,13 +230,15 @@ def test_prepared_tfds_data_set_is_read(tmp_path):
         yield i, {"image": np.full((4, 4, 3), i, np.uint8), "label": i % 3}
 
   PrimalDualTinyImagesForTest(data_dir=tmp_path, file_format="array_record").download_and_prepare()
-  sources = images.tfds_image_sources("primal_dual_tiny_images_for_test", data_dir=tmp_path,
-                                      splits=("train", "test"))
+  sources = images.tfds_image_sources(
+    "primal_dual_tiny_images_for_test", data_dir=tmp_path, splits=("train", "test")
+  )
   assert {split: len(source) for split, source in sources.items()} == {"train": 5, "test": 2}
   values = sorted(int(sources["train"][i]["image"][0, 0, 0]) for i in range(5))
   assert values == list(range(5))
   with pytest.raises(ValueError, match="splits"):
     images.tfds_image_sources("primal_dual_tiny_images_for_test", data_dir=tmp_path)
   with pytest.raises(ValueError, match="validation"):
-    images.tfds_image_sources("primal_dual_tiny_images_for_test", data_dir=tmp_path,
-                              splits=("validation",))
+    images.tfds_image_sources(
+      "primal_dual_tiny_images_for_test", data_dir=tmp_path, splits=("validation",)
+    )

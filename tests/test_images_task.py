@@ -18,8 +18,11 @@ from primal_dual.training import trainer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(REPO, "primal_dual", "configs", "images.py")
 # Data set → (image side, patch size, default ViT preset).
-EXPECTED = {"digits": (16, 4, "micro"), "cifar10": (32, 4, "tiny"),
-            "imagenet2012": (224, 16, "tiny")}
+EXPECTED = {
+  "digits": (16, 4, "micro"),
+  "cifar10": (32, 4, "tiny"),
+  "imagenet2012": (224, 16, "tiny"),
+}
 
 
 def load(arg):
@@ -65,9 +68,12 @@ def test_imagenet_config_is_the_deit_recipe():
 
 
 def test_config_errors_say_what_to_do():
-  for arg, message in (("dataset=mnist", "unknown image data set"),
-                       ("model=huge", "unknown ViT preset"),
-                       ("attention=nope", "unknown attention"), ("epochs=0", "epochs")):
+  for arg, message in (
+    ("dataset=mnist", "unknown image data set"),
+    ("model=huge", "unknown ViT preset"),
+    ("attention=nope", "unknown attention"),
+    ("epochs=0", "epochs"),
+  ):
     with pytest.raises(ValueError, match=message):
       load(arg)
 
@@ -124,8 +130,10 @@ def test_patch_size_must_divide_the_image():
 
 
 def test_model_summary_parameters_and_flops():
-  summaries = {a: images_task.model_summary(load(f"dataset=digits,attention={a}"))
-               for a in ("softmax", "bn", "sh")}
+  summaries = {
+    a: images_task.model_summary(load(f"dataset=digits,attention={a}"))
+    for a in ("softmax", "bn", "sh")
+  }
   assert summaries["softmax"]["sequence_length"] == 1 + 4 * 4  # CLS + 4×4 patches
   assert len({s["parameters"] for s in summaries.values()}) == 1  # no variant adds parameters
   assert summaries["sh"]["attention_flops"] < summaries["softmax"]["attention_flops"]
@@ -138,8 +146,12 @@ def test_model_summary_parameters_and_flops():
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(
-      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"))
+  spec = importlib.util.spec_from_file_location(
+    name,
+    os.path.join(
+      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"
+    ),
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

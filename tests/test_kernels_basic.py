@@ -14,8 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numpy_reference as ref
-from primal_dual.kernels import (batchnorm_attention, linear_attention, padding_mask,
-                                 random_feature_attention, softmax_attention)
+from primal_dual.kernels import (
+  batchnorm_attention,
+  linear_attention,
+  padding_mask,
+  random_feature_attention,
+  softmax_attention,
+)
 from primal_dual.kernels.linear import draw_random_features
 
 # rbg keys compile much faster than threefry on CPU (the Flax tests use the default threefry).
@@ -24,18 +29,21 @@ NUM_FEATURES = 8
 
 # name -> kernel with its options bound; every kernel of this task, in every form.
 KERNELS = {
-    "softmax": softmax_attention,
-    "linear_dual": functools.partial(linear_attention, form="dual"),
-    "linear_primal": functools.partial(linear_attention, form="primal"),
-    "random_features": functools.partial(random_feature_attention, num_features=NUM_FEATURES,
-                                         feature_key=FEATURE_KEY),
-    "bn_softmax": functools.partial(batchnorm_attention, kernel="softmax"),
-    "bn_linear": functools.partial(batchnorm_attention, kernel="linear"),
+  "softmax": softmax_attention,
+  "linear_dual": functools.partial(linear_attention, form="dual"),
+  "linear_primal": functools.partial(linear_attention, form="primal"),
+  "random_features": functools.partial(
+    random_feature_attention, num_features=NUM_FEATURES, feature_key=FEATURE_KEY
+  ),
+  "bn_softmax": functools.partial(batchnorm_attention, kernel="softmax"),
+  "bn_linear": functools.partial(batchnorm_attention, kernel="linear"),
 }
 # Kernels that form N×N weights (dropout, query-dependent masks, return_weights).
 WEIGHT_KERNELS = ("softmax", "linear_dual", "bn_softmax", "bn_linear")
-JITTED = {name: jax.jit(fn, static_argnames=("is_causal", "causal_alignment"))
-          for name, fn in KERNELS.items()}
+JITTED = {
+  name: jax.jit(fn, static_argnames=("is_causal", "causal_alignment"))
+  for name, fn in KERNELS.items()
+}
 ALIGNMENTS = ("top_left", "bottom_right")
 
 # (batch_shape, q_len, kv_len, heads): 0, 1 and 2 batch dimensions, one query or several.
@@ -80,8 +88,10 @@ def assert_close(actual, expected, atol=2e-5, rtol=2e-4):
 
 
 SOFTMAX_WITH_WEIGHTS = jax.jit(functools.partial(softmax_attention, return_weights=True))
-LINEAR_WITH_WEIGHTS = jax.jit(functools.partial(linear_attention, return_weights=True),
-                              static_argnames=("is_causal", "causal_alignment"))
+LINEAR_WITH_WEIGHTS = jax.jit(
+  functools.partial(linear_attention, return_weights=True),
+  static_argnames=("is_causal", "causal_alignment"),
+)
 
 
 @PROPERTY_SETTINGS
@@ -120,8 +130,9 @@ def _with_causal(mask, q_len, kv_len, alignment):
 @given(attention_cases(key_only=True), st.booleans(), st.sampled_from(ALIGNMENTS))
 def test_linear_primal_matches_reference(case, is_causal, alignment):
   query, key, value, mask, _ = case
-  out = JITTED["linear_primal"](query, key, value, mask=mask, is_causal=is_causal,
-                                causal_alignment=alignment)
+  out = JITTED["linear_primal"](
+    query, key, value, mask=mask, is_causal=is_causal, causal_alignment=alignment
+  )
   if is_causal:
     mask = _with_causal(mask, query.shape[-3], key.shape[-3], alignment)
   expected, _ = ref.linear_attention_ref(query, key, value, mask)
@@ -142,8 +153,9 @@ def test_linear_primal_equals_dual(is_causal):
 def test_random_features_match_reference(case, is_causal, alignment):
   query, key, value, mask, _ = case
   query, key = query * 0.5, key * 0.5
-  out = JITTED["random_features"](query, key, value, mask=mask, is_causal=is_causal,
-                                  causal_alignment=alignment)
+  out = JITTED["random_features"](
+    query, key, value, mask=mask, is_causal=is_causal, causal_alignment=alignment
+  )
   omega = draw_random_features(FEATURE_KEY, NUM_FEATURES, query.shape[-1])
   if is_causal:
     mask = _with_causal(mask, query.shape[-3], key.shape[-3], alignment)
@@ -157,11 +169,11 @@ def test_causal_linear_primal_equals_dual_when_lengths_differ(alignment, q_len, 
   """top_left: query i sees keys j <= i; bottom_right: the last query sees every key."""
   query, key, value = random_qkv(np.random.default_rng(0), (2,), q_len, kv_len, 2)
   primal = JITTED["linear_primal"](query, key, value, is_causal=True, causal_alignment=alignment)
-  dual, weights = LINEAR_WITH_WEIGHTS(query, key, value, is_causal=True,
-                                      causal_alignment=alignment)
+  dual, weights = LINEAR_WITH_WEIGHTS(query, key, value, is_causal=True, causal_alignment=alignment)
   np.testing.assert_allclose(primal, dual, atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(weights[0, 0] > 0),
-                                causal_pattern(q_len, kv_len, alignment))
+  np.testing.assert_array_equal(
+    np.asarray(weights[0, 0] > 0), causal_pattern(q_len, kv_len, alignment)
+  )
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -173,8 +185,9 @@ def test_is_causal_equals_the_written_out_causal_mask(name, alignment):
   options = {} if alignment == "top_left" else dict(causal_alignment=alignment)
   causal = JITTED[name](query, key, value, mask=mask, is_causal=True, **options)
   if name in ("linear_primal", "random_features"):  # key-only masks: compare with the dual form
-    reference = {"linear_primal": JITTED["linear_dual"],
-                 "random_features": _random_features_dual}[name]
+    reference = {"linear_primal": JITTED["linear_dual"], "random_features": _random_features_dual}[
+      name
+    ]
   else:
     reference = JITTED[name]
   written_out = reference(query, key, value, mask=_with_causal(mask, 3, 5, alignment))
@@ -191,10 +204,12 @@ def test_is_causal_is_top_left_like_jax_and_flax():
   query, key, value = random_qkv(np.random.default_rng(12), (2,), 3, 5, 2, d_v=4)
   ours = JITTED["softmax"](query, key, value, is_causal=True)
   np.testing.assert_allclose(
-      ours, jax.nn.dot_product_attention(query, key, value, is_causal=True), atol=1e-6)
+    ours, jax.nn.dot_product_attention(query, key, value, is_causal=True), atol=1e-6
+  )
   flax_causal = nn.make_causal_mask(np.zeros((2, 5)))[..., :3, :]  # float32 [2, 1, 3, 5]
-  np.testing.assert_allclose(ours, JITTED["softmax"](query, key, value, mask=flax_causal),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    ours, JITTED["softmax"](query, key, value, mask=flax_causal), atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -211,7 +226,8 @@ def test_softmax_matches_jax_and_flax_dot_product_attention():
   bias = rng.normal(size=(2, 2, 4, 5)).astype(np.float32)
   ours = jax.jit(softmax_attention)(query, key, value, bias, mask)
   np.testing.assert_allclose(
-      ours, jax.jit(jax.nn.dot_product_attention)(query, key, value, bias, mask), atol=1e-6)
+    ours, jax.jit(jax.nn.dot_product_attention)(query, key, value, bias, mask), atol=1e-6
+  )
   flax_attention = jax.jit(functools.partial(nn.dot_product_attention, deterministic=True))
   np.testing.assert_allclose(ours, flax_attention(query, key, value, bias, mask), atol=1e-6)
 
@@ -223,12 +239,15 @@ def test_random_feature_error_falls_with_num_features():
 
   @functools.partial(jax.jit, static_argnums=0)
   def error(num_features, feature_key):
-    approx = random_feature_attention(query, key, value, num_features=num_features,
-                                      feature_key=feature_key)
+    approx = random_feature_attention(
+      query, key, value, num_features=num_features, feature_key=feature_key
+    )
     return jnp.mean(jnp.abs(approx - exact))
 
-  errors = [np.mean([error(m, jax.random.key(seed, impl="rbg")) for seed in range(4)])
-            for m in (16, 256, 4096)]
+  errors = [
+    np.mean([error(m, jax.random.key(seed, impl="rbg")) for seed in range(4)])
+    for m in (16, 256, 4096)
+  ]
   assert errors[0] > errors[1] > errors[2], errors
   assert errors[2] < 0.25 * errors[0], errors
 
@@ -263,8 +282,9 @@ def test_fully_masked_rows_zeros_finite_gradients_and_jit_agrees_with_eager(name
   assert np.all(np.any(np.asarray(out[1]) != 0.0, axis=-1))
   np.testing.assert_allclose(kernel(query, key, value, mask=mask), out, atol=1e-6)
 
-  grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kernel(q, k, v, mask=mask) ** 2),
-                           argnums=(0, 1, 2)))(query, key, value)
+  grads = jax.jit(
+    jax.grad(lambda q, k, v: jnp.sum(kernel(q, k, v, mask=mask) ** 2), argnums=(0, 1, 2))
+  )(query, key, value)
   for grad in grads:
     assert np.all(np.isfinite(grad))
 
@@ -276,8 +296,12 @@ def test_padded_keys_and_values_never_matter(name):
   mask = padding_mask(FIXED_KEY_VALID)
   padded = ~FIXED_KEY_VALID[:, :, None, None]
   out = JITTED[name](query, key, value, mask=mask)
-  changed = JITTED[name](query, np.where(padded, np.float32(300.0), key),
-                         np.where(padded, np.float32(1e6), value), mask=mask)
+  changed = JITTED[name](
+    query,
+    np.where(padded, np.float32(300.0), key),
+    np.where(padded, np.float32(1e6), value),
+    mask=mask,
+  )
   np.testing.assert_allclose(changed, out, atol=1e-6)
 
 
@@ -287,17 +311,20 @@ def test_padded_keys_and_values_never_matter(name):
 
 # name -> float64 reference output for (query, key, value, key-only mask), heads not grouped.
 REFERENCES = {
-    "softmax": lambda q, k, v, mask: ref.softmax_attention_ref(q, k, v, None, mask)[0],
-    "linear_dual": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
-    "linear_primal": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
-    "random_features": lambda q, k, v, mask: _random_features_dual(q, k, v, mask),
-    "bn_softmax": lambda q, k, v, mask: ref.batchnorm_attention_ref(q, k, v, None, mask)[0],
-    "bn_linear": lambda q, k, v, mask: ref.batchnorm_attention_ref(q, k, v, None, mask,
-                                                                   kernel="linear")[0],
+  "softmax": lambda q, k, v, mask: ref.softmax_attention_ref(q, k, v, None, mask)[0],
+  "linear_dual": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
+  "linear_primal": lambda q, k, v, mask: ref.linear_attention_ref(q, k, v, mask)[0],
+  "random_features": lambda q, k, v, mask: _random_features_dual(q, k, v, mask),
+  "bn_softmax": lambda q, k, v, mask: ref.batchnorm_attention_ref(q, k, v, None, mask)[0],
+  "bn_linear": lambda q, k, v, mask: ref.batchnorm_attention_ref(
+    q, k, v, None, mask, kernel="linear"
+  )[0],
 }
 # (batch_shape, q_len, kv_len, heads, kv_heads, key_valid): GQA with two groups, then MQA.
-GROUPED_CASES = [((2,), 3, 5, 4, 2, FIXED_KEY_VALID),
-                 ((), 2, 4, 3, 1, np.array([True, True, True, False]))]
+GROUPED_CASES = [
+  ((2,), 3, 5, 4, 2, FIXED_KEY_VALID),
+  ((), 2, 4, 3, 1, np.array([True, True, True, False])),
+]
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -342,10 +369,12 @@ def test_dropout(name):
   np.testing.assert_array_equal(kernel(query, key, value, deterministic=True, **options), clean)
   shared = kernel(query, key, value, deterministic=False, broadcast_dropout=True, **options)
   np.testing.assert_array_equal(
-      shared, kernel(query, key, value, deterministic=False, broadcast_dropout=True, **options))
+    shared, kernel(query, key, value, deterministic=False, broadcast_dropout=True, **options)
+  )
   other_rng = jax.random.key(1, impl="rbg")
-  assert not np.allclose(shared, kernel(query, key, value, deterministic=False,
-                                        dropout_rate=0.5, dropout_rng=other_rng))
+  assert not np.allclose(
+    shared, kernel(query, key, value, deterministic=False, dropout_rate=0.5, dropout_rng=other_rng)
+  )
   # Output [b, i, h, j] = dropped weight (b, h, i, j): either 0 or weight / keep_prob.
   dropped = np.transpose(np.asarray(shared), (0, 2, 1, 3))
   assert np.all(np.isclose(dropped, 0.0) | np.isclose(dropped, 2 * np.asarray(weights)))
@@ -362,11 +391,20 @@ def test_primal_forms_refuse_dropout_but_accept_deterministic(name):
   mask = padding_mask(FIXED_KEY_VALID)
   kernel = KERNELS[name]
   with pytest.raises(ValueError, match="dropout"):
-    kernel(query, key, value, mask=mask, dropout_rate=0.1, dropout_rng=jax.random.key(0),
-           deterministic=False)
+    kernel(
+      query,
+      key,
+      value,
+      mask=mask,
+      dropout_rate=0.1,
+      dropout_rng=jax.random.key(0),
+      deterministic=False,
+    )
   np.testing.assert_allclose(
-      kernel(query, key, value, mask=mask, dropout_rate=0.1, deterministic=True),
-      JITTED[name](query, key, value, mask=mask), atol=1e-6)
+    kernel(query, key, value, mask=mask, dropout_rate=0.1, deterministic=True),
+    JITTED[name](query, key, value, mask=mask),
+    atol=1e-6,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,15 +414,16 @@ def test_primal_forms_refuse_dropout_but_accept_deterministic(name):
 _Q, _K, _V = random_qkv(np.random.default_rng(8), (2,), 3, 4, 2)
 
 BAD_SHAPES = {
-    "wrong rank": ((_Q[0, 0], _K[0, 0], _V[0, 0]), r"query must have rank >= 3.*shape=\(2, 4\)"),
-    # Two query heads cannot be shared out among three key/value heads.
-    "heads not dividing": ((_Q, np.concatenate([_K, _K[..., :1, :]], -2),
-                            np.concatenate([_V, _V[..., :1, :]], -2)),
-                           r"divide the number of query heads.*key.shape=\(2, 4, 3, 4\)"),
-    "key/value heads differ": ((_Q, _K, _V[..., :1, :]), r"same number of heads.*\(2, 4, 1, 3\)"),
-    "no key heads": ((_Q, _K[..., :0, :], _V[..., :0, :]), r"heads.*key.shape=\(2, 4, 0, 4\)"),
-    "d_qk mismatch": ((_Q, _K[..., :3], _V), r"d_qk.*key.shape=\(2, 4, 2, 3\)"),
-    "kv_len mismatch": ((_Q, _K, _V[:, :3]), r"kv_len.*value.shape=\(2, 3, 2, 3\)"),
+  "wrong rank": ((_Q[0, 0], _K[0, 0], _V[0, 0]), r"query must have rank >= 3.*shape=\(2, 4\)"),
+  # Two query heads cannot be shared out among three key/value heads.
+  "heads not dividing": (
+    (_Q, np.concatenate([_K, _K[..., :1, :]], -2), np.concatenate([_V, _V[..., :1, :]], -2)),
+    r"divide the number of query heads.*key.shape=\(2, 4, 3, 4\)",
+  ),
+  "key/value heads differ": ((_Q, _K, _V[..., :1, :]), r"same number of heads.*\(2, 4, 1, 3\)"),
+  "no key heads": ((_Q, _K[..., :0, :], _V[..., :0, :]), r"heads.*key.shape=\(2, 4, 0, 4\)"),
+  "d_qk mismatch": ((_Q, _K[..., :3], _V), r"d_qk.*key.shape=\(2, 4, 2, 3\)"),
+  "kv_len mismatch": ((_Q, _K, _V[:, :3]), r"kv_len.*value.shape=\(2, 3, 2, 3\)"),
 }
 
 
@@ -402,7 +441,6 @@ def test_bad_masks_raise(name):
     KERNELS[name](_Q, _K, _V, mask=np.ones((3,), bool))
 
 
-
 @pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("dtype", [np.float32, np.int32])
 def test_masks_of_any_dtype_mean_nonzero_may_attend(name, dtype):
@@ -412,7 +450,8 @@ def test_masks_of_any_dtype_mean_nonzero_may_attend(name, dtype):
   weights = np.where(bool_mask, np.float32(2.5), np.float32(0.0))  # not just 0/1
   expected = JITTED[name](query, key, value, mask=bool_mask)
   np.testing.assert_array_equal(
-      JITTED[name](query, key, value, mask=jnp.asarray(weights, dtype)), expected)
+    JITTED[name](query, key, value, mask=jnp.asarray(weights, dtype)), expected
+  )
   assert not np.allclose(expected, JITTED[name](query, key, value), atol=1e-4)
 
 
@@ -440,15 +479,15 @@ def test_random_feature_option_errors():
   with pytest.raises(ValueError, match="num_features"):
     random_feature_attention(_Q, _K, _V, feature_key=FEATURE_KEY, num_features=0)
   with pytest.raises(ValueError, match="bias"):
-    random_feature_attention(_Q, _K, _V, bias=np.zeros((3, 4), np.float32),
-                             feature_key=FEATURE_KEY)
+    random_feature_attention(_Q, _K, _V, bias=np.zeros((3, 4), np.float32), feature_key=FEATURE_KEY)
 
 
 def test_linear_dual_bias_multiplies_the_kernel():
   # A relative position bias enters the linear kernel as exp(bias), like a logit bias in softmax.
   rng = np.random.default_rng(3)
-  query, key, value = (rng.normal(size=s).astype(np.float32)
-                       for s in ((2, 5, 3, 4), (2, 6, 3, 4), (2, 6, 3, 2)))
+  query, key, value = (
+    rng.normal(size=s).astype(np.float32) for s in ((2, 5, 3, 4), (2, 6, 3, 4), (2, 6, 3, 2))
+  )
   bias = rng.normal(size=(3, 5, 6)).astype(np.float32)
   mask = rng.random((2, 1, 5, 6)) < 0.7
   out, weights = linear_attention(query, key, value, bias=bias, mask=mask, return_weights=True)
@@ -456,6 +495,9 @@ def test_linear_dual_bias_multiplies_the_kernel():
   np.testing.assert_allclose(out, expected_out, atol=1e-5)
   np.testing.assert_allclose(weights, expected_weights, atol=1e-5)
   # A constant bias per query row changes nothing; a varying one does.
-  np.testing.assert_allclose(linear_attention(query, key, value, bias=np.ones((5, 1)) * 3.0),
-                             linear_attention(query, key, value), atol=1e-5)
+  np.testing.assert_allclose(
+    linear_attention(query, key, value, bias=np.ones((5, 1)) * 3.0),
+    linear_attention(query, key, value),
+    atol=1e-5,
+  )
   assert not np.allclose(out, linear_attention(query, key, value, mask=mask), atol=1e-3)

@@ -10,18 +10,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numpy_reference as ref
-from primal_dual.kernels import (batchnorm_attention, linear_attention, padding_mask,
-                                 softmax_attention)
+from primal_dual.kernels import (
+  batchnorm_attention,
+  linear_attention,
+  padding_mask,
+  softmax_attention,
+)
 from primal_dual.kernels.batchnorm import key_statistics, normalize_with_key_stats
 from test_kernels_basic import FIXED_KEY_VALID, FIXED_SHAPE, attention_cases, random_qkv
 
 KERNEL_NAMES = ("softmax", "linear")
 # kernel -> jitted Attention-BN with eps = 0, which makes the invariances exact.
-BN = {kernel: jax.jit(functools.partial(batchnorm_attention, kernel=kernel, eps=0.0))
-      for kernel in KERNEL_NAMES}
+BN = {
+  kernel: jax.jit(functools.partial(batchnorm_attention, kernel=kernel, eps=0.0))
+  for kernel in KERNEL_NAMES
+}
 BN_WITH_WEIGHTS = {
-    kernel: jax.jit(functools.partial(batchnorm_attention, kernel=kernel, return_weights=True))
-    for kernel in KERNEL_NAMES}
+  kernel: jax.jit(functools.partial(batchnorm_attention, kernel=kernel, return_weights=True))
+  for kernel in KERNEL_NAMES
+}
 # Attention-BN's kernel on raw (unnormalised) queries and keys.
 PLAIN = {"softmax": jax.jit(softmax_attention), "linear": jax.jit(linear_attention)}
 
@@ -57,8 +64,9 @@ def test_matches_reference(case, kernel):
   hypothesis.assume(min_valid_keys(query, key, mask) >= 2)
   bias = rng.normal(size=(query.shape[-2], query.shape[-3], key.shape[-3])).astype(np.float32)
   out, weights = BN_WITH_WEIGHTS[kernel](query, key, value, bias, mask)
-  expected_out, expected_weights = ref.batchnorm_attention_ref(query, key, value, bias, mask,
-                                                               kernel=kernel)
+  expected_out, expected_weights = ref.batchnorm_attention_ref(
+    query, key, value, bias, mask, kernel=kernel
+  )
   np.testing.assert_allclose(out, expected_out, atol=5e-5, rtol=5e-4)
   np.testing.assert_allclose(weights, expected_weights, atol=5e-5, rtol=5e-4)
 
@@ -76,8 +84,11 @@ def test_invariant_to_shift_and_positive_channel_scaling(kernel):
   np.testing.assert_allclose(shifted, expected, atol=2e-5, rtol=1e-4)
   np.testing.assert_allclose(scaled, expected, atol=2e-5, rtol=1e-4)
   # The raw kernel is not invariant: the test inputs are not trivially symmetric.
-  assert not np.allclose(PLAIN[kernel](query + shift, key + shift, value, mask=mask),
-                         PLAIN[kernel](query, key, value, mask=mask), atol=1e-3)
+  assert not np.allclose(
+    PLAIN[kernel](query + shift, key + shift, value, mask=mask),
+    PLAIN[kernel](query, key, value, mask=mask),
+    atol=1e-3,
+  )
 
 
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
@@ -86,9 +97,12 @@ def test_equals_plain_kernel_on_standardised_keys(kernel):
   query, key, value, mask = fixed_inputs(2)
   mean, var = valid_key_statistics(key, FIXED_KEY_VALID)
   standard_key = ((key - mean) / np.sqrt(var)).astype(np.float32)
-  np.testing.assert_allclose(BN[kernel](query, standard_key, value, mask=mask),
-                             PLAIN[kernel](query, standard_key, value, mask=mask),
-                             atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(
+    BN[kernel](query, standard_key, value, mask=mask),
+    PLAIN[kernel](query, standard_key, value, mask=mask),
+    atol=2e-5,
+    rtol=1e-4,
+  )
 
 
 def test_centering_only_the_keys_is_a_no_op_so_queries_must_be_normalised_too():
@@ -104,20 +118,26 @@ def test_centering_only_the_keys_is_a_no_op_so_queries_must_be_normalised_too():
   # Centering (β = 1) vs scaling only (β = 0) differ because the queries are centred too.
   center = BN["softmax"](query, key, value, mask=mask)
   scale_only = jax.jit(functools.partial(batchnorm_attention, eps=0.0, mean_weight=0.0))(
-      query, key, value, mask=mask)
+    query, key, value, mask=mask
+  )
   assert not np.allclose(center, scale_only, atol=1e-3)
 
   def keys_only_bn(query, key):
     mean, var = valid_key_statistics(key, FIXED_KEY_VALID)
-    return PLAIN["softmax"](query, ((key - mean) / np.sqrt(var)).astype(np.float32), value,
-                            mask=mask)
+    return PLAIN["softmax"](
+      query, ((key - mean) / np.sqrt(var)).astype(np.float32), value, mask=mask
+    )
 
   shift = np.float32(2.0)
-  assert not np.allclose(keys_only_bn(query + shift, key + shift), keys_only_bn(query, key),
-                         atol=1e-3)
-  np.testing.assert_allclose(BN["softmax"](query + shift, key + shift, value, mask=mask),
-                             BN["softmax"](query, key, value, mask=mask),
-                             atol=2e-5, rtol=1e-4)
+  assert not np.allclose(
+    keys_only_bn(query + shift, key + shift), keys_only_bn(query, key), atol=1e-3
+  )
+  np.testing.assert_allclose(
+    BN["softmax"](query + shift, key + shift, value, mask=mask),
+    BN["softmax"](query, key, value, mask=mask),
+    atol=2e-5,
+    rtol=1e-4,
+  )
 
 
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
@@ -142,8 +162,9 @@ def test_padded_keys_never_reach_the_statistics(kernel):
   padded = ~FIXED_KEY_VALID[:, :, None, None]
   garbage = np.random.default_rng(5).normal(size=key.shape).astype(np.float32) * 100
   out = BN[kernel](query, key, value, mask=mask)
-  changed = BN[kernel](query, np.where(padded, garbage, key),
-                       np.where(padded, garbage[..., :3], value), mask=mask)
+  changed = BN[kernel](
+    query, np.where(padded, garbage, key), np.where(padded, garbage[..., :3], value), mask=mask
+  )
   np.testing.assert_allclose(changed, out, atol=1e-6)
   # Statistics are per example: changing example 0 leaves example 1 alone.
   other = BN[kernel](query, np.concatenate([garbage[:1], key[1:]]), value, mask=mask)
@@ -175,8 +196,9 @@ def test_other_statistics_sources_agree_when_queries_are_the_keys(statistics):
   query, _, value, _ = fixed_inputs(7)
   value = value[:, :4]  # Self-attention: kv_len = q_len.
   expected = batchnorm_attention(query, query, value)
-  np.testing.assert_allclose(batchnorm_attention(query, query, value, statistics=statistics),
-                             expected, atol=1e-5)
+  np.testing.assert_allclose(
+    batchnorm_attention(query, query, value, statistics=statistics), expected, atol=1e-5
+  )
 
 
 def test_option_errors():

@@ -9,19 +9,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from primal_dual.kernels import (batchnorm_attention, linear_attention, padding_mask,
-                                 random_feature_attention, softmax_attention)
+from primal_dual.kernels import (
+  batchnorm_attention,
+  linear_attention,
+  padding_mask,
+  random_feature_attention,
+  softmax_attention,
+)
 
 HEADS, FEATURES = 2, 8
 # name -> (kernel with options bound, whether it forms N×N weights).
 KERNELS = {
-    "softmax": (softmax_attention, True),
-    "linear_dual": (functools.partial(linear_attention, form="dual"), True),
-    "linear_primal": (functools.partial(linear_attention, form="primal"), False),
-    "random_features": (functools.partial(random_feature_attention, num_features=16,
-                                          feature_key=jax.random.key(0)), False),
-    "bn_softmax": (functools.partial(batchnorm_attention, kernel="softmax"), True),
-    "bn_linear": (functools.partial(batchnorm_attention, kernel="linear"), True),
+  "softmax": (softmax_attention, True),
+  "linear_dual": (functools.partial(linear_attention, form="dual"), True),
+  "linear_primal": (functools.partial(linear_attention, form="primal"), False),
+  "random_features": (
+    functools.partial(random_feature_attention, num_features=16, feature_key=jax.random.key(0)),
+    False,
+  ),
+  "bn_softmax": (functools.partial(batchnorm_attention, kernel="softmax"), True),
+  "bn_linear": (functools.partial(batchnorm_attention, kernel="linear"), True),
 }
 
 INPUTS = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, FEATURES)), jnp.float32)
@@ -29,8 +36,9 @@ MASK = padding_mask(np.array([[True] * 5, [True, True, True, False, False]]))
 
 
 def linen_module(attention_fn=nn.dot_product_attention, **options):
-  return nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES,
-                                         attention_fn=attention_fn, **options)
+  return nn.MultiHeadDotProductAttention(
+    num_heads=HEADS, qkv_features=FEATURES, attention_fn=attention_fn, **options
+  )
 
 
 PARAMS = jax.jit(linen_module().init)(jax.random.key(1), INPUTS, mask=MASK)
@@ -48,10 +56,12 @@ def test_linen_softmax_reproduces_default_module():
 
 def test_linen_softmax_dropout_reproduces_default_module():
   """Same rng, same broadcast pattern as Flax's own dropout."""
+
   def apply(attention_fn):
     module = linen_module(attention_fn, dropout_rate=0.3)
     return jax.jit(functools.partial(module.apply, deterministic=False))(
-        PARAMS, INPUTS, mask=MASK, rngs={"dropout": jax.random.key(2)})
+      PARAMS, INPUTS, mask=MASK, rngs={"dropout": jax.random.key(2)}
+    )
 
   dropped = apply(softmax_attention)
   np.testing.assert_allclose(dropped, apply(nn.dot_product_attention), atol=1e-6)
@@ -73,14 +83,21 @@ def test_linen_drop_in_with_sown_weights(name):
   np.testing.assert_array_equal(weights[1, :, :, 3:], 0.0)  # padded keys get no weight
   if name == "softmax":
     _, default_state = linen_apply(sow_weights=True, mutable=["intermediates"])
-    np.testing.assert_allclose(weights, default_state["intermediates"]["attention_weights"][0],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      weights, default_state["intermediates"]["attention_weights"][0], atol=1e-6
+    )
 
 
 def nnx_module(attention_fn=nnx.dot_product_attention):
   """Same seed, same parameters, whatever the attention function."""
-  return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=FEATURES,
-                                attention_fn=attention_fn, decode=False, rngs=nnx.Rngs(0))
+  return nnx.MultiHeadAttention(
+    num_heads=HEADS,
+    in_features=FEATURES,
+    qkv_features=FEATURES,
+    attention_fn=attention_fn,
+    decode=False,
+    rngs=nnx.Rngs(0),
+  )
 
 
 @pytest.mark.parametrize("name", KERNELS)

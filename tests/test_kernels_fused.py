@@ -11,10 +11,10 @@ import pytest
 from primal_dual.kernels import batchnorm_attention, fused, scaled_head_attention, softmax_attention
 
 KERNELS = {
-    "softmax": softmax_attention,
-    "bn": batchnorm_attention,
-    "sh": functools.partial(scaled_head_attention, ratios=(1, 2, 2, 3)),
-    "bn_sh": functools.partial(scaled_head_attention, ratios=(1, 2, 2, 3), batchnorm=True),
+  "softmax": softmax_attention,
+  "bn": batchnorm_attention,
+  "sh": functools.partial(scaled_head_attention, ratios=(1, 2, 2, 3)),
+  "bn_sh": functools.partial(scaled_head_attention, ratios=(1, 2, 2, 3), batchnorm=True),
 }
 
 
@@ -30,12 +30,12 @@ def _inputs(dtype=jnp.float32, kv_heads=4, batch=(2,)):
 
 
 CASES = {
-    "plain": {},
-    "mask": {"mask": True},
-    "float_mask": {"mask": "float"},
-    "causal": {"is_causal": True},
-    "mask_and_causal": {"mask": True, "is_causal": True},
-    "bias": {"bias": True},
+  "plain": {},
+  "mask": {"mask": True},
+  "float_mask": {"mask": "float"},
+  "causal": {"is_causal": True},
+  "mask_and_causal": {"mask": True, "is_causal": True},
+  "bias": {"bias": True},
 }
 
 
@@ -68,23 +68,29 @@ def test_fused_gradients_equal_reference(kernel):
     out = KERNELS[kernel](q, k, v, mask=mask, bias=bias, implementation=implementation)
     return jnp.sum(jnp.sin(out))
 
-  for got, want in zip(jax.grad(functools.partial(loss, "fused"), argnums=(0, 1, 2))(q, k, v),
-                       jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(q, k, v)):
+  for got, want in zip(
+    jax.grad(functools.partial(loss, "fused"), argnums=(0, 1, 2))(q, k, v),
+    jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(q, k, v),
+  ):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_grouped_heads_bfloat16_and_batch_dims(kernel):
   q, k, v, mask, _ = _inputs(kv_heads=2, batch=(2, 3))
-  np.testing.assert_allclose(KERNELS[kernel](q, k, v, mask=mask, implementation="fused"),
-                             KERNELS[kernel](q, k, v, mask=mask, implementation="reference"),
-                             rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(
+    KERNELS[kernel](q, k, v, mask=mask, implementation="fused"),
+    KERNELS[kernel](q, k, v, mask=mask, implementation="reference"),
+    rtol=2e-5,
+    atol=2e-6,
+  )
   q, k, v, mask, _ = _inputs(jnp.bfloat16)
   out = KERNELS[kernel](q, k, v, mask=mask, implementation="fused")
   reference = KERNELS[kernel](q, k, v, mask=mask, implementation="reference")
   assert out.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32),
-                             rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), np.asarray(reference, np.float32), rtol=3e-2, atol=3e-2
+  )
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -116,4 +122,5 @@ def test_linear_kernels_and_unknown_names_refuse_the_fused_path():
   with pytest.raises(ValueError, match="implementation must be one of"):
     softmax_attention(q, k, v, implementation="flash")
   assert fused.backend_implementation(q, head_size=8, masked=False) == (
-      "cudnn" if jax.default_backend() == "gpu" else "xla")
+    "cudnn" if jax.default_backend() == "gpu" else "xla"
+  )

@@ -13,8 +13,16 @@ from hypothesis import strategies as st
 from primal_dual.kernels import hyla
 from numpy_reference_sh_hyla import hyla_ref
 
-STATIC = ("normalization", "value_network", "query_chunk_size", "is_causal", "causal_alignment",
-          "return_weights", "deterministic", "dropout_rate")
+STATIC = (
+  "normalization",
+  "value_network",
+  "query_chunk_size",
+  "is_causal",
+  "causal_alignment",
+  "return_weights",
+  "deterministic",
+  "dropout_rate",
+)
 hyla_jit = jax.jit(hyla.hyla_attention, static_argnames=STATIC)
 TOL = dict(rtol=2e-4, atol=2e-5)
 COMBINATIONS = list(itertools.product(sorted(hyla.NORMALIZATIONS), sorted(hyla.VALUE_NETWORKS)))
@@ -25,8 +33,9 @@ padding_mask = helpers.padding_mask
 
 
 def assert_matches_reference(q, k, v, bias, mask, query_chunk_size=None, **options):
-  out, weights = hyla_jit(q, k, v, bias, mask, return_weights=True,
-                          query_chunk_size=query_chunk_size, **options)
+  out, weights = hyla_jit(
+    q, k, v, bias, mask, return_weights=True, query_chunk_size=query_chunk_size, **options
+  )
   ref_out, ref_weights = hyla_ref(q, k, v, bias, mask, **options)
   np.testing.assert_allclose(weights, ref_weights, **TOL)
   np.testing.assert_allclose(out, ref_out, **TOL)
@@ -40,8 +49,16 @@ def test_every_normalization_and_value_network_matches_reference(case):
   q, k, v = random_qkv(rng, batch_shape, 4, 5, 3)
   mask = padding_mask(rng, batch_shape, 5)
   bias = rng.normal(size=(*batch_shape, 3, 4, 5)).astype(np.float32)
-  assert_matches_reference(q, k, v, bias, mask, normalization=normalization,
-                           value_network=value_network, is_causal=case % 2 == 1)
+  assert_matches_reference(
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    normalization=normalization,
+    value_network=value_network,
+    is_causal=case % 2 == 1,
+  )
 
 
 @given(data=st.data())
@@ -53,11 +70,18 @@ def test_property_matches_reference(data):
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
   q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, heads, d_v=data.draw(st.integers(1, 3)))
   mask = data.draw(st.sampled_from([None, padding_mask(rng, batch_shape, kv_len, min_valid=0)]))
-  assert_matches_reference(q, k, v, None, mask, normalization=normalization,
-                           value_network=value_network, query_chunk_size=chunk,
-                           is_causal=data.draw(st.booleans()),
-                           causal_alignment=data.draw(st.sampled_from(["top_left",
-                                                                       "bottom_right"])))
+  assert_matches_reference(
+    q,
+    k,
+    v,
+    None,
+    mask,
+    normalization=normalization,
+    value_network=value_network,
+    query_chunk_size=chunk,
+    is_causal=data.draw(st.booleans()),
+    causal_alignment=data.draw(st.sampled_from(["top_left", "bottom_right"])),
+  )
 
 
 def test_query_chunks_equal_unchunked_dropout_included():
@@ -100,16 +124,22 @@ def test_value_heads_that_do_not_match_query_heads_raise():
 def test_grouped_key_value_heads_raise():
   """HYLA's value network sums v over heads with per-head weights: no shared heads."""
   q, k, v = random_qkv(np.random.default_rng(5), (2,), 3, 4, 2)
-  with pytest.raises(ValueError, match=r"hyla_attention does not support grouped key/value heads"
-                     r".*2 query heads and 1 key/value heads"):
+  with pytest.raises(
+    ValueError,
+    match=r"hyla_attention does not support grouped key/value heads"
+    r".*2 query heads and 1 key/value heads",
+  ):
     hyla.hyla_attention(q, k[..., :1, :], v[..., :1, :])
 
 
-@pytest.mark.parametrize("options,match", [
+@pytest.mark.parametrize(
+  "options,match",
+  [
     (dict(normalization="layer"), "normalization"),
     (dict(value_network="mlp_gelu"), "value_network"),
     (dict(query_chunk_size=0), "query_chunk_size"),
-])
+  ],
+)
 def test_bad_options_raise(options, match):
   q, k, v = random_qkv(np.random.default_rng(6), (), 3, 4, 2)
   with pytest.raises(ValueError, match=match):

@@ -35,8 +35,12 @@ def assert_close(actual, expected, tol=2e-5, floor=0.05):
   the magnitude of the terms a gradient sums when it is larger.
   """
   expected = np.asarray(expected, np.float32)
-  np.testing.assert_allclose(np.asarray(actual, np.float32), expected, rtol=tol,
-                             atol=tol * max(np.abs(expected).max(), floor))
+  np.testing.assert_allclose(
+    np.asarray(actual, np.float32),
+    expected,
+    rtol=tol,
+    atol=tol * max(np.abs(expected).max(), floor),
+  )
 
 
 def loss_and_grads(attention, q, k, v, bias, mask, **options):
@@ -75,8 +79,17 @@ def test_forward_and_gradients_equal_dense_ragged_masked_biased(case):
   q, k, v = random_qkv(rng, batch_shape, 7, 9, 3)
   mask = padding_mask(rng, batch_shape, 9)
   bias = rng.normal(size=(*batch_shape, 3, 7, 9)).astype(np.float32)
-  out = assert_blockwise_equals_dense(q, k, v, bias, mask, 4, normalization=normalization,
-                                      value_network=value_network, is_causal=case % 2 == 1)
+  out = assert_blockwise_equals_dense(
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    4,
+    normalization=normalization,
+    value_network=value_network,
+    is_causal=case % 2 == 1,
+  )
   assert np.abs(out).max() > 0.1  # the comparison is not between zeros
 
 
@@ -96,9 +109,17 @@ def test_property_random_shapes_blocks_and_broadcasts_equal_dense(data):
 
   mask = data.draw(st.sampled_from([None, rng.random(broadcast_shape()) > 0.3]))
   bias = data.draw(st.sampled_from([None, rng.normal(size=broadcast_shape()).astype(np.float32)]))
-  assert_blockwise_equals_dense(q, k, v, bias, mask, data.draw(st.integers(1, 4)),
-                                normalization=normalization, value_network=value_network,
-                                is_causal=data.draw(st.booleans()))
+  assert_blockwise_equals_dense(
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    data.draw(st.integers(1, 4)),
+    normalization=normalization,
+    value_network=value_network,
+    is_causal=data.draw(st.booleans()),
+  )
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -106,8 +127,9 @@ def test_causal_alignments_with_unequal_lengths_and_block_sizes(alignment):
   rng = np.random.default_rng(11)
   q, k, v = random_qkv(rng, (2,), 5, 11, 2)
   for block_size in (1, 3, 64):  # 64 > both lengths: clipped to them
-    assert_blockwise_equals_dense(q, k, v, None, None, block_size, is_causal=True,
-                                  causal_alignment=alignment)
+    assert_blockwise_equals_dense(
+      q, k, v, None, None, block_size, is_causal=True, causal_alignment=alignment
+    )
 
 
 def test_per_head_float_mask_and_shared_bias():
@@ -129,8 +151,15 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
     out = assert_blockwise_equals_dense(q, k, v, None, mask, 2, normalization=normalization)
     np.testing.assert_array_equal(out[0, 1], 0.0)
     np.testing.assert_array_equal(out[1], 0.0)
-    _, grads = loss_and_grads(functools.partial(hb.hyla_blockwise_attention, block_size=2),
-                              q, k, v, None, mask, normalization=normalization)
+    _, grads = loss_and_grads(
+      functools.partial(hb.hyla_blockwise_attention, block_size=2),
+      q,
+      k,
+      v,
+      None,
+      mask,
+      normalization=normalization,
+    )
     assert all(np.isfinite(g).all() for g in grads)
 
 
@@ -153,8 +182,9 @@ def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients_close_to_float32():
   ref_out, ref_grads = loss_and_grads(hyla.hyla_attention, q, k, v, None, mask)
   assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
   # bfloat16 rounding of the inputs and of a, u: the same error budget as the dense kernel's.
-  np.testing.assert_allclose(out.astype(np.float32), dense_low_out.astype(np.float32),
-                             rtol=0.05, atol=0.05)
+  np.testing.assert_allclose(
+    out.astype(np.float32), dense_low_out.astype(np.float32), rtol=0.05, atol=0.05
+  )
   np.testing.assert_allclose(out.astype(np.float32), ref_out, rtol=0.1, atol=0.1)
   for grad, ref in zip(grads, ref_grads):
     np.testing.assert_allclose(grad.astype(np.float32), ref, rtol=0.1, atol=0.1)
@@ -178,11 +208,14 @@ def test_hyla_attention_block_size_dispatches_to_blockwise():
   assert not _has_loop(hyla.hyla_attention, q, k, v)
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize(
+  "options",
+  [
     dict(normalization="softmax"),
     dict(return_weights=True),
     dict(dropout_rng=jax.random.key(0), dropout_rate=0.2, deterministic=False),
-])
+  ],
+)
 def test_unsupported_calls_run_the_dense_path(options):
   rng = np.random.default_rng(17)
   q, k, v = random_qkv(rng, (2,), 5, 5, 2)
@@ -206,16 +239,23 @@ def test_module_given_runs_the_dense_path_and_sows_weights():
   assert state["intermediates"]["attention_weights"][0].shape == (2, 2, 5, 5)
 
 
-@pytest.mark.parametrize("call,match", [
+@pytest.mark.parametrize(
+  "call,match",
+  [
     (lambda q, k, v: hyla.hyla_attention(q, k, v, block_size=0), "block_size"),
     (lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, block_size=2.0), "block_size"),
-    (lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, normalization="softmax"),
-     "normalization"),
+    (
+      lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, normalization="softmax"),
+      "normalization",
+    ),
     (lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, value_network="gelu"), "value_network"),
-    (lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, mask=np.ones((3, 4, 5), bool)),
-     r"mask of shape \(3, 4, 5\) does not broadcast to .*\(2, 2, 3, 4\)"),
+    (
+      lambda q, k, v: hb.hyla_blockwise_attention(q, k, v, mask=np.ones((3, 4, 5), bool)),
+      r"mask of shape \(3, 4, 5\) does not broadcast to .*\(2, 2, 3, 4\)",
+    ),
     (lambda q, k, v: hb.hyla_blockwise_attention(q, k[..., :2], v), r"key.shape=\(2, 4, 2, 2\)"),
-])
+  ],
+)
 def test_bad_arguments_raise(call, match):
   q, k, v = random_qkv(np.random.default_rng(19), (2,), 3, 4, 2)
   with pytest.raises(ValueError, match=match):
@@ -249,6 +289,7 @@ def test_backward_never_holds_a_length_squared_buffer():
 def test_blockwise_memory_grows_linearly_with_length():
   """Forward+backward temp bytes at fixed blocks: doubling N adds about twice the last increment
   (a quadratic buffer would add four times)."""
+
   def temp_bytes(n):
     q, k, v = (jax.ShapeDtypeStruct((1, n, 2, 4), jnp.float32) for _ in range(3))
     block = functools.partial(hyla.hyla_attention, block_size=32, is_causal=True)

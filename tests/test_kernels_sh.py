@@ -18,12 +18,25 @@ from primal_dual.kernels.softmax import softmax_attention
 from numpy_reference import softmax_attention_ref
 from numpy_reference_sh_hyla import scaled_head_ref, sh_windows_ref
 
-STATIC = ("ratios", "pool", "kernel", "batchnorm", "stats", "grid_shape", "num_prefix_tokens",
-          "is_causal", "causal_alignment", "return_weights", "deterministic", "dropout_rate")
+STATIC = (
+  "ratios",
+  "pool",
+  "kernel",
+  "batchnorm",
+  "stats",
+  "grid_shape",
+  "num_prefix_tokens",
+  "is_causal",
+  "causal_alignment",
+  "return_weights",
+  "deterministic",
+  "dropout_rate",
+)
 sh_jit = jax.jit(sh.scaled_head_attention, static_argnames=STATIC)
 bn_jit = jax.jit(batchnorm_attention, static_argnames=("kernel",))
-softmax_jit = jax.jit(softmax_attention, static_argnames=("return_weights", "deterministic",
-                                                          "dropout_rate"))
+softmax_jit = jax.jit(
+  softmax_attention, static_argnames=("return_weights", "deterministic", "dropout_rate")
+)
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
@@ -49,17 +62,22 @@ def assert_matches_reference(q, k, v, bias, mask, **options):
 
 
 CASES = [
-    # batch_shape, q_len, kv_len, options, with bias
-    ((), 4, 7, dict(ratios=(1, 2, 3)), True),
-    ((2,), 3, 9, dict(ratios=(2, 4), pool="max"), True),
-    ((2, 1), 5, 5, dict(ratios=(3, 1), pool="stride", is_causal=True), False),
-    ((2,), 3, 13, dict(ratios=(2, 1, 3), grid_shape=(3, 4), num_prefix_tokens=1), True),
-    ((1, 2), 3, 12, dict(ratios=(3, 2), grid_shape=(3, 4), pool="max", batchnorm=True,
-                         stats="full"), False),
-    ((2,), 4, 8, dict(ratios=(3, 1), num_prefix_tokens=2, pool="stride"), True),
-    ((2,), 4, 7, dict(ratios=(2, 3), kernel="linear", batchnorm=True, is_causal=True), False),
-    ((2,), 4, 7, dict(ratios=(1, 2), is_causal=True, causal_alignment="bottom_right"), True),
-    ((2,), 4, 7, dict(ratios=(1, 3, 2), batchnorm=True), True),
+  # batch_shape, q_len, kv_len, options, with bias
+  ((), 4, 7, dict(ratios=(1, 2, 3)), True),
+  ((2,), 3, 9, dict(ratios=(2, 4), pool="max"), True),
+  ((2, 1), 5, 5, dict(ratios=(3, 1), pool="stride", is_causal=True), False),
+  ((2,), 3, 13, dict(ratios=(2, 1, 3), grid_shape=(3, 4), num_prefix_tokens=1), True),
+  (
+    (1, 2),
+    3,
+    12,
+    dict(ratios=(3, 2), grid_shape=(3, 4), pool="max", batchnorm=True, stats="full"),
+    False,
+  ),
+  ((2,), 4, 8, dict(ratios=(3, 1), num_prefix_tokens=2, pool="stride"), True),
+  ((2,), 4, 7, dict(ratios=(2, 3), kernel="linear", batchnorm=True, is_causal=True), False),
+  ((2,), 4, 7, dict(ratios=(1, 2), is_causal=True, causal_alignment="bottom_right"), True),
+  ((2,), 4, 7, dict(ratios=(1, 3, 2), batchnorm=True), True),
 ]
 
 
@@ -70,15 +88,19 @@ def test_matches_numpy_reference(batch_shape, q_len, kv_len, options, with_bias)
   q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, heads)
   # At least two pooled keys per head: BN statistics of a single key are degenerate (σ = 0).
   mask = padding_mask(rng, batch_shape, kv_len, min_valid=min(kv_len, max(options["ratios"]) + 1))
-  bias = (rng.normal(size=(*batch_shape, heads, q_len, kv_len)).astype(np.float32)
-          if with_bias else None)
+  bias = (
+    rng.normal(size=(*batch_shape, heads, q_len, kv_len)).astype(np.float32) if with_bias else None
+  )
   assert_matches_reference(q, k, v, bias, mask, **options)
 
 
-@pytest.mark.parametrize("kv_heads,options", [
+@pytest.mark.parametrize(
+  "kv_heads,options",
+  [
     (2, dict(ratios=(1, 2, 2, 3))),  # GQA: head pairs (0, 1) and (2, 3) share keys and values
     (1, dict(ratios=(2, 1, 3), batchnorm=True, is_causal=True)),  # MQA, BN+SH
-])
+  ],
+)
 def test_grouped_kv_heads_equal_reference_on_explicitly_repeated_heads(kv_heads, options):
   """Each query head pools (and, with BN, normalises by) its shared key/value head."""
   rng = np.random.default_rng(31)
@@ -100,16 +122,26 @@ def test_property_matches_reference(data):
   ratios = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
   kv_len = data.draw(st.integers(1, 9))
   q_len = data.draw(st.integers(1, 4))
-  options = dict(ratios=ratios, pool=data.draw(st.sampled_from(sorted(sh.POOLS))),
-                 num_prefix_tokens=data.draw(st.integers(0, min(1, kv_len))),
-                 is_causal=data.draw(st.booleans()), batchnorm=data.draw(st.booleans()),
-                 causal_alignment=data.draw(st.sampled_from(["top_left", "bottom_right"])),
-                 stats=data.draw(st.sampled_from(sh.STATS_SOURCES)))
+  options = dict(
+    ratios=ratios,
+    pool=data.draw(st.sampled_from(sorted(sh.POOLS))),
+    num_prefix_tokens=data.draw(st.integers(0, min(1, kv_len))),
+    is_causal=data.draw(st.booleans()),
+    batchnorm=data.draw(st.booleans()),
+    causal_alignment=data.draw(st.sampled_from(["top_left", "bottom_right"])),
+    stats=data.draw(st.sampled_from(sh.STATS_SOURCES)),
+  )
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
   q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, len(ratios))
-  mask = data.draw(st.sampled_from([
-      None, padding_mask(rng, batch_shape, kv_len, min_valid=0),
-      rng.random((*batch_shape, 1, 1, kv_len)) < 0.7]))  # keys masked anywhere
+  mask = data.draw(
+    st.sampled_from(
+      [
+        None,
+        padding_mask(rng, batch_shape, kv_len, min_valid=0),
+        rng.random((*batch_shape, 1, 1, kv_len)) < 0.7,
+      ]
+    )
+  )  # keys masked anywhere
   assert_matches_reference(q, k, v, None, mask, **options)
 
 
@@ -119,8 +151,7 @@ def test_unit_ratios_equal_softmax_dropout_included():
   mask = padding_mask(rng, (2,), 6)
   bias = rng.normal(size=(2, 3, 4, 6)).astype(np.float32)
   dropout = dict(dropout_rng=jax.random.key(0), dropout_rate=0.3, deterministic=False)
-  got, (weights,) = sh_jit(q, k, v, bias, mask, ratios=(1, 1, 1), return_weights=True,
-                           **dropout)
+  got, (weights,) = sh_jit(q, k, v, bias, mask, ratios=(1, 1, 1), return_weights=True, **dropout)
   want, want_weights = softmax_jit(q, k, v, bias, mask, return_weights=True, **dropout)
   np.testing.assert_allclose(got, want, **TOL)
   np.testing.assert_allclose(weights, want_weights, **TOL)
@@ -149,8 +180,7 @@ def test_average_pooling_commutes_with_projection():
   key_valid = np.arange(kv_len) < np.array([[7], [5]])  # lengths 7 and 5
   project = lambda inputs, w: np.einsum("bni,ihd->bnhd", inputs, w).astype(np.float32)
   mask = key_valid[:, None, None, :]
-  got = sh_jit(q, project(x, key_proj), project(x, value_proj), None, mask,
-               ratios=(ratio,) * heads)
+  got = sh_jit(q, project(x, key_proj), project(x, value_proj), None, mask, ratios=(ratio,) * heads)
 
   windows = sh_windows_ref(kv_len, ratio)
   pooled_x = np.zeros((batch, len(windows), d_in))
@@ -161,8 +191,12 @@ def test_average_pooling_commutes_with_projection():
       pooled_valid[b, w] = bool(seen)
       if seen:
         pooled_x[b, w] = x[b, seen].mean(0)
-  want, _ = softmax_attention_ref(q, project(pooled_x, key_proj), project(pooled_x, value_proj),
-                                  mask=pooled_valid[:, None, None, :])
+  want, _ = softmax_attention_ref(
+    q,
+    project(pooled_x, key_proj),
+    project(pooled_x, value_proj),
+    mask=pooled_valid[:, None, None, :],
+  )
   np.testing.assert_allclose(got, want, **TOL)
 
 
@@ -201,9 +235,11 @@ def test_compiled_computation_works_on_pooled_length():
   assert sorted(shapes) == sorted(expected), shapes
   # The fused path (jax.nn.dot_product_attention per group) attends on the same pooled lengths:
   # one logits product per group, of width ceil(N/r), and only the ratio-1 group's is N wide.
-  fused_shapes = _dot_general_shapes(jax.make_jaxpr(
-      functools.partial(sh.scaled_head_attention, ratios=ratios, implementation="fused"))(
-          q, k, v).jaxpr)
+  fused_shapes = _dot_general_shapes(
+    jax.make_jaxpr(
+      functools.partial(sh.scaled_head_attention, ratios=ratios, implementation="fused")
+    )(q, k, v).jaxpr
+  )
   widths = [shape[-1] for shape in fused_shapes]
   assert {kv_len // r for r in (1, 2, 4, 8)} <= set(widths), fused_shapes
   assert widths.count(kv_len) == 1, fused_shapes
@@ -212,8 +248,9 @@ def test_compiled_computation_works_on_pooled_length():
   q, k, v = random_qkv(np.random.default_rng(5), (1,), 64, 64, len(ratios), d=8, d_v=8)
 
   def flops(r):
-    compiled = jax.jit(functools.partial(sh.scaled_head_attention, ratios=r)).lower(
-        q, k, v).compile()
+    compiled = (
+      jax.jit(functools.partial(sh.scaled_head_attention, ratios=r)).lower(q, k, v).compile()
+    )
     return compiled.cost_analysis()["flops"]
 
   measured = flops(ratios) / flops((1,) * len(ratios))
@@ -239,8 +276,9 @@ def test_2d_pooling_keeps_prefix_tokens_hand_computed():
   np.testing.assert_allclose(out[0, 0, 0, 0], np.mean([0, 5.5, 11]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("pool,pooled_values", [
-    ("avg", [1.5, 5, 6]), ("max", [2, 5, 6]), ("stride", [1, 5, 6])])
+@pytest.mark.parametrize(
+  "pool,pooled_values", [("avg", [1.5, 5, 6]), ("max", [2, 5, 6]), ("stride", [1, 5, 6])]
+)
 def test_1d_pools_skip_invalid_keys_hand_computed(pool, pooled_values):
   """7 keys, ratio 3, keys 0, 3, 4 invalid: windows {1, 2}, {5}, {6} of valid keys."""
   value = np.array([10, 1, 2, 30, 40, 5, 6], np.float32).reshape(1, 7, 1, 1)  # invalid keys big
@@ -253,8 +291,10 @@ def test_1d_pools_skip_invalid_keys_hand_computed(pool, pooled_values):
 def test_key_windows_uneven_grid_hand_listed():
   """CLS + 3×3 grid, ratio 2 (ceil on both sides): {0} | {1,2,4,5} {3,6} {7,8} {9}."""
   windows = sh.key_windows(10, 2, (3, 3), 1)
-  listed = [sorted(int(i) for i, real in zip(idx, ok) if real)
-            for idx, ok in zip(windows.index, windows.real)]
+  listed = [
+    sorted(int(i) for i, real in zip(idx, ok) if real)
+    for idx, ok in zip(windows.index, windows.real)
+  ]
   assert listed == [[0], [1, 2, 4, 5], [3, 6], [7, 8], [9]]
   assert sh.pooled_length(10, 2, grid_shape=(3, 3), num_prefix_tokens=1) == 5
   assert sh.pooled_length(7, 3) == 3
@@ -263,14 +303,17 @@ def test_key_windows_uneven_grid_hand_listed():
 def test_fully_masked_window_and_query_row():
   rng = np.random.default_rng(6)
   q, k, v = random_qkv(rng, (2,), 3, 6, 2)
-  key_valid = np.array([[True, True, False, False, True, False],  # window 1 of ratio 2 empty
-                        [False] * 6])  # example 1: nothing to attend to
+  key_valid = np.array(
+    [
+      [True, True, False, False, True, False],  # window 1 of ratio 2 empty
+      [False] * 6,
+    ]
+  )  # example 1: nothing to attend to
   mask = key_valid[:, None, None, :]
 
   def loss(q, k, v):
-    out, weights = sh.scaled_head_attention(q, k, v, mask=mask, ratios=(2, 3),
-                                            return_weights=True)
-    return jnp.sum(out ** 2), (out, weights)
+    out, weights = sh.scaled_head_attention(q, k, v, mask=mask, ratios=(2, 3), return_weights=True)
+    return jnp.sum(out**2), (out, weights)
 
   grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
   grads, (out, (w2, _)) = grad_fn(q, k, v)
@@ -280,8 +323,7 @@ def test_fully_masked_window_and_query_row():
   assert all(np.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("ratios", [(1, 2), (1, 0, 2), (1, 2.0, 2), (True, 1, 1), 2,
-                                    (1, 2, 3, 4)])
+@pytest.mark.parametrize("ratios", [(1, 2), (1, 0, 2), (1, 2.0, 2), (True, 1, 1), 2, (1, 2, 3, 4)])
 def test_bad_ratios_raise(ratios):
   q, k, v = random_qkv(np.random.default_rng(7), (), 2, 4, 3)
   with pytest.raises(ValueError, match=r"ratios.*heads=3"):
@@ -294,7 +336,9 @@ def test_traced_ratios_raise():
     jax.jit(lambda r: sh.scaled_head_attention(q, k, v, ratios=r))(jnp.array([1, 2]))
 
 
-@pytest.mark.parametrize("options,match", [
+@pytest.mark.parametrize(
+  "options,match",
+  [
     (dict(pool="median"), "pool"),
     (dict(kernel="cosine"), "kernel"),
     (dict(stats="batch"), "stats"),
@@ -302,7 +346,8 @@ def test_traced_ratios_raise():
     (dict(grid_shape=(2, 2), num_prefix_tokens=1), "grid_shape"),
     (dict(num_prefix_tokens=7), "num_prefix_tokens"),
     (dict(kernel="linear", bias=np.zeros((2, 6))), "bias"),
-])
+  ],
+)
 def test_bad_options_raise(options, match):
   q, k, v = random_qkv(np.random.default_rng(8), (), 2, 6, 2)
   with pytest.raises(ValueError, match=match):
@@ -317,8 +362,10 @@ def test_bfloat16_and_flax_attention_fn():
   np.testing.assert_allclose(out.astype(np.float32), reference, atol=5e-2)
 
   layer = nn.MultiHeadDotProductAttention(
-      num_heads=2, qkv_features=4,
-      attention_fn=functools.partial(sh.scaled_head_attention, ratios=(1, 3)))
+    num_heads=2,
+    qkv_features=4,
+    attention_fn=functools.partial(sh.scaled_head_attention, ratios=(1, 3)),
+  )
   x = jnp.ones((2, 5, 3))
   # With every collection mutable, one compiled init both runs the layer and sows.
   init = jax.jit(functools.partial(layer.init_with_output, sow_weights=True, mutable=True))

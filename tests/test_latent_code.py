@@ -30,11 +30,11 @@ def test_pair_positions_pick_the_query_and_its_features_third_row_tokens():
     # The key's slot in column c shows the same underlying feature as the answer slot.
     np.testing.assert_array_equal(np.take_along_axis(order[:, column], slots, -1), order[:, 2])
   # Data-level check: a feature following 'constant' has the answer's value at both keys.
-  values = np.argmax(batch["inputs"], axis=-1)                                # [N, T]
-  constant = batch["rules"] == SHUFFLED.rules.index("constant")                # [N, F]
+  values = np.argmax(batch["inputs"], axis=-1)  # [N, T]
+  constant = batch["rules"] == SHUFFLED.rules.index("constant")  # [N, F]
   assert constant.sum() > 5
   for column in range(2):
-    at_key = np.take_along_axis(values, keys[..., column], axis=1)            # [N, F]
+    at_key = np.take_along_axis(values, keys[..., column], axis=1)  # [N, F]
     np.testing.assert_array_equal(at_key[constant], batch["targets"][constant])
 
 
@@ -90,14 +90,26 @@ def tiny_experiment():
   """What ``run`` reads of a trainer Experiment and TrainState, for an untrained 1-layer HYLA
   model (the trainer's own path is covered by tests/test_sraven_task.py's reproduce test)."""
   problems = sraven.SRavenConfig(num_features=3, num_values=8)
-  model = SequenceTransformer(num_outputs=8, num_layers=1, model_dim=16, num_heads=4, mlp_dim=32,
-                              attention="hyla", num_buckets=108, max_distance=108)
+  model = SequenceTransformer(
+    num_outputs=8,
+    num_layers=1,
+    model_dim=16,
+    num_heads=4,
+    mlp_dim=32,
+    attention="hyla",
+    num_buckets=108,
+    max_distance=108,
+  )
   source = sraven.SRavenSource(problems, "ood", 0, 16)
   variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), source[0]["inputs"][None]))
   experiment = types.SimpleNamespace(
-      config=types.SimpleNamespace(task="sraven"), splits={"ood": source},
-      metadata={"rules": problems.rules}, model=model, eval_batch_size=16,
-      mesh=sharding.make_mesh({"data": -1, "model": 1}))
+    config=types.SimpleNamespace(task="sraven"),
+    splits={"ood": source},
+    metadata={"rules": problems.rules},
+    model=model,
+    eval_batch_size=16,
+    mesh=sharding.make_mesh({"data": -1, "model": 1}),
+  )
   return experiment, types.SimpleNamespace(params=variables["params"], batch_stats={})
 
 
@@ -113,6 +125,7 @@ def test_run_on_a_tiny_model_is_deterministic_and_plots(tiny_experiment, tmp_pat
   again = latent_code.run(experiment, state, split="ood", max_examples=16, out_dir=None)
   assert again["plot"] is None
   assert {k: v for k, v in again.items() if k != "plot"} == {
-      k: v for k, v in result.items() if k != "plot"}
+    k: v for k, v in result.items() if k != "plot"
+  }
   with pytest.raises(ValueError, match="unknown split"):
     latent_code.run(experiment, state, split="nope")

@@ -13,8 +13,11 @@ from primal_dual.kernels import padding_mask, softmax_attention
 
 HEADS, WIDTH, LENGTH = 4, 8, 6
 # Options each variant needs at this head count (SH ratios have one entry per head).
-OPTIONS = {"sh": {"ratios": (1, 1, 2, 3)}, "bn_sh": {"ratios": (1, 2, 2, 3)},
-           "random_feature": {"num_features": 16}}
+OPTIONS = {
+  "sh": {"ratios": (1, 1, 2, 3)},
+  "bn_sh": {"ratios": (1, 2, 2, 3)},
+  "random_feature": {"num_features": 16},
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,9 @@ def inputs():
 
 
 def _layer(name, **kw):
-  return layers.MultiHeadAttention(num_heads=HEADS, attention=name,
-                                   attention_options=OPTIONS.get(name, {}), **kw)
+  return layers.MultiHeadAttention(
+    num_heads=HEADS, attention=name, attention_options=OPTIONS.get(name, {}), **kw
+  )
 
 
 def test_unknown_variant_lists_known_names(inputs):
@@ -44,8 +48,9 @@ def test_heads_must_divide_width(inputs):
 def test_bad_variant_option_is_a_value_error(inputs):
   x, _ = inputs
   with pytest.raises(ValueError, match="ratios"):
-    layers.MultiHeadAttention(num_heads=HEADS, attention="sh",
-                              attention_options={"ratios": (1, 2)}).init(jax.random.key(0), x)
+    layers.MultiHeadAttention(
+      num_heads=HEADS, attention="sh", attention_options={"ratios": (1, 2)}
+    ).init(jax.random.key(0), x)
 
 
 def test_every_variant_runs_with_the_same_parameters(inputs):
@@ -70,11 +75,15 @@ def test_parameters_load_into_flax_and_softmax_matches(inputs):
   flax_layer = nn.MultiHeadDotProductAttention(num_heads=HEADS)
   flax_variables = flax_layer.init(jax.random.key(2), x, mask=mask)
   assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, flax_variables)
-  np.testing.assert_allclose(ours.apply(variables, x, mask=mask),
-                             flax_layer.apply(variables, x, mask=mask), atol=1e-5)
+  np.testing.assert_allclose(
+    ours.apply(variables, x, mask=mask), flax_layer.apply(variables, x, mask=mask), atol=1e-5
+  )
   # ... and the other way round.
-  np.testing.assert_allclose(ours.apply(flax_variables, x, mask=mask),
-                             flax_layer.apply(flax_variables, x, mask=mask), atol=1e-5)
+  np.testing.assert_allclose(
+    ours.apply(flax_variables, x, mask=mask),
+    flax_layer.apply(flax_variables, x, mask=mask),
+    atol=1e-5,
+  )
 
 
 def test_logical_axis_names_on_parameters(inputs):
@@ -94,7 +103,7 @@ def test_sow_weights_into_intermediates(inputs):
   (weights,) = state["intermediates"]["attention_weights"]
   assert weights.shape == (2, HEADS, LENGTH, LENGTH)
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
-  assert float(jnp.abs(weights[1, :, :, LENGTH - 2:]).max()) == 0.0  # padded keys unused
+  assert float(jnp.abs(weights[1, :, :, LENGTH - 2 :]).max()) == 0.0  # padded keys unused
 
 
 def test_dropout_uses_the_rng_stream_and_is_off_in_eval(inputs):
@@ -104,7 +113,9 @@ def test_dropout_uses_the_rng_stream_and_is_off_in_eval(inputs):
   a = layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
   b = layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
   assert not np.allclose(a, b)
-  np.testing.assert_allclose(layer.apply(variables, x), layer.apply(variables, x, deterministic=True))
+  np.testing.assert_allclose(
+    layer.apply(variables, x), layer.apply(variables, x, deterministic=True)
+  )
 
 
 def test_users_can_register_their_own_variant(inputs):
@@ -114,16 +125,25 @@ def test_users_can_register_their_own_variant(inputs):
   def factory(*, temperature=1.0):
     def attention_fn(query, key, value, bias=None, mask=None, **kwargs):
       calls.append(temperature)
-      return softmax_attention(query, key, value, bias=bias, mask=mask,
-                               scale=temperature / np.sqrt(query.shape[-1]), **kwargs)
+      return softmax_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=temperature / np.sqrt(query.shape[-1]),
+        **kwargs,
+      )
+
     return attention_fn
 
   layers.register_attention("tempered_softmax_test", factory, "test variant")
   try:
     with pytest.raises(ValueError, match="already registered"):
       layers.register_attention("tempered_softmax_test", factory)
-    layer = layers.MultiHeadAttention(num_heads=HEADS, attention="tempered_softmax_test",
-                                      attention_options={"temperature": 2.0})
+    layer = layers.MultiHeadAttention(
+      num_heads=HEADS, attention="tempered_softmax_test", attention_options={"temperature": 2.0}
+    )
     layer.init(jax.random.key(0), x)
     assert calls == [2.0]
   finally:
@@ -148,7 +168,7 @@ def test_decoding_with_a_cache_equals_the_full_causal_pass(name, inputs):
   step = jax.jit(functools.partial(decoder.apply, mutable=["cache"]))
   outputs = []
   for t in range(LENGTH):
-    out, variables = step({"params": params, "cache": cache}, x[:, t:t + 1])
+    out, variables = step({"params": params, "cache": cache}, x[:, t : t + 1])
     cache = variables["cache"]
     outputs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-6)

@@ -13,10 +13,10 @@ from primal_dual.data import listops
 def python_value(tokens):
   """Third evaluator: rewrites the expression as Python calls and runs it."""
   functions = {
-      "MIN": lambda *a: min(a),
-      "MAX": lambda *a: max(a),
-      "MED": lambda *a: math.floor(statistics.median(a)),
-      "SM": lambda *a: sum(a) % 10,
+    "MIN": lambda *a: min(a),
+    "MAX": lambda *a: max(a),
+    "MED": lambda *a: math.floor(statistics.median(a)),
+    "SM": lambda *a: sum(a) % 10,
   }
   pieces = []
   for token in tokens:
@@ -51,7 +51,9 @@ def test_vocabulary():
     assert token in listops.VOCAB
 
 
-@pytest.mark.parametrize("tokens, value", [
+@pytest.mark.parametrize(
+  "tokens, value",
+  [
     ("[MED 1 2 3 4 ]", 2),  # even count: floor((2 + 3) / 2)
     ("[MED 1 9 ]", 5),
     ("[MED 0 9 ]", 4),
@@ -62,7 +64,8 @@ def test_vocabulary():
     ("[MIN 4 [MAX 1 8 ] 6 ]", 4),
     ("[MAX 2 [SM 5 7 ] [MIN 3 [MED 9 8 ] ] ]", 3),
     ("[MIN [MAX 9 9 ] [SM 4 5 ] ]", 9),
-])
+  ],
+)
 def test_evaluate_hand_made(tokens, value):
   tokens = tokens.split()
   assert listops.evaluate(tokens) == value
@@ -105,8 +108,9 @@ def test_labels_are_true_values_and_lengths_in_range(tiny_splits):
 
 
 def test_labels_of_long_expressions():
-  splits = listops.generate_splits(seed=0, num_train=20, num_validation=5, num_test=5,
-                                   min_length=500, max_length=2000)
+  splits = listops.generate_splits(
+    seed=0, num_train=20, num_validation=5, num_test=5, min_length=500, max_length=2000
+  )
   for examples in splits.values():
     for ids, label in examples:
       tokens = listops.detokenize(ids)
@@ -119,8 +123,9 @@ def test_depth_and_arity_bounds(max_depth, max_args):
   rng = np.random.default_rng(0)
   depths = set()
   for _ in range(40):
-    tokens = listops.generate_expression(rng, min_length=4, max_length=400, max_depth=max_depth,
-                                         max_args=max_args)
+    tokens = listops.generate_expression(
+      rng, min_length=4, max_length=400, max_depth=max_depth, max_args=max_args
+    )
     depths.add(nesting_depth(tokens))
     # Count each operator's arguments with a stack.
     stack = []
@@ -140,8 +145,9 @@ def test_length_distribution_matches_the_branching_process():
   # operator over two leaves; length = 4 + 3 * (#operator children).
   rng = np.random.default_rng(1)
   lengths = collections.Counter(
-      len(listops.generate_expression(rng, min_length=4, max_length=10, max_depth=3, max_args=2))
-      for _ in range(600))
+    len(listops.generate_expression(rng, min_length=4, max_length=10, max_depth=3, max_args=2))
+    for _ in range(600)
+  )
   total = sum(lengths.values())
   assert set(lengths) <= {4, 7, 10}
   for length, probability in [(4, 0.5625), (7, 0.375), (10, 0.0625)]:
@@ -175,26 +181,31 @@ def test_same_seed_same_splits_different_seed_different(tiny_splits):
 def test_splits_are_disjoint_distinct_and_sized(tiny_splits):
   preset = listops.PRESETS["tiny"]
   sizes = {split: len(examples) for split, examples in tiny_splits.items()}
-  assert sizes == dict(train=preset["num_train"], validation=preset["num_validation"],
-                       test=preset["num_test"])
+  assert sizes == dict(
+    train=preset["num_train"], validation=preset["num_validation"], test=preset["num_test"]
+  )
   keys = [ids.tobytes() for examples in tiny_splits.values() for ids, _ in examples]
   assert len(set(keys)) == len(keys)
 
 
 def test_presets():
-  assert listops.PRESETS["full"] == dict(min_length=500, max_length=2000, num_train=96000,
-                                         num_validation=2000, num_test=2000)
+  assert listops.PRESETS["full"] == dict(
+    min_length=500, max_length=2000, num_train=96000, num_validation=2000, num_test=2000
+  )
   for preset in listops.PRESETS.values():
     assert preset["min_length"] <= preset["max_length"]
 
 
-@pytest.mark.parametrize("kwargs", [
+@pytest.mark.parametrize(
+  "kwargs",
+  [
     dict(min_length=50, max_length=40),
     dict(min_length=2, max_length=40),
     dict(min_length=10, max_length=40, max_args=1),
     dict(min_length=10, max_length=40, max_depth=1),
     dict(min_length=100, max_length=200, max_depth=2, max_args=3),  # longest possible: 5
-])
+  ],
+)
 def test_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError):
     listops.generate_expression(np.random.default_rng(0), **kwargs)
@@ -203,5 +214,13 @@ def test_bad_arguments_raise(kwargs):
 def test_too_few_distinct_expressions_raises():
   # Only 4 operators x 100 digit pairs = 400 distinct 4-token expressions exist.
   with pytest.raises(ValueError, match="distinct"):
-    listops.generate_splits(seed=0, num_train=500, num_validation=0, num_test=0,
-                            min_length=4, max_length=4, max_depth=2, max_args=2)
+    listops.generate_splits(
+      seed=0,
+      num_train=500,
+      num_validation=0,
+      num_test=0,
+      min_length=4,
+      max_length=4,
+      max_depth=2,
+      max_args=2,
+    )

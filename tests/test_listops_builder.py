@@ -1,4 +1,5 @@
 """ListOps TFDS builder: records round-trip from the generator, seeds give separate configs."""
+
 import threading
 import time
 
@@ -35,8 +36,11 @@ def test_tiny_round_trips_generator_records(data_dir):
   preset = listops.PRESETS["tiny"]
   sources = builders.listops_sources("tiny", data_dir=data_dir)
   expected = listops.generate_splits(seed=0, **preset)
-  assert [len(sources[s]) for s in SPLITS] == [preset["num_train"], preset["num_validation"],
-                                               preset["num_test"]]
+  assert [len(sources[s]) for s in SPLITS] == [
+    preset["num_train"],
+    preset["num_validation"],
+    preset["num_test"],
+  ]
   _check_round_trip(sources, expected, preset["max_length"])
   # opening the prepared data again reads the same records
   again = builders.listops_sources("tiny", data_dir=data_dir, splits=("test",))
@@ -48,8 +52,9 @@ def test_other_seed_is_its_own_config(data_dir):
   sources = builders.listops_sources("tiny", seed=5, data_dir=data_dir)
   _check_round_trip(sources, listops.generate_splits(seed=5, **preset), preset["max_length"])
   seed0 = builders.listops_sources("tiny", data_dir=data_dir, splits=("train",))["train"]
-  assert not all(np.array_equal(seed0[i]["inputs"], sources["train"][i]["inputs"])
-                 for i in range(5))
+  assert not all(
+    np.array_equal(seed0[i]["inputs"], sources["train"][i]["inputs"]) for i in range(5)
+  )
   assert (data_dir / "listops" / "tiny_seed5").is_dir()
 
 
@@ -79,8 +84,9 @@ def test_processes_starting_together_prepare_once(tmp_path, monkeypatch):
 
   def load(slot):
     try:
-      results[slot] = builders.listops_sources("tiny", seed=9, data_dir=tmp_path,
-                                               splits=("test",))["test"]
+      results[slot] = builders.listops_sources("tiny", seed=9, data_dir=tmp_path, splits=("test",))[
+        "test"
+      ]
     except Exception as error:  # pylint: disable=broad-except
       errors.append(error)
 

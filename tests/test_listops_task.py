@@ -21,10 +21,10 @@ from primal_dual.training import errors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(REPO, "primal_dual", "configs", "listops.py")
-SETTINGS = {"jax_lra": dict(num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024,
-                            pooling="cls"),
-            "pytorch": dict(num_layers=2, model_dim=64, num_heads=2, mlp_dim=128,
-                            pooling="mean")}
+SETTINGS = {
+  "jax_lra": dict(num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024, pooling="cls"),
+  "pytorch": dict(num_layers=2, model_dim=64, num_heads=2, mlp_dim=128, pooling="mean"),
+}
 CONFIG_VARIANTS = ("softmax", "linear", "bn", "sh", "bn_sh", "hyla", "random_feature")
 
 
@@ -66,12 +66,15 @@ def test_config_settings_optimizers_and_runlocal():
   assert local.model.model_dim == 16 and tuple(local.model.attention_options.ratios) == (1, 2)
 
 
-@pytest.mark.parametrize("arg, message", [
+@pytest.mark.parametrize(
+  "arg, message",
+  [
     ("setting=tf", "unknown ListOps setting"),
     ("preset=medium", "unknown ListOps preset"),
     ("attention=sparse_magic", "unknown attention"),
     ("presett=full", "unknown config argument"),
-])
+  ],
+)
 def test_config_errors_say_what_to_do(arg, message):
   with pytest.raises(ValueError, match=message):
     load(arg)
@@ -92,10 +95,19 @@ def _tiny_model(attention, pooling, options=None):
   options = dict(options or {})
   if attention in ("sh", "bn_sh"):
     options["ratios"] = (1, 2)
-  return EncoderClassifier(num_classes=10, num_layers=1, model_dim=8, num_heads=2, mlp_dim=16,
-                           input_kind="embed", vocab_size=listops_data.VOCAB_SIZE,
-                           pooling=pooling, attention=attention, attention_options=options,
-                           dropout_rate=0.0)
+  return EncoderClassifier(
+    num_classes=10,
+    num_layers=1,
+    model_dim=8,
+    num_heads=2,
+    mlp_dim=16,
+    input_kind="embed",
+    vocab_size=listops_data.VOCAB_SIZE,
+    pooling=pooling,
+    attention=attention,
+    attention_options=options,
+    dropout_rate=0.0,
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,12 +128,16 @@ def _shared_variables(pooling):
 
 
 # Every registry variant, and linear attention in the primal form the ListOps config uses.
-PADDING_CASES = [*((name, {}) for name in sorted(ATTENTION_REGISTRY)),
-                 ("linear", {"form": "primal"})]
+PADDING_CASES = [
+  *((name, {}) for name in sorted(ATTENTION_REGISTRY)),
+  ("linear", {"form": "primal"}),
+]
 
 
-@pytest.mark.parametrize("index, attention, options",
-                         [(i, name, options) for i, (name, options) in enumerate(PADDING_CASES)])
+@pytest.mark.parametrize(
+  "index, attention, options",
+  [(i, name, options) for i, (name, options) in enumerate(PADDING_CASES)],
+)
 def test_padded_tokens_do_not_change_logits(index, attention, options):
   pooling = ("cls", "mean")[index % 2]  # both poolings, alternating over the variants
   vocab, valid = listops_data.VOCAB_SIZE, VALID_LENGTH
@@ -135,8 +151,9 @@ def test_padded_tokens_do_not_change_logits(index, attention, options):
   batch = jnp.asarray(np.stack([tokens, other_padding, changed_valid]), jnp.int32)
   mask = jnp.broadcast_to(jnp.arange(PADDED_LENGTH) < valid, batch.shape)
   model = _tiny_model(attention, pooling, options)
-  logits = jax.jit(lambda v, x, m: model.apply(v, x, mask=m))(_shared_variables(pooling), batch,
-                                                              mask)
+  logits = jax.jit(lambda v, x, m: model.apply(v, x, mask=m))(
+    _shared_variables(pooling), batch, mask
+  )
   logits = np.asarray(logits)
   assert np.all(np.isfinite(logits))
   np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
@@ -144,8 +161,10 @@ def test_padded_tokens_do_not_change_logits(index, attention, options):
 
 
 def test_model_summary_parameters_and_flops():
-  summaries = {a: listops_task.model_summary(load(f"setting=pytorch,preset=short,attention={a}"))
-               for a in ("softmax", "linear", "bn", "sh")}
+  summaries = {
+    a: listops_task.model_summary(load(f"setting=pytorch,preset=short,attention={a}"))
+    for a in ("softmax", "linear", "bn", "sh")
+  }
   assert summaries["softmax"]["sequence_length"] == listops_data.PRESETS["short"]["max_length"]
   # No variant adds parameters to softmax attention.
   assert len({s["parameters"] for s in summaries.values()}) == 1
@@ -160,8 +179,12 @@ def test_model_summary_parameters_and_flops():
 
 
 def _load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(
-      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"))
+  spec = importlib.util.spec_from_file_location(
+    name,
+    os.path.join(
+      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"
+    ),
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -171,8 +194,12 @@ def _load_script(name):
 def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
   script = _load_script("reproduce_listops")
   results = tmp_path / "out" / "listops.json"
-  argv = ["--quick", f"--root={tmp_path / 'runs'}", f"--results={results}",
-          f"--data_dir={tmp_path / 'tfds'}"]
+  argv = [
+    "--quick",
+    f"--root={tmp_path / 'runs'}",
+    f"--results={results}",
+    f"--data_dir={tmp_path / 'tfds'}",
+  ]
   assert script.main(argv) == 0
   records = json.loads(results.read_text())
   assert [r["attention"] for r in records] == ["softmax", "sh"]

@@ -3,6 +3,7 @@
 Every generation call below uses 256 indices (or 1, through the source), so each config compiles
 once per bucket size.
 """
+
 import itertools
 import os
 import pathlib
@@ -91,8 +92,9 @@ def test_training_stream_never_uses_heldout_conjunctions(train_batch):
 
 def test_streams_of_different_splits_and_seeds_are_disjoint(train_batch):
   batches = [train_batch]
-  batches += [logic.generate_batch(DEFAULT, 0, np.arange(BATCH), s)
-              for s in ("validation", "test", "ood")]
+  batches += [
+    logic.generate_batch(DEFAULT, 0, np.arange(BATCH), s) for s in ("validation", "test", "ood")
+  ]
   batches.append(logic.generate_batch(DEFAULT, 1, np.arange(BATCH), "train"))
   prints = [{row.tobytes() for row in b["inputs"]} for b in batches]
   assert all(len(p) == BATCH for p in prints)
@@ -108,8 +110,13 @@ def test_generation_is_deterministic_across_processes(tmp_path):
       batch = logic.generate_batch(logic.LogicConfig(), 7, np.arange(100, 100 + {BATCH}), "test")
       np.savez({str(out)!r}, **batch)
   """)
-  subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT,
-                 env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  subprocess.run(
+    [sys.executable, "-c", script],
+    check=True,
+    cwd=REPO_ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=120,
+  )
   here = logic.generate_batch(DEFAULT, 7, np.arange(100, 100 + BATCH), "test")
   other = np.load(out)
   assert set(other.files) == set(here)
@@ -126,8 +133,9 @@ def test_source_reads_match_batches_and_work_in_grain(train_batch):
   for name, value in train_batch.items():
     np.testing.assert_array_equal(records[42][name], value[42])
     np.testing.assert_array_equal(single[name], value[42])
-  np.testing.assert_array_equal(grain.MapDataset.source(source)[42]["inputs"],
-                                train_batch["inputs"][42])
+  np.testing.assert_array_equal(
+    grain.MapDataset.source(source)[42]["inputs"], train_batch["inputs"][42]
+  )
   restored = pickle.loads(pickle.dumps(source))
   assert (restored.config, restored.split, len(restored)) == (DEFAULT, "train", 1000)
   with pytest.raises(IndexError):
@@ -139,7 +147,7 @@ def test_exact_moments_single_minterm_is_beta():
   mean, variance = logic.task_moments(config)
   n = 3  # min of n uniforms is Beta(1, n)
   np.testing.assert_allclose(mean, 1 / (n + 1), rtol=1e-12)
-  np.testing.assert_allclose(variance, n / ((n + 1)**2 * (n + 2)), rtol=1e-12)
+  np.testing.assert_allclose(variance, n / ((n + 1) ** 2 * (n + 2)), rtol=1e-12)
 
 
 def test_exact_moments_match_monte_carlo():
@@ -157,8 +165,10 @@ def test_exact_moments_match_monte_carlo():
 
 def test_r_squared_perfect_and_mean_predictions(train_batch):
   mean, variance = logic.task_moments(DEFAULT)
-  batches = [train_batch] + [logic.generate_batch(DEFAULT, 0, np.arange(i, i + BATCH), "train")
-                             for i in range(BATCH, 16 * BATCH, BATCH)]
+  batches = [train_batch] + [
+    logic.generate_batch(DEFAULT, 0, np.arange(i, i + BATCH), "train")
+    for i in range(BATCH, 16 * BATCH, BATCH)
+  ]
   target = np.concatenate([b["target"] for b in batches])
   task_id = np.concatenate([b["task_id"] for b in batches])
   assert logic.r_squared(target, target, variance[task_id]) == 1.0
@@ -168,7 +178,9 @@ def test_r_squared_perfect_and_mean_predictions(train_batch):
     logic.r_squared(target[:-1], target, variance[task_id])
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: logic.LogicConfig(ood_term_sets="some"),
     lambda: logic.LogicConfig(num_terms=13),
     lambda: logic.LogicConfig(seq_len=1),
@@ -177,7 +189,8 @@ def test_r_squared_perfect_and_mean_predictions(train_batch):
     lambda: logic.LogicSource(DEFAULT, "dev", 0, 10),
     lambda: logic.LogicSource(logic.LogicConfig(ood_fraction=0.0), "ood", 0, 10),
     lambda: logic.generate_batch(DEFAULT, 2**32, [0]),
-])
+  ],
+)
 def test_user_errors_raise_value_error(make):
   with pytest.raises(ValueError):
     make()

@@ -45,10 +45,13 @@ def _outputs_predicting(predictions, seq_len=3):
 
 
 def test_loss_and_metrics_on_hand_made_predictions():
-  batch = {"target": jnp.array([0.5, 0.2, 0.9]), "task_variance": jnp.array([0.1, 0.2, 0.4]),
-           "valid": jnp.array([True, True, False]), "inputs": _context_inputs([0.5, 0.2, 0.9])}
-  loss, metrics = task.logic_loss_and_metrics(
-      _outputs_predicting([0.7, 0.2, np.nan]), batch)
+  batch = {
+    "target": jnp.array([0.5, 0.2, 0.9]),
+    "task_variance": jnp.array([0.1, 0.2, 0.4]),
+    "valid": jnp.array([True, True, False]),
+    "inputs": _context_inputs([0.5, 0.2, 0.9]),
+  }
+  loss, metrics = task.logic_loss_and_metrics(_outputs_predicting([0.7, 0.2, np.nan]), batch)
   assert float(loss) == pytest.approx(0.04 / 2)
   np.testing.assert_allclose([float(v) for v in metrics["mse"]], [0.04, 2.0], rtol=1e-5)
   # R² pair: (Σ variance − Σ squared error, Σ variance) over the two real rows.
@@ -61,16 +64,20 @@ def test_r2_through_the_trainer_reduction_equals_r_squared():
   per_batch, kept = [], []
   for size, num_valid in ((8, 8), (8, 8), (8, 3)):  # the last batch has 5 padding rows
     task_ids = rng.integers(0, len(variances), size)
-    batch = {"target": rng.uniform(size=size).astype(np.float32),
-             "task_variance": variances[task_ids].astype(np.float32),
-             "valid": np.arange(size) < num_valid,
-             "inputs": _context_inputs(np.zeros(size), seed=size + num_valid)}
+    batch = {
+      "target": rng.uniform(size=size).astype(np.float32),
+      "task_variance": variances[task_ids].astype(np.float32),
+      "valid": np.arange(size) < num_valid,
+      "inputs": _context_inputs(np.zeros(size), seed=size + num_valid),
+    }
     predictions = rng.uniform(size=size).astype(np.float32)
     _, metrics = task.logic_loss_and_metrics(
-        _outputs_predicting(predictions), {k: jnp.asarray(v) for k, v in batch.items()})
+      _outputs_predicting(predictions), {k: jnp.asarray(v) for k, v in batch.items()}
+    )
     per_batch.append(metrics)
-    kept.append((predictions[:num_valid], batch["target"][:num_valid],
-                 batch["task_variance"][:num_valid]))
+    kept.append(
+      (predictions[:num_valid], batch["target"][:num_valid], batch["task_variance"][:num_valid])
+    )
   reduced = trainer._reduce_metrics(per_batch)  # the trainer's Σ sums / Σ counts
   expected = logic.r_squared(*(np.concatenate(parts) for parts in zip(*kept)))
   assert reduced["r2"] == pytest.approx(expected, rel=1e-5)
@@ -124,9 +131,15 @@ def test_configs_build_for_every_preset_and_variant(preset):
         assert len(ratios) == config.model.num_heads
   reference = logic_configs.get_config("preset=paper")
   assert (reference.data.num_variables, reference.data.num_terms, reference.data.seq_len) == (
-      4, 2, 32)
-  assert (reference.model.model_dim, reference.model.num_heads,
-          reference.model.num_layers) == (128, 8, 2)
+    4,
+    2,
+    32,
+  )
+  assert (reference.model.model_dim, reference.model.num_heads, reference.model.num_layers) == (
+    128,
+    8,
+    2,
+  )
   with pytest.raises(ValueError, match="unknown logic preset"):
     logic_configs.get_config("preset=tiny")
 
@@ -152,7 +165,8 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
   # --report_only trains nothing (the workdirs may be gone) and rewrites the same report.
   (out / "logic_quick.md").unlink()
   shutil.rmtree(root)
-  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2",
-                      "--report_only"]) == 0
+  assert (
+    script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2", "--report_only"]) == 0
+  )
   assert (out / "logic_quick.md").read_text() == markdown
   assert not root.exists()

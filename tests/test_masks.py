@@ -4,8 +4,14 @@ import flax.linen as nn
 import numpy as np
 import pytest
 
-from primal_dual.kernels import (causal_mask, combine_masks, local_mask, padding_mask,
-                                 softmax_attention, strided_mask)
+from primal_dual.kernels import (
+  causal_mask,
+  combine_masks,
+  local_mask,
+  padding_mask,
+  softmax_attention,
+  strided_mask,
+)
 
 
 def as_01(mask):
@@ -13,20 +19,16 @@ def as_01(mask):
 
 
 def test_causal_mask():
-  np.testing.assert_array_equal(as_01(causal_mask(3)), [[1, 0, 0],
-                                                        [1, 1, 0],
-                                                        [1, 1, 1]])
+  np.testing.assert_array_equal(as_01(causal_mask(3)), [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
   # Default top_left (Flax, jax.nn): query i sees keys j <= i.
-  np.testing.assert_array_equal(as_01(causal_mask(2, 4)), [[1, 0, 0, 0],
-                                                           [1, 1, 0, 0]])
+  np.testing.assert_array_equal(as_01(causal_mask(2, 4)), [[1, 0, 0, 0], [1, 1, 0, 0]])
   # bottom_right: the queries are the last two of four positions; the last query sees every key.
-  np.testing.assert_array_equal(as_01(causal_mask(2, 4, alignment="bottom_right")),
-                                [[1, 1, 1, 0],
-                                 [1, 1, 1, 1]])
-  np.testing.assert_array_equal(as_01(causal_mask(3, 2, alignment="bottom_right")),
-                                [[0, 0],
-                                 [1, 0],
-                                 [1, 1]])
+  np.testing.assert_array_equal(
+    as_01(causal_mask(2, 4, alignment="bottom_right")), [[1, 1, 1, 0], [1, 1, 1, 1]]
+  )
+  np.testing.assert_array_equal(
+    as_01(causal_mask(3, 2, alignment="bottom_right")), [[0, 0], [1, 0], [1, 1]]
+  )
   assert causal_mask(3).dtype == np.bool_
   with pytest.raises(ValueError, match="causal_alignment must be one of"):
     causal_mask(2, 4, alignment="middle")
@@ -39,8 +41,10 @@ def test_causal_mask_matches_is_causal(alignment):
   key = rng.normal(size=(4, 1, 2)).astype(np.float32)
   value = rng.normal(size=(4, 1, 2)).astype(np.float32)
   np.testing.assert_allclose(
-      softmax_attention(query, key, value, mask=causal_mask(3, 4, alignment=alignment)),
-      softmax_attention(query, key, value, is_causal=True, causal_alignment=alignment), atol=1e-6)
+    softmax_attention(query, key, value, mask=causal_mask(3, 4, alignment=alignment)),
+    softmax_attention(query, key, value, is_causal=True, causal_alignment=alignment),
+    atol=1e-6,
+  )
 
 
 def test_causal_mask_equals_flax_make_causal_mask():
@@ -49,49 +53,42 @@ def test_causal_mask_equals_flax_make_causal_mask():
 
 
 def test_local_mask():
-  np.testing.assert_array_equal(as_01(local_mask(5, 3)), [[1, 1, 0, 0, 0],
-                                                          [1, 1, 1, 0, 0],
-                                                          [0, 1, 1, 1, 0],
-                                                          [0, 0, 1, 1, 1],
-                                                          [0, 0, 0, 1, 1]])
+  np.testing.assert_array_equal(
+    as_01(local_mask(5, 3)),
+    [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 0, 0, 1, 1]],
+  )
   # Even window: |i - j| <= 1 as well (window // 2 = 1).
   np.testing.assert_array_equal(local_mask(5, 2), local_mask(5, 3))
-  np.testing.assert_array_equal(as_01(local_mask(4, 2, causal=True)), [[1, 0, 0, 0],
-                                                                       [1, 1, 0, 0],
-                                                                       [0, 1, 1, 0],
-                                                                       [0, 0, 1, 1]])
+  np.testing.assert_array_equal(
+    as_01(local_mask(4, 2, causal=True)), [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+  )
   np.testing.assert_array_equal(local_mask(4, 1), np.eye(4, dtype=bool))
 
 
 def test_strided_mask():
-  np.testing.assert_array_equal(as_01(strided_mask(5, 2)), [[1, 0, 1, 0, 1],
-                                                            [0, 1, 0, 1, 0],
-                                                            [1, 0, 1, 0, 1],
-                                                            [0, 1, 0, 1, 0],
-                                                            [1, 0, 1, 0, 1]])
-  np.testing.assert_array_equal(as_01(strided_mask(5, 3, causal=True)), [[1, 0, 0, 0, 0],
-                                                                         [0, 1, 0, 0, 0],
-                                                                         [0, 0, 1, 0, 0],
-                                                                         [1, 0, 0, 1, 0],
-                                                                         [0, 1, 0, 0, 1]])
+  np.testing.assert_array_equal(
+    as_01(strided_mask(5, 2)),
+    [[1, 0, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+  )
+  np.testing.assert_array_equal(
+    as_01(strided_mask(5, 3, causal=True)),
+    [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [1, 0, 0, 1, 0], [0, 1, 0, 0, 1]],
+  )
 
 
 def test_union_of_local_and_strided_is_the_sparse_transformer_pattern():
   union = combine_masks(local_mask(5, 2, causal=True), strided_mask(5, 2, causal=True), op="or")
-  np.testing.assert_array_equal(as_01(union), [[1, 0, 0, 0, 0],
-                                               [1, 1, 0, 0, 0],
-                                               [1, 1, 1, 0, 0],
-                                               [0, 1, 1, 1, 0],
-                                               [1, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(
+    as_01(union),
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [1, 0, 1, 1, 1]],
+  )
 
 
 def test_combine_masks():
   row = np.array([[True, False, True]])
   column = np.array([[True], [False]])
-  np.testing.assert_array_equal(as_01(combine_masks(row, None, column)), [[1, 0, 1],
-                                                                          [0, 0, 0]])
-  np.testing.assert_array_equal(as_01(combine_masks(row, column, op="or")), [[1, 1, 1],
-                                                                             [1, 0, 1]])
+  np.testing.assert_array_equal(as_01(combine_masks(row, None, column)), [[1, 0, 1], [0, 0, 0]])
+  np.testing.assert_array_equal(as_01(combine_masks(row, column, op="or")), [[1, 1, 1], [1, 0, 1]])
   np.testing.assert_array_equal(combine_masks(None, row), row)
   assert combine_masks(None, None) is None
   with pytest.raises(ValueError, match="op must be one of.*'xor'"):
@@ -101,8 +98,7 @@ def test_combine_masks():
   # Masks of any dtype: nonzero = may attend (Flax's masks are float32); the result is bool.
   combined = combine_masks(row, np.array([[0.0], [2.0]], np.float32))
   assert combined.dtype == np.bool_
-  np.testing.assert_array_equal(as_01(combined), [[0, 0, 0],
-                                                  [1, 0, 1]])
+  np.testing.assert_array_equal(as_01(combined), [[0, 0, 0], [1, 0, 1]])
 
 
 def test_padding_mask():
@@ -124,8 +120,9 @@ def test_padding_mask():
     padding_mask(key_valid, np.ones((3, 2), bool))
 
 
-@pytest.mark.parametrize("make_mask", [lambda: local_mask(3, 0), lambda: strided_mask(3, 0),
-                                       lambda: causal_mask(0)])
+@pytest.mark.parametrize(
+  "make_mask", [lambda: local_mask(3, 0), lambda: strided_mask(3, 0), lambda: causal_mask(0)]
+)
 def test_bad_sizes_raise(make_mask):
   with pytest.raises(ValueError, match="must be a positive integer"):
     make_mask()

@@ -59,13 +59,24 @@ def test_two_processes_train_to_the_end_with_the_same_loss(tmp_path):
   port = _free_port()
   processes = []
   for process_id in range(2):
-    env = dict(os.environ, JAX_PLATFORMS='cpu',
-               XLA_FLAGS='--xla_force_host_platform_device_count=2',
-               JAX_COORDINATOR_ADDRESS=f'localhost:{port}', JAX_NUM_PROCESSES='2',
-               JAX_PROCESS_ID=str(process_id))
-    processes.append(subprocess.Popen(
-        [sys.executable, '-c', WORKER, workdir], cwd=REPO_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    env = dict(
+      os.environ,
+      JAX_PLATFORMS='cpu',
+      XLA_FLAGS='--xla_force_host_platform_device_count=2',
+      JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
+      JAX_NUM_PROCESSES='2',
+      JAX_PROCESS_ID=str(process_id),
+    )
+    processes.append(
+      subprocess.Popen(
+        [sys.executable, '-c', WORKER, workdir],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
   outputs = []
   try:
     for process in processes:
@@ -81,7 +92,7 @@ def test_two_processes_train_to_the_end_with_the_same_loss(tmp_path):
     assert returncode == 0, stderr[-3000:]
     lines = [line for line in stdout.splitlines() if line.startswith('RESULT ')]
     assert len(lines) == 1, stdout
-    results.append(json.loads(lines[0][len('RESULT '):]))
+    results.append(json.loads(lines[0][len('RESULT ') :]))
   assert sorted(r['process_index'] for r in results) == [0, 1]
   assert all(r['process_count'] == 2 and r['devices'] == 4 for r in results)
   assert results[0]['loss'] == results[1]['loss']

@@ -23,18 +23,21 @@ MASK = padding_mask(jnp.arange(LENGTH)[None, :] < jnp.array([[LENGTH], [3]]))
 
 
 def _options(name):
-  return registry.model_options(name, HEADS, **({"num_features": 16}
-                                                if name == "random_feature" else {}))
+  return registry.model_options(
+    name, HEADS, **({"num_features": 16} if name == "random_feature" else {})
+  )
 
 
 def _linen(name, **kw):
-  return layers.MultiHeadAttention(num_heads=HEADS, attention=name,
-                                   attention_options=_options(name), **kw)
+  return layers.MultiHeadAttention(
+    num_heads=HEADS, attention=name, attention_options=_options(name), **kw
+  )
 
 
 def _nnx(name, seed=0, **kw):
-  return pd_nnx.MultiHeadAttention(HEADS, FEATURES, attention=name,
-                                   attention_options=_options(name), rngs=nnx.Rngs(seed), **kw)
+  return pd_nnx.MultiHeadAttention(
+    HEADS, FEATURES, attention=name, attention_options=_options(name), rngs=nnx.Rngs(seed), **kw
+  )
 
 
 def _shapes(tree):
@@ -63,8 +66,12 @@ def test_nnx_equals_linen_and_parameters_move_both_ways(name):
   other = _nnx(name, seed=7)
   converted = pd_nnx.linen_params(other)
   assert _shapes(converted) == _shapes(params)
-  np.testing.assert_allclose(jax.jit(linen.apply)({"params": converted}, X, mask=MASK),
-                             _nnx_apply(other, X, MASK), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    jax.jit(linen.apply)({"params": converted}, X, mask=MASK),
+    _nnx_apply(other, X, MASK),
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def test_loading_refuses_wrong_names_and_shapes():
@@ -121,7 +128,7 @@ def test_decoding_equals_the_full_causal_pass(name):
   module = _nnx(name)
   full = _causal_pass(module, X)
   module.init_cache(X.shape)
-  decoded = jnp.concatenate([_decode_step(module, X[:, t:t + 1]) for t in range(LENGTH)], axis=1)
+  decoded = jnp.concatenate([_decode_step(module, X[:, t : t + 1]) for t in range(LENGTH)], axis=1)
   np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-6)
   assert int(module.cache_index[...]) == LENGTH
   # Without the causal mask the rows differ: the cache really hides the positions not yet fed.
@@ -135,7 +142,7 @@ def test_sh_decoding_attends_to_the_keys_seen_so_far_in_both_layers():
   module = _nnx("sh")
   full = _causal_pass(module, X)
   module.init_cache(X.shape)
-  decoded = jnp.concatenate([_decode_step(module, X[:, t:t + 1]) for t in range(LENGTH)], axis=1)
+  decoded = jnp.concatenate([_decode_step(module, X[:, t : t + 1]) for t in range(LENGTH)], axis=1)
   np.testing.assert_allclose(decoded[:, -1], full[:, -1], rtol=1e-5, atol=1e-6)
   assert not np.allclose(decoded[:, :-1], full[:, :-1], atol=1e-4)
 
@@ -144,7 +151,7 @@ def test_sh_decoding_attends_to_the_keys_seen_so_far_in_both_layers():
   variables = {"params": pd_nnx.linen_params(module), "cache": cache}
   step = jax.jit(lambda v, token: linen.apply(v, token, mutable=["cache"]))
   for t in range(LENGTH):
-    out, updated = step(variables, X[:, t:t + 1])
+    out, updated = step(variables, X[:, t : t + 1])
     variables = {**variables, **updated}
     np.testing.assert_allclose(out[:, 0], decoded[:, t], rtol=1e-5, atol=1e-6)
 
@@ -189,13 +196,15 @@ def test_bad_construction_is_a_value_error():
     pd_nnx.MultiHeadAttention(HEADS, FEATURES, attention="nope", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="not divisible by num_heads=3"):
     pd_nnx.MultiHeadAttention(3, FEATURES, rngs=nnx.Rngs(0))
-  module = pd_nnx.MultiHeadAttention(HEADS, FEATURES, attention="sh",
-                                     attention_options={"ratios": (1,)}, rngs=nnx.Rngs(0))
+  module = pd_nnx.MultiHeadAttention(
+    HEADS, FEATURES, attention="sh", attention_options={"ratios": (1,)}, rngs=nnx.Rngs(0)
+  )
   with pytest.raises(ValueError, match="ratios"):  # the kernel checks its ratios on the shapes
     module(X)
 
 
 def test_primal_dual_exposes_nnx_lazily():
   import primal_dual
+
   assert primal_dual.nnx.MultiHeadAttention is pd_nnx.MultiHeadAttention
   assert "nnx" in primal_dual.__all__

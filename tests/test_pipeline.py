@@ -1,4 +1,5 @@
 """grain loader: batching, shuffling, checkpointed position; exact-once evaluation batches."""
+
 import grain
 import hypothesis
 import hypothesis.strategies as st
@@ -42,8 +43,12 @@ def _assert_same_batches(a, b):
 
 def _loader(**overrides):
   # Few read threads: starting grain's default 16 is slow on a busy 2-core machine.
-  kwargs = dict(batch_size=4, seed=3, shuffle=True,
-                read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
+  kwargs = dict(
+    batch_size=4,
+    seed=3,
+    shuffle=True,
+    read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=8),
+  )
   kwargs.update(overrides)
   return pipeline.make_loader(CountingSource(10), **kwargs)
 
@@ -130,12 +135,18 @@ def test_iterate_eval_pads_last_batch():
   np.testing.assert_array_equal(_eval_labels(batches), np.arange(10))
 
 
-@hypothesis.given(size=st.integers(1, 40), batch_size=st.integers(1, 7),
-                  process_count=st.integers(1, 4))
+@hypothesis.given(
+  size=st.integers(1, 40), batch_size=st.integers(1, 7), process_count=st.integers(1, 4)
+)
 def test_iterate_eval_covers_every_example_once_across_processes(size, batch_size, process_count):
-  per_process = [list(pipeline.iterate_eval(CountingSource(size), batch_size, process_index=p,
-                                            process_count=process_count))
-                 for p in range(process_count)]
+  per_process = [
+    list(
+      pipeline.iterate_eval(
+        CountingSource(size), batch_size, process_index=p, process_count=process_count
+      )
+    )
+    for p in range(process_count)
+  ]
   assert len({len(b) for b in per_process}) == 1  # processes stay in step
   labels = np.concatenate([_eval_labels(b) for b in per_process])
   np.testing.assert_array_equal(np.sort(labels), np.arange(size))
@@ -147,8 +158,10 @@ def test_iterate_eval_covers_every_example_once_across_processes(size, batch_siz
 
 def test_loader_on_uea_source_restores(tmp_path):
   from primal_dual.data import builders  # TFDS import only for this test
-  source = builders.uea_sources("JapaneseVowels", data_dir=tmp_path,
-                                splits=("train_fit",))["train_fit"]
+
+  source = builders.uea_sources("JapaneseVowels", data_dir=tmp_path, splits=("train_fit",))[
+    "train_fit"
+  ]
   make = lambda: pipeline.make_loader(source, batch_size=16, seed=0, shuffle=True)
   iterator = make()
   first = _take(iterator, 3)
@@ -169,7 +182,7 @@ def test_loader_on_uea_source_restores(tmp_path):
 def test_batch_reads_cover_each_epoch_once_in_a_fresh_seeded_order():
   batches = _take(_loader(batch_reads=True, num_epochs=2), 4)  # 10 records: 2 batches per epoch
   assert [b["x"].shape for b in batches] == [(4, 2)] * 4
-  epochs = [np.concatenate([b["label"] for b in batches[i:i + 2]]) for i in (0, 2)]
+  epochs = [np.concatenate([b["label"] for b in batches[i : i + 2]]) for i in (0, 2)]
   for labels in epochs:
     assert len(set(labels.tolist())) == 8  # 8 distinct records, the remainder of 2 dropped
   assert not np.array_equal(epochs[0], epochs[1])  # reshuffled every epoch
@@ -179,8 +192,9 @@ def test_batch_reads_cover_each_epoch_once_in_a_fresh_seeded_order():
   other = _take(_loader(batch_reads=True, num_epochs=2, seed=4), 4)
   assert not all(np.array_equal(a["label"], b["label"]) for a, b in zip(other, batches))
   ordered = _take(_loader(batch_reads=True, shuffle=False), 3)
-  np.testing.assert_array_equal(np.concatenate([b["label"] for b in ordered]),
-                                [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3])
+  np.testing.assert_array_equal(
+    np.concatenate([b["label"] for b in ordered]), [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+  )
 
 
 def test_batch_reads_end_after_num_epochs():
@@ -207,14 +221,20 @@ class GatheringSource(CountingSource):
   def get_batch(self, indices):
     GatheringSource.calls += 1
     indices = np.asarray(indices)
-    return {"x": np.stack([indices, -indices], axis=1).astype(np.int32),
-            "label": indices.astype(np.int32)}
+    return {
+      "x": np.stack([indices, -indices], axis=1).astype(np.int32),
+      "label": indices.astype(np.int32),
+    }
 
 
 def test_batch_stream_uses_get_batch_and_slices_processes_disjointly():
   source = GatheringSource(10)
-  slices = [pipeline.BatchStream(source, batch_size=2, seed=0, shuffle=True, start=start,
-                                 stop=stop, num_epochs=1) for start, stop in ((0, 5), (5, 10))]
+  slices = [
+    pipeline.BatchStream(
+      source, batch_size=2, seed=0, shuffle=True, start=start, stop=stop, num_epochs=1
+    )
+    for start, stop in ((0, 5), (5, 10))
+  ]
   before = GatheringSource.calls
   seen = [np.concatenate([stream[i]["label"] for i in range(len(stream))]) for stream in slices]
   assert GatheringSource.calls - before == 4  # one gather per batch

@@ -30,7 +30,7 @@ def _random_maps(rng, shape):
 def _brute_force_matrix(weights, query_valid):
   """The docstring's formula written out with the full [B, H, H, Q, K] difference tensor."""
   diff = weights[:, :, None] - weights[:, None, :]
-  rows = np.sqrt((diff ** 2).sum(-1))
+  rows = np.sqrt((diff**2).sum(-1))
   per_example = (rows * query_valid[:, None, None]).sum(-1) / query_valid.sum(-1)[:, None, None]
   return per_example.mean(0)
 
@@ -75,12 +75,15 @@ def test_pairwise_loop_matches_the_formula_and_streams_over_batches():
   weights = _random_maps(rng, (5, 4, 7, 9))
   query_valid = rng.random((5, 7)) < 0.7
   query_valid[:, 0] = True
-  np.testing.assert_allclose(redundancy.head_distance_matrix(weights, query_valid),
-                             _brute_force_matrix(weights, query_valid), rtol=1e-12)
+  np.testing.assert_allclose(
+    redundancy.head_distance_matrix(weights, query_valid),
+    _brute_force_matrix(weights, query_valid),
+    rtol=1e-12,
+  )
   accumulator = redundancy.RedundancyAccumulator()
   accumulator.add([weights[:2], weights[:2] ** 2], query_valid[:2])
   accumulator.add([weights[2:], weights[2:] ** 2], query_valid[2:])
-  whole = redundancy.redundancy_summary([weights, weights ** 2], query_valid)
+  whole = redundancy.redundancy_summary([weights, weights**2], query_valid)
   summary = accumulator.summary()
   assert summary["num_examples"] == 5
   np.testing.assert_allclose(summary["per_layer"], whole["per_layer"], rtol=1e-12)
@@ -100,49 +103,64 @@ def test_bad_shapes_raise():
 
 def test_expand_pooled_columns_known_values_and_padding():
   pooled = np.array([0.6, 0.4]).reshape(1, 1, 1, 2)
-  np.testing.assert_allclose(redundancy.expand_pooled_columns(pooled, 2, 3)[0, 0, 0],
-                             [0.3, 0.3, 0.4])
+  np.testing.assert_allclose(
+    redundancy.expand_pooled_columns(pooled, 2, 3)[0, 0, 0], [0.3, 0.3, 0.4]
+  )
   pooled = np.array([0.5, 0.5]).reshape(1, 1, 1, 2)
   key_valid = np.array([[True, True, True, False]])
   np.testing.assert_allclose(
-      redundancy.expand_pooled_columns(pooled, 2, 4, key_valid)[0, 0, 0], [0.25, 0.25, 0.5, 0])
+    redundancy.expand_pooled_columns(pooled, 2, 4, key_valid)[0, 0, 0], [0.25, 0.25, 0.5, 0]
+  )
 
 
 def test_window_of_key_matches_the_kernel_windows_and_the_grid_helper():
   for kv_len, ratio in ((7, 2), (9, 3), (5, 8)):
     np.testing.assert_array_equal(
-        attention_maps.window_of_key(kv_len, ratio, attention_maps.TokenLayout()),
-        np.arange(kv_len) // ratio)
+      attention_maps.window_of_key(kv_len, ratio, attention_maps.TokenLayout()),
+      np.arange(kv_len) // ratio,
+    )
   layout = attention_maps.TokenLayout(num_prefix_tokens=1, grid_shape=(3, 5))
-  np.testing.assert_array_equal(attention_maps.window_of_key(16, 2, layout),
-                                redundancy.grid_window_of_key(2, (3, 5), 1))
+  np.testing.assert_array_equal(
+    attention_maps.window_of_key(16, 2, layout), redundancy.grid_window_of_key(2, (3, 5), 1)
+  )
   rng = np.random.default_rng(3)
   pooled = _random_maps(rng, (2, 3, 4, 1 + 2 * 3))
   np.testing.assert_allclose(
-      redundancy.expand_by_window(pooled, redundancy.grid_window_of_key(2, (3, 5), 1)),
-      redundancy.expand_grid_columns(pooled, 2, (3, 5), 1))
+    redundancy.expand_by_window(pooled, redundancy.grid_window_of_key(2, (3, 5), 1)),
+    redundancy.expand_grid_columns(pooled, 2, (3, 5), 1),
+  )
 
 
-@pytest.mark.parametrize("layout", [
+@pytest.mark.parametrize(
+  "layout",
+  [
     attention_maps.TokenLayout(),
     attention_maps.TokenLayout(num_prefix_tokens=1),
     attention_maps.TokenLayout(num_prefix_tokens=1, grid_shape=(3, 3)),
-])
+  ],
+)
 def test_expanded_sh_maps_applied_to_full_values_reproduce_the_kernel(layout):
   """Average pooling: Σ_p w_p mean_{j∈p} v_j = Σ_j expanded_j v_j, a known answer per head."""
   ratios = (1, 2, 3)
   kv_len = 10
   batch, heads, dim = 2, len(ratios), 4
   rng = np.random.default_rng(4)
-  q, k, v = (jnp.asarray(rng.normal(size=(batch, kv_len, heads, dim)), jnp.float32)
-             for _ in range(3))
+  q, k, v = (
+    jnp.asarray(rng.normal(size=(batch, kv_len, heads, dim)), jnp.float32) for _ in range(3)
+  )
   key_valid = np.ones((batch, kv_len), bool)
   if layout.grid_shape is None:
     key_valid[1, 7:] = False  # padding in the second example
   mask = jnp.asarray(key_valid)[:, None, None, :]
-  kernel = jax.jit(functools.partial(
-      scaled_head_attention, ratios=ratios, return_weights=True, grid_shape=layout.grid_shape,
-      num_prefix_tokens=layout.num_prefix_tokens))
+  kernel = jax.jit(
+    functools.partial(
+      scaled_head_attention,
+      ratios=ratios,
+      return_weights=True,
+      grid_shape=layout.grid_shape,
+      num_prefix_tokens=layout.num_prefix_tokens,
+    )
+  )
   out, sown = kernel(q, k, v, mask=mask)
   full = attention_maps.full_width(jax.device_get(sown), ratios, kv_len, layout, key_valid)
   assert full.shape == (batch, heads, kv_len, kv_len)
@@ -156,8 +174,9 @@ def test_full_width_puts_groups_back_in_head_order():
   ratios = (2, 1, 2)
   groups = head_groups(ratios)
   sown = tuple(np.full((1, len(heads), 2, -(-4 // r)), float(r)) for r, heads in groups)
-  full = attention_maps.full_width(sown, ratios, 4, attention_maps.TokenLayout(),
-                                   np.ones((1, 4), bool))
+  full = attention_maps.full_width(
+    sown, ratios, 4, attention_maps.TokenLayout(), np.ones((1, 4), bool)
+  )
   np.testing.assert_allclose(full[0, 1], 1.0)  # ratio-1 head untouched
   np.testing.assert_allclose(full[0, 0], 1.0)  # ratio 2: value 2 shared by 2 keys
   with pytest.raises(ValueError, match="ratios"):
@@ -169,10 +188,18 @@ def test_full_width_puts_groups_back_in_head_order():
 
 
 def _encoder(attention, options=None, pooling="mean", num_layers=2):
-  return EncoderClassifier(num_classes=3, num_layers=num_layers, model_dim=8, num_heads=2,
-                           mlp_dim=8,
-                           pooling=pooling, norm="layer", attention=attention,
-                           attention_options=options or {}, dropout_rate=0.0)
+  return EncoderClassifier(
+    num_classes=3,
+    num_layers=num_layers,
+    model_dim=8,
+    num_heads=2,
+    mlp_dim=8,
+    pooling=pooling,
+    norm="layer",
+    attention=attention,
+    attention_options=options or {},
+    dropout_rate=0.0,
+  )
 
 
 def _sequence_batch():
@@ -207,8 +234,9 @@ def test_softmax_encoder_maps_and_identical_heads_give_zero_distance():
   apply_fn = attention_maps.make_sow_apply(model)
 
   def maps_and_distance(params):
-    maps, valid = attention_maps.collect_layer_maps(model, {"params": params}, inputs, mask,
-                                                    apply_fn=apply_fn)
+    maps, valid = attention_maps.collect_layer_maps(
+      model, {"params": params}, inputs, mask, apply_fn=apply_fn
+    )
     return maps, valid, redundancy.redundancy_summary(maps, valid)["per_layer"]
 
   maps, valid, distances = maps_and_distance(params)
@@ -223,8 +251,9 @@ def test_softmax_encoder_maps_and_identical_heads_give_zero_distance():
 
 def test_token_layouts_of_the_models():
   """ViT: CLS + a patch grid (pooled 2-D); encoder: CLS only with CLS pooling; others: none."""
-  vit = ViT(num_classes=2, patch_size=2, num_heads=2, attention="sh",
-            attention_options={"ratios": (1, 2)})
+  vit = ViT(
+    num_classes=2, patch_size=2, num_heads=2, attention="sh", attention_options={"ratios": (1, 2)}
+  )
   images = np.zeros((1, 6, 8, 1), np.float32)
   layout = attention_maps.token_layout(vit, images)
   assert layout == attention_maps.TokenLayout(num_prefix_tokens=1, grid_shape=(3, 4))
@@ -245,12 +274,14 @@ def test_attention_flops_per_variant():
   softmax = flops.attention_flops(model, 32)
   assert softmax["per_layer"] == [4.0 * 32 * 32 * 16] * 2
   assert softmax["relative_to_softmax"] == 1.0
-  sh = flops.attention_flops({**model, "attention": "sh",
-                              "attention_options": {"ratios": (1, 1, 2, 4)}}, 32)
+  sh = flops.attention_flops(
+    {**model, "attention": "sh", "attention_options": {"ratios": (1, 1, 2, 4)}}, 32
+  )
   assert sh["relative_to_softmax"] == pytest.approx((1 + 1 + 1 / 2 + 1 / 4) / 4)
   # 29 keys: ceil(29/2) = 15, ceil(29/4) = 8 pooled keys.
-  odd = flops.attention_flops({**model, "attention": "bn_sh",
-                               "attention_options": {"ratios": (1, 1, 2, 4)}}, 29)
+  odd = flops.attention_flops(
+    {**model, "attention": "bn_sh", "attention_options": {"ratios": (1, 1, 2, 4)}}, 29
+  )
   assert odd["relative_to_softmax"] == pytest.approx((29 + 29 + 15 + 8) / (4 * 29))
   assert flops.attention_flops({**model, "attention": "hyla"}, 8)["relative_to_softmax"] == 1.5
   cls = flops.attention_flops({**model, "pooling": "cls"}, 31)
@@ -263,6 +294,7 @@ def test_attention_flops_per_variant():
 
 def test_every_registered_variant_has_a_flop_count():
   from primal_dual import registry  # pylint: disable=g-import-not-at-top
+
   shape = registry.AttentionShape(length=8, heads=2, head_dim=4)
   for name, entry in registry.ATTENTION_REGISTRY.items():
     options = registry.model_options(name, shape.heads)
@@ -288,8 +320,9 @@ def test_plots_write_pngs(tmp_path):
   maps = {"softmax": [_random_maps(rng, (2, 5, 5))] * 2, "bn_sh": [_random_maps(rng, (4, 5, 5))]}
   grid_png = plots.plot_attention_grid(maps, str(tmp_path / "maps.png"), title="t")
   bars_png = plots.plot_redundancy_bars(
-      {"JV": {"softmax": (0.2, 0.01), "bn_sh": (0.5, 0.02)}, "BM": {"softmax": (0.3, 0.0)}},
-      str(tmp_path / "bars.png"))
+    {"JV": {"softmax": (0.2, 0.01), "bn_sh": (0.5, 0.02)}, "BM": {"softmax": (0.3, 0.0)}},
+    str(tmp_path / "bars.png"),
+  )
   for path in (grid_png, bars_png):
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"

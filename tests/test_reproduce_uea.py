@@ -29,27 +29,39 @@ def _load(name, relative_path):
   return module
 
 
-reproduce_uea = _load("reproduce_uea",
-                      os.path.join("primal_dual", "experiments", "reproduce", "uea.py"))
+reproduce_uea = _load(
+  "reproduce_uea", os.path.join("primal_dual", "experiments", "reproduce", "uea.py")
+)
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
-    helpers.fresh_compilation_cache)
+  helpers.fresh_compilation_cache
+)
 
 
 def _snapshot(root):
   """mtime of every file under root (training outputs and cached analyses)."""
-  return {os.path.join(folder, name): os.stat(os.path.join(folder, name)).st_mtime_ns
-          for folder, _, names in os.walk(root) for name in names}
+  return {
+    os.path.join(folder, name): os.stat(os.path.join(folder, name)).st_mtime_ns
+    for folder, _, names in os.walk(root)
+    for name in names
+  }
 
 
 @pytest.fixture(scope="module")
 def grid_runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("uea_grid")
   root, results = str(tmp / "root"), str(tmp / "results" / "uea.json")
-  args = ["--datasets=BasicMotions", "--variants=softmax", "--seeds=0", "--runlocal",
-          f"--root={root}", f"--results={results}", f"--data_dir={tmp / 'tfds'}",
-          "--redundancy_examples=24"]
+  args = [
+    "--datasets=BasicMotions",
+    "--variants=softmax",
+    "--seeds=0",
+    "--runlocal",
+    f"--root={root}",
+    f"--results={results}",
+    f"--data_dir={tmp / 'tfds'}",
+    "--redundancy_examples=24",
+  ]
   calls = {"train": [], "analyse": []}
   train_one, analyse = grid.train_one, reproduce_uea.analyse_workdir
 
@@ -77,15 +89,25 @@ def grid_runs(tmp_path_factory):
     files_third = _snapshot(root)
   with open(results) as f:
     records = json.load(f)
-  return dict(root=root, results=results, records=records, after_first=after_first,
-              after_report=after_report, reported=reported,
-              after_second=after_second, after_third=calls, files_second=files_second,
-              files_third=files_third)
+  return dict(
+    root=root,
+    results=results,
+    records=records,
+    after_first=after_first,
+    after_report=after_report,
+    reported=reported,
+    after_second=after_second,
+    after_third=calls,
+    files_second=files_second,
+    files_third=files_third,
+  )
 
 
 def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
-  best, clean = ("BasicMotions-best_test-softmax-runlocal-s0",
-                 "BasicMotions-clean-softmax-runlocal-s0")
+  best, clean = (
+    "BasicMotions-best_test-softmax-runlocal-s0",
+    "BasicMotions-clean-softmax-runlocal-s0",
+  )
   assert grid_runs["after_first"] == {"train": [best], "analyse": [best]}
   assert grid_runs["after_report"] == grid_runs["after_first"]
   assert grid_runs["reported"] == [best]
@@ -108,7 +130,7 @@ def test_records_follow_the_schema_and_the_protocols(grid_runs):
     assert record["redundancy_examples"] == 24
     assert len(record["head_distance_per_layer"]) == 1  # runlocal: one layer
     assert record["head_distance"] == pytest.approx(record["head_distance_per_layer"][0])
-    assert 0.0 < record["head_distance"] <= 2 ** 0.5
+    assert 0.0 < record["head_distance"] <= 2**0.5
     assert record["attention_flops_relative"] == 1.0
     assert record["padded_length"] == 100
     assert record["wall_time_s"] > 0
@@ -145,25 +167,41 @@ def test_markdown_and_figures_are_written(grid_runs):
 
 def _record(dataset, attention, seed, accuracy, protocol="best_test"):
   """A made-up record (report formatting only; not a result)."""
-  return {"dataset": dataset, "attention": attention, "protocol": protocol, "seed": seed,
-          "model_size": "small", "epochs": 100, "test_accuracy": accuracy,
-          "head_distance": 0.5, "num_params": 1000, "attention_flops_relative": 1.0,
-          "wall_time_s": 60.0}
+  return {
+    "dataset": dataset,
+    "attention": attention,
+    "protocol": protocol,
+    "seed": seed,
+    "model_size": "small",
+    "epochs": 100,
+    "test_accuracy": accuracy,
+    "head_distance": 0.5,
+    "num_params": 1000,
+    "attention_flops_relative": 1.0,
+    "wall_time_s": 60.0,
+  }
 
 
 def test_markdown_report_reference_column_and_ten_dataset_average():
   from primal_dual.configs import uea as uea_config  # pylint: disable=g-import-not-at-top
-  records = [_record("JapaneseVowels", "softmax", 0, 0.9),
-             _record("JapaneseVowels", "softmax", 1, 0.8),
-             _record("JapaneseVowels", "bn", 0, 0.7),
-             _record("JapaneseVowels", "bn", 0, 0.6, "clean")]
+
+  records = [
+    _record("JapaneseVowels", "softmax", 0, 0.9),
+    _record("JapaneseVowels", "softmax", 1, 0.8),
+    _record("JapaneseVowels", "bn", 0, 0.7),
+    _record("JapaneseVowels", "bn", 0, 0.6, "clean"),
+  ]
   markdown = reproduce_uea.markdown_report(records, "cmd")
-  rows = {line.split("|")[2].strip(): line for line in markdown.splitlines()
-          if line.startswith("| JapaneseVowels")}
+  rows = {
+    line.split("|")[2].strip(): line
+    for line in markdown.splitlines()
+    if line.startswith("| JapaneseVowels")
+  }
   assert "85.0 ± 7.1" in rows["softmax"] and rows["softmax"].rstrip(" |").endswith("98.7")
   assert "Average over the ten" not in markdown
-  ten = [_record(d, "softmax", 0, 0.5 + i / 100)
-         for i, d in enumerate(uea_config.PROTOCOL_DATASETS)]
+  ten = [
+    _record(d, "softmax", 0, 0.5 + i / 100) for i, d in enumerate(uea_config.PROTOCOL_DATASETS)
+  ]
   average = reproduce_uea.markdown_report(ten, "cmd")
   assert "| softmax | 54.5 | 71.9 |" in average
 
@@ -182,9 +220,17 @@ def test_eval_cli_redundancy_matches_the_grid_record(grid_runs, capsys):
   record = next(r for r in grid_runs["records"] if r["protocol"] == "best_test")
   workdir = os.path.join(grid_runs["root"], record["name"])
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   with cli_helpers.loaded_script("eval.py") as eval_cli:
-    flags.FLAGS(["eval.py", f"--workdir={workdir}", "--splits=test",
-                 "--analyses=redundancy", "--max_examples=24"])
+    flags.FLAGS(
+      [
+        "eval.py",
+        f"--workdir={workdir}",
+        "--splits=test",
+        "--analyses=redundancy",
+        "--max_examples=24",
+      ]
+    )
     assert eval_cli.main(["eval.py"]) == 0
     flags.FLAGS(["eval.py", f"--workdir={workdir}", "--analyses=nope"])
     assert eval_cli.main(["eval.py"]) == 2
@@ -207,16 +253,22 @@ def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
   for name, target in (("uea.json", results), ("uea.md", markdown)):
     shutil.copyfile(os.path.join(REPO_ROOT, "results", name), target)
   committed_json, committed_md = results.read_text(), markdown.read_text()
-  assert reproduce_uea.main(["--report_only", f"--results={results}",
-                             f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]) == 0
+  assert (
+    reproduce_uea.main(
+      ["--report_only", f"--results={results}", f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]
+    )
+    == 0
+  )
   assert results.read_text() == committed_json  # no record dropped or rewritten
   rendered = markdown.read_text()
 
   def table_rows(text):
     return [line for line in text.splitlines() if line.startswith("| ")]
+
   assert table_rows(rendered) == table_rows(committed_md)
   groups = {(r["protocol"], r["dataset"], r["attention"]) for r in json.loads(committed_json)}
   protocols = {protocol for protocol, _, _ in groups}
   assert len(table_rows(rendered)) == len(groups) + len(protocols)  # + one header per table
-  assert (grid.previous_report_command(str(markdown)) ==
-          grid.previous_report_command(os.path.join(REPO_ROOT, "results", "uea.md")))
+  assert grid.previous_report_command(str(markdown)) == grid.previous_report_command(
+    os.path.join(REPO_ROOT, "results", "uea.md")
+  )

@@ -3,6 +3,7 @@
 Every generation call below uses 256 indices (or 1, through the source), so each config compiles
 once per bucket size.
 """
+
 import itertools
 import os
 import pathlib
@@ -62,8 +63,9 @@ def test_row_builders_on_hand_built_rows():
   np.testing.assert_array_equal(sraven.progression_row(0, -1, 8), [0, 7, 6])
   np.testing.assert_array_equal(sraven.addition_row(3, 6, 8), [3, 6, 1])
   np.testing.assert_array_equal(sraven.subtraction_row(2, 5, 8), [2, 5, 5])
-  np.testing.assert_array_equal(sraven.distribute_three_row(jnp.array([5, 1, 3]),
-                                                           jnp.array([2, 0, 1])), [3, 5, 1])
+  np.testing.assert_array_equal(
+    sraven.distribute_three_row(jnp.array([5, 1, 3]), jnp.array([2, 0, 1])), [3, 5, 1]
+  )
 
 
 def test_distinct_values_is_a_bijection_onto_ordered_triples():
@@ -77,8 +79,11 @@ def test_distinct_values_is_a_bijection_onto_ordered_triples():
 
 
 def test_distribute_three_rule_on_hand_built_draws():
-  draws = sraven.RuleDraws(operands=jnp.zeros((3, 2), jnp.int32),
-                           distinct=jnp.array([6, 0, 4]), row_orders=jnp.array([0, 5, 3]))
+  draws = sraven.RuleDraws(
+    operands=jnp.zeros((3, 2), jnp.int32),
+    distinct=jnp.array([6, 0, 4]),
+    row_orders=jnp.array([0, 5, 3]),
+  )
   grid = np.asarray(sraven.RULES["distribute_three"](draws, 8))
   # distinct [6, 0, 4] -> values 6, 0, then 4 skips past 0 and 6 -> 5.
   np.testing.assert_array_equal(grid[0], [6, 0, 5])
@@ -87,7 +92,9 @@ def test_distribute_three_rule_on_hand_built_draws():
   assert len({tuple(row) for row in grid.tolist()}) == 3  # orders 0, 5, 3 differ
 
 
-@pytest.mark.parametrize("rule, good, bad", [
+@pytest.mark.parametrize(
+  "rule, good, bad",
+  [
     ("constant", [[2, 2, 2], [5, 5, 5], [0, 0, 0]], [[2, 2, 2], [5, 5, 5], [0, 0, 1]]),
     ("progression_plus_1", [[6, 7, 0], [0, 1, 2], [3, 4, 5]], [[6, 7, 0], [0, 1, 2], [3, 4, 6]]),
     ("progression_plus_2", [[7, 1, 3], [0, 2, 4], [6, 0, 2]], [[7, 1, 3], [0, 2, 4], [6, 0, 1]]),
@@ -97,7 +104,8 @@ def test_distribute_three_rule_on_hand_built_draws():
     ("subtraction", [[2, 5, 5], [6, 1, 5], [0, 7, 1]], [[2, 5, 5], [6, 1, 5], [0, 7, 7]]),
     ("distribute_three", [[1, 4, 6], [6, 1, 4], [4, 6, 1]], [[1, 4, 6], [6, 1, 4], [4, 6, 2]]),
     ("distribute_three", [[1, 4, 6], [1, 4, 6], [6, 4, 1]], [[1, 1, 6], [6, 1, 1], [1, 6, 1]]),
-])
+  ],
+)
 def test_rule_checks_on_hand_built_grids(rule, good, bad):
   assert sraven.grid_satisfies(rule, np.array(good), 8)
   assert not sraven.grid_satisfies(rule, np.array(bad), 8)
@@ -106,8 +114,9 @@ def test_rule_checks_on_hand_built_grids(rule, good, bad):
 @pytest.mark.parametrize("rule", sraven.DEFAULT_RULES)
 def test_each_rule_generates_grids_its_check_accepts(rule):
   words = np.random.default_rng(1).integers(0, 2**32, (64, sraven.WORDS_PER_RULE), np.uint32)
-  grids = np.asarray(jax.jit(jax.vmap(
-      lambda w: sraven.RULES[rule](sraven.rule_draws(w, 8), 8)))(words))
+  grids = np.asarray(
+    jax.jit(jax.vmap(lambda w: sraven.RULES[rule](sraven.rule_draws(w, 8), 8)))(words)
+  )
   assert grids.shape == (64, 3, 3) and grids.min() >= 0 and grids.max() < 8
   assert sraven.grid_satisfies(rule, grids, 8).all()
   assert len({g.tobytes() for g in grids}) > 32  # really random
@@ -143,8 +152,9 @@ def test_tokens_shapes_one_hot_context_and_zero_queries(train_batch):
   assert train_batch["targets"].shape == (BATCH, 4) and train_batch["targets"].dtype == np.int32
   assert 0 <= train_batch["targets"].min() and train_batch["targets"].max() < 8
   assert train_batch["rules"].shape == (BATCH, 4) and train_batch["rules"].max() < 8
-  np.testing.assert_array_equal(np.sort(train_batch["feature_order"], axis=-1),
-                                np.broadcast_to(np.arange(4), (BATCH, 3, 4)))
+  np.testing.assert_array_equal(
+    np.sort(train_batch["feature_order"], axis=-1), np.broadcast_to(np.arange(4), (BATCH, 3, 4))
+  )
 
 
 @pytest.mark.parametrize("batch_name", ["train_batch", "ood_batch"])
@@ -155,8 +165,9 @@ def test_generated_problems_follow_their_rules_row_by_row(batch_name, request):
     chosen = rules == rule_id
     assert sraven.grid_satisfies(name, grids[chosen], 8).all(), name
   # The rules are an assignment of the problem's latent multiset.
-  np.testing.assert_array_equal(np.sort(rules, axis=1),
-                                sraven.latent_table(DEFAULT)[batch["latent_id"]])
+  np.testing.assert_array_equal(
+    np.sort(rules, axis=1), sraven.latent_table(DEFAULT)[batch["latent_id"]]
+  )
   assert len(np.unique(rules)) == len(DEFAULT.rules)  # every rule occurs in 256 problems
 
 
@@ -188,11 +199,13 @@ def test_column_shuffle_is_shared_by_the_panels_of_a_column():
 
 
 def test_without_shuffle_slots_are_features():
-  config = sraven.SRavenConfig(num_values=64, rules=("constant",), ood_fraction=0.0,
-                               shuffle_features=False)
+  config = sraven.SRavenConfig(
+    num_values=64, rules=("constant",), ood_fraction=0.0, shuffle_features=False
+  )
   batch = sraven.generate_batch(config, 3, np.arange(BATCH), "train")
-  np.testing.assert_array_equal(batch["feature_order"],
-                                np.broadcast_to(np.arange(4), (BATCH, 3, 4)))
+  np.testing.assert_array_equal(
+    batch["feature_order"], np.broadcast_to(np.arange(4), (BATCH, 3, 4))
+  )
   panels = sraven.panels_from_record(config, batch["inputs"], batch["targets"])
   np.testing.assert_array_equal(panels, np.broadcast_to(panels[:, :, :1], panels.shape))
 
@@ -202,12 +215,15 @@ def test_without_shuffle_slots_are_features():
 
 def test_streams_of_different_splits_and_seeds_are_disjoint(train_batch, ood_batch):
   def fingerprints(batch):
-    return {(b["inputs"].tobytes(), b["targets"].tobytes())
-            for b in ({k: v[i] for k, v in batch.items()} for i in range(BATCH))}
+    return {
+      (b["inputs"].tobytes(), b["targets"].tobytes())
+      for b in ({k: v[i] for k, v in batch.items()} for i in range(BATCH))
+    }
 
   streams = [train_batch, ood_batch]
-  streams += [sraven.generate_batch(DEFAULT, 0, np.arange(BATCH), split)
-              for split in ("validation", "test")]
+  streams += [
+    sraven.generate_batch(DEFAULT, 0, np.arange(BATCH), split) for split in ("validation", "test")
+  ]
   streams.append(sraven.generate_batch(DEFAULT, 1, np.arange(BATCH), "train"))
   prints = [fingerprints(s) for s in streams]
   assert all(len(p) == BATCH for p in prints)
@@ -224,8 +240,7 @@ def test_generation_is_deterministic_across_processes(tmp_path, ood_batch):
       np.savez({str(out)!r}, **batch)
   """)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT, env=env,
-                 timeout=120)
+  subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT, env=env, timeout=120)
   other = np.load(out)
   assert set(other.files) == set(ood_batch)
   for name, value in ood_batch.items():
@@ -246,13 +261,19 @@ def test_source_reads_match_batches_and_work_in_grain(train_batch):
   grain_record = grain.MapDataset.source(source)[17]
   np.testing.assert_array_equal(grain_record["inputs"], train_batch["inputs"][17])
   restored = pickle.loads(pickle.dumps(source))
-  assert (restored.config, restored.split, restored.seed, len(restored)) == (DEFAULT, "train", 0,
-                                                                             BATCH)
+  assert (restored.config, restored.split, restored.seed, len(restored)) == (
+    DEFAULT,
+    "train",
+    0,
+    BATCH,
+  )
   with pytest.raises(IndexError):
     source[BATCH]
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: sraven.SRavenConfig(rules=("constant", "spiral")),
     lambda: sraven.SRavenConfig(rules=("constant", "constant")),
     lambda: sraven.SRavenConfig(num_values=2),
@@ -263,7 +284,8 @@ def test_source_reads_match_batches_and_work_in_grain(train_batch):
     lambda: sraven.SRavenSource(DEFAULT, "train", 0, 0),
     lambda: sraven.SRavenSource(sraven.SRavenConfig(ood_fraction=0.0), "ood", 0, 10),
     lambda: sraven.generate_batch(DEFAULT, 0, np.zeros((2, 2), int)),
-])
+  ],
+)
 def test_user_errors_raise_value_error(make):
   with pytest.raises(ValueError):
     make()
@@ -276,16 +298,17 @@ def _problems(config, feature_grids):
   """Batch dict from underlying feature grids int [B, F, 3, 3] placed in slot order."""
   panels = np.moveaxis(np.asarray(feature_grids), 1, -1).reshape(len(feature_grids), 9, -1)
   context = np.eye(config.num_values, dtype=np.float32)[panels[:, :-1]].reshape(
-      len(panels), -1, config.num_values)
+    len(panels), -1, config.num_values
+  )
   queries = np.zeros((len(panels), config.num_features, config.num_values), np.float32)
   return {"inputs": np.concatenate([context, queries], axis=1), "targets": panels[:, -1]}
 
 
 PROGRESSIONS = [  # each has exactly one answer under the 8 rules
-    [[0, 1, 2], [5, 6, 7], [3, 4, 5]],
-    [[2, 3, 4], [6, 7, 0], [1, 2, 3]],
-    [[0, 2, 4], [3, 5, 7], [1, 3, 5]],
-    [[1, 1, 1], [6, 6, 6], [4, 4, 4]],
+  [[0, 1, 2], [5, 6, 7], [3, 4, 5]],
+  [[2, 3, 4], [6, 7, 0], [1, 2, 3]],
+  [[0, 2, 4], [3, 5, 7], [1, 3, 5]],
+  [[1, 1, 1], [6, 6, 6], [4, 4, 4]],
 ]
 ADD_OR_SUBTRACT = [[1, 4, 5], [2, 4, 6], [3, 1, 4]]  # addition gives 4, subtraction gives 2
 

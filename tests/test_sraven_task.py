@@ -50,13 +50,15 @@ def test_loss_and_metrics_on_hand_made_logits():
   outputs[2, 3:] = np.nan  # a padding row: must not poison the sums
   valid = np.array([True, True, False])
   loss, metrics = jax.jit(task.sraven_loss_and_metrics)(
-      jnp.asarray(outputs), {"targets": jnp.asarray(targets), "valid": jnp.asarray(valid)})
+    jnp.asarray(outputs), {"targets": jnp.asarray(targets), "valid": jnp.asarray(valid)}
+  )
 
-  answer = _log_softmax(outputs[:2, 3:])                                   # [2, F, V]
+  answer = _log_softmax(outputs[:2, 3:])  # [2, F, V]
   per_problem = -np.take_along_axis(answer, targets[:2, :, None], -1)[..., 0].mean(-1)
   np.testing.assert_allclose(float(loss), per_problem.mean(), rtol=1e-5)
-  np.testing.assert_allclose([float(v) for v in metrics["loss"]], [per_problem.sum(), 2.0],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    [float(v) for v in metrics["loss"]], [per_problem.sum(), 2.0], rtol=1e-5
+  )
   assert [float(v) for v in metrics["whole_panel_accuracy"]] == [1.0, 2.0]
   assert [float(v) for v in metrics["feature_accuracy"]] == [1.5, 2.0]
 
@@ -80,15 +82,16 @@ def test_token_encoding_round_trips_context_and_query_tokens():
   batch = sraven.generate_batch(SMALL, 0, np.arange(8), "train")
   tokens = task.encode_tokens(batch["inputs"])
   assert tokens.dtype == np.int8 and tokens.shape == (8, SMALL.num_tokens)
-  assert np.all(tokens[:, -SMALL.num_features:] == -1)  # query tokens are all-zero
+  assert np.all(tokens[:, -SMALL.num_features :] == -1)  # query tokens are all-zero
   np.testing.assert_array_equal(task.decode_tokens(tokens, SMALL.num_values), batch["inputs"])
 
 
 def test_materialized_source_equals_the_stream():
   stored = task.MaterializedSRavenSource(SMALL, "train", 3, 20, chunk_size=10)
   # The same stream read independently (batches of 10 share the generator's compiled shape).
-  halves = [sraven.generate_batch(SMALL, 3, np.arange(start, start + 10), "train")
-            for start in (0, 10)]
+  halves = [
+    sraven.generate_batch(SMALL, 3, np.arange(start, start + 10), "train") for start in (0, 10)
+  ]
   stream = {name: np.concatenate([h[name] for h in halves]) for name in halves[0]}
   assert len(stored) == 20
   for index in (0, 9, 10, 19):  # both chunks, both edges
@@ -156,15 +159,24 @@ def test_paper_preset_is_the_spec_setup_and_steps_override():
   config = sraven_configs.get_config("preset=paper,attention=hyla")
   assert (config.data.num_features, config.data.num_values) == (4, 8)
   assert tuple(config.data.rules) == sraven.DEFAULT_RULES and config.data.shuffle_features
-  assert (config.model.model_dim, config.model.num_heads, config.model.num_layers,
-          config.model.mlp_dim) == (128, 16, 4, 256)
+  assert (
+    config.model.model_dim,
+    config.model.num_heads,
+    config.model.num_layers,
+    config.model.mlp_dim,
+  ) == (128, 16, 4, 256)
   assert config.batch_size == 128 and config.num_train_steps == 156_250
   assert config.model.qkv_features == 64 and config.model.attention_dropout_rate == 0.1
   assert config.optimizer.cosine_end == "total_minus_warmup"
   optimizer = config.optimizer
-  assert (optimizer.name, optimizer.lr, optimizer.warmup_steps, optimizer.end_lr,
-          optimizer.weight_decay, optimizer.schedule) == ("adamw", 1e-3, 1000, 1e-4, 0.1,
-                                                          "warmup_cosine")
+  assert (
+    optimizer.name,
+    optimizer.lr,
+    optimizer.warmup_steps,
+    optimizer.end_lr,
+    optimizer.weight_decay,
+    optimizer.schedule,
+  ) == ("adamw", 1e-3, 1000, 1e-4, 0.1, "warmup_cosine")
   assert sraven_configs.get_config("preset=cpu,steps=123").num_train_steps == 123
   with pytest.raises(ValueError, match="unknown sRAVEN preset"):
     sraven_configs.get_config("preset=huge")
@@ -174,8 +186,7 @@ def test_cpu_preset_keeps_held_out_rule_combinations():
   config = sraven_configs.get_config("preset=cpu")
   problems = task.sraven_config(config.data)
   assert len(sraven.heldout_latent_ids(problems)) >= 5
-  assert len(sraven.split_latent_ids(problems, "train")) > len(
-      sraven.heldout_latent_ids(problems))
+  assert len(sraven.split_latent_ids(problems, "train")) > len(sraven.heldout_latent_ids(problems))
 
 
 # -- the reproduce script: 2 tiny runs end to end --------------------------------------------------
@@ -191,7 +202,8 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
     for name in ("id_whole_panel", "ood_whole_panel", "id_feature", "ood_feature"):
       assert 0.0 <= record[name] <= 1.0
     assert record["curve"]["step"] and len(record["curve"]["step"]) == len(
-        record["curve"]["ood/whole_panel_accuracy"])
+      record["curve"]["ood/whole_panel_accuracy"]
+    )
     assert record["steps_per_second"] > 0 and record["wall_time_s"] > 0
     assert record["hardware"] == grid.hardware_info()
     latent = record["latent_code"]
@@ -210,10 +222,16 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
 
 def test_speed_ratio_is_step_time_ratio():
   script = _load_script("reproduce_sraven")
-  records = [{"attention": "softmax", "steps_per_second": 10.0},
-             {"attention": "softmax", "steps_per_second": 30.0},
-             {"attention": "hyla", "steps_per_second": 5.0}]
+  records = [
+    {"attention": "softmax", "steps_per_second": 10.0},
+    {"attention": "softmax", "steps_per_second": 30.0},
+    {"attention": "hyla", "steps_per_second": 5.0},
+  ]
   assert script.speed_ratio(records) == pytest.approx(4.0)
   assert script.speed_ratio(records[:2]) is None
-  assert math.isclose(script.whole_panel_chance(
-      os.path.join(REPO_ROOT, "primal_dual", "configs", "sraven.py"), "preset=paper"), 8.0**-4)
+  assert math.isclose(
+    script.whole_panel_chance(
+      os.path.join(REPO_ROOT, "primal_dual", "configs", "sraven.py"), "preset=paper"
+    ),
+    8.0**-4,
+  )

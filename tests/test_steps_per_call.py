@@ -23,8 +23,15 @@ class Crash(Exception):
 
 def _config(module=sraven_configs, **overrides):
   config = ml_collections.ConfigDict(module.get_config("runlocal").to_dict())
-  config.update(dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4,
-                     checkpoint_every_steps=4, async_checkpointing=False))
+  config.update(
+    dict(
+      num_train_steps=8,
+      log_every_steps=2,
+      eval_every_steps=4,
+      checkpoint_every_steps=4,
+      async_checkpointing=False,
+    )
+  )
   return config_lib.with_fields(config, overrides)
 
 
@@ -74,25 +81,31 @@ def test_steps_per_call_must_divide_the_periods(tmp_path):
   assert not (tmp_path / "config.json").exists()
 
 
-@pytest.mark.parametrize("task, problems, split_names", [
+@pytest.mark.parametrize(
+  "task, problems, split_names",
+  [
     (sraven, sraven.SRavenConfig(num_features=3), ("validation", "test", "ood")),
     (logic, logic.LogicConfig(), ("validation", "test", "ood")),
-])
+  ],
+)
 def test_device_stream_equals_the_host_records_and_is_disjoint(task, problems, split_names):
   indices = np.array([0, 3, 64, 1000], np.uint32)
   on_device = jax.jit(task.split_stream(problems, "train"))(np.uint32(5), indices)
   on_host = task.generate_batch(problems, 5, indices, "train")
   for name, value in on_host.items():
     np.testing.assert_array_equal(np.asarray(on_device[name]), value)
-  train_inputs = {np.asarray(x).tobytes() for x in
-                  task.generate_batch(problems, 5, np.arange(256), "train")["inputs"]}
+  train_inputs = {
+    np.asarray(x).tobytes()
+    for x in task.generate_batch(problems, 5, np.arange(256), "train")["inputs"]
+  }
   for split in split_names:
     other = task.generate_batch(problems, 5, np.arange(256), split)["inputs"]
     assert not train_inputs & {np.asarray(x).tobytes() for x in other}, split
 
 
-@pytest.mark.parametrize("module, task", [(sraven_configs, sraven_task),
-                                          (logic_configs, logic_task)])
+@pytest.mark.parametrize(
+  "module, task", [(sraven_configs, sraven_task), (logic_configs, logic_task)]
+)
 def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, task):
   config = _config(module)
   splits, metadata = task.build_data(config)
@@ -107,8 +120,11 @@ def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, tas
 
 def _metric_records(workdir):
   from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
-  return [{k: v for k, v in r.items() if "steps_per_second" not in k}
-          for r in metrics_logging.read_metrics(str(workdir))]
+
+  return [
+    {k: v for k, v in r.items() if "steps_per_second" not in k}
+    for r in metrics_logging.read_metrics(str(workdir))
+  ]
 
 
 def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
@@ -116,8 +132,12 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
   single run of that seed (to float tolerance), killed and resumed like one too."""
   # SGD: Adam's normalised updates turn last-bit differences of near-zero gradients (vmapped
   # reductions add in another order) into lr-sized ones; SGD keeps them at the float level.
-  common = {"steps_per_call": 2, "train_data_on_device": True, "optimizer.name": "sgd",
-            "optimizer.lr": 0.05}
+  common = {
+    "steps_per_call": 2,
+    "train_data_on_device": True,
+    "optimizer.name": "sgd",
+    "optimizer.lr": 0.05,
+  }
   final = trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "both"))
   assert {k.split("/")[0] for k in final} == {"seed_0", "seed_3"}
   for seed in (3,):  # the second replica: its slices of every stacked array
@@ -128,11 +148,13 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
     for name, value in alone_final.items():
       if "steps_per_second" not in name and isinstance(value, float):
         np.testing.assert_allclose(final[f"seed_{seed}/{name}"], value, rtol=1e-4, atol=1e-6)
-    for got, want in zip(_metric_records(replica_dir), _metric_records(tmp_path / f"alone_{seed}"),
-                         strict=True):
+    for got, want in zip(
+      _metric_records(replica_dir), _metric_records(tmp_path / f"alone_{seed}"), strict=True
+    ):
       assert got.keys() == want.keys() and got["step"] == want["step"]
     assert (replica_dir / "config.json").read_text() == (
-        tmp_path / f"alone_{seed}" / "config.json").read_text()
+      tmp_path / f"alone_{seed}" / "config.json"
+    ).read_text()
 
   # Killed after the step-4 checkpoint, resumed: the same replicas as the uninterrupted run.
   original, calls = trainer.StepRunner.__call__, []
@@ -151,8 +173,9 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
   for seed in (0, 3):
     _, expected = trainer.restore_workdir(str(tmp_path / "both" / f"seed_{seed}"))
     _, resumed = trainer.restore_workdir(str(tmp_path / "crashed" / f"seed_{seed}"))
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(expected.params),
-                 jax.device_get(resumed.params))
+    jax.tree.map(
+      np.testing.assert_array_equal, jax.device_get(expected.params), jax.device_get(resumed.params)
+    )
 
 
 def test_seeds_need_generated_batches(tmp_path):

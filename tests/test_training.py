@@ -44,7 +44,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 compilation_cache_dir = pytest.fixture(scope='module', autouse=True)(
-    helpers.fresh_compilation_cache)
+  helpers.fresh_compilation_cache
+)
 tiny_config = helpers.tiny_config
 
 
@@ -62,13 +63,15 @@ def batch_recorder(seen: list, crash_at: int | None = None):
         raise Crash()
       seen.append(np.asarray(batch['label']).tolist())
     return original(batch, mesh)
+
   return record
 
 
 def restore_state(workdir, step, config=None):
   experiment = trainer.build_experiment(trainer.resolve_config(config or tiny_config()))
-  with checkpointing.Checkpointer(os.path.join(workdir, checkpointing.CHECKPOINT_DIR),
-                                  keep=None, async_save=False) as checkpointer:
+  with checkpointing.Checkpointer(
+    os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=None, async_save=False
+  ) as checkpointer:
     state, meta = checkpointer.restore(step, experiment.restore_target())
   return experiment, jax.device_get(state), meta
 
@@ -116,13 +119,19 @@ def _opt_config(**fields):
   return opt
 
 
-PARAMS = {'dense': {'kernel': jnp.ones((2, 3)), 'bias': jnp.ones((3,))},
-          'norm': {'scale': jnp.ones((3,))}, 'embedding': jnp.ones((4, 2))}
+PARAMS = {
+  'dense': {'kernel': jnp.ones((2, 3)), 'bias': jnp.ones((3,))},
+  'norm': {'scale': jnp.ones((3,))},
+  'embedding': jnp.ones((4, 2)),
+}
 
 
 def test_weight_decay_mask_excludes_vectors():
   assert optim.weight_decay_mask(PARAMS) == {
-      'dense': {'kernel': True, 'bias': False}, 'norm': {'scale': False}, 'embedding': True}
+    'dense': {'kernel': True, 'bias': False},
+    'norm': {'scale': False},
+    'embedding': True,
+  }
 
 
 @pytest.mark.parametrize('name', sorted(optim.OPTIMIZERS))
@@ -145,13 +154,14 @@ def test_optimizers_differ_and_move_against_the_gradient():
     updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
     first_updates[name] = float(updates['dense']['kernel'][0, 0])
     assert first_updates[name] < 0
-  np.testing.assert_allclose(first_updates['sgd'], -0.01, rtol=1e-6)   # lr · g
+  np.testing.assert_allclose(first_updates['sgd'], -0.01, rtol=1e-6)  # lr · g
   np.testing.assert_allclose(first_updates['adamw'], -0.1, rtol=1e-4)  # lr · sign(g)
 
 
 def test_gradient_clipping_by_global_norm():
-  tx, _ = optim.make_optimizer(_opt_config(name='sgd', lr=1.0, momentum=0.0, grad_clip_norm=2.0),
-                               total_steps=10)
+  tx, _ = optim.make_optimizer(
+    _opt_config(name='sgd', lr=1.0, momentum=0.0, grad_clip_norm=2.0), total_steps=10
+  )
   grads = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), PARAMS)
   updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
   np.testing.assert_allclose(optax.tree.norm(updates), 2.0, rtol=1e-5)
@@ -159,17 +169,23 @@ def test_gradient_clipping_by_global_norm():
 
 def test_schedules():
   warmup_cosine = optim.make_schedule(
-      _opt_config(schedule='warmup_cosine', lr=1.0, warmup_steps=10, end_lr=0.1), 110)
-  np.testing.assert_allclose([warmup_cosine(0), warmup_cosine(5), warmup_cosine(10),
-                              warmup_cosine(60), warmup_cosine(110)],
-                             [0.0, 0.5, 1.0, 0.55, 0.1], atol=1e-6)
+    _opt_config(schedule='warmup_cosine', lr=1.0, warmup_steps=10, end_lr=0.1), 110
+  )
+  np.testing.assert_allclose(
+    [warmup_cosine(0), warmup_cosine(5), warmup_cosine(10), warmup_cosine(60), warmup_cosine(110)],
+    [0.0, 0.5, 1.0, 0.55, 0.1],
+    atol=1e-6,
+  )
   constant = optim.make_schedule(_opt_config(schedule='constant', lr=2.0, warmup_steps=4), 100)
-  np.testing.assert_allclose([constant(0), constant(2), constant(4), constant(99)],
-                             [0.0, 1.0, 2.0, 2.0], atol=1e-6)
-  rsqrt = optim.make_schedule(_opt_config(schedule='rsqrt', lr=1.0, warmup_steps=4, end_lr=0.3),
-                              100)
-  np.testing.assert_allclose([rsqrt(2), rsqrt(4), rsqrt(16), rsqrt(1000)],
-                             [0.5, 1.0, 0.5, 0.3], atol=1e-6)
+  np.testing.assert_allclose(
+    [constant(0), constant(2), constant(4), constant(99)], [0.0, 1.0, 2.0, 2.0], atol=1e-6
+  )
+  rsqrt = optim.make_schedule(
+    _opt_config(schedule='rsqrt', lr=1.0, warmup_steps=4, end_lr=0.3), 100
+  )
+  np.testing.assert_allclose(
+    [rsqrt(2), rsqrt(4), rsqrt(16), rsqrt(1000)], [0.5, 1.0, 0.5, 0.3], atol=1e-6
+  )
   no_warmup = optim.make_schedule(_opt_config(schedule='constant', lr=3.0), 10)
   assert float(no_warmup(0)) == 3.0
 
@@ -191,8 +207,13 @@ def test_mesh_shape_resolution_and_errors():
   assert sharding.mesh_shape({'data': -1, 'model': 2}, 8) == (4, 2)
   assert sharding.mesh_shape({'data': 2, 'model': -1}, 8) == (2, 4)
   assert sharding.mesh_shape({'data': 1, 'model': 1}, 8, allow_subset=True) == (1, 1)
-  for bad in ({'data': -1, 'model': -1}, {'data': 0, 'model': 1}, {'data': -1, 'model': 3},
-              {'data': 16, 'model': 1}, {'data': 2, 'model': 2}):
+  for bad in (
+    {'data': -1, 'model': -1},
+    {'data': 0, 'model': 1},
+    {'data': -1, 'model': 3},
+    {'data': 16, 'model': 1},
+    {'data': 2, 'model': 2},
+  ):
     with pytest.raises(errors.ConfigError, match='config.mesh'):
       sharding.mesh_shape(bad, 8)
 
@@ -200,8 +221,10 @@ def test_mesh_shape_resolution_and_errors():
 def test_shard_batch_places_leading_axis_on_data():
   mesh = sharding.make_mesh({'data': 4, 'model': 2})
   assert mesh.shape == {'data': 4, 'model': 2} and mesh.size == 8
-  batch = {'inputs': np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
-           'label': np.arange(8, dtype=np.int32)}
+  batch = {
+    'inputs': np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
+    'label': np.arange(8, dtype=np.int32),
+  }
   placed = sharding.shard_batch(batch, mesh)
   assert placed['inputs'].shape == (8, 3)
   assert placed['inputs'].sharding.spec == PartitionSpec('data')
@@ -235,13 +258,21 @@ def test_sharded_train_step_matches_single_device():
       state, loss, _ = experiment.train_step(state, sharding.shard_batch(batch, experiment.mesh))
     losses[mesh], params[mesh] = float(loss), jax.device_get(state.params)
   np.testing.assert_allclose(losses[(1, 1)], losses[(4, 2)], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               params[(1, 1)], params[(4, 2)])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    params[(1, 1)],
+    params[(4, 2)],
+  )
 
 
 def test_maybe_initialize_distributed_single_process_is_a_no_op(monkeypatch):
-  for name in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'SLURM_NTASKS',
-               'SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES'):
+  for name in (
+    'JAX_COORDINATOR_ADDRESS',
+    'JAX_NUM_PROCESSES',
+    'SLURM_NTASKS',
+    'SLURM_STEP_NUM_TASKS',
+    'TPU_WORKER_HOSTNAMES',
+  ):
     monkeypatch.delenv(name, raising=False)
   assert sharding.maybe_initialize_distributed(config_lib.training_defaults()) is False
   assert not jax.distributed.is_initialized()
@@ -253,14 +284,17 @@ def test_maybe_initialize_distributed_single_process_is_a_no_op(monkeypatch):
 
 def test_eval_tracker_best_and_selected():
   tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
-  assert tracker.update(1, {'validation': {'accuracy': 0.5, 'loss': 1.0},
-                            'test': {'accuracy': 0.9}})
+  assert tracker.update(
+    1, {'validation': {'accuracy': 0.5, 'loss': 1.0}, 'test': {'accuracy': 0.9}}
+  )
   # A tie on accuracy with a higher validation loss does not replace the selection.
-  assert not tracker.update(2, {'validation': {'accuracy': 0.5, 'loss': 1.5},
-                                'test': {'accuracy': 0.2}})
+  assert not tracker.update(
+    2, {'validation': {'accuracy': 0.5, 'loss': 1.5}, 'test': {'accuracy': 0.2}}
+  )
   assert tracker.update(3, {'validation': {'accuracy': 0.7}, 'test': {'accuracy': 0.6}})
-  assert not tracker.update(4, {'validation': {'accuracy': float('nan')},
-                                'test': {'accuracy': 0.1}})
+  assert not tracker.update(
+    4, {'validation': {'accuracy': float('nan')}, 'test': {'accuracy': 0.1}}
+  )
   summary = tracker.summary()
   assert summary['best/test_accuracy'] == 0.9 and summary['best/test_step'] == 1
   assert summary['selected/test_accuracy'] == 0.6 and summary['selected/step'] == 3
@@ -280,6 +314,7 @@ def test_eval_tracker_breaks_ties_by_loss_then_later_step():
 
   def evaluation(accuracy, loss, test_accuracy):
     return {'validation': {'accuracy': accuracy, 'loss': loss}, 'test': {'accuracy': test_accuracy}}
+
   assert tracker.update(1, evaluation(0.5, 1.0, 0.1))
   assert tracker.update(2, evaluation(0.5, 0.8, 0.2))  # tie, lower loss
   assert not tracker.update(3, evaluation(0.5, 0.9, 0.3))  # tie, higher loss
@@ -297,8 +332,10 @@ def test_eval_tracker_breaks_ties_by_loss_then_later_step():
 
 
 def test_metric_sums_collapse_without_changing_the_mean():
-  per_batch = [{'loss': (np.float32(3.0), np.float32(2.0))},
-               {'loss': (np.float32(1.0), np.float32(2.0))}]
+  per_batch = [
+    {'loss': (np.float32(3.0), np.float32(2.0))},
+    {'loss': (np.float32(1.0), np.float32(2.0))},
+  ]
   collapsed = [trainer._sum_metrics(per_batch), {'loss': (2.0, 4.0)}]
   assert trainer._reduce_metrics(per_batch) == {'loss': 1.0}
   assert trainer._reduce_metrics(collapsed) == {'loss': 0.75}
@@ -313,9 +350,10 @@ def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
   monkeypatch.setattr(tasks, 'TASKS', {'synthetic': tasks.TASKS['synthetic']})
   monkeypatch.setattr(tasks, 'LAZY_TASK_MODULES', {})
   (tmp_path / 'lazy_demo_task.py').write_text(
-      'from primal_dual.training import tasks\n'
-      'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'
-      '    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))\n')
+    'from primal_dual.training import tasks\n'
+    'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'
+    '    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))\n'
+  )
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setitem(tasks.LAZY_TASK_MODULES, 'lazy_demo', 'lazy_demo_task')
   assert tasks.get_task('lazy_demo').name == 'lazy_demo'
@@ -328,8 +366,10 @@ def test_data_problems_become_user_errors(monkeypatch):
 
   def missing_folder(config):
     raise FileNotFoundError('/data/uea/Heartbeat not found; download the archive there')
-  tasks.register_task(dataclasses.replace(tasks.TASKS['synthetic'], name='no_data',
-                                          build_data=missing_folder))
+
+  tasks.register_task(
+    dataclasses.replace(tasks.TASKS['synthetic'], name='no_data', build_data=missing_folder)
+  )
   with pytest.raises(errors.DataNotFoundError, match="'no_data': /data/uea/Heartbeat not found"):
     trainer.build_experiment(trainer.resolve_config(tiny_config(task='no_data')))
   with pytest.raises(errors.ConfigError, match='num_classes .* must be ≤ num_features'):
@@ -369,7 +409,9 @@ def test_epochs_convert_to_steps_and_periods():
   assert trainer._every_steps(experiment.config, 'eval', experiment.steps_per_epoch) == 8
 
 
-@pytest.mark.parametrize('overrides, message', [
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
     ({'task': 'nope'}, "unknown task .*'nope'; known: .*synthetic"),
     ({'batch_size': 6}, 'batch_size=6 must be a positive multiple'),
     ({'num_train_steps': -1}, 'num_train_steps > 0 or config.num_epochs'),
@@ -377,7 +419,8 @@ def test_epochs_convert_to_steps_and_periods():
     ({'optimizer.name': 'adamax'}, 'unknown optimizer'),
     ({'eval_splits': ('train', 'dev')}, "names \\['dev'\\]"),
     ({'model.hidden': 7}, r"parameter \['Dense_0'\]\['bias'\] of shape \(7,\) .* size 2"),
-])
+  ],
+)
 def test_config_problems_raise_user_errors(overrides, message, tmp_path):
   with pytest.raises(errors.UserError, match=message):
     trainer.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
@@ -431,14 +474,15 @@ def test_checkpointer_keeps_last_k_and_deletes_later_steps(tmp_path):
 def _read_tensorboard_scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
   """Scalars from tensorboardX event files (TFRecord framing: len, crc, data, crc)."""
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
   scalars = {}
   for name in sorted(os.listdir(directory)):
     with open(os.path.join(directory, name), 'rb') as f:
       data = f.read()
     offset = 0
     while offset < len(data):
-      (length,) = struct.unpack('<Q', data[offset:offset + 8])
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      (length,) = struct.unpack('<Q', data[offset : offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
       offset += 12 + length + 4
       for value in event.summary.value:
         scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -449,8 +493,15 @@ def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
   workdir, final, seen = uninterrupted
   assert len(seen) == 8
   assert final['step'] == 8
-  for key in ('train/loss', 'validation/accuracy', 'test/accuracy', 'test/loss',
-              'best/test_accuracy', 'selected/test_accuracy', 'selected/step'):
+  for key in (
+    'train/loss',
+    'validation/accuracy',
+    'test/accuracy',
+    'test/loss',
+    'best/test_accuracy',
+    'selected/test_accuracy',
+    'selected/step',
+  ):
     assert math.isfinite(final[key]), key
   assert final['selected/step'] in (4, 8)
   assert final['best/test_accuracy'] >= final['test/accuracy']
@@ -458,7 +509,8 @@ def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
   steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')))
   assert steps == [4, 8]
   assert os.listdir(os.path.join(workdir, checkpointing.SELECTED_DIR)) == [
-      str(final['selected/step'])]
+    str(final['selected/step'])
+  ]
   with open(os.path.join(workdir, 'config.json')) as f:
     saved = json.load(f)
   assert saved['model'] == {'hidden': 8, 'dropout_rate': 0.1, 'use_batch_norm': True}
@@ -466,8 +518,9 @@ def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
 
   records = metrics_logging.read_metrics(workdir)
   assert [r['step'] for r in records] == [2, 4, 6, 8]  # one record per logged step
-  assert {'train/loss', 'train/learning_rate', 'validation/accuracy',
-          'best/test_accuracy'} <= set(records[1])
+  assert {'train/loss', 'train/learning_rate', 'validation/accuracy', 'best/test_accuracy'} <= set(
+    records[1]
+  )
   assert records[-1]['test/accuracy'] == pytest.approx(final['test/accuracy'])
 
   scalars = _read_tensorboard_scalars(os.path.join(workdir, 'tensorboard'))
@@ -481,8 +534,9 @@ def test_evaluation_counts_each_example_once(uninterrupted):
   records = [experiment.splits['test'][i] for i in range(len(experiment.splits['test']))]
   batch = {k: np.stack([r[k] for r in records]) for k in records[0]}
   apply = jax.jit(functools.partial(experiment.model.apply, train=False))
-  logits = apply({'params': state.params, 'batch_stats': state.batch_stats}, batch['inputs'],
-                 mask=batch['mask'])
+  logits = apply(
+    {'params': state.params, 'batch_stats': state.batch_stats}, batch['inputs'], mask=batch['mask']
+  )
   accuracy = np.mean(np.argmax(logits, -1) == batch['label'])
   loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch['label']))
   np.testing.assert_allclose(final['test/accuracy'], accuracy, rtol=1e-6)
@@ -499,6 +553,7 @@ def test_evaluate_workdir_and_eval_cli(uninterrupted, capsys):
   assert selected['results']['test']['accuracy'] == pytest.approx(final['selected/test_accuracy'])
 
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   with cli_helpers.loaded_script('eval.py') as eval_cli:
     flags.FLAGS(['eval.py', f'--workdir={workdir}', '--splits=test'])
     assert eval_cli.main(['eval.py']) == 0
@@ -531,6 +586,7 @@ def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
 
   def without_timing(metrics):
     return {k: v for k, v in metrics.items() if 'steps_per_second' not in k}
+
   assert without_timing(final) == without_timing(reference_final)
   records = [without_timing(r) for r in metrics_logging.read_metrics(workdir)]
   assert records == [without_timing(r) for r in metrics_logging.read_metrics(reference_dir)]
@@ -579,9 +635,16 @@ def test_batch_reads_train_and_resume_exactly(tmp_path):
 @pytest.mark.parametrize('checkpoint_every', [1, 4])
 def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
   # Without BatchNorm: also covers checkpointing a model with no batch_stats ({}).
-  config = tiny_config(**{'optimizer.lr': 1e30, 'optimizer.grad_clip_norm': 0.0,
-                          'checkpoint_every_steps': checkpoint_every, 'log_every_steps': 0,
-                          'eval_every_steps': 0, 'model.use_batch_norm': False})
+  config = tiny_config(
+    **{
+      'optimizer.lr': 1e30,
+      'optimizer.grad_clip_norm': 0.0,
+      'checkpoint_every_steps': checkpoint_every,
+      'log_every_steps': 0,
+      'eval_every_steps': 0,
+      'model.use_batch_norm': False,
+    }
+  )
   workdir = str(tmp_path)
   with pytest.raises(errors.NonFiniteLossError) as info:
     trainer.train_and_evaluate(config, workdir)
@@ -612,7 +675,8 @@ def test_workdir_stores_its_experiment_and_the_selection_rule(uninterrupted):
   assert stored['definition']['optimizer.name'] == 'adamw'
   assert 'num_train_steps' not in stored['definition']
   assert final['selected/rule'] == (
-      'max validation accuracy; ties: lower validation loss, then later step')
+    'max validation accuracy; ties: lower validation loss, then later step'
+  )
   with open(os.path.join(workdir, 'final_metrics.json')) as f:
     assert json.load(f)['selected/rule'] == final['selected/rule']
   assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))  # released at the end
@@ -624,31 +688,47 @@ def test_another_experiment_is_refused_before_anything_is_written(uninterrupted)
   other = tiny_config(seed=1, **{'model.hidden': 16, 'num_train_steps': 100})
   with pytest.raises(errors.WorkdirError) as info:
     trainer.train_and_evaluate(other, workdir)
-  assert str(info.value) == (f'workdir {workdir} holds another experiment: model.hidden 8 != 16; '
-                             'seed 0 != 1; use a new --workdir')
-  assert {name: os.path.getmtime(os.path.join(workdir, name))
-          for name in os.listdir(workdir)} == before
+  assert str(info.value) == (
+    f'workdir {workdir} holds another experiment: model.hidden 8 != 16; '
+    'seed 0 != 1; use a new --workdir'
+  )
+  assert {
+    name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)
+  } == before
 
 
 def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.write_definition(workdir, trainer.resolve_config(tiny_config()))
-  longer = tiny_config(num_train_steps=80, log_every_steps=7, eval_every_steps=9,
-                       checkpoint_every_steps=11, progress_bar=True, keep_checkpoints=1,
-                       **{'mesh.model': 1, 'data.data_dir': '/elsewhere'})
+  longer = tiny_config(
+    num_train_steps=80,
+    log_every_steps=7,
+    eval_every_steps=9,
+    checkpoint_every_steps=11,
+    progress_bar=True,
+    keep_checkpoints=1,
+    **{'mesh.model': 1, 'data.data_dir': '/elsewhere'},
+  )
   workdir_lib.check_same_experiment(workdir, trainer.resolve_config(longer))
-  for field, value in [('optimizer.lr', 0.5), ('batch_size', 16), ('task', 'other'),
-                       ('data.num_train', 32), ('loader.batch_reads', True)]:
+  for field, value in [
+    ('optimizer.lr', 0.5),
+    ('batch_size', 16),
+    ('task', 'other'),
+    ('data.num_train', 32),
+    ('loader.batch_reads', True),
+  ]:
     with pytest.raises(errors.WorkdirError, match=f'holds another experiment: {field} '):
       workdir_lib.check_same_experiment(
-          workdir, trainer.resolve_config(tiny_config(**{field: value})))
+        workdir, trainer.resolve_config(tiny_config(**{field: value}))
+      )
 
 
 def test_definition_keeps_option_dicts_whole_and_skips_fields_it_predates(tmp_path):
   stored = workdir_lib.definition(tiny_config(**{'model.attention_options': {}}))
   current = workdir_lib.definition(tiny_config(**{'model.attention_options': {'ratios': (1, 2)}}))
   assert workdir_lib.differences(stored, current) == [
-      "model.attention_options {} != {'ratios': [1, 2]}"]
+    "model.attention_options {} != {'ratios': [1, 2]}"
+  ]
   # A field the stored definition lacks (added to the code after the workdir's runs) is not
   # compared; one it names that the current config lacks is.
   older = {k: v for k, v in stored.items() if k != 'loader.batch_reads'}
@@ -695,7 +775,8 @@ def test_a_live_lock_refuses_a_second_run(tmp_path):
   with pytest.raises(errors.WorkdirError) as info:
     trainer.train_and_evaluate(tiny_config(), workdir)
   assert str(info.value).startswith(
-      f'workdir {workdir} is in use by process {os.getppid()} on {host}; ')
+    f'workdir {workdir} is in use by process {os.getppid()} on {host}; '
+  )
   assert sorted(os.listdir(workdir)) == [workdir_lib.LOCK_FILE]  # nothing else was written
   # A lock held on another host cannot be checked, so it is respected too.
   _write_lock(workdir, _dead_pid(), 'another-host')
@@ -727,12 +808,15 @@ def test_workdir_that_is_a_file_is_a_user_error(tmp_path):
 def test_unwritable_workdirs_are_user_errors(tmp_path, monkeypatch):
   """Permissions cannot be tested for real as root (the test VM's user), so the OS answers are
   simulated: a parent that refuses the new folder, and an existing folder that is read-only."""
+
   def refuse(path, exist_ok=False):
     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
   with monkeypatch.context() as patch:
     patch.setattr(os, 'makedirs', refuse)
-    with pytest.raises(errors.WorkdirError,
-                       match='cannot create workdir .*/run: Permission denied'):
+    with pytest.raises(
+      errors.WorkdirError, match='cannot create workdir .*/run: Permission denied'
+    ):
       workdir_lib.make_workdir(str(tmp_path / 'run'))
   monkeypatch.setattr(os, 'access', lambda path, mode: False)
   with pytest.raises(errors.WorkdirError, match=f'workdir {tmp_path} is read-only'):
@@ -747,10 +831,13 @@ def _raise_keyboard_interrupt():
   raise KeyboardInterrupt()
 
 
-@pytest.mark.parametrize('interrupt, stopped_at', [
+@pytest.mark.parametrize(
+  'interrupt, stopped_at',
+  [
     (_send_sigint, 7),  # the first Ctrl-C asks the loop to stop before the next step
     (_raise_keyboard_interrupt, 6),  # the second one (KeyboardInterrupt) stops at once
-])
+  ],
+)
 def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(interrupt, stopped_at, tmp_path):
   workdir = str(tmp_path)
   original = sharding.shard_batch
@@ -762,13 +849,15 @@ def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(interrupt, stopped_a
       if len(seen) == 7:
         interrupt()
     return original(batch, mesh)
+
   handler = signal.getsignal(signal.SIGINT)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(sharding, 'shard_batch', interrupt_seventh_batch)
     with pytest.raises(errors.StoppedError) as info:
       trainer.train_and_evaluate(tiny_config(), workdir)
-  assert str(info.value) == (f'stopped at step {stopped_at}; last checkpoint step 4; re-run the '
-                             'same command to resume')
+  assert str(info.value) == (
+    f'stopped at step {stopped_at}; last checkpoint step 4; re-run the same command to resume'
+  )
   assert signal.getsignal(signal.SIGINT) is handler
   assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
 
@@ -778,6 +867,7 @@ def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
 
   def disk_full(self, step, scalars):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), 'metrics.jsonl')
+
   monkeypatch.setattr(metrics_logging.MetricWriter, 'write_scalars', disk_full)
   with pytest.raises(errors.DiskFullError, match=f'no space left on the disk of {workdir}; '):
     trainer.train_and_evaluate(tiny_config(), workdir)
@@ -787,18 +877,32 @@ def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
 def test_train_cli_reports_user_errors_in_one_line(tmp_path):
   config_file = tmp_path / 'config.py'
   config_file.write_text(
-      'from primal_dual.training import config_lib\n'
-      'def get_config(arg=None):\n'
-      '  arg = config_lib.parse_arg(arg, steps=2)\n'
-      '  config = config_lib.training_defaults()\n'
-      '  config.num_train_steps = arg.steps\n'
-      '  return config_lib.lock(config)\n')
+    'from primal_dual.training import config_lib\n'
+    'def get_config(arg=None):\n'
+    '  arg = config_lib.parse_arg(arg, steps=2)\n'
+    '  config = config_lib.training_defaults()\n'
+    '  config.num_train_steps = arg.steps\n'
+    '  return config_lib.lock(config)\n'
+  )
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
   result = subprocess.run(
-      [sys.executable, os.path.join(REPO_ROOT, 'train.py'), f'--config={config_file}:steps=3',
-       '--config.task=nonexistent', f'--workdir={tmp_path / "run"}'],
-      capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    [
+      sys.executable,
+      os.path.join(REPO_ROOT, 'train.py'),
+      f'--config={config_file}:steps=3',
+      '--config.task=nonexistent',
+      f'--workdir={tmp_path / "run"}',
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+    timeout=120,
+  )
   assert result.returncode == 2, result.stderr
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      "error: unknown task (config.task) 'nonexistent'")
+  assert (
+    result.stderr.strip()
+    .splitlines()[-1]
+    .startswith("error: unknown task (config.task) 'nonexistent'")
+  )
   assert 'Traceback' not in result.stderr

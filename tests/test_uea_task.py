@@ -25,10 +25,13 @@ def test_unknown_attention_name_lists_the_known_ones():
     load_config(CONFIG, "attention=nope,runlocal")
 
 
-@pytest.mark.parametrize("overrides,message", [
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
     ({"model.num_heads": 3}, r"model config.*not divisible by num_heads=3"),
     ({"model.attention_options": {"ratios": (1, 2, 2)}}, r"model config.*ratios.*heads=2"),
-])
+  ],
+)
 def test_bad_model_options_are_config_errors(overrides, message, data_dir, tmp_path):
   arg = f"dataset=BasicMotions,attention=sh,runlocal,data_dir={data_dir}"
   with pytest.raises(errors.ConfigError, match=message):

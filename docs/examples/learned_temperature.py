@@ -19,8 +19,9 @@ from primal_dual.kernels import softmax_attention
 NAME = "softmax_learned_temperature"
 
 
-def learned_temperature_attention(query, key, value, bias=None, mask=None, *, log_temperature,
-                                  **flax_arguments):
+def learned_temperature_attention(
+  query, key, value, bias=None, mask=None, *, log_temperature, **flax_arguments
+):
   """Softmax attention whose logits head h multiplies by ``exp(log_temperature[h])``.
 
   Args:
@@ -31,16 +32,20 @@ def learned_temperature_attention(query, key, value, bias=None, mask=None, *, lo
   """
   # Scaling each head's queries scales that head's logits, bias excluded.
   temperature = jnp.exp(log_temperature).astype(query.dtype)[:, None]
-  return softmax_attention(query * temperature, key, value, bias=bias, mask=mask,
-                           **flax_arguments)
+  return softmax_attention(query * temperature, key, value, bias=bias, mask=mask, **flax_arguments)
 
 
 registry.register_attention(
-    NAME,
-    lambda **options: functools.partial(learned_temperature_attention, **options),
-    "softmax attention with a learned per-head temperature",
-    flops=registry.quadratic_flops(2),  # QK and AV, as softmax
-    params={"log_temperature": registry.KernelParam(
-        shape=lambda num_heads, head_dim: (num_heads,), init=nn.initializers.zeros_init(),
-        logical_axes=("heads",))},
-    overwrite=True)
+  NAME,
+  lambda **options: functools.partial(learned_temperature_attention, **options),
+  "softmax attention with a learned per-head temperature",
+  flops=registry.quadratic_flops(2),  # QK and AV, as softmax
+  params={
+    "log_temperature": registry.KernelParam(
+      shape=lambda num_heads, head_dim: (num_heads,),
+      init=nn.initializers.zeros_init(),
+      logical_axes=("heads",),
+    )
+  },
+  overwrite=True,
+)

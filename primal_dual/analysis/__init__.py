@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 # Analysis name → 'module:function'.
 ANALYSES: dict[str, str] = {
-    "redundancy": "primal_dual.analysis.attention_maps:run_redundancy",
-    "latent_code": "primal_dual.analysis.latent_code:run",
+  "redundancy": "primal_dual.analysis.attention_maps:run_redundancy",
+  "latent_code": "primal_dual.analysis.latent_code:run",
 }
 
 
@@ -44,20 +44,29 @@ def get_analysis(name: str) -> Callable[..., dict[str, Any]]:
     errors.UnknownNameError (a ValueError): no such analysis; the message lists the known ones.
   """
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+
   module_name, function_name = errors.lookup(ANALYSES, name, "analysis (--analyses)").split(":")
   return getattr(importlib.import_module(module_name), function_name)
 
 
-def run_analyses(names: Sequence[str], experiment, state, *, split: str | None = None,
-                 max_examples: int | None = None, out_dir: str | None = None
-                 ) -> dict[str, dict[str, Any]]:
+def run_analyses(
+  names: Sequence[str],
+  experiment,
+  state,
+  *,
+  split: str | None = None,
+  max_examples: int | None = None,
+  out_dir: str | None = None,
+) -> dict[str, dict[str, Any]]:
   """Runs the named analyses (all looked up first, so a typo fails before any work).
 
   ``split=None`` / ``max_examples=None`` leave each analysis its own default (redundancy: the
   test split, every example; latent_code: the OOD split, its own cap).
   """
   functions = {name: get_analysis(name) for name in names}
-  options = {key: value for key, value in (("split", split), ("max_examples", max_examples))
-             if value is not None}
-  return {name: fn(experiment, state, out_dir=out_dir, **options)
-          for name, fn in functions.items()}
+  options = {
+    key: value
+    for key, value in (("split", split), ("max_examples", max_examples))
+    if value is not None
+  }
+  return {name: fn(experiment, state, out_dir=out_dir, **options) for name, fn in functions.items()}

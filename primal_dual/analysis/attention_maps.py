@@ -44,6 +44,7 @@ class TokenLayout:
     num_prefix_tokens: leading tokens never pooled (CLS), each its own column.
     grid_shape: ``(gh, gw)`` of an image patch grid pooled 2-D, or None for 1-D sequences.
   """
+
   num_prefix_tokens: int = 0
   grid_shape: tuple[int, int] | None = None
 
@@ -55,14 +56,15 @@ def _encoder_layout(model, inputs) -> TokenLayout:
 
 def _vit_layout(model, inputs) -> TokenLayout:
   height, width = np.shape(inputs)[1:3]
-  return TokenLayout(num_prefix_tokens=1,
-                     grid_shape=(height // model.patch_size, width // model.patch_size))
+  return TokenLayout(
+    num_prefix_tokens=1, grid_shape=(height // model.patch_size, width // model.patch_size)
+  )
 
 
 # Model class name → its token layout; models not listed have plain 1-D sequences, no prefix.
 LAYOUTS: dict[str, Callable[[Any, np.ndarray], TokenLayout]] = {
-    "EncoderClassifier": _encoder_layout,
-    "ViT": _vit_layout,
+  "EncoderClassifier": _encoder_layout,
+  "ViT": _vit_layout,
 }
 
 
@@ -71,8 +73,9 @@ def token_layout(model, inputs) -> TokenLayout:
   return LAYOUTS.get(type(model).__name__, lambda m, x: TokenLayout())(model, inputs)
 
 
-def token_validity(mask: np.ndarray | None, batch: int, num_tokens: int,
-                   layout: TokenLayout) -> np.ndarray:
+def token_validity(
+  mask: np.ndarray | None, batch: int, num_tokens: int, layout: TokenLayout
+) -> np.ndarray:
   """bool ``[batch, num_tokens]``: prefix tokens valid, then the input mask (None = all valid)."""
   if mask is None:
     return np.ones((batch, num_tokens), bool)
@@ -80,8 +83,10 @@ def token_validity(mask: np.ndarray | None, batch: int, num_tokens: int,
   prefix = np.ones((batch, layout.num_prefix_tokens), bool)
   valid = np.concatenate([prefix, mask], axis=1)
   if valid.shape != (batch, num_tokens):
-    raise ValueError(f"mask {mask.shape} with {layout.num_prefix_tokens} prefix tokens does not "
-                     f"match the attention maps' {num_tokens} keys")
+    raise ValueError(
+      f"mask {mask.shape} with {layout.num_prefix_tokens} prefix tokens does not "
+      f"match the attention maps' {num_tokens} keys"
+    )
   return valid
 
 
@@ -96,8 +101,9 @@ def window_of_key(kv_len: int, ratio: int, layout: TokenLayout) -> np.ndarray:
   return out
 
 
-def full_width(sown: Any, ratios: Sequence[int] | None, kv_len: int, layout: TokenLayout,
-               key_valid: np.ndarray) -> np.ndarray:
+def full_width(
+  sown: Any, ratios: Sequence[int] | None, kv_len: int, layout: TokenLayout, key_valid: np.ndarray
+) -> np.ndarray:
   """One layer's sown weights as float64 ``[B, H, q, kv_len]``.
 
   Args:
@@ -110,56 +116,71 @@ def full_width(sown: Any, ratios: Sequence[int] | None, kv_len: int, layout: Tok
   if not isinstance(sown, (tuple, list)):
     return np.asarray(sown, np.float64)
   if ratios is None:
-    raise ValueError("the attention weights come in SH groups, but the model's attention_options "
-                     "have no 'ratios' to map them to heads")
+    raise ValueError(
+      "the attention weights come in SH groups, but the model's attention_options "
+      "have no 'ratios' to map them to heads"
+    )
   groups = scaled_head.head_groups(tuple(int(r) for r in ratios))
   if len(groups) != len(sown):
-    raise ValueError(f"{len(sown)} weight groups sown but ratios {tuple(ratios)} give "
-                     f"{len(groups)} groups")
+    raise ValueError(
+      f"{len(sown)} weight groups sown but ratios {tuple(ratios)} give {len(groups)} groups"
+    )
   first = np.asarray(sown[0])
   out = np.zeros((first.shape[0], len(ratios), first.shape[2], kv_len))
   for (ratio, heads), weights in zip(groups, sown):
     weights = np.asarray(weights, np.float64)
     if ratio > 1:
-      weights = redundancy.expand_by_window(weights, window_of_key(kv_len, ratio, layout),
-                                            key_valid)
+      weights = redundancy.expand_by_window(
+        weights, window_of_key(kv_len, ratio, layout), key_valid
+      )
     out[:, list(heads)] = weights
   return out
 
 
 def _layer_order(path: tuple[str, ...]) -> tuple:
   """Sort key: numbers in module names compared as numbers (block_10 after block_9)."""
-  return tuple(tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", part))
-               for part in path)
+  return tuple(
+    tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", part)) for part in path
+  )
 
 
 def sown_weights(intermediates: Mapping[str, Any]) -> list[tuple[tuple[str, ...], Any]]:
   """``(module path, sown value)`` of every attention layer, in layer order."""
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(intermediates))
-  found = [(path[:-1], value[0]) for path, value in flat.items()
-           if path and path[-1] == WEIGHTS_NAME]
+  found = [
+    (path[:-1], value[0]) for path, value in flat.items() if path and path[-1] == WEIGHTS_NAME
+  ]
   return sorted(found, key=lambda item: _layer_order(item[0]))
 
 
 def make_sow_apply(model) -> Callable:
   """A jitted ``(variables, inputs, mask) -> intermediates`` of ``model`` in evaluation mode."""
+
   def apply(variables, inputs, mask):
-    _, state = model.apply(variables, inputs, mask=mask, train=False, sow_weights=True,
-                           mutable=["intermediates"])
+    _, state = model.apply(
+      variables, inputs, mask=mask, train=False, sow_weights=True, mutable=["intermediates"]
+    )
     return state["intermediates"]
+
   return jax.jit(apply)
 
 
 def num_keys(layout: TokenLayout, inputs) -> int:
   """N: prefix tokens plus the grid's patches or the sequence length of ``inputs``."""
-  body = (int(np.prod(layout.grid_shape)) if layout.grid_shape is not None
-          else int(np.shape(inputs)[1]))
+  body = (
+    int(np.prod(layout.grid_shape)) if layout.grid_shape is not None else int(np.shape(inputs)[1])
+  )
   return layout.num_prefix_tokens + body
 
 
-def collect_layer_maps(model, variables: Mapping[str, Any], inputs: np.ndarray,
-                       mask: np.ndarray | None = None, *, apply_fn: Callable | None = None
-                       ) -> tuple[list[np.ndarray], np.ndarray]:
+def collect_layer_maps(
+  model,
+  variables: Mapping[str, Any],
+  inputs: np.ndarray,
+  mask: np.ndarray | None = None,
+  *,
+  apply_fn: Callable | None = None,
+) -> tuple[list[np.ndarray], np.ndarray]:
   """Full-width attention maps of every layer of ``model`` on one batch.
 
   Args:
@@ -181,13 +202,16 @@ def collect_layer_maps(model, variables: Mapping[str, Any], inputs: np.ndarray,
   maps = [full_width(value, ratios, kv_len, layout, valid) for _, value in layers]
   for (path, _), weights in zip(layers, maps):
     if weights.shape[-1] != kv_len:
-      raise ValueError(f"attention weights of {'/'.join(path)} have {weights.shape[-1]} keys; "
-                       f"expected {kv_len} from the model's token layout {layout}")
+      raise ValueError(
+        f"attention weights of {'/'.join(path)} have {weights.shape[-1]} keys; "
+        f"expected {kv_len} from the model's token layout {layout}"
+      )
   return maps, valid
 
 
-def map_elements_per_example(apply_fn: Callable, variables: Mapping[str, Any],
-                             record: Mapping[str, np.ndarray]) -> int:
+def map_elements_per_example(
+  apply_fn: Callable, variables: Mapping[str, Any], record: Mapping[str, np.ndarray]
+) -> int:
   """Elements of one example's full-width maps over all layers (shapes only, nothing runs)."""
   inputs = np.asarray(record["inputs"])[None]
   mask = None if "mask" not in record else np.asarray(record["mask"])[None]
@@ -224,11 +248,18 @@ def analysis_batch_size(elements_per_example: int, cap: int) -> int:
 def iterate_valid_batches(source, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
   """Batches of ``source`` (all examples once, fixed shape for one compile) with ``valid``."""
   from primal_dual.data import pipeline  # pylint: disable=g-import-not-at-top
+
   return pipeline.iterate_eval(source, batch_size, process_index=0, process_count=1)
 
 
-def redundancy_of_split(model, variables: Mapping[str, Any], source, *, max_batch_size: int = 16,
-                        max_examples: int | None = None) -> dict[str, Any]:
+def redundancy_of_split(
+  model,
+  variables: Mapping[str, Any],
+  source,
+  *,
+  max_batch_size: int = 16,
+  max_examples: int | None = None,
+) -> dict[str, Any]:
   """Head distances over (the first ``max_examples`` of) ``source`` and example 0's maps.
 
   Returns:
@@ -239,16 +270,22 @@ def redundancy_of_split(model, variables: Mapping[str, Any], source, *, max_batc
   if max_examples is not None and max_examples > 0:
     source = _Prefix(source, max_examples)
   apply_fn = make_sow_apply(model)
-  batch_size = analysis_batch_size(map_elements_per_example(apply_fn, variables, source[0]),
-                                   min(max_batch_size, len(source)))
+  batch_size = analysis_batch_size(
+    map_elements_per_example(apply_fn, variables, source[0]), min(max_batch_size, len(source))
+  )
   accumulator = redundancy.RedundancyAccumulator()
   example = None
   for batch in iterate_valid_batches(source, batch_size):
-    maps, valid_tokens = collect_layer_maps(model, variables, batch["inputs"], batch.get("mask"),
-                                            apply_fn=apply_fn)
+    maps, valid_tokens = collect_layer_maps(
+      model, variables, batch["inputs"], batch.get("mask"), apply_fn=apply_fn
+    )
     if not maps:
-      return {"head_distance_per_layer": [], "head_distance": None, "num_examples": 0,
-              "example": None}
+      return {
+        "head_distance_per_layer": [],
+        "head_distance": None,
+        "num_examples": 0,
+        "example": None,
+      }
     rows = np.asarray(batch["valid"], bool)
     accumulator.add([m[rows] for m in maps], valid_tokens[rows])
     if example is None:
@@ -256,14 +293,17 @@ def redundancy_of_split(model, variables: Mapping[str, Any], source, *, max_batc
       keep = np.nonzero(valid_tokens[0])[0]
       example = {"maps": [m[0][:, keep][:, :, keep] for m in maps], "valid_length": length}
   summary = accumulator.summary()
-  return {"head_distance_per_layer": summary["per_layer"], "head_distance": summary["mean"],
-          "num_examples": summary["num_examples"], "example": example}
+  return {
+    "head_distance_per_layer": summary["per_layer"],
+    "head_distance": summary["mean"],
+    "num_examples": summary["num_examples"],
+    "example": example,
+  }
 
 
 def save_example_maps(path: str, maps: Sequence[np.ndarray]) -> None:
   """Writes one example's per-layer maps ``[H, q, N]`` as ``layer_0``, ``layer_1``, ... (npz)."""
-  np.savez_compressed(path, **{f"layer_{i}": np.asarray(m, np.float32)
-                               for i, m in enumerate(maps)})
+  np.savez_compressed(path, **{f"layer_{i}": np.asarray(m, np.float32) for i, m in enumerate(maps)})
 
 
 def load_example_maps(path: str) -> list[np.ndarray]:
@@ -274,11 +314,18 @@ def load_example_maps(path: str) -> list[np.ndarray]:
 
 def _host_variables(state) -> dict[str, Any]:
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
   return jax.device_get(trainer.model_variables(state.params, state.batch_stats))
 
 
-def run_redundancy(experiment, state, *, split: str = "test", max_examples: int | None = None,
-                   out_dir: str | None = None) -> dict[str, Any]:
+def run_redundancy(
+  experiment,
+  state,
+  *,
+  split: str = "test",
+  max_examples: int | None = None,
+  out_dir: str | None = None,
+) -> dict[str, Any]:
   """The 'redundancy' analysis: head distance per layer of ``state``'s model on ``split``.
 
   Args:
@@ -297,28 +344,43 @@ def run_redundancy(experiment, state, *, split: str = "test", max_examples: int 
     ValueError: unknown split.
   """
   if split not in experiment.splits:
-    raise ValueError(f"unknown split {split!r} for the redundancy analysis; the task has "
-                     f"{sorted(experiment.splits)}")
-  result = redundancy_of_split(experiment.model, _host_variables(state),
-                               experiment.splits[split],
-                               max_batch_size=experiment.eval_batch_size,
-                               max_examples=max_examples)
+    raise ValueError(
+      f"unknown split {split!r} for the redundancy analysis; the task has "
+      f"{sorted(experiment.splits)}"
+    )
+  result = redundancy_of_split(
+    experiment.model,
+    _host_variables(state),
+    experiment.splits[split],
+    max_batch_size=experiment.eval_batch_size,
+    max_examples=max_examples,
+  )
   attention = experiment.config.model.get("attention", "")
-  report = {"split": split, "step": int(jax.device_get(state.step)), "attention": attention,
-            "num_examples": result["num_examples"],
-            "head_distance_per_layer": result["head_distance_per_layer"],
-            "head_distance": result["head_distance"], "files": {}}
+  report = {
+    "split": split,
+    "step": int(jax.device_get(state.step)),
+    "attention": attention,
+    "num_examples": result["num_examples"],
+    "head_distance_per_layer": result["head_distance_per_layer"],
+    "head_distance": result["head_distance"],
+    "files": {},
+  }
   if result["example"] is None:
-    report["note"] = (f"attention {attention!r} sows no attention weights (a primal form never "
-                      "forms them), so head distances are undefined")
+    report["note"] = (
+      f"attention {attention!r} sows no attention weights (a primal form never "
+      "forms them), so head distances are undefined"
+    )
     return report
   if out_dir:
     from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+
     os.makedirs(out_dir, exist_ok=True)
     maps_path = os.path.join(out_dir, EXAMPLE_MAPS_FILE)
     save_example_maps(maps_path, result["example"]["maps"])
-    plot_path = plots.plot_attention_grid({attention: result["example"]["maps"]},
-                                          os.path.join(out_dir, EXAMPLE_PLOT_FILE),
-                                          title=f"{split} example 0, step {report['step']}")
+    plot_path = plots.plot_attention_grid(
+      {attention: result["example"]["maps"]},
+      os.path.join(out_dir, EXAMPLE_PLOT_FILE),
+      title=f"{split} example 0, step {report['step']}",
+    )
     report["files"] = {"example_maps": maps_path, "plot": plot_path}
   return report

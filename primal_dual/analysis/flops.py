@@ -40,15 +40,20 @@ from primal_dual import registry
 from primal_dual.registry import AttentionShape
 
 
-def layer_flops(attention: str, shape: AttentionShape,
-                options: Mapping[str, Any] | None = None) -> float:
+def layer_flops(
+  attention: str, shape: AttentionShape, options: Mapping[str, Any] | None = None
+) -> float:
   """Attention FLOPs of one layer of variant ``attention`` on one example (its registry entry)."""
   return float(registry.lookup(attention).flops(shape, dict(options or {})))
 
 
-def attention_flops(model_config: Mapping[str, Any], seq_len: int, *,
-                    grid_shape: tuple[int, int] | None = None,
-                    num_prefix_tokens: int | None = None) -> dict[str, Any]:
+def attention_flops(
+  model_config: Mapping[str, Any],
+  seq_len: int,
+  *,
+  grid_shape: tuple[int, int] | None = None,
+  num_prefix_tokens: int | None = None,
+) -> dict[str, Any]:
   """Attention FLOPs of a whole model on one example.
 
   Args:
@@ -69,13 +74,20 @@ def attention_flops(model_config: Mapping[str, Any], seq_len: int, *,
   width = int(model_config.get("qkv_features") or model_config["model_dim"])
   if width % heads:
     raise ValueError(f"attention width {width} is not divisible by num_heads={heads}")
-  shape = AttentionShape(length=int(seq_len) + num_prefix_tokens, heads=heads,
-                         head_dim=width // heads, grid_shape=grid_shape,
-                         num_prefix_tokens=num_prefix_tokens)
+  shape = AttentionShape(
+    length=int(seq_len) + num_prefix_tokens,
+    heads=heads,
+    head_dim=width // heads,
+    grid_shape=grid_shape,
+    num_prefix_tokens=num_prefix_tokens,
+  )
   options = dict(model_config.get("attention_options") or {})
   one_layer = layer_flops(model_config["attention"], shape, options)
   softmax_layer = layer_flops("softmax", shape)
   layers = int(model_config["num_layers"])
-  return {"per_layer": [one_layer] * layers, "total": one_layer * layers,
-          "softmax_total": softmax_layer * layers,
-          "relative_to_softmax": float(np.float64(one_layer) / softmax_layer)}
+  return {
+    "per_layer": [one_layer] * layers,
+    "total": one_layer * layers,
+    "softmax_total": softmax_layer * layers,
+    "relative_to_softmax": float(np.float64(one_layer) / softmax_layer),
+  }

@@ -49,8 +49,9 @@ DEFAULT_L2 = 1.0
 # Which query–key pairs carry a rule.
 
 
-def rule_pair_positions(feature_order: np.ndarray, num_features: int
-                        ) -> tuple[np.ndarray, np.ndarray]:
+def rule_pair_positions(
+  feature_order: np.ndarray, num_features: int
+) -> tuple[np.ndarray, np.ndarray]:
   """Token positions of the query of every answer slot and of its feature's third-row operands.
 
   Args:
@@ -64,14 +65,19 @@ def rule_pair_positions(feature_order: np.ndarray, num_features: int
   if feature_order.ndim != 3 or feature_order.shape[1:] != (3, num_features):
     raise ValueError(f"feature_order must be [N, 3, {num_features}]; got {feature_order.shape}")
   count = feature_order.shape[0]
-  answer_features = feature_order[:, 2, :]                              # [N, F]
+  answer_features = feature_order[:, 2, :]  # [N, F]
   # slot_in_column[n, c, u]: the slot of column c that shows feature u.
-  slot_in_column = np.argsort(feature_order, axis=-1)                   # [N, 3, F]
-  keys = np.stack([
+  slot_in_column = np.argsort(feature_order, axis=-1)  # [N, 3, F]
+  keys = np.stack(
+    [
       panel * num_features + np.take_along_axis(slot_in_column[:, column], answer_features, -1)
-      for column, panel in enumerate(THIRD_ROW_PANELS)], axis=-1)       # [N, F, 2]
-  query = np.broadcast_to(NUM_CONTEXT_PANELS * num_features + np.arange(num_features),
-                          (count, num_features))
+      for column, panel in enumerate(THIRD_ROW_PANELS)
+    ],
+    axis=-1,
+  )  # [N, F, 2]
+  query = np.broadcast_to(
+    NUM_CONTEXT_PANELS * num_features + np.arange(num_features), (count, num_features)
+  )
   return np.array(query), keys
 
 
@@ -87,7 +93,7 @@ def codes_from_weights(weights: np.ndarray, query: np.ndarray, keys: np.ndarray)
   """
   weights = np.asarray(weights, np.float64)
   rows = np.arange(weights.shape[0])[:, None, None]
-  picked = weights[rows, :, query[..., None], keys]                     # [N, F, K, H]
+  picked = weights[rows, :, query[..., None], keys]  # [N, F, K, H]
   return picked.reshape(*picked.shape[:2], -1)
 
 
@@ -95,8 +101,9 @@ def codes_from_weights(weights: np.ndarray, query: np.ndarray, keys: np.ndarray)
 # The ridge decoder.
 
 
-def fit_ridge(features: np.ndarray, labels: np.ndarray, num_classes: int,
-              l2: float = DEFAULT_L2) -> dict[str, np.ndarray]:
+def fit_ridge(
+  features: np.ndarray, labels: np.ndarray, num_classes: int, l2: float = DEFAULT_L2
+) -> dict[str, np.ndarray]:
   """Closed-form one-vs-rest ridge classifier.
 
   Args:
@@ -109,8 +116,9 @@ def fit_ridge(features: np.ndarray, labels: np.ndarray, num_classes: int,
   features = np.asarray(features, np.float64)
   labels = np.asarray(labels)
   if features.ndim != 2 or labels.shape != features.shape[:1]:
-    raise ValueError(f"features must be [M, D] and labels [M]; got {features.shape}, "
-                     f"{labels.shape}")
+    raise ValueError(
+      f"features must be [M, D] and labels [M]; got {features.shape}, {labels.shape}"
+    )
   if l2 <= 0:
     raise ValueError(f"l2 must be > 0, got {l2}")
   mean = features.mean(axis=0)
@@ -130,8 +138,9 @@ def predict_ridge(decoder: Mapping[str, np.ndarray], features: np.ndarray) -> np
   return np.argmax(x @ decoder["weights"] + decoder["intercept"], axis=-1)
 
 
-def split_problems(num_problems: int, train_fraction: float = 0.5, seed: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def split_problems(
+  num_problems: int, train_fraction: float = 0.5, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """Disjoint sorted problem indices (train, test) from a seeded permutation."""
   if num_problems < 2:
     raise ValueError(f"need at least 2 problems to fit and score a decoder; got {num_problems}")
@@ -140,9 +149,15 @@ def split_problems(num_problems: int, train_fraction: float = 0.5, seed: int = 0
   return np.sort(order[:cut]), np.sort(order[cut:])
 
 
-def decoding_accuracy(codes: np.ndarray, labels: np.ndarray, num_classes: int, *,
-                      l2: float = DEFAULT_L2, train_fraction: float = 0.5, seed: int = 0
-                      ) -> dict[str, float]:
+def decoding_accuracy(
+  codes: np.ndarray,
+  labels: np.ndarray,
+  num_classes: int,
+  *,
+  l2: float = DEFAULT_L2,
+  train_fraction: float = 0.5,
+  seed: int = 0,
+) -> dict[str, float]:
   """Fits the decoder on some problems, scores it on the others.
 
   Args:
@@ -162,9 +177,12 @@ def decoding_accuracy(codes: np.ndarray, labels: np.ndarray, num_classes: int, *
   x_test, y_test = codes[test].reshape(-1, codes.shape[-1]), labels[test].reshape(-1)
   decoder = fit_ridge(x_train, y_train, num_classes, l2)
   majority = np.bincount(y_train, minlength=num_classes).argmax()
-  return {"accuracy": float(np.mean(predict_ridge(decoder, x_test) == y_test)),
-          "chance": float(np.mean(y_test == majority)),
-          "num_train": int(y_train.size), "num_test": int(y_test.size)}
+  return {
+    "accuracy": float(np.mean(predict_ridge(decoder, x_test) == y_test)),
+    "chance": float(np.mean(y_test == majority)),
+    "num_train": int(y_train.size),
+    "num_test": int(y_test.size),
+  }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,13 +195,15 @@ def collect_records(source: Any, max_examples: int) -> dict[str, np.ndarray]:
   if count < 1:
     raise ValueError(f"max_examples must be >= 1, got {max_examples}")
   indices = list(range(count))
-  records = (source.__getitems__(indices) if hasattr(source, "__getitems__")
-             else [source[i] for i in indices])
+  records = (
+    source.__getitems__(indices)
+    if hasattr(source, "__getitems__")
+    else [source[i] for i in indices]
+  )
   return {name: np.stack([np.asarray(r[name]) for r in records]) for name in records[0]}
 
 
-def sown_attention_weights(intermediates: Mapping[str, Any], num_layers: int
-                           ) -> list[Any] | None:
+def sown_attention_weights(intermediates: Mapping[str, Any], num_layers: int) -> list[Any] | None:
   """Per layer, the sown ``attention_weights`` (first sow), or None if a layer sowed nothing."""
   maps = []
   for layer in range(num_layers):
@@ -203,19 +223,24 @@ _SOW_APPLY_CACHE: dict[int, tuple[Any, Any]] = {}
 def sow_apply(model) -> Any:
   """Jitted ``(variables, inputs) -> intermediates`` with ``sow_weights=True``."""
   if id(model) not in _SOW_APPLY_CACHE:
+
     def apply(variables, inputs):
-      _, state = model.apply(variables, inputs, train=False, sow_weights=True,
-                             mutable=["intermediates"])
+      _, state = model.apply(
+        variables, inputs, train=False, sow_weights=True, mutable=["intermediates"]
+      )
       return state.get("intermediates", {})
+
     _SOW_APPLY_CACHE[id(model)] = (model, jax.jit(apply))
   return _SOW_APPLY_CACHE[id(model)][1]
 
 
-def latent_codes(experiment: Any, state: Any, records: Mapping[str, np.ndarray],
-                 batch_size: int) -> tuple[list[np.ndarray] | None, str]:
+def latent_codes(
+  experiment: Any, state: Any, records: Mapping[str, np.ndarray], batch_size: int
+) -> tuple[list[np.ndarray] | None, str]:
   """Codes ``[N, F, 2H]`` per layer for the records, or ``(None, reason)`` without weights."""
   from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
   model = experiment.model
   num_layers = model.num_layers
   num_features = records["targets"].shape[-1]
@@ -229,15 +254,25 @@ def latent_codes(experiment: Any, state: Any, records: Mapping[str, np.ndarray],
       stop = min(start + batch_size, count)
       maps = sown_attention_weights(apply(variables, records["inputs"][start:stop]), num_layers)
       if maps is None:
-        return None, (f"attention variant {model.attention!r} sows no attention weights "
-                      "(it never forms the [heads, q_len, kv_len] matrix)")
+        return None, (
+          f"attention variant {model.attention!r} sows no attention weights "
+          "(it never forms the [heads, q_len, kv_len] matrix)"
+        )
       for layer, weights in enumerate(maps):
-        if not hasattr(weights, "shape") or np.ndim(weights) != 4 or (
-            weights.shape[-1] != weights.shape[-2]):
-          return None, (f"attention variant {model.attention!r} sows weights that are not one "
-                        "[batch, heads, T, T] array per layer (pooled or grouped maps)")
-        per_layer[layer].append(codes_from_weights(
-            np.asarray(jax.device_get(weights)), query[start:stop], keys[start:stop]))
+        if (
+          not hasattr(weights, "shape")
+          or np.ndim(weights) != 4
+          or (weights.shape[-1] != weights.shape[-2])
+        ):
+          return None, (
+            f"attention variant {model.attention!r} sows weights that are not one "
+            "[batch, heads, T, T] array per layer (pooled or grouped maps)"
+          )
+        per_layer[layer].append(
+          codes_from_weights(
+            np.asarray(jax.device_get(weights)), query[start:stop], keys[start:stop]
+          )
+        )
   return [np.concatenate(chunks) for chunks in per_layer], ""
 
 
@@ -258,21 +293,34 @@ def principal_components(codes: np.ndarray, count: int = 2) -> np.ndarray:
   return projected
 
 
-def plot_codes(codes_per_layer: Sequence[np.ndarray], labels: np.ndarray,
-               rule_names: Sequence[str], path: str, title: str = "") -> str:
+def plot_codes(
+  codes_per_layer: Sequence[np.ndarray],
+  labels: np.ndarray,
+  rule_names: Sequence[str],
+  path: str,
+  title: str = "",
+) -> str:
   """Scatter of each layer's codes on their first two principal components, coloured by rule."""
   from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+
   plt = plots.pyplot()
   labels = np.asarray(labels).reshape(-1)
-  figure, axes = plt.subplots(1, len(codes_per_layer), figsize=(4 * len(codes_per_layer), 4),
-                              squeeze=False)
+  figure, axes = plt.subplots(
+    1, len(codes_per_layer), figsize=(4 * len(codes_per_layer), 4), squeeze=False
+  )
   colours = plt.get_cmap("tab10")
   for layer, (axis, codes) in enumerate(zip(axes[0], codes_per_layer)):
     projected = principal_components(codes.reshape(-1, codes.shape[-1]))
     for rule, name in enumerate(rule_names):
       chosen = labels == rule
-      axis.scatter(projected[chosen, 0], projected[chosen, 1], s=6, alpha=0.6,
-                   color=colours(rule % 10), label=name)
+      axis.scatter(
+        projected[chosen, 0],
+        projected[chosen, 1],
+        s=6,
+        alpha=0.6,
+        color=colours(rule % 10),
+        label=name,
+      )
     axis.set_title(f"layer {layer}")
     axis.set_xlabel("PC 1")
     axis.set_ylabel("PC 2")
@@ -287,8 +335,16 @@ def plot_codes(codes_per_layer: Sequence[np.ndarray], labels: np.ndarray,
 # Entry point.
 
 
-def run(experiment: Any, state: Any, *, split: str = "ood", max_examples: int = 1024,
-        out_dir: str | None = None, l2: float = DEFAULT_L2, seed: int = 0) -> dict[str, Any]:
+def run(
+  experiment: Any,
+  state: Any,
+  *,
+  split: str = "ood",
+  max_examples: int = 1024,
+  out_dir: str | None = None,
+  l2: float = DEFAULT_L2,
+  seed: int = 0,
+) -> dict[str, Any]:
   """Decodes rules from latent codes of a trained sRAVEN model (see the module docstring).
 
   Args:
@@ -306,26 +362,45 @@ def run(experiment: Any, state: Any, *, split: str = "ood", max_examples: int = 
     ``{'available': False, 'reason': ...}`` for kernels without attention weights.
   """
   if experiment.config.task != "sraven":
-    raise ValueError(f"the latent_code analysis reads sRAVEN rules; the workdir's task is "
-                     f"{experiment.config.task!r}")
+    raise ValueError(
+      f"the latent_code analysis reads sRAVEN rules; the workdir's task is "
+      f"{experiment.config.task!r}"
+    )
   if split not in experiment.splits:
     raise ValueError(f"unknown split {split!r}; the task has {sorted(experiment.splits)}")
   records = collect_records(experiment.splits[split], max_examples)
   rule_names = tuple(experiment.metadata["rules"])
   codes, reason = latent_codes(experiment, state, records, experiment.eval_batch_size)
-  summary = {"split": split, "num_problems": int(len(records["inputs"])),
-             "attention": experiment.model.attention, "rules": list(rule_names)}
+  summary = {
+    "split": split,
+    "num_problems": int(len(records["inputs"])),
+    "attention": experiment.model.attention,
+    "rules": list(rule_names),
+  }
   if codes is None:
     return {"available": False, "reason": reason, **summary}
   labels = records["rules"]
-  per_layer = [{"layer": layer, **decoding_accuracy(layer_codes, labels, len(rule_names),
-                                                    l2=l2, seed=seed)}
-               for layer, layer_codes in enumerate(codes)]
-  all_layers = decoding_accuracy(np.concatenate(codes, axis=-1), labels, len(rule_names),
-                                 l2=l2, seed=seed)
+  per_layer = [
+    {"layer": layer, **decoding_accuracy(layer_codes, labels, len(rule_names), l2=l2, seed=seed)}
+    for layer, layer_codes in enumerate(codes)
+  ]
+  all_layers = decoding_accuracy(
+    np.concatenate(codes, axis=-1), labels, len(rule_names), l2=l2, seed=seed
+  )
   plot = None
   if out_dir:
-    plot = plot_codes(codes, labels, rule_names, os.path.join(out_dir, PLOT_FILE),
-                      title=f"{experiment.model.attention}: latent codes on {split}")
-  return {"available": True, **summary, "per_layer": per_layer, "all_layers": all_layers,
-          "best_layer_accuracy": max(entry["accuracy"] for entry in per_layer), "plot": plot}
+    plot = plot_codes(
+      codes,
+      labels,
+      rule_names,
+      os.path.join(out_dir, PLOT_FILE),
+      title=f"{experiment.model.attention}: latent codes on {split}",
+    )
+  return {
+    "available": True,
+    **summary,
+    "per_layer": per_layer,
+    "all_layers": all_layers,
+    "best_layer_accuracy": max(entry["accuracy"] for entry in per_layer),
+    "plot": plot,
+  }

@@ -14,8 +14,10 @@ import numpy as np
 def pyplot():
   """``matplotlib.pyplot`` on the non-interactive Agg backend (imported on first use)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   return plt
 
 
@@ -27,8 +29,9 @@ def save_figure(fig, path, *, dpi: int = 110, tight_bbox: bool = True) -> str:
   return path
 
 
-def plot_attention_grid(maps: Mapping[str, Sequence[np.ndarray]], path: str,
-                        title: str = "") -> str:
+def plot_attention_grid(
+  maps: Mapping[str, Sequence[np.ndarray]], path: str, title: str = ""
+) -> str:
   """One example's attention maps: a row per (variant, layer), a column per head.
 
   Args:
@@ -41,13 +44,15 @@ def plot_attention_grid(maps: Mapping[str, Sequence[np.ndarray]], path: str,
     ``path``.
   """
   plt = pyplot()
-  rows = [(name, layer, np.asarray(m)) for name, layers in maps.items()
-          for layer, m in enumerate(layers)]
+  rows = [
+    (name, layer, np.asarray(m)) for name, layers in maps.items() for layer, m in enumerate(layers)
+  ]
   if not rows:
     raise ValueError("plot_attention_grid needs at least one variant with one layer of maps")
   columns = max(m.shape[0] for _, _, m in rows)
-  fig, axes = plt.subplots(len(rows), columns, figsize=(1.9 * columns + 0.6, 1.9 * len(rows)),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    len(rows), columns, figsize=(1.9 * columns + 0.6, 1.9 * len(rows)), squeeze=False
+  )
   for row, (name, layer, layer_maps) in enumerate(rows):
     for head in range(columns):
       ax = axes[row, head]
@@ -68,9 +73,12 @@ def plot_attention_grid(maps: Mapping[str, Sequence[np.ndarray]], path: str,
   return save_figure(fig, path)
 
 
-def plot_redundancy_bars(values: Mapping[str, Mapping[str, tuple[float, float]]], path: str,
-                         title: str = "", ylabel: str = "head distance (higher = less redundant)"
-                         ) -> str:
+def plot_redundancy_bars(
+  values: Mapping[str, Mapping[str, tuple[float, float]]],
+  path: str,
+  title: str = "",
+  ylabel: str = "head distance (higher = less redundant)",
+) -> str:
   """Grouped bar chart: a group per data set (or any key), a bar per variant, std error bars.
 
   Args:
@@ -92,8 +100,14 @@ def plot_redundancy_bars(values: Mapping[str, Mapping[str, tuple[float, float]]]
     stds = np.array([values[g].get(variant, (np.nan, np.nan))[1] for g in groups], float)
     positions = np.arange(len(groups)) + (index - (len(variants) - 1) / 2) * width
     shown = np.isfinite(means)
-    ax.bar(positions[shown], means[shown], width, yerr=np.nan_to_num(stds[shown]),
-           label=variant, capsize=2)
+    ax.bar(
+      positions[shown],
+      means[shown],
+      width,
+      yerr=np.nan_to_num(stds[shown]),
+      label=variant,
+      capsize=2,
+    )
   ax.set_xticks(np.arange(len(groups)))
   ax.set_xticklabels(groups, rotation=20, ha="right", fontsize=8)
   ax.set_ylabel(ylabel, fontsize=8)

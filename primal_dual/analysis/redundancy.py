@@ -41,8 +41,9 @@ from typing import Sequence
 import numpy as np
 
 
-def _validated(weights: np.ndarray, query_valid: np.ndarray | None
-               ) -> tuple[np.ndarray, np.ndarray]:
+def _validated(
+  weights: np.ndarray, query_valid: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
   """``weights`` as float64 ``[B, H, Q, K]`` and ``query_valid`` as bool ``[B, Q]``."""
   weights = np.asarray(weights, np.float64)
   if weights.ndim != 4:
@@ -52,8 +53,9 @@ def _validated(weights: np.ndarray, query_valid: np.ndarray | None
     query_valid = np.ones((batch, q_len), bool)
   query_valid = np.asarray(query_valid, bool)
   if query_valid.shape != (batch, q_len):
-    raise ValueError(f"query_valid must be [batch, q_len] = {(batch, q_len)}; got "
-                     f"{query_valid.shape}")
+    raise ValueError(
+      f"query_valid must be [batch, q_len] = {(batch, q_len)}; got {query_valid.shape}"
+    )
   return weights, query_valid
 
 
@@ -69,10 +71,10 @@ def head_distance_sums(weights: np.ndarray, query_valid: np.ndarray | None = Non
   """
   weights, query_valid = _validated(weights, query_valid)
   heads = weights.shape[1]
-  rows = np.maximum(query_valid.sum(axis=1), 1)              # [B]
+  rows = np.maximum(query_valid.sum(axis=1), 1)  # [B]
   sums = np.zeros((heads, heads))
   for h, g in itertools.combinations(range(heads), 2):
-    diff = weights[:, h] - weights[:, g]                     # [B, Q, K]
+    diff = weights[:, h] - weights[:, g]  # [B, Q, K]
     row_distance = np.sqrt(np.einsum("bqk,bqk->bq", diff, diff))
     per_example = np.sum(row_distance * query_valid, axis=-1) / rows
     sums[h, g] = sums[g, h] = per_example.sum()
@@ -107,8 +109,9 @@ def layer_head_distance(weights: np.ndarray, query_valid: np.ndarray | None = No
   return mean_pairwise(head_distance_matrix(weights, query_valid))
 
 
-def expand_by_window(pooled: np.ndarray, window_of_key: np.ndarray,
-                     key_valid: np.ndarray | None = None) -> np.ndarray:
+def expand_by_window(
+  pooled: np.ndarray, window_of_key: np.ndarray, key_valid: np.ndarray | None = None
+) -> np.ndarray:
   """Spreads pooled attention columns back over the keys they pooled (any window layout).
 
   Each key belongs to exactly one pooling window (a prefix token such as CLS is its own window).
@@ -125,26 +128,38 @@ def expand_by_window(pooled: np.ndarray, window_of_key: np.ndarray,
   pooled = np.asarray(pooled, np.float64)
   window_of_key = np.asarray(window_of_key, np.int64)
   batch, pooled_len = pooled.shape[0], pooled.shape[-1]
-  if window_of_key.ndim != 1 or window_of_key.size and (
-      window_of_key.min() < 0 or window_of_key.max() >= pooled_len):
-    raise ValueError(f"window_of_key must be [kv_len] ints in [0, {pooled_len}); got shape "
-                     f"{window_of_key.shape}, range [{window_of_key.min(initial=0)}, "
-                     f"{window_of_key.max(initial=0)}]")
+  if (
+    window_of_key.ndim != 1
+    or window_of_key.size
+    and (window_of_key.min() < 0 or window_of_key.max() >= pooled_len)
+  ):
+    raise ValueError(
+      f"window_of_key must be [kv_len] ints in [0, {pooled_len}); got shape "
+      f"{window_of_key.shape}, range [{window_of_key.min(initial=0)}, "
+      f"{window_of_key.max(initial=0)}]"
+    )
   kv_len = window_of_key.shape[0]
   if key_valid is None:
     key_valid = np.ones((batch, kv_len), bool)
   key_valid = np.asarray(key_valid, np.float64)
   if key_valid.shape != (batch, kv_len):
-    raise ValueError(f"key_valid must be [batch, kv_len] = {(batch, kv_len)}; got "
-                     f"{key_valid.shape}")
-  counts = np.stack([np.bincount(window_of_key, weights=key_valid[b], minlength=pooled_len)
-                     for b in range(batch)]) if batch else np.zeros((0, pooled_len))
+    raise ValueError(
+      f"key_valid must be [batch, kv_len] = {(batch, kv_len)}; got {key_valid.shape}"
+    )
+  counts = (
+    np.stack(
+      [np.bincount(window_of_key, weights=key_valid[b], minlength=pooled_len) for b in range(batch)]
+    )
+    if batch
+    else np.zeros((0, pooled_len))
+  )
   share = key_valid / np.maximum(counts[:, window_of_key], 1)  # [B, N]
   return pooled[..., window_of_key] * share[:, None, None, :]
 
 
-def expand_pooled_columns(pooled: np.ndarray, ratio: int, kv_len: int,
-                          key_valid: np.ndarray | None = None) -> np.ndarray:
+def expand_pooled_columns(
+  pooled: np.ndarray, ratio: int, kv_len: int, key_valid: np.ndarray | None = None
+) -> np.ndarray:
   """Spreads 1-D pooled attention columns back over the keys they pooled.
 
   Args:
@@ -169,8 +184,9 @@ def grid_window_of_key(ratio: int, grid_shape: Sequence[int], num_prefix_tokens:
   return np.concatenate([np.arange(num_prefix_tokens), num_prefix_tokens + window])
 
 
-def expand_grid_columns(pooled: np.ndarray, ratio: int, grid_shape: Sequence[int],
-                        num_prefix_tokens: int) -> np.ndarray:
+def expand_grid_columns(
+  pooled: np.ndarray, ratio: int, grid_shape: Sequence[int], num_prefix_tokens: int
+) -> np.ndarray:
   """Spreads 2-D pooled columns (prefix tokens kept, a ``gh×gw`` grid pooled ``r×r``) back.
 
   Args:
@@ -182,8 +198,9 @@ def expand_grid_columns(pooled: np.ndarray, ratio: int, grid_shape: Sequence[int
   return expand_by_window(pooled, grid_window_of_key(ratio, grid_shape, num_prefix_tokens))
 
 
-def redundancy_summary(layer_maps: Sequence[np.ndarray],
-                       query_valid: np.ndarray | None = None) -> dict[str, object]:
+def redundancy_summary(
+  layer_maps: Sequence[np.ndarray], query_valid: np.ndarray | None = None
+) -> dict[str, object]:
   """Per-layer head distances and their mean.
 
   Args:
@@ -216,8 +233,9 @@ class RedundancyAccumulator:
     """Adds one batch: one ``[batch, heads, q_len, kv_len]`` array per layer (same batch)."""
     sums = [head_distance_sums(w, query_valid) for w in layer_maps]
     if self._sums and len(sums) != len(self._sums):
-      raise ValueError(f"every batch must have the same number of layers; got {len(sums)} after "
-                       f"{len(self._sums)}")
+      raise ValueError(
+        f"every batch must have the same number of layers; got {len(sums)} after {len(self._sums)}"
+      )
     self._sums = sums if not self._sums else [a + b for a, b in zip(self._sums, sums)]
     self.num_examples += int(np.asarray(layer_maps[0]).shape[0]) if len(layer_maps) else 0
 
@@ -225,5 +243,8 @@ class RedundancyAccumulator:
     """``{'per_layer': [float], 'mean': float, 'num_examples': int}`` (mean over layers)."""
     count = max(self.num_examples, 1)
     per_layer = [mean_pairwise(s / count) for s in self._sums]
-    return {"per_layer": per_layer, "mean": float(np.mean(per_layer)) if per_layer else 0.0,
-            "num_examples": self.num_examples}
+    return {
+      "per_layer": per_layer,
+      "mean": float(np.mean(per_layer)) if per_layer else 0.0,
+      "num_examples": self.num_examples,
+    }

@@ -24,6 +24,7 @@ COMMANDS = (*ABSL_COMMANDS, 'reproduce')
 def _run_absl_command(name: str, args: list[str]) -> NoReturn:
   """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status)."""
   from primal_dual.training import cli  # pylint: disable=g-import-not-at-top
+
   module = importlib.import_module(ABSL_COMMANDS[name])
   sys.argv = [f'{PROG} {name}', *args]  # absl's --help names sys.argv[0] and prints __main__'s doc
   sys.modules['__main__'].__doc__ = module.__doc__
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     _run_absl_command(name, args)  # exits
   if name == 'reproduce':
     from primal_dual.commands import reproduce  # pylint: disable=g-import-not-at-top
+
     return reproduce.main(args)
-  print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} "
-        f"(`{PROG} --help`)", file=sys.stderr)
+  print(
+    f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} (`{PROG} --help`)",
+    file=sys.stderr,
+  )
   return 2

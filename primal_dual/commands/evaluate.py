@@ -30,16 +30,22 @@ def define_flags() -> None:
   flags.DEFINE_list('splits', [], 'Splits to evaluate (default: the task\'s).')
   flags.DEFINE_string('checkpoint', 'latest', "'latest', 'selected' or a step number.")
   flags.DEFINE_list(
-      'analyses', [], 'Analyses to run after evaluation, e.g. redundancy,latent_code.')
+    'analyses', [], 'Analyses to run after evaluation, e.g. redundancy,latent_code.'
+  )
   flags.DEFINE_string(
-      'analysis_split', '', "Split the analyses read; empty = each analysis' default (test, ood).")
+    'analysis_split', '', "Split the analyses read; empty = each analysis' default (test, ood)."
+  )
   flags.DEFINE_integer(
-      'max_examples', 0,
-      "At most this many examples per analysis; 0 = the analysis' default (redundancy: all).")
+    'max_examples',
+    0,
+    "At most this many examples per analysis; 0 = the analysis' default (redundancy: all).",
+  )
   flags.mark_flags_as_required(['workdir'])
   flags.register_validator(
-      'checkpoint', lambda name: name in ('latest', 'selected') or name.isdigit(),
-      message="--checkpoint must be 'latest', 'selected' or a step number")
+    'checkpoint',
+    lambda name: name in ('latest', 'selected') or name.isdigit(),
+    message="--checkpoint must be 'latest', 'selected' or a step number",
+  )
   cli.show_in_help(__name__)
 
 
@@ -48,19 +54,31 @@ def _evaluate_and_analyse(workdir: str) -> dict:
   from primal_dual import analysis  # pylint: disable=g-import-not-at-top
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+
   for name in FLAGS.analyses:  # Fail on a typo before restoring anything.
     analysis.get_analysis(name)
   experiment, state = trainer.restore_workdir(workdir, FLAGS.checkpoint)
   if FLAGS.analysis_split and FLAGS.analysis_split not in experiment.splits:
     from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
-    raise errors.ConfigError(f'--analysis_split={FLAGS.analysis_split!r} is not a split of this '
-                             f'task; choose one of {sorted(experiment.splits)}')
+
+    raise errors.ConfigError(
+      f'--analysis_split={FLAGS.analysis_split!r} is not a split of this '
+      f'task; choose one of {sorted(experiment.splits)}'
+    )
   results = trainer.evaluate(experiment, state, tuple(FLAGS.splits) or None)
-  report = {'checkpoint': str(FLAGS.checkpoint), 'step': int(jax.device_get(state.step)),
-            'results': results}
+  report = {
+    'checkpoint': str(FLAGS.checkpoint),
+    'step': int(jax.device_get(state.step)),
+    'results': results,
+  }
   report['analyses'] = analysis.run_analyses(
-      FLAGS.analyses, experiment, state, split=FLAGS.analysis_split or None,
-      max_examples=FLAGS.max_examples or None, out_dir=workdir)
+    FLAGS.analyses,
+    experiment,
+    state,
+    split=FLAGS.analysis_split or None,
+    max_examples=FLAGS.max_examples or None,
+    out_dir=workdir,
+  )
   if jax.process_index() == 0:
     path = os.path.join(os.path.abspath(workdir), 'eval.json')
     with open(path + '.tmp', 'w') as f:
@@ -74,17 +92,21 @@ def main(argv: list[str]) -> int:
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
   from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
   from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
+
   try:
     sharding.maybe_initialize_distributed()
     from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
     if FLAGS.analyses:
       report = _evaluate_and_analyse(FLAGS.workdir)
     else:
-      report = trainer.evaluate_workdir(FLAGS.workdir, tuple(FLAGS.splits) or None,
-                                         FLAGS.checkpoint)
+      report = trainer.evaluate_workdir(
+        FLAGS.workdir, tuple(FLAGS.splits) or None, FLAGS.checkpoint
+      )
   except errors.UserError as e:
     return cli.report(str(e))
   import jax  # pylint: disable=g-import-not-at-top
+
   if jax.process_index() == 0:
     print(f"checkpoint: {report['checkpoint']} (step {report['step']})")
     print(metrics_logging.format_table(report['results']))

@@ -13,7 +13,7 @@ TASKS = ('uea', 'listops', 'images', 'sraven', 'logic')
 
 
 def usage() -> str:
-  return (f"usage: primal-dual reproduce {{{','.join(TASKS)}}} [flags]\n\n{__doc__}")
+  return f"usage: primal-dual reproduce {{{','.join(TASKS)}}} [flags]\n\n{__doc__}"
 
 
 def main(argv: list[str]) -> int:
@@ -23,8 +23,9 @@ def main(argv: list[str]) -> int:
     return 0 if argv else 2
   task, args = argv[0], argv[1:]
   if task not in TASKS:
-    print(f"error: unknown reproduction {task!r}; choose one of {', '.join(TASKS)}",
-          file=sys.stderr)
+    print(
+      f"error: unknown reproduction {task!r}; choose one of {', '.join(TASKS)}", file=sys.stderr
+    )
     return 2
   module = importlib.import_module(f'primal_dual.experiments.reproduce.{task}')
   sys.argv = [f'primal-dual reproduce {task}', *args]  # argparse's prog (its usage and errors)

@@ -19,10 +19,15 @@ from primal_dual.training import cli
 def define_flags() -> None:
   """Defines `--config` (with its `--config.<field>` overrides) and `--workdir`."""
   config_flags.DEFINE_config_file(
-      'config', None, 'A packaged config\'s name or a config file, optionally with an argument: '
-      'uea:dataset=Heartbeat or primal_dual/configs/uea.py:dataset=Heartbeat', lock_config=True)
+    'config',
+    None,
+    'A packaged config\'s name or a config file, optionally with an argument: '
+    'uea:dataset=Heartbeat or primal_dual/configs/uea.py:dataset=Heartbeat',
+    lock_config=True,
+  )
   flags.DEFINE_string(
-      'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.')
+    'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.'
+  )
   flags.mark_flags_as_required(['config', 'workdir'])
   cli.show_in_help(__name__)
 
@@ -33,17 +38,21 @@ def main(argv: list[str]) -> int:
   # Imported here so that `--help` stays fast.
   from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+
   try:
     config_lib.validate(config)  # before JAX loads: a bad size is reported at once
     from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
+
     sharding.maybe_initialize_distributed(config)
     from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
     final = trainer.train_and_evaluate(config, workdir)
   except errors.UserError as e:
     return cli.report(str(e))
   except KeyboardInterrupt:  # during set-up; the training loop reports its own step
     return cli.report('stopped before training started; re-run the same command to start again')
   import jax  # pylint: disable=g-import-not-at-top
+
   if jax.process_index() == 0:
     for name, value in final.items():
       print(f'{name:40s} {value}')

@@ -13,8 +13,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def packaged_names() -> list[str]:
   """The short names of the configs in this package: ``['default', 'images', ...]``."""
-  return sorted(os.path.splitext(name)[0] for name in os.listdir(_HERE)
-                if name.endswith(".py") and not name.startswith("_"))
+  return sorted(
+    os.path.splitext(name)[0]
+    for name in os.listdir(_HERE)
+    if name.endswith(".py") and not name.startswith("_")
+  )
 
 
 def _is_short_name(path: str) -> bool:
@@ -45,6 +48,7 @@ def resolve(path: str) -> str:
   if name in names:
     return os.path.join(_HERE, f"{name}.py")
   from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+
   known = f"packaged configs: {', '.join(names)}"
   if _is_short_name(path):
     raise errors.ConfigError(f"unknown config {path!r}; {known} (or give a config file's path)")
@@ -61,9 +65,11 @@ def load(path: str, arg: str | None = None):
   """``get_config(arg)`` of the config file or packaged name ``path`` (``resolve``), imported by
   path (the user's config files are not modules of a package)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
+
   file_path = resolve(path)
   spec = importlib.util.spec_from_file_location(
-      "primal_dual_config_" + os.path.splitext(os.path.basename(file_path))[0], file_path)
+    "primal_dual_config_" + os.path.splitext(os.path.basename(file_path))[0], file_path
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg)

@@ -23,8 +23,10 @@ from primal_dual.training import config_lib
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(arg, attention="softmax", protocol="best_test", seed=0, epochs=40,
-                             runlocal=False)
+  arg = config_lib.parse_arg(
+    arg, attention="softmax", protocol="best_test", seed=0, epochs=40, runlocal=False
+  )
   return uea.get_config(
-      f"dataset=JapaneseVowels,size=small,attention={arg.attention},protocol={arg.protocol},"
-      f"seed={arg.seed},epochs={arg.epochs}" + (",runlocal" if arg.runlocal else ""))
+    f"dataset=JapaneseVowels,size=small,attention={arg.attention},protocol={arg.protocol},"
+    f"seed={arg.seed},epochs={arg.epochs}" + (",runlocal" if arg.runlocal else "")
+  )

@@ -62,16 +62,48 @@ def deit_lr(batch_size: int) -> float:
 
 # Data set → recipe. Sizes in epochs; image_size only matters for imagenet2012.
 RECIPES = {
-    "digits": dict(model="micro", patch_size=4, upscale=2, image_size=0, batch_size=64,
-                   epochs=60, warmup_epochs=3, lr=1e-3, weight_decay=0.05, end_lr=1e-5,
-                   eval_every_epochs=5, checkpoint_every_epochs=20),
-    "cifar10": dict(model="tiny", patch_size=4, upscale=1, image_size=0, batch_size=512,
-                    epochs=300, warmup_epochs=5, lr=deit_lr(512), weight_decay=0.05,
-                    end_lr=1e-5, eval_every_epochs=5, checkpoint_every_epochs=5),
-    "imagenet2012": dict(model="tiny", patch_size=16, upscale=1, image_size=224,
-                         batch_size=1024, epochs=300, warmup_epochs=5, lr=deit_lr(1024),
-                         weight_decay=0.05, end_lr=1e-5, eval_every_epochs=1,
-                         checkpoint_every_epochs=1),
+  "digits": dict(
+    model="micro",
+    patch_size=4,
+    upscale=2,
+    image_size=0,
+    batch_size=64,
+    epochs=60,
+    warmup_epochs=3,
+    lr=1e-3,
+    weight_decay=0.05,
+    end_lr=1e-5,
+    eval_every_epochs=5,
+    checkpoint_every_epochs=20,
+  ),
+  "cifar10": dict(
+    model="tiny",
+    patch_size=4,
+    upscale=1,
+    image_size=0,
+    batch_size=512,
+    epochs=300,
+    warmup_epochs=5,
+    lr=deit_lr(512),
+    weight_decay=0.05,
+    end_lr=1e-5,
+    eval_every_epochs=5,
+    checkpoint_every_epochs=5,
+  ),
+  "imagenet2012": dict(
+    model="tiny",
+    patch_size=16,
+    upscale=1,
+    image_size=224,
+    batch_size=1024,
+    epochs=300,
+    warmup_epochs=5,
+    lr=deit_lr(1024),
+    weight_decay=0.05,
+    end_lr=1e-5,
+    eval_every_epochs=1,
+    checkpoint_every_epochs=1,
+  ),
 }
 SH_RATIOS = {3: (1, 2, 4), 4: (1, 1, 2, 2), 6: (1, 1, 2, 2, 4, 4)}
 
@@ -87,8 +119,16 @@ def sh_ratios_for(num_heads: int, grid_side: int) -> tuple[int, ...]:
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(arg, dataset="digits", model="", attention="softmax", seed=0,
-                             epochs=-1, data_dir="", runlocal=False)
+  arg = config_lib.parse_arg(
+    arg,
+    dataset="digits",
+    model="",
+    attention="softmax",
+    seed=0,
+    epochs=-1,
+    data_dir="",
+    runlocal=False,
+  )
   if arg.dataset not in RECIPES:
     raise ValueError(f"unknown image data set {arg.dataset!r}; choose one of {sorted(RECIPES)}")
   registry.lookup(arg.attention)
@@ -104,15 +144,31 @@ def get_config(arg=None):
   config = config_lib.training_defaults()
   config.task = "images"
   config.seed = arg.seed
-  config.data = dict(dataset=arg.dataset, data_dir=arg.data_dir, upscale=recipe["upscale"],
-                     image_size=recipe["image_size"], test_fraction=0.2, split_seed=0,
-                     augment_repeats=epochs)
-  config.model = dict(patch_size=recipe["patch_size"], dropout_rate=0.0,
-                      attention_dropout_rate=0.0, attention=arg.attention, attention_options={},
-                      **VIT_PRESETS[model_name])
+  config.data = dict(
+    dataset=arg.dataset,
+    data_dir=arg.data_dir,
+    upscale=recipe["upscale"],
+    image_size=recipe["image_size"],
+    test_fraction=0.2,
+    split_seed=0,
+    augment_repeats=epochs,
+  )
+  config.model = dict(
+    patch_size=recipe["patch_size"],
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+    attention=arg.attention,
+    attention_options={},
+    **VIT_PRESETS[model_name],
+  )
   config.batch_size = batch_size
-  config.optimizer.update(name="adamw", lr=recipe["lr"], schedule="warmup_cosine",
-                          weight_decay=recipe["weight_decay"], end_lr=recipe["end_lr"])
+  config.optimizer.update(
+    name="adamw",
+    lr=recipe["lr"],
+    schedule="warmup_cosine",
+    weight_decay=recipe["weight_decay"],
+    end_lr=recipe["end_lr"],
+  )
   steps_per_epoch = images_task.train_size(arg.dataset) // batch_size
   config.num_train_steps = epochs * steps_per_epoch
   config.optimizer.warmup_steps = min(recipe["warmup_epochs"], epochs) * steps_per_epoch
@@ -134,6 +190,8 @@ def get_config(arg=None):
     config.log_every_steps = 2
   side = images_task.IMAGE_SIDES[arg.dataset](config.data)
   config.model.attention_options = registry.model_options(
-      arg.attention, config.model.num_heads,
-      ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size))
+    arg.attention,
+    config.model.num_heads,
+    ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size),
+  )
   return config_lib.lock(config)

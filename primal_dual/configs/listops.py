@@ -56,18 +56,36 @@ from primal_dual import registry
 from primal_dual.training import config_lib
 
 SETTINGS = {
-    "jax_lra": dict(
-        model=dict(num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024, pooling="cls",
-                   positional="sinusoidal"),
-        optimizer=dict(name="adamw", lr=0.05 / math.sqrt(1000), schedule="rsqrt",
-                       warmup_steps=1000, weight_decay=0.1, b1=0.9, b2=0.98, eps=1e-9),
-        sh_ratios=(1, 1, 2, 2, 4, 4, 8, 8)),
-    "pytorch": dict(
-        model=dict(num_layers=2, model_dim=64, num_heads=2, mlp_dim=128, pooling="mean",
-                   positional="learned"),
-        optimizer=dict(name="adamw", lr=1e-4, schedule="warmup_cosine", warmup_steps=1000,
-                       weight_decay=0.0, end_lr=0.0),
-        sh_ratios=(1, 2)),
+  "jax_lra": dict(
+    model=dict(
+      num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024, pooling="cls", positional="sinusoidal"
+    ),
+    optimizer=dict(
+      name="adamw",
+      lr=0.05 / math.sqrt(1000),
+      schedule="rsqrt",
+      warmup_steps=1000,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.98,
+      eps=1e-9,
+    ),
+    sh_ratios=(1, 1, 2, 2, 4, 4, 8, 8),
+  ),
+  "pytorch": dict(
+    model=dict(
+      num_layers=2, model_dim=64, num_heads=2, mlp_dim=128, pooling="mean", positional="learned"
+    ),
+    optimizer=dict(
+      name="adamw",
+      lr=1e-4,
+      schedule="warmup_cosine",
+      warmup_steps=1000,
+      weight_decay=0.0,
+      end_lr=0.0,
+    ),
+    sh_ratios=(1, 2),
+  ),
 }
 PRESETS = ("full", "short")
 # The task's own options by variant (variants that take ratios get the setting's sh_ratios).
@@ -79,8 +97,17 @@ EVAL_EVERY_STEPS = 250
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(arg, setting="jax_lra", preset="full", attention="softmax", seed=0,
-                             data_seed=0, steps=-1, data_dir="", runlocal=False)
+  arg = config_lib.parse_arg(
+    arg,
+    setting="jax_lra",
+    preset="full",
+    attention="softmax",
+    seed=0,
+    data_seed=0,
+    steps=-1,
+    data_dir="",
+    runlocal=False,
+  )
   if arg.setting not in SETTINGS:
     raise ValueError(f"unknown ListOps setting {arg.setting!r}; choose one of {sorted(SETTINGS)}")
   if arg.preset not in PRESETS:
@@ -91,10 +118,18 @@ def get_config(arg=None):
   config = config_lib.training_defaults()
   config.task = "listops"
   config.seed = arg.seed
-  config.data = dict(preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed,
-                     data_dir=arg.data_dir)
-  config.model = dict(pre_norm=True, norm="layer", dropout_rate=0.1, attention_dropout_rate=0.0,
-                      attention=arg.attention, attention_options={}, **setting["model"])
+  config.data = dict(
+    preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed, data_dir=arg.data_dir
+  )
+  config.model = dict(
+    pre_norm=True,
+    norm="layer",
+    dropout_rate=0.1,
+    attention_dropout_rate=0.0,
+    attention=arg.attention,
+    attention_options={},
+    **setting["model"],
+  )
   config.optimizer.update(setting["optimizer"])
   config.batch_size = BATCH_SIZE
   config.num_train_steps = NUM_TRAIN_STEPS
@@ -119,6 +154,9 @@ def get_config(arg=None):
     # A shortened run keeps its warm-up to at most a fifth of the steps.
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, max(1, arg.steps // 5))
   config.model.attention_options = registry.model_options(
-      arg.attention, config.model.num_heads, ratios=sh_ratios,
-      **VARIANT_OPTIONS.get(arg.attention, {}))
+    arg.attention,
+    config.model.num_heads,
+    ratios=sh_ratios,
+    **VARIANT_OPTIONS.get(arg.attention, {}),
+  )
   return config_lib.lock(config)

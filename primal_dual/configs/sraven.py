@@ -53,15 +53,31 @@ from primal_dual.data import sraven
 from primal_dual.training import config_lib
 
 
-def paper_model(*, num_layers: int, model_dim: int, num_heads: int, qkv_features: int,
-                mlp_dim: int, num_tokens: int) -> dict:
+def paper_model(
+  *,
+  num_layers: int,
+  model_dim: int,
+  num_heads: int,
+  qkv_features: int,
+  mlp_dim: int,
+  num_tokens: int,
+) -> dict:
   """The HYLA paper's sequence model: q/k/v width set apart from the model width, T5
   unidirectional relative-position buckets (``num_buckets = max_distance = num_tokens``),
   attention-weight dropout 0.1 in training, lecun_normal MLP kernels, no residual dropout."""
-  return dict(num_layers=num_layers, model_dim=model_dim, num_heads=num_heads,
-              qkv_features=qkv_features, mlp_dim=mlp_dim, dropout_rate=0.0,
-              attention_dropout_rate=0.1, position_buckets="unidirectional",
-              num_buckets=num_tokens, max_distance=num_tokens, mlp_kernel_init="lecun_normal")
+  return dict(
+    num_layers=num_layers,
+    model_dim=model_dim,
+    num_heads=num_heads,
+    qkv_features=qkv_features,
+    mlp_dim=mlp_dim,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.1,
+    position_buckets="unidirectional",
+    num_buckets=num_tokens,
+    max_distance=num_tokens,
+    mlp_kernel_init="lecun_normal",
+  )
 
 
 def num_tokens(data: dict) -> int:
@@ -69,29 +85,81 @@ def num_tokens(data: dict) -> int:
   return sraven.NUM_PANELS * data["num_features"]
 
 
-PAPER_DATA = dict(num_features=4, num_values=8, rules=sraven.DEFAULT_RULES, shuffle_features=True,
-                  ood_fraction=0.25, split_seed=0, stream_seed=0, num_train=0,
-                  num_validation=4096, num_test=51_200, num_ood=51_200, materialize_train=True,
-                  chunk_size=8192)
+PAPER_DATA = dict(
+  num_features=4,
+  num_values=8,
+  rules=sraven.DEFAULT_RULES,
+  shuffle_features=True,
+  ood_fraction=0.25,
+  split_seed=0,
+  stream_seed=0,
+  num_train=0,
+  num_validation=4096,
+  num_test=51_200,
+  num_ood=51_200,
+  materialize_train=True,
+  chunk_size=8192,
+)
 PAPER = dict(
-    data=PAPER_DATA,
-    model=paper_model(num_layers=4, model_dim=128, num_heads=16, qkv_features=64, mlp_dim=256,
-                      num_tokens=num_tokens(PAPER_DATA)),
-    batch_size=128, eval_batch_size=512, num_train_steps=156_250, warmup_steps=1000,
-    cosine_end="total_minus_warmup", lr=1e-3, end_lr=1e-4, weight_decay=0.1,
-    log_every_steps=500, eval_every_steps=6250, checkpoint_every_steps=6250)
+  data=PAPER_DATA,
+  model=paper_model(
+    num_layers=4,
+    model_dim=128,
+    num_heads=16,
+    qkv_features=64,
+    mlp_dim=256,
+    num_tokens=num_tokens(PAPER_DATA),
+  ),
+  batch_size=128,
+  eval_batch_size=512,
+  num_train_steps=156_250,
+  warmup_steps=1000,
+  cosine_end="total_minus_warmup",
+  lr=1e-3,
+  end_lr=1e-4,
+  weight_decay=0.1,
+  log_every_steps=500,
+  eval_every_steps=6250,
+  checkpoint_every_steps=6250,
+)
 
-CPU_DATA = dict(num_features=3, num_values=8, rules=sraven.DEFAULT_RULES, shuffle_features=True,
-                ood_fraction=0.25, split_seed=0, stream_seed=0, num_train=0,
-                num_validation=1024, num_test=1024, num_ood=1024, materialize_train=True,
-                chunk_size=8192)
+CPU_DATA = dict(
+  num_features=3,
+  num_values=8,
+  rules=sraven.DEFAULT_RULES,
+  shuffle_features=True,
+  ood_fraction=0.25,
+  split_seed=0,
+  stream_seed=0,
+  num_train=0,
+  num_validation=1024,
+  num_test=1024,
+  num_ood=1024,
+  materialize_train=True,
+  chunk_size=8192,
+)
 CPU = dict(
-    data=CPU_DATA,
-    model=paper_model(num_layers=2, model_dim=64, num_heads=8, qkv_features=32, mlp_dim=128,
-                      num_tokens=num_tokens(CPU_DATA)),
-    batch_size=64, eval_batch_size=512, num_train_steps=12_000, warmup_steps=500,
-    cosine_end="total", lr=1e-3, end_lr=1e-4, weight_decay=0.1, log_every_steps=100,
-    eval_every_steps=500, checkpoint_every_steps=1000)
+  data=CPU_DATA,
+  model=paper_model(
+    num_layers=2,
+    model_dim=64,
+    num_heads=8,
+    qkv_features=32,
+    mlp_dim=128,
+    num_tokens=num_tokens(CPU_DATA),
+  ),
+  batch_size=64,
+  eval_batch_size=512,
+  num_train_steps=12_000,
+  warmup_steps=500,
+  cosine_end="total",
+  lr=1e-3,
+  end_lr=1e-4,
+  weight_decay=0.1,
+  log_every_steps=100,
+  eval_every_steps=500,
+  checkpoint_every_steps=1000,
+)
 
 PRESETS = {"paper": PAPER, "cpu": CPU}
 
@@ -125,9 +193,15 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
   config.batch_size = preset["batch_size"]
   config.eval_batch_size = preset["eval_batch_size"]
   config.num_train_steps = preset["num_train_steps"] if arg.steps < 0 else arg.steps
-  config.optimizer.update(name="adamw", lr=preset["lr"], schedule="warmup_cosine",
-                          warmup_steps=preset["warmup_steps"], end_lr=preset["end_lr"],
-                          cosine_end=preset["cosine_end"], weight_decay=preset["weight_decay"])
+  config.optimizer.update(
+    name="adamw",
+    lr=preset["lr"],
+    schedule="warmup_cosine",
+    warmup_steps=preset["warmup_steps"],
+    end_lr=preset["end_lr"],
+    cosine_end=preset["cosine_end"],
+    weight_decay=preset["weight_decay"],
+  )
   for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
     config[field] = preset[field]
   config.selection.update(split="validation", metric=selection_metric, mode="max")
@@ -138,7 +212,9 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(arg, preset="cpu", attention="softmax", seed=0, steps=-1,
-                             runlocal=False)
-  return preset_config("sraven", PRESETS, arg, selection_metric="whole_panel_accuracy",
-                       title="sRAVEN")
+  arg = config_lib.parse_arg(
+    arg, preset="cpu", attention="softmax", seed=0, steps=-1, runlocal=False
+  )
+  return preset_config(
+    "sraven", PRESETS, arg, selection_metric="whole_panel_accuracy", title="sRAVEN"
+  )

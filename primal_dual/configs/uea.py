@@ -54,17 +54,17 @@ SHORT, MEDIUM, LONG = (1, 1, 1, 1, 2, 2, 2, 2), (1, 1, 1, 1, 2, 2, 4, 4), (1, 1,
 
 # Data set → (SH ratios for 8 heads, epochs of the protocol).
 DATASETS = {
-    "EthanolConcentration": (LONG, 100),
-    "FaceDetection": (SHORT, 100),
-    "Handwriting": (MEDIUM, 100),
-    "Heartbeat": (MEDIUM, 100),
-    "JapaneseVowels": (SHORT, 100),
-    "PEMS-SF": (MEDIUM, 400),
-    "SelfRegulationSCP1": (LONG, 100),
-    "SelfRegulationSCP2": (LONG, 100),
-    "SpokenArabicDigits": (MEDIUM, 100),
-    "UWaveGestureLibrary": (MEDIUM, 100),
-    "BasicMotions": (MEDIUM, 100),
+  "EthanolConcentration": (LONG, 100),
+  "FaceDetection": (SHORT, 100),
+  "Handwriting": (MEDIUM, 100),
+  "Heartbeat": (MEDIUM, 100),
+  "JapaneseVowels": (SHORT, 100),
+  "PEMS-SF": (MEDIUM, 400),
+  "SelfRegulationSCP1": (LONG, 100),
+  "SelfRegulationSCP2": (LONG, 100),
+  "SpokenArabicDigits": (MEDIUM, 100),
+  "UWaveGestureLibrary": (MEDIUM, 100),
+  "BasicMotions": (MEDIUM, 100),
 }
 # The ten data sets of the standard protocol (docs/maths.md §4); BasicMotions is an offline extra.
 PROTOCOL_DATASETS = tuple(name for name in DATASETS if name != "BasicMotions")
@@ -74,8 +74,8 @@ BUNDLED_DATASETS = ("JapaneseVowels", "BasicMotions")
 PROTOCOLS = ("best_test", "clean")
 
 MODEL_SIZES = {
-    "reference": dict(num_layers=2, model_dim=512, num_heads=8, mlp_dim=2048),
-    "small": dict(num_layers=2, model_dim=64, num_heads=4, mlp_dim=128),
+  "reference": dict(num_layers=2, model_dim=512, num_heads=8, mlp_dim=2048),
+  "small": dict(num_layers=2, model_dim=64, num_heads=4, mlp_dim=128),
 }
 RUNLOCAL_SIZE = dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
 
@@ -87,14 +87,25 @@ def sh_ratios_for(ratios: tuple[int, ...], num_heads: int) -> tuple[int, ...]:
 
 def _check_choice(name: str, value: str, choices) -> None:
   if value not in choices:
-    raise errors.ConfigError(f"primal_dual/configs/uea.py: unknown {name} {value!r}; choose one of "
-                             f"{', '.join(sorted(choices))}")
+    raise errors.ConfigError(
+      f"primal_dual/configs/uea.py: unknown {name} {value!r}; choose one of "
+      f"{', '.join(sorted(choices))}"
+    )
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(arg, dataset="JapaneseVowels", attention="softmax",
-                             protocol="best_test", size="reference", seed=0, epochs=-1,
-                             manual_dir="", data_dir="", runlocal=False)
+  arg = config_lib.parse_arg(
+    arg,
+    dataset="JapaneseVowels",
+    attention="softmax",
+    protocol="best_test",
+    size="reference",
+    seed=0,
+    epochs=-1,
+    manual_dir="",
+    data_dir="",
+    runlocal=False,
+  )
   _check_choice("dataset", arg.dataset, DATASETS)
   _check_choice("attention", arg.attention, registry.ATTENTION_REGISTRY)
   _check_choice("protocol", arg.protocol, PROTOCOLS)
@@ -104,11 +115,25 @@ def get_config(arg=None):
   config = config_lib.training_defaults()
   config.task = "uea"
   config.seed = arg.seed
-  config.data = dict(dataset=arg.dataset, protocol=arg.protocol, data_dir=arg.data_dir,
-                     manual_dir=arg.manual_dir, validation_fraction=0.2, split_seed=0)
-  config.model = dict(**MODEL_SIZES[arg.size], positional="learned", pre_norm=False,
-                      norm="batch", pooling="flatten", dropout_rate=0.1,
-                      attention_dropout_rate=0.0, attention=arg.attention, attention_options={})
+  config.data = dict(
+    dataset=arg.dataset,
+    protocol=arg.protocol,
+    data_dir=arg.data_dir,
+    manual_dir=arg.manual_dir,
+    validation_fraction=0.2,
+    split_seed=0,
+  )
+  config.model = dict(
+    **MODEL_SIZES[arg.size],
+    positional="learned",
+    pre_norm=False,
+    norm="batch",
+    pooling="flatten",
+    dropout_rate=0.1,
+    attention_dropout_rate=0.0,
+    attention=arg.attention,
+    attention_options={},
+  )
   config.batch_size = 16
   config.num_epochs = epochs if arg.epochs < 0 else arg.epochs
   config.eval_every_epochs = 1
@@ -125,5 +150,6 @@ def get_config(arg=None):
     config.batch_size = 8
     config.checkpoint_every_epochs = 1
   config.model.attention_options = registry.model_options(
-      arg.attention, config.model.num_heads, ratios=sh_ratios_for(ratios, config.model.num_heads))
+    arg.attention, config.model.num_heads, ratios=sh_ratios_for(ratios, config.model.num_heads)
+  )
   return config_lib.lock(config)

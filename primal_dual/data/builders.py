@@ -56,6 +56,7 @@ class DecodedSource:
     description: stable text for ``repr``; grain compares ``repr(source)`` when restoring an
       iterator, so it must not contain memory addresses.
   """
+
   source: Any
   dtypes: Mapping[str, Any]
   description: str
@@ -85,6 +86,7 @@ class SubsetSource:
     indices: int ``[n]`` positions in ``source``.
     description: stable text for ``repr``.
   """
+
   source: Any
   indices: np.ndarray
   description: str
@@ -109,18 +111,21 @@ def _field_dtypes(features: tfds.features.FeaturesDict) -> dict[str, np.dtype]:
   return {k: np.dtype(f.np_dtype) for k, f in features.items()}
 
 
-def decoded_sources(builder: tfds.core.DatasetBuilder,
-                    splits: Sequence[str]) -> dict[str, DecodedSource]:
+def decoded_sources(
+  builder: tfds.core.DatasetBuilder, splits: Sequence[str]
+) -> dict[str, DecodedSource]:
   """``{split: DecodedSource}`` of a prepared array_record builder."""
   available = set(builder.info.splits.keys())
   missing = [s for s in splits if s not in available]
   if missing:
-    raise ValueError(f"{builder.info.full_name} has no split(s) {missing}; it has "
-                     f"{sorted(available)}.")
+    raise ValueError(
+      f"{builder.info.full_name} has no split(s) {missing}; it has {sorted(available)}."
+    )
   raw = builder.as_data_source(split=list(splits))
   dtypes = _field_dtypes(builder.info.features)
-  return {s: DecodedSource(r, dtypes, f"{builder.info.full_name}, split={s}")
-          for s, r in zip(splits, raw)}
+  return {
+    s: DecodedSource(r, dtypes, f"{builder.info.full_name}, split={s}") for s, r in zip(splits, raw)
+  }
 
 
 SOURCE_FINGERPRINT_FILE = "source_fingerprint.json"
@@ -134,8 +139,11 @@ def file_fingerprint(paths: Mapping[str, os.PathLike[str] | str]) -> dict[str, d
     with open(path, "rb") as f:
       for chunk in iter(lambda: f.read(1 << 20), b""):
         digest.update(chunk)
-    out[name] = {"path": os.path.realpath(path), "size": os.path.getsize(path),
-                 "sha256": digest.hexdigest()}
+    out[name] = {
+      "path": os.path.realpath(path),
+      "size": os.path.getsize(path),
+      "sha256": digest.hexdigest(),
+    }
   return out
 
 
@@ -149,16 +157,19 @@ def _stored_fingerprint(builder) -> dict | None:
 
 def _is_current(builder, fingerprint: dict | None) -> bool:
   """Prepared from these sources (``fingerprint`` None: sources unknown, any preparation is)."""
-  return builder.is_prepared() and (fingerprint is None
-                                    or _stored_fingerprint(builder) == fingerprint)
+  return builder.is_prepared() and (
+    fingerprint is None or _stored_fingerprint(builder) == fingerprint
+  )
 
 
-def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
-                     config: str | tfds.core.BuilderConfig, *,
-                     data_dir: str | os.PathLike[str] | None = None,
-                     manual_dir: str | os.PathLike[str] | None = None,
-                     source_fingerprint: Callable[[], dict | None] | None = None
-                     ) -> tfds.core.GeneratorBasedBuilder:
+def prepared_builder(
+  builder_cls: type[tfds.core.GeneratorBasedBuilder],
+  config: str | tfds.core.BuilderConfig,
+  *,
+  data_dir: str | os.PathLike[str] | None = None,
+  manual_dir: str | os.PathLike[str] | None = None,
+  source_fingerprint: Callable[[], dict | None] | None = None,
+) -> tfds.core.GeneratorBasedBuilder:
   """Opens ``builder_cls`` with ``config`` in ``data_dir``, preparing it first if needed.
 
   Preparation holds an exclusive file lock next to the data, so processes that start at once
@@ -170,9 +181,14 @@ def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
   data set prepared from other files (edited, or another ``manual_dir``), or prepared before
   fingerprints were kept, is prepared again.
   """
+
   def open_builder():
-    return builder_cls(config=config, data_dir=None if data_dir is None else os.fspath(data_dir),
-                       file_format=FILE_FORMAT)
+    return builder_cls(
+      config=config,
+      data_dir=None if data_dir is None else os.fspath(data_dir),
+      file_format=FILE_FORMAT,
+    )
+
   fingerprint = None if source_fingerprint is None else source_fingerprint()
   builder = open_builder()
   if _is_current(builder, fingerprint):
@@ -188,7 +204,8 @@ def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
         shutil.rmtree(builder.data_dir)
         builder = open_builder()
       download_config = tfds.download.DownloadConfig(
-          manual_dir=None if manual_dir is None else os.fspath(manual_dir))
+        manual_dir=None if manual_dir is None else os.fspath(manual_dir)
+      )
       builder.download_and_prepare(download_config=download_config)
       if fingerprint is not None:
         with open(os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE), "w") as f:
@@ -199,12 +216,14 @@ def prepared_builder(builder_cls: type[tfds.core.GeneratorBasedBuilder],
 def uea_fingerprint(name: str, manual_dir) -> Callable[[], dict | None]:
   """``source_fingerprint`` of a UEA data set: its two ``.ts`` files, or None if they are gone
   (a prepared copy is then used as it is; without one, preparing reports the missing files)."""
+
   def fingerprint():
     uea.check_manual_dir(name, manual_dir)
     try:
       return file_fingerprint(uea.ts_paths(name, manual_dir))
     except FileNotFoundError:
       return None
+
   return fingerprint
 
 
@@ -215,11 +234,13 @@ def uea_fingerprint(name: str, manual_dir) -> Callable[[], dict | None]:
 def _uea_features() -> tfds.features.FeaturesDict:
   # T and C differ per data set and are only known after reading the files, hence unknown dims
   # (which need zlib/bytes encoding); every record of one data set has the same [T, C].
-  return tfds.features.FeaturesDict({
+  return tfds.features.FeaturesDict(
+    {
       "inputs": tfds.features.Tensor(shape=(None, None), dtype=np.float32, encoding="zlib"),
       "mask": tfds.features.Tensor(shape=(None,), dtype=np.bool_, encoding="zlib"),
       "label": tfds.features.Scalar(dtype=np.int32),
-  })
+    }
+  )
 
 
 class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
@@ -227,20 +248,23 @@ class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
 
   name = "uea_multivariate"
   VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Train-statistics standardisation, NaN -> channel mean, padded to the "
-                            "longest series with a mask."}
-  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=n, description=f"UEA {n}")
-                     for n in uea.ARCHIVE_DATASETS]
+  RELEASE_NOTES = {
+    "1.0.0": "Train-statistics standardisation, NaN -> channel mean, padded to the "
+    "longest series with a mask."
+  }
+  BUILDER_CONFIGS = [
+    tfds.core.BuilderConfig(name=n, description=f"UEA {n}") for n in uea.ARCHIVE_DATASETS
+  ]
   MANUAL_DOWNLOAD_INSTRUCTIONS = uea.DOWNLOAD_HELP
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description="UEA multivariate time-series classification (.ts archive).",
-        features=_uea_features(),
-        homepage="https://www.timeseriesclassification.com",
-        disable_shuffling=True,
-        metadata=tfds.core.MetadataDict(),
+      builder=self,
+      description="UEA multivariate time-series classification (.ts archive).",
+      features=_uea_features(),
+      homepage="https://www.timeseriesclassification.com",
+      disable_shuffling=True,
+      metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
@@ -255,8 +279,9 @@ class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
     self.info.metadata.update(data.metadata())
     return {split: self._generate_examples(arrays) for split, arrays in data.splits.items()}
 
-  def _generate_examples(self, arrays: Mapping[str, np.ndarray]
-                         ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+  def _generate_examples(
+    self, arrays: Mapping[str, np.ndarray]
+  ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     for i in range(len(arrays["label"])):
       yield i, {k: v[i] for k, v in arrays.items()}
 
@@ -268,6 +293,7 @@ class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ListOpsConfig(tfds.core.BuilderConfig):
   """A ListOps preset plus the generator seed (see :func:`listops.generate_splits`)."""
+
   seed: int = 0
   min_length: int = 0
   max_length: int = 0
@@ -285,8 +311,12 @@ def listops_config(preset: str, seed: int = 0) -> ListOpsConfig:
   if seed < 0:
     raise ValueError(f"ListOps seed must be >= 0, got {seed}.")
   name = preset if seed == 0 else f"{preset}_seed{seed}"
-  return ListOpsConfig(name=name, description=f"ListOps preset {preset}, seed {seed}", seed=seed,
-                       **listops.PRESETS[preset])
+  return ListOpsConfig(
+    name=name,
+    description=f"ListOps preset {preset}, seed {seed}",
+    seed=seed,
+    **listops.PRESETS[preset],
+  )
 
 
 class ListOps(tfds.core.GeneratorBasedBuilder):
@@ -300,29 +330,39 @@ class ListOps(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     length = self.builder_config.max_length
     return tfds.core.DatasetInfo(
-        builder=self,
-        description="ListOps (Long Range Arena task), token ids padded with PAD_ID.",
-        features=tfds.features.FeaturesDict({
-            "inputs": tfds.features.Tensor(shape=(length,), dtype=np.int32, encoding="zlib"),
-            "mask": tfds.features.Tensor(shape=(length,), dtype=np.bool_, encoding="zlib"),
-            "label": tfds.features.Scalar(dtype=np.int32),
-        }),
-        disable_shuffling=True,
-        metadata=tfds.core.MetadataDict(vocab_size=listops.VOCAB_SIZE, pad_id=listops.PAD_ID,
-                                        num_classes=listops.NUM_CLASSES),
+      builder=self,
+      description="ListOps (Long Range Arena task), token ids padded with PAD_ID.",
+      features=tfds.features.FeaturesDict(
+        {
+          "inputs": tfds.features.Tensor(shape=(length,), dtype=np.int32, encoding="zlib"),
+          "mask": tfds.features.Tensor(shape=(length,), dtype=np.bool_, encoding="zlib"),
+          "label": tfds.features.Scalar(dtype=np.int32),
+        }
+      ),
+      disable_shuffling=True,
+      metadata=tfds.core.MetadataDict(
+        vocab_size=listops.VOCAB_SIZE, pad_id=listops.PAD_ID, num_classes=listops.NUM_CLASSES
+      ),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
     del dl_manager  # generated, nothing to download
     c = self.builder_config
     splits = listops.generate_splits(
-        seed=c.seed, num_train=c.num_train, num_validation=c.num_validation,
-        num_test=c.num_test, min_length=c.min_length, max_length=c.max_length,
-        max_depth=c.max_depth, max_args=c.max_args)
+      seed=c.seed,
+      num_train=c.num_train,
+      num_validation=c.num_validation,
+      num_test=c.num_test,
+      min_length=c.min_length,
+      max_length=c.max_length,
+      max_depth=c.max_depth,
+      max_args=c.max_args,
+    )
     return {split: self._generate_examples(examples) for split, examples in splits.items()}
 
-  def _generate_examples(self, examples: Sequence[tuple[np.ndarray, int]]
-                         ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+  def _generate_examples(
+    self, examples: Sequence[tuple[np.ndarray, int]]
+  ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     length = self.builder_config.max_length
     for i, (ids, label) in enumerate(examples):
       yield i, pad_tokens(ids, label, length)
@@ -334,13 +374,17 @@ def pad_tokens(ids: np.ndarray, label: int, length: int) -> dict[str, np.ndarray
   if ids.ndim != 1 or len(ids) > length:
     raise ValueError(f"token ids must be 1-D with at most {length} entries; got shape {ids.shape}.")
   inputs = np.full((length,), listops.PAD_ID, np.int32)
-  inputs[:len(ids)] = ids
+  inputs[: len(ids)] = ids
   return {"inputs": inputs, "mask": np.arange(length) < len(ids), "label": np.int32(label)}
 
 
-def listops_sources(preset: str, *, seed: int = 0, data_dir: str | os.PathLike[str] | None = None,
-                    splits: Sequence[str] = ("train", "validation", "test")
-                    ) -> dict[str, DecodedSource]:
+def listops_sources(
+  preset: str,
+  *,
+  seed: int = 0,
+  data_dir: str | os.PathLike[str] | None = None,
+  splits: Sequence[str] = ("train", "validation", "test"),
+) -> dict[str, DecodedSource]:
   """Random-access ListOps sources, generated and prepared with TFDS on first use.
 
   Args:
@@ -359,10 +403,15 @@ def listops_sources(preset: str, *, seed: int = 0, data_dir: str | os.PathLike[s
   return decoded_sources(builder, list(splits))
 
 
-def uea_sources(name: str, *, data_dir: str | os.PathLike[str] | None = None,
-                manual_dir: str | os.PathLike[str] | None = None,
-                splits: Sequence[str] = uea.ARCHIVE_SPLITS, validation_fraction: float = 0.2,
-                split_seed: int = 0) -> dict[str, Any]:
+def uea_sources(
+  name: str,
+  *,
+  data_dir: str | os.PathLike[str] | None = None,
+  manual_dir: str | os.PathLike[str] | None = None,
+  splits: Sequence[str] = uea.ARCHIVE_SPLITS,
+  validation_fraction: float = 0.2,
+  split_seed: int = 0,
+) -> dict[str, Any]:
   """Random-access sources of a UEA data set, prepared with TFDS on first use.
 
   Args:
@@ -382,32 +431,46 @@ def uea_sources(name: str, *, data_dir: str | os.PathLike[str] | None = None,
   unknown = [s for s in splits if s not in uea.ALL_SPLITS]
   if unknown:
     raise ValueError(f"Unknown UEA split(s) {unknown}; choose from {list(uea.ALL_SPLITS)}.")
-  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir, manual_dir=manual_dir,
-                             source_fingerprint=uea_fingerprint(name, manual_dir))
-  archive = decoded_sources(builder, [s for s in uea.ARCHIVE_SPLITS
-                                      if s in splits or s == "train"])
+  builder = prepared_builder(
+    UeaMultivariate,
+    name,
+    data_dir=data_dir,
+    manual_dir=manual_dir,
+    source_fingerprint=uea_fingerprint(name, manual_dir),
+  )
+  archive = decoded_sources(builder, [s for s in uea.ARCHIVE_SPLITS if s in splits or s == "train"])
   out = {s: archive[s] for s in uea.ARCHIVE_SPLITS if s in splits}
   if any(s in uea.CLEAN_SPLITS for s in splits):
     labels = np.asarray(builder.info.metadata["train_labels"], np.int32)
     fit, validation = uea.stratified_split(labels, validation_fraction, split_seed)
     tag = f"fraction={validation_fraction}, seed={split_seed}"
-    carved = {"train_fit": SubsetSource(archive["train"], fit, f"train_fit({tag})"),
-              "validation": SubsetSource(archive["train"], validation,
-                                                  f"validation({tag})")}
+    carved = {
+      "train_fit": SubsetSource(archive["train"], fit, f"train_fit({tag})"),
+      "validation": SubsetSource(archive["train"], validation, f"validation({tag})"),
+    }
     out.update({s: carved[s] for s in uea.CLEAN_SPLITS if s in splits})
   return {s: out[s] for s in splits}
 
 
-def uea_info(name: str, *, data_dir: str | os.PathLike[str] | None = None,
-             manual_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def uea_info(
+  name: str,
+  *,
+  data_dir: str | os.PathLike[str] | None = None,
+  manual_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
   """Sizes of a UEA data set (prepares it with TFDS on first use, like :func:`uea_sources`).
 
   Returns:
     ``dict(num_classes, num_channels, max_length, num_train, num_test, class_names)``.
   """
   uea.check_name(name)
-  builder = prepared_builder(UeaMultivariate, name, data_dir=data_dir, manual_dir=manual_dir,
-                             source_fingerprint=uea_fingerprint(name, manual_dir))
+  builder = prepared_builder(
+    UeaMultivariate,
+    name,
+    data_dir=data_dir,
+    manual_dir=manual_dir,
+    source_fingerprint=uea_fingerprint(name, manual_dir),
+  )
   metadata: Mapping[str, Any] = builder.info.metadata
   keys = ("num_classes", "num_channels", "max_length", "num_train", "num_test", "class_names")
   return {k: metadata[k] for k in keys}

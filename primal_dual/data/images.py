@@ -44,6 +44,7 @@ class _ImageDataset:
     splits: (training split, evaluation split) names.
     preparation: how to prepare it for TFDS, or None when it ships with a package.
   """
+
   num_classes: int
   image_shape: tuple[int, int, int]
   mean: tuple[float, ...]
@@ -53,30 +54,40 @@ class _ImageDataset:
 
 
 _CIFAR10_PREPARATION = (
-    "On a machine with TensorFlow and internet access run\n"
-    "  pip install tensorflow tensorflow-datasets\n"
-    "  tfds build cifar10 --file_format=array_record --data_dir=DATA_DIR\n"
-    "then copy DATA_DIR here and pass data_dir=DATA_DIR (or set TFDS_DATA_DIR).")
+  "On a machine with TensorFlow and internet access run\n"
+  "  pip install tensorflow tensorflow-datasets\n"
+  "  tfds build cifar10 --file_format=array_record --data_dir=DATA_DIR\n"
+  "then copy DATA_DIR here and pass data_dir=DATA_DIR (or set TFDS_DATA_DIR)."
+)
 
 _IMAGENET_PREPARATION = (
-    "Register at https://image-net.org/download-images, put ILSVRC2012_img_train.tar and "
-    "ILSVRC2012_img_val.tar into DATA_DIR/downloads/manual, and on a machine with TensorFlow run\n"
-    "  pip install tensorflow tensorflow-datasets\n"
-    "  tfds build imagenet2012 --file_format=array_record --data_dir=DATA_DIR\n"
-    "then pass data_dir=DATA_DIR (or set TFDS_DATA_DIR).")
+  "Register at https://image-net.org/download-images, put ILSVRC2012_img_train.tar and "
+  "ILSVRC2012_img_val.tar into DATA_DIR/downloads/manual, and on a machine with TensorFlow run\n"
+  "  pip install tensorflow tensorflow-datasets\n"
+  "  tfds build imagenet2012 --file_format=array_record --data_dir=DATA_DIR\n"
+  "then pass data_dir=DATA_DIR (or set TFDS_DATA_DIR)."
+)
 
 _DATASETS: dict[str, _ImageDataset] = {
-    "digits": _ImageDataset(
-        num_classes=10, image_shape=(8, 8, 1), mean=(0.3053,), std=(0.3760,),
-        splits=("train", "test")),
-    "cifar10": _ImageDataset(
-        num_classes=10, image_shape=(32, 32, 3), mean=(0.4914, 0.4822, 0.4465),
-        std=(0.2470, 0.2435, 0.2616), splits=("train", "test"),
-        preparation=_CIFAR10_PREPARATION),
-    "imagenet2012": _ImageDataset(
-        num_classes=1000, image_shape=(224, 224, 3), mean=(0.485, 0.456, 0.406),
-        std=(0.229, 0.224, 0.225), splits=("train", "validation"),
-        preparation=_IMAGENET_PREPARATION),
+  "digits": _ImageDataset(
+    num_classes=10, image_shape=(8, 8, 1), mean=(0.3053,), std=(0.3760,), splits=("train", "test")
+  ),
+  "cifar10": _ImageDataset(
+    num_classes=10,
+    image_shape=(32, 32, 3),
+    mean=(0.4914, 0.4822, 0.4465),
+    std=(0.2470, 0.2435, 0.2616),
+    splits=("train", "test"),
+    preparation=_CIFAR10_PREPARATION,
+  ),
+  "imagenet2012": _ImageDataset(
+    num_classes=1000,
+    image_shape=(224, 224, 3),
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+    splits=("train", "validation"),
+    preparation=_IMAGENET_PREPARATION,
+  ),
 }
 
 
@@ -98,8 +109,13 @@ def dataset_info(name: str) -> dict[str, Any]:
     imagenet2012: after ``resize_and_center_crop`` / ``random_resized_crop`` to 224).
   """
   info = _lookup(name)
-  return dict(num_classes=info.num_classes, image_shape=info.image_shape, mean=info.mean,
-              std=info.std, splits=info.splits)
+  return dict(
+    num_classes=info.num_classes,
+    image_shape=info.image_shape,
+    mean=info.mean,
+    std=info.std,
+    splits=info.splits,
+  )
 
 
 # --------------------------------------------------------------------------- sources
@@ -130,7 +146,9 @@ class ArraySource:
     return f"ArraySource(num_records={len(self)}, image_shape={self.images.shape[1:]})"
 
 
-def digits_sources(*, upscale: int = 1, seed: int = 0, test_fraction: float = 0.2) -> dict[str, ArraySource]:
+def digits_sources(
+  *, upscale: int = 1, seed: int = 0, test_fraction: float = 0.2
+) -> dict[str, ArraySource]:
   """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), offline.
 
   The split is stratified by label and determined by ``seed``; records within a split are
@@ -159,13 +177,17 @@ def digits_sources(*, upscale: int = 1, seed: int = 0, test_fraction: float = 0.
   images = np.repeat(np.repeat(images, upscale, axis=1), upscale, axis=2)
   labels = digits.target.astype(np.int32)
   train_index, test_index = train_test_split(
-      np.arange(len(labels)), test_size=test_fraction, stratify=labels, random_state=seed)
-  return {split: ArraySource(images[np.sort(index)], labels[np.sort(index)])
-          for split, index in (("train", train_index), ("test", test_index))}
+    np.arange(len(labels)), test_size=test_fraction, stratify=labels, random_state=seed
+  )
+  return {
+    split: ArraySource(images[np.sort(index)], labels[np.sort(index)])
+    for split, index in (("train", train_index), ("test", test_index))
+  }
 
 
-def tfds_image_sources(name: str, *, data_dir: str | os.PathLike | None = None,
-                       splits: Sequence[str] | None = None) -> dict[str, Any]:
+def tfds_image_sources(
+  name: str, *, data_dir: str | os.PathLike | None = None, splits: Sequence[str] | None = None
+) -> dict[str, Any]:
   """Random-access TFDS sources of a data set prepared in array_record format.
 
   Needs no TensorFlow to read. Records are TFDS's, e.g. cifar10's ``{'id': bytes,
@@ -192,24 +214,34 @@ def tfds_image_sources(name: str, *, data_dir: str | os.PathLike | None = None,
     raise ValueError("'digits' ships with scikit-learn: use digits_sources(), not TFDS.")
   if splits is None:
     if known is None:
-      raise ValueError(f"Pass splits= for TFDS data set {name!r} (defaults exist for "
-                       f"{sorted(n for n, d in _DATASETS.items() if d.preparation)}).")
+      raise ValueError(
+        f"Pass splits= for TFDS data set {name!r} (defaults exist for "
+        f"{sorted(n for n, d in _DATASETS.items() if d.preparation)})."
+      )
     splits = known.splits
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as error:
     raise ValueError(f"{name!r} is not in the TFDS catalogue: {error}") from None
 
-  preparation = known.preparation if known is not None else (
+  preparation = (
+    known.preparation
+    if known is not None
+    else (
       f"On a machine with TensorFlow run: tfds build {name} --file_format=array_record "
-      "--data_dir=DATA_DIR, then pass data_dir=DATA_DIR.")
+      "--data_dir=DATA_DIR, then pass data_dir=DATA_DIR."
+    )
+  )
   if not builder.is_prepared():
-    raise FileNotFoundError(f"TFDS data set {name!r} is not prepared in {builder.data_dir}.\n{preparation}")
+    raise FileNotFoundError(
+      f"TFDS data set {name!r} is not prepared in {builder.data_dir}.\n{preparation}"
+    )
   random_access = tfds.core.file_adapters.FileFormat.with_random_access()
   if builder.info.file_format not in random_access:
     raise FileNotFoundError(
-        f"TFDS data set {name!r} in {builder.data_dir} is in {builder.info.file_format.value} format, "
-        f"which has no random access; prepare it again with --file_format=array_record.\n{preparation}")
+      f"TFDS data set {name!r} in {builder.data_dir} is in {builder.info.file_format.value} format, "
+      f"which has no random access; prepare it again with --file_format=array_record.\n{preparation}"
+    )
   missing = [split for split in splits if split not in builder.info.splits]
   if missing:
     raise ValueError(f"Splits {missing} not in {name!r}; available: {sorted(builder.info.splits)}.")
@@ -246,7 +278,9 @@ def random_flip(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
   return np.ascontiguousarray(image[:, ::-1]) if rng.random() < 0.5 else image
 
 
-def random_crop_with_padding(image: np.ndarray, rng: np.random.Generator, padding: int) -> np.ndarray:
+def random_crop_with_padding(
+  image: np.ndarray, rng: np.random.Generator, padding: int
+) -> np.ndarray:
   """Zero-pads ``padding`` pixels on every side, then crops back to the original size.
 
   Applied before ``normalize``, so the padding is black, as in the usual CIFAR recipe.
@@ -264,22 +298,30 @@ def random_crop_with_padding(image: np.ndarray, rng: np.random.Generator, paddin
   height, width = image.shape[:2]
   padded = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))
   top, left = rng.integers(0, 2 * padding + 1, size=2)
-  return padded[top:top + height, left:left + width]
+  return padded[top : top + height, left : left + width]
 
 
 def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
   """Bicubic resize of ``[H, W, C]`` to ``[height, width, C]`` with PIL, dtype kept."""
   if image.dtype == np.uint8:
-    channels = [Image.fromarray(image[..., c]).resize((width, height), Image.BICUBIC)
-                for c in range(image.shape[-1])]
+    channels = [
+      Image.fromarray(image[..., c]).resize((width, height), Image.BICUBIC)
+      for c in range(image.shape[-1])
+    ]
     return np.stack([np.asarray(c) for c in channels], axis=-1)
   # Float images go through PIL's 32-bit float mode, one channel at a time.
-  channels = [Image.fromarray(image[..., c].astype(np.float32), mode="F").resize((width, height), Image.BICUBIC)
-              for c in range(image.shape[-1])]
+  channels = [
+    Image.fromarray(image[..., c].astype(np.float32), mode="F").resize(
+      (width, height), Image.BICUBIC
+    )
+    for c in range(image.shape[-1])
+  ]
   return np.stack([np.asarray(c) for c in channels], axis=-1).astype(image.dtype)
 
 
-def resize_and_center_crop(image: np.ndarray, size: int, crop_fraction: float = 0.875) -> np.ndarray:
+def resize_and_center_crop(
+  image: np.ndarray, size: int, crop_fraction: float = 0.875
+) -> np.ndarray:
   """Evaluation transform of ImageNet models: resize, then a central square crop.
 
   The shorter side is resized to ``round(size / crop_fraction)`` (256 for 224), keeping
@@ -298,15 +340,23 @@ def resize_and_center_crop(image: np.ndarray, size: int, crop_fraction: float = 
   height, width = image.shape[:2]
   shorter = int(round(size / crop_fraction))
   scale = shorter / min(height, width)
-  new_height, new_width = max(size, int(round(height * scale))), max(size, int(round(width * scale)))
+  new_height, new_width = (
+    max(size, int(round(height * scale))),
+    max(size, int(round(width * scale))),
+  )
   resized = _resize(image, new_height, new_width)
   top, left = (new_height - size) // 2, (new_width - size) // 2
-  return resized[top:top + size, left:left + size]
+  return resized[top : top + size, left : left + size]
 
 
-def random_resized_crop(image: np.ndarray, rng: np.random.Generator, size: int,
-                        scale: tuple[float, float] = (0.08, 1.0),
-                        ratio: tuple[float, float] = (3 / 4, 4 / 3), attempts: int = 10) -> np.ndarray:
+def random_resized_crop(
+  image: np.ndarray,
+  rng: np.random.Generator,
+  size: int,
+  scale: tuple[float, float] = (0.08, 1.0),
+  ratio: tuple[float, float] = (3 / 4, 4 / 3),
+  attempts: int = 10,
+) -> np.ndarray:
   """Inception-style training crop: a random area / aspect-ratio window, resized.
 
   Tries ``attempts`` windows with area fraction in ``scale`` and log-uniform aspect ratio
@@ -329,7 +379,7 @@ def random_resized_crop(image: np.ndarray, rng: np.random.Generator, size: int,
     if 0 < crop_width <= width and 0 < crop_height <= height:
       top = rng.integers(0, height - crop_height + 1)
       left = rng.integers(0, width - crop_width + 1)
-      return _resize(image[top:top + crop_height, left:left + crop_width], size, size)
+      return _resize(image[top : top + crop_height, left : left + crop_width], size, size)
   return resize_and_center_crop(image, size, crop_fraction=1.0)
 
 
@@ -365,23 +415,35 @@ def _imagenet_eval(upscale: int, image_size: int) -> list[Transform]:
 
 # (train recipe, eval recipe); each maps (upscale, image_size) to a list of transforms that
 # run on the raw image before `to_float` and `normalize`.
-_RECIPES: dict[str, tuple[Callable[[int, int], list[Transform]], Callable[[int, int], list[Transform]]]] = {
-    "digits": (_digits_train, _no_resize),
-    "cifar10": (_cifar10_train, _no_resize),
-    "imagenet2012": (_imagenet_train, _imagenet_eval),
+_RECIPES: dict[
+  str, tuple[Callable[[int, int], list[Transform]], Callable[[int, int], list[Transform]]]
+] = {
+  "digits": (_digits_train, _no_resize),
+  "cifar10": (_cifar10_train, _no_resize),
+  "imagenet2012": (_imagenet_train, _imagenet_eval),
 }
 
 
-def _preprocess(record: Mapping[str, Any], rng: np.random.Generator | None, *,
-                transforms: list[Transform], mean: Sequence[float], std: Sequence[float]) -> dict[str, np.ndarray]:
+def _preprocess(
+  record: Mapping[str, Any],
+  rng: np.random.Generator | None,
+  *,
+  transforms: list[Transform],
+  mean: Sequence[float],
+  std: Sequence[float],
+) -> dict[str, np.ndarray]:
   image = record["image"]
   for transform in transforms:
     image = transform(image, rng)
-  return {"inputs": normalize(image, mean, std), "label": np.asarray(record["label"], dtype=np.int32)}
+  return {
+    "inputs": normalize(image, mean, std),
+    "label": np.asarray(record["label"], dtype=np.int32),
+  }
 
 
-def make_preprocess(name: str, *, train: bool, image_size: int | None = None,
-                    upscale: int = 1) -> Callable[..., dict[str, np.ndarray]]:
+def make_preprocess(
+  name: str, *, train: bool, image_size: int | None = None, upscale: int = 1
+) -> Callable[..., dict[str, np.ndarray]]:
   """Raw record -> model record, as a grain transform.
 
   Args:
@@ -401,7 +463,9 @@ def make_preprocess(name: str, *, train: bool, image_size: int | None = None,
   transforms = recipe(upscale, image_size)
   preprocess = functools.partial(_preprocess, transforms=transforms, mean=info.mean, std=info.std)
 
-  def apply(record: Mapping[str, Any], rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+  def apply(
+    record: Mapping[str, Any], rng: np.random.Generator | None = None
+  ) -> dict[str, np.ndarray]:
     if train and rng is None:
       raise ValueError("Training preprocessing is random: pass an rng (use grain's random_map).")
     return preprocess(record, rng)

@@ -82,12 +82,11 @@ _MIN, _MAX, _MED, _SM = range(4)
 #   batch 32; 500 examples per evaluation split give accuracies to about +-2%.
 # - 'tiny' is for tests and smoke runs: 200 short expressions, generated in milliseconds.
 PRESETS: dict[str, dict[str, int]] = {
-    "full": dict(min_length=500, max_length=2000, num_train=96000,
-                 num_validation=2000, num_test=2000),
-    "short": dict(min_length=100, max_length=500, num_train=10000,
-                  num_validation=500, num_test=500),
-    "tiny": dict(min_length=10, max_length=40, num_train=160,
-                 num_validation=20, num_test=20),
+  "full": dict(
+    min_length=500, max_length=2000, num_train=96000, num_validation=2000, num_test=2000
+  ),
+  "short": dict(min_length=100, max_length=500, num_train=10000, num_validation=500, num_test=500),
+  "tiny": dict(min_length=10, max_length=40, num_train=160, num_validation=20, num_test=20),
 }
 
 _SPLITS = ("train", "validation", "test")
@@ -108,7 +107,9 @@ def tokenize(tokens: Sequence[str]) -> np.ndarray:
   try:
     return np.asarray([TOKEN_TO_ID[token] for token in tokens], dtype=np.int32)
   except KeyError as error:
-    raise ValueError(f"Unknown ListOps token {error.args[0]!r}; the vocabulary is {VOCAB}.") from None
+    raise ValueError(
+      f"Unknown ListOps token {error.args[0]!r}; the vocabulary is {VOCAB}."
+    ) from None
 
 
 def detokenize(ids: np.ndarray) -> list[str]:
@@ -134,10 +135,10 @@ def evaluate(tokens: Sequence[str]) -> int:
     The value, an int in 0..9.
   """
   reducers = {
-      "[MIN": min,
-      "[MAX": max,
-      "[MED": _median_rounded_down,
-      "[SM": lambda args: sum(args) % 10,
+    "[MIN": min,
+    "[MAX": max,
+    "[MED": _median_rounded_down,
+    "[SM": lambda args: sum(args) % 10,
   }
 
   def parse(position: int) -> tuple[int, int]:
@@ -176,13 +177,21 @@ class _Level:
     parent: int64 ``[n]`` index of the parent in the previous level (-1 for roots).
     num_children: int64 ``[n]`` argument count (0 for leaves).
   """
+
   tree: np.ndarray
   parent: np.ndarray
   num_children: np.ndarray
 
 
-def _sample_shapes(rng: np.random.Generator, num_candidates: int, *, min_length: int,
-                   max_length: int, max_depth: int, max_args: int) -> tuple[list[_Level], np.ndarray]:
+def _sample_shapes(
+  rng: np.random.Generator,
+  num_candidates: int,
+  *,
+  min_length: int,
+  max_length: int,
+  max_depth: int,
+  max_args: int,
+) -> tuple[list[_Level], np.ndarray]:
   """Samples tree shapes breadth-first and keeps those whose length is in range.
 
   Returns:
@@ -203,8 +212,12 @@ def _sample_shapes(rng: np.random.Generator, num_candidates: int, *, min_length:
       is_operator = np.zeros(tree.size, dtype=bool)
     num_children = np.where(is_operator, rng.integers(2, max_args + 1, size=tree.size), 0)
     # Leaves add 1 token, operators 2 (the operator and its ']'); every child adds >= 1.
-    tokens_so_far += np.bincount(tree, weights=1 + is_operator, minlength=num_candidates).astype(np.int64)
-    lower_bound = tokens_so_far + np.bincount(tree, weights=num_children, minlength=num_candidates).astype(np.int64)
+    tokens_so_far += np.bincount(tree, weights=1 + is_operator, minlength=num_candidates).astype(
+      np.int64
+    )
+    lower_bound = tokens_so_far + np.bincount(
+      tree, weights=num_children, minlength=num_candidates
+    ).astype(np.int64)
     alive &= lower_bound <= max_length
     # Dropping a dead tree's children keeps the work proportional to max_length.
     num_children = np.where(alive[tree], num_children, 0)
@@ -230,8 +243,11 @@ def _renumber(levels: list[_Level], kept_trees: np.ndarray) -> list[_Level]:
     parent = level.parent[keep]
     if previous_new_index is not None:
       parent = previous_new_index[parent]
-    result.append(_Level(tree=new_tree_id[level.tree[keep]], parent=parent,
-                         num_children=level.num_children[keep]))
+    result.append(
+      _Level(
+        tree=new_tree_id[level.tree[keep]], parent=parent, num_children=level.num_children[keep]
+      )
+    )
     previous_new_index = np.cumsum(keep) - 1
   return result
 
@@ -245,8 +261,9 @@ def _group_starts(num_children: np.ndarray) -> np.ndarray:
   return (np.cumsum(num_children) - num_children)[operators]
 
 
-def _fill_tokens_and_values(rng: np.random.Generator, levels: list[_Level],
-                            lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _fill_tokens_and_values(
+  rng: np.random.Generator, levels: list[_Level], lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Draws operators and digits for kept shapes and lays the trees out as tokens.
 
   Returns:
@@ -267,9 +284,12 @@ def _fill_tokens_and_values(rng: np.random.Generator, levels: list[_Level],
     values[d] = digits[d].copy()
     if is_operator.any():
       children = levels[d + 1]
-      sizes[d] += np.bincount(children.parent, weights=sizes[d + 1], minlength=level.tree.size).astype(np.int64)
+      sizes[d] += np.bincount(
+        children.parent, weights=sizes[d + 1], minlength=level.tree.size
+      ).astype(np.int64)
       values[d][is_operator] = _reduce_children(
-          values[d + 1], children.parent, _group_starts(level.num_children), kinds[d][is_operator])
+        values[d + 1], children.parent, _group_starts(level.num_children), kinds[d][is_operator]
+      )
 
   # Depth-first start position of every node, top-down.
   offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -277,20 +297,25 @@ def _fill_tokens_and_values(rng: np.random.Generator, levels: list[_Level],
   for d in range(1, len(levels)):
     children = levels[d]
     exclusive = np.cumsum(sizes[d]) - sizes[d]
-    first_sibling = np.repeat(_group_starts(levels[d - 1].num_children),
-                              levels[d - 1].num_children[levels[d - 1].num_children > 0])
+    first_sibling = np.repeat(
+      _group_starts(levels[d - 1].num_children),
+      levels[d - 1].num_children[levels[d - 1].num_children > 0],
+    )
     starts.append(starts[d - 1][children.parent] + 1 + exclusive - exclusive[first_sibling])
 
   buffer = np.full(int(offsets[-1]), PAD_ID, dtype=np.int32)
   for d, level in enumerate(levels):
     is_operator = level.num_children > 0
-    buffer[starts[d]] = np.where(is_operator, FIRST_OPERATOR_ID + kinds[d], FIRST_DIGIT_ID + digits[d])
+    buffer[starts[d]] = np.where(
+      is_operator, FIRST_OPERATOR_ID + kinds[d], FIRST_DIGIT_ID + digits[d]
+    )
     buffer[(starts[d] + sizes[d] - 1)[is_operator]] = END_ID
   return buffer, offsets, values[0].astype(np.int32)
 
 
-def _reduce_children(child_values: np.ndarray, child_parent: np.ndarray, group_starts: np.ndarray,
-                     kinds: np.ndarray) -> np.ndarray:
+def _reduce_children(
+  child_values: np.ndarray, child_parent: np.ndarray, group_starts: np.ndarray, kinds: np.ndarray
+) -> np.ndarray:
   """Applies each operator to its (contiguous, >= 2) children.
 
   Args:
@@ -308,7 +333,9 @@ def _reduce_children(child_values: np.ndarray, child_parent: np.ndarray, group_s
   sum_mod = np.add.reduceat(child_values, group_starts) % 10
   # Sorting by (parent, value) sorts every group in place; groups keep their positions.
   sorted_values = child_values[np.lexsort((child_values, child_parent))]
-  median = (sorted_values[group_starts + (counts - 1) // 2] + sorted_values[group_starts + counts // 2]) // 2
+  median = (
+    sorted_values[group_starts + (counts - 1) // 2] + sorted_values[group_starts + counts // 2]
+  ) // 2
   return np.choose(kinds, [minimum, maximum, median, sum_mod])
 
 
@@ -317,17 +344,27 @@ def _reduce_children(child_values: np.ndarray, child_parent: np.ndarray, group_s
 
 def _validate(min_length: int, max_length: int, max_depth: int, max_args: int) -> None:
   if max_args < 2:
-    raise ValueError(f"max_args must be >= 2 (an operator has 2..max_args arguments), got {max_args}.")
+    raise ValueError(
+      f"max_args must be >= 2 (an operator has 2..max_args arguments), got {max_args}."
+    )
   if max_depth < 2:
-    raise ValueError(f"max_depth must be >= 2 (the root is an operator over leaves), got {max_depth}.")
+    raise ValueError(
+      f"max_depth must be >= 2 (the root is an operator over leaves), got {max_depth}."
+    )
   if not 4 <= min_length <= max_length:
-    raise ValueError(f"Need 4 <= min_length <= max_length (the shortest expression, '[SM 1 2 ]', "
-                     f"has 4 tokens), got min_length={min_length}, max_length={max_length}.")
+    raise ValueError(
+      f"Need 4 <= min_length <= max_length (the shortest expression, '[SM 1 2 ]', "
+      f"has 4 tokens), got min_length={min_length}, max_length={max_length}."
+    )
   # The longest expression is the full max_args-ary tree.
-  longest = sum(max_args**k for k in range(max_depth)) + sum(max_args**k for k in range(max_depth - 1))
+  longest = sum(max_args**k for k in range(max_depth)) + sum(
+    max_args**k for k in range(max_depth - 1)
+  )
   if min_length > longest:
-    raise ValueError(f"min_length={min_length} exceeds the longest possible expression ({longest} tokens) "
-                     f"for max_depth={max_depth}, max_args={max_args}.")
+    raise ValueError(
+      f"min_length={min_length} exceeds the longest possible expression ({longest} tokens) "
+      f"for max_depth={max_depth}, max_args={max_args}."
+    )
 
 
 def _candidates_per_round(max_length: int) -> int:
@@ -335,11 +372,24 @@ def _candidates_per_round(max_length: int) -> int:
   return int(np.clip(4_000_000 // max_length, 64, 4096))
 
 
-def _generate_batch(rng: np.random.Generator, num_candidates: int, *, min_length: int, max_length: int,
-                    max_depth: int, max_args: int) -> tuple[list[np.ndarray], np.ndarray]:
+def _generate_batch(
+  rng: np.random.Generator,
+  num_candidates: int,
+  *,
+  min_length: int,
+  max_length: int,
+  max_depth: int,
+  max_args: int,
+) -> tuple[list[np.ndarray], np.ndarray]:
   """One round of candidates: returns the kept token-id arrays and their labels (maybe none)."""
-  levels, lengths = _sample_shapes(rng, num_candidates, min_length=min_length,
-                                   max_length=max_length, max_depth=max_depth, max_args=max_args)
+  levels, lengths = _sample_shapes(
+    rng,
+    num_candidates,
+    min_length=min_length,
+    max_length=max_length,
+    max_depth=max_depth,
+    max_args=max_args,
+  )
   if lengths.size == 0:
     return [], np.zeros(0, dtype=np.int32)
   buffer, offsets, labels = _fill_tokens_and_values(rng, levels, lengths)
@@ -352,8 +402,14 @@ _MAX_EMPTY_ROUNDS = 200
 _MAX_ROUNDS_WITHOUT_NEW = 25
 
 
-def generate_expression(rng: np.random.Generator, *, min_length: int, max_length: int,
-                        max_depth: int = 10, max_args: int = 10) -> list[str]:
+def generate_expression(
+  rng: np.random.Generator,
+  *,
+  min_length: int,
+  max_length: int,
+  max_depth: int = 10,
+  max_args: int = 10,
+) -> list[str]:
   """Samples one expression whose token count lies in ``[min_length, max_length]``.
 
   Args:
@@ -370,18 +426,34 @@ def generate_expression(rng: np.random.Generator, *, min_length: int, max_length
   # Few candidates first (one expression is wanted), more while none is kept.
   num_candidates = 16
   for _ in range(_MAX_EMPTY_ROUNDS):
-    expressions, _ = _generate_batch(rng, num_candidates, min_length=min_length, max_length=max_length,
-                                     max_depth=max_depth, max_args=max_args)
+    expressions, _ = _generate_batch(
+      rng,
+      num_candidates,
+      min_length=min_length,
+      max_length=max_length,
+      max_depth=max_depth,
+      max_args=max_args,
+    )
     if expressions:
       return detokenize(expressions[0])
     num_candidates = min(2 * num_candidates, _candidates_per_round(max_length))
-  raise ValueError(f"Lengths [{min_length}, {max_length}] are (almost) never reached with "
-                   f"max_depth={max_depth}, max_args={max_args}; widen the range.")
+  raise ValueError(
+    f"Lengths [{min_length}, {max_length}] are (almost) never reached with "
+    f"max_depth={max_depth}, max_args={max_args}; widen the range."
+  )
 
 
-def generate_splits(*, seed: int, num_train: int, num_validation: int, num_test: int,
-                    min_length: int, max_length: int, max_depth: int = 10,
-                    max_args: int = 10) -> dict[str, list[tuple[np.ndarray, int]]]:
+def generate_splits(
+  *,
+  seed: int,
+  num_train: int,
+  num_validation: int,
+  num_test: int,
+  min_length: int,
+  max_length: int,
+  max_depth: int = 10,
+  max_args: int = 10,
+) -> dict[str, list[tuple[np.ndarray, int]]]:
   """Generates disjoint train / validation / test sets of distinct expressions.
 
   Expressions are generated from ``seed`` until ``num_train + num_validation + num_test``
@@ -410,8 +482,14 @@ def generate_splits(*, seed: int, num_train: int, num_validation: int, num_test:
   unique: dict[bytes, tuple[np.ndarray, int]] = {}
   rounds_without_new = 0
   while len(unique) < total:
-    expressions, labels = _generate_batch(rng, _candidates_per_round(max_length), min_length=min_length,
-                                          max_length=max_length, max_depth=max_depth, max_args=max_args)
+    expressions, labels = _generate_batch(
+      rng,
+      _candidates_per_round(max_length),
+      min_length=min_length,
+      max_length=max_length,
+      max_depth=max_depth,
+      max_args=max_args,
+    )
     before = len(unique)
     for ids, label in zip(expressions, labels.tolist()):
       unique.setdefault(ids.astype(np.uint8).tobytes(), (ids, label))
@@ -419,13 +497,15 @@ def generate_splits(*, seed: int, num_train: int, num_validation: int, num_test:
         break
     rounds_without_new = 0 if len(unique) > before else rounds_without_new + 1
     if rounds_without_new >= _MAX_ROUNDS_WITHOUT_NEW:
-      raise ValueError(f"Found only {len(unique)} distinct expressions of {min_length}-{max_length} "
-                       f"tokens, {total} requested; widen the length range or ask for fewer.")
+      raise ValueError(
+        f"Found only {len(unique)} distinct expressions of {min_length}-{max_length} "
+        f"tokens, {total} requested; widen the length range or ask for fewer."
+      )
 
   ordered = [unique[key] for key in sorted(unique)]
   permutation = np.random.default_rng(split_seed).permutation(total)
   splits, start = {}, 0
   for name in _SPLITS:
-    splits[name] = [ordered[i] for i in permutation[start:start + sizes[name]]]
+    splits[name] = [ordered[i] for i in permutation[start : start + sizes[name]]]
     start += sizes[name]
   return splits

@@ -25,6 +25,7 @@ different stream id per split.
 **Metric.** ``r_squared`` compares the squared error with each task's exact target variance
 (``task_moments``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,9 @@ from primal_dual.data import sraven
 _MAX_TERM_SETS = 2_000_000
 
 OOD_TERM_SET_RULES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    # held: bool [T, num_terms], whether each term of each term set is a held-out conjunction.
-    "any_held_out": lambda held: held.any(axis=-1),
-    "all_held_out": lambda held: held.all(axis=-1),
+  # held: bool [T, num_terms], whether each term of each term set is a held-out conjunction.
+  "any_held_out": lambda held: held.any(axis=-1),
+  "all_held_out": lambda held: held.all(axis=-1),
 }
 
 
@@ -63,6 +64,7 @@ class LogicConfig:
       the reference configs of Schug et al.).
     ood_term_sets: which term sets form the ``ood`` split, a key of ``OOD_TERM_SET_RULES``.
   """
+
   num_variables: int = 4
   num_terms: int = 2
   seq_len: int = 16
@@ -85,18 +87,25 @@ class LogicConfig:
     if self.split_seed < 0:
       raise ValueError(f"split_seed must be >= 0, got {self.split_seed}.")
     if self.ood_term_sets not in OOD_TERM_SET_RULES:
-      raise ValueError(f"Unknown ood_term_sets {self.ood_term_sets!r}; choose from "
-                       f"{list(OOD_TERM_SET_RULES)}.")
+      raise ValueError(
+        f"Unknown ood_term_sets {self.ood_term_sets!r}; choose from {list(OOD_TERM_SET_RULES)}."
+      )
     num_seen = self.num_conjunctions - self.num_heldout_conjunctions
     if self.num_terms > num_seen:
-      raise ValueError(f"num_terms ({self.num_terms}) exceeds the {num_seen} seen conjunctions; "
-                       "lower num_terms or ood_fraction.")
+      raise ValueError(
+        f"num_terms ({self.num_terms}) exceeds the {num_seen} seen conjunctions; "
+        "lower num_terms or ood_fraction."
+      )
     if math.comb(self.num_conjunctions, self.num_terms) > _MAX_TERM_SETS:
-      raise ValueError(f"C(2^{self.num_variables}, {self.num_terms}) term sets is too many to "
-                       f"tabulate (limit {_MAX_TERM_SETS}); lower num_variables or num_terms.")
+      raise ValueError(
+        f"C(2^{self.num_variables}, {self.num_terms}) term sets is too many to "
+        f"tabulate (limit {_MAX_TERM_SETS}); lower num_variables or num_terms."
+      )
     if math.comb(num_seen, self.num_terms) < 2:
-      raise ValueError("Fewer than 2 in-distribution term sets: train and test cannot both be "
-                       "non-empty; lower ood_fraction or num_terms.")
+      raise ValueError(
+        "Fewer than 2 in-distribution term sets: train and test cannot both be "
+        "non-empty; lower ood_fraction or num_terms."
+      )
 
   @property
   def num_conjunctions(self) -> int:
@@ -114,10 +123,10 @@ class _Split(NamedTuple):
 
 
 SPLITS: dict[str, _Split] = {
-    "train": _Split(stream_id=0, tasks="train"),
-    "validation": _Split(stream_id=1, tasks="train"),
-    "test": _Split(stream_id=2, tasks="test"),
-    "ood": _Split(stream_id=3, tasks="ood"),
+  "train": _Split(stream_id=0, tasks="train"),
+  "validation": _Split(stream_id=1, tasks="train"),
+  "test": _Split(stream_id=2, tasks="test"),
+  "ood": _Split(stream_id=3, tasks="ood"),
 }
 
 
@@ -141,8 +150,11 @@ def conjunction_table(config: LogicConfig) -> np.ndarray:
 
 def heldout_conjunction_ids(config: LogicConfig) -> np.ndarray:
   """int32 ids of the held-out conjunctions: the last ``num_heldout_conjunctions``."""
-  return np.arange(config.num_conjunctions - config.num_heldout_conjunctions,
-                   config.num_conjunctions, dtype=np.int32)
+  return np.arange(
+    config.num_conjunctions - config.num_heldout_conjunctions,
+    config.num_conjunctions,
+    dtype=np.int32,
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,13 +171,15 @@ def _task_ids_by_table(config: LogicConfig) -> dict[str, np.ndarray]:
   order = np.random.default_rng(config.split_seed).permutation(in_distribution)
   num_test = int(math.floor(config.test_fraction * len(order) + 1e-9))
   if num_test == 0 or num_test == len(order):
-    raise ValueError(f"test_fraction {config.test_fraction} leaves train or test without tasks "
-                     f"({len(order)} in-distribution term sets).")
+    raise ValueError(
+      f"test_fraction {config.test_fraction} leaves train or test without tasks "
+      f"({len(order)} in-distribution term sets)."
+    )
   ood = np.flatnonzero(OOD_TERM_SET_RULES[config.ood_term_sets](held))
   return {
-      "train": _read_only(np.sort(order[num_test:]).astype(np.int32)),
-      "test": _read_only(np.sort(order[:num_test]).astype(np.int32)),
-      "ood": _read_only(ood.astype(np.int32)),
+    "train": _read_only(np.sort(order[num_test:]).astype(np.int32)),
+    "test": _read_only(np.sort(order[:num_test]).astype(np.int32)),
+    "ood": _read_only(ood.astype(np.int32)),
   }
 
 
@@ -188,8 +202,9 @@ def evaluate_task(x: jax.Array, polarities: jax.Array) -> jax.Array:
   return jnp.max(jnp.min(literals, axis=-1), axis=-1)
 
 
-def _sample_sequence(key: jax.Array, config: LogicConfig, task_pool: jax.Array,
-                     pool_size: jax.Array) -> dict[str, jax.Array]:
+def _sample_sequence(
+  key: jax.Array, config: LogicConfig, task_pool: jax.Array, pool_size: jax.Array
+) -> dict[str, jax.Array]:
   """One sequence of a task drawn from the first ``pool_size`` ids of ``task_pool``."""
   # One flat draw: multi-dimensional or split draws compile several times slower under vmap.
   num_x = config.seq_len * config.num_variables
@@ -201,14 +216,15 @@ def _sample_sequence(key: jax.Array, config: LogicConfig, task_pool: jax.Array,
   polarities = jnp.asarray(conjunction_table(config))[jnp.asarray(term_set_table(config))[task_id]]
   y = evaluate_task(x, polarities)
   return {
-      "inputs": jnp.concatenate([x, y.at[-1].set(0.0)[:, None]], axis=-1),
-      "target": y[-1],
-      "task_id": task_id.astype(jnp.int32),
+    "inputs": jnp.concatenate([x, y.at[-1].set(0.0)[:, None]], axis=-1),
+    "target": y[-1],
+    "task_id": task_id.astype(jnp.int32),
   }
 
 
-def sample_sequence(key: jax.Array, config: LogicConfig, split: str = "train"
-                    ) -> dict[str, jax.Array]:
+def sample_sequence(
+  key: jax.Array, config: LogicConfig, split: str = "train"
+) -> dict[str, jax.Array]:
   """One sequence of a split from a JAX key (traceable; unbatched ``generate_batch`` record).
 
   ``generate_batch(config, seed, [i], split)`` equals this with
@@ -229,12 +245,17 @@ def _batched_generator(config: LogicConfig) -> Callable[..., dict[str, jax.Array
   return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
 
 
-def split_stream(config: LogicConfig, split: str
-                 ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+def split_stream(
+  config: LogicConfig, split: str
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
   """``sraven.device_stream`` of a split's sequences (records as ``generate_batch``'s)."""
   pool, pool_size = _padded_pool(config, split)
-  return sraven.device_stream(lambda key, p, n: _sample_sequence(key, config, p, n),
-                              _check_split(split).stream_id, pool, pool_size)
+  return sraven.device_stream(
+    lambda key, p, n: _sample_sequence(key, config, p, n),
+    _check_split(split).stream_id,
+    pool,
+    pool_size,
+  )
 
 
 def _check_usable_split(config, split: str) -> None:
@@ -247,16 +268,19 @@ def _padded_pool(config: LogicConfig, split: str) -> tuple[np.ndarray, int]:
   """The split's task ids padded to ``T`` so every split shares one compiled function."""
   ids = split_task_ids(config, split)
   if len(ids) == 0:
-    raise ValueError(f"Split {split!r} has no tasks: raise ood_fraction (now "
-                     f"{config.ood_fraction}) so that at least {config.num_terms} conjunctions "
-                     "are held out, or use ood_term_sets='any_held_out'.")
+    raise ValueError(
+      f"Split {split!r} has no tasks: raise ood_fraction (now "
+      f"{config.ood_fraction}) so that at least {config.num_terms} conjunctions "
+      "are held out, or use ood_term_sets='any_held_out'."
+    )
   pool = np.zeros(len(term_set_table(config)), np.int32)
-  pool[:len(ids)] = ids
+  pool[: len(ids)] = ids
   return _read_only(pool), len(ids)
 
 
-def generate_batch(config: LogicConfig, seed: int, indices: Sequence[int] | np.ndarray,
-                   split: str = "train") -> dict[str, np.ndarray]:
+def generate_batch(
+  config: LogicConfig, seed: int, indices: Sequence[int] | np.ndarray, split: str = "train"
+) -> dict[str, np.ndarray]:
   """Sequences ``indices`` of a split's stream, in one jitted call.
 
   Args:
@@ -272,12 +296,14 @@ def generate_batch(config: LogicConfig, seed: int, indices: Sequence[int] | np.n
   stream_id = _check_split(split).stream_id
   pool, pool_size = _padded_pool(config, split)
   return sraven.call_generator(
-      _batched_generator(config), seed, stream_id, pool, pool_size, indices)
+    _batched_generator(config), seed, stream_id, pool, pool_size, indices
+  )
 
 
 class LogicSource(sraven.GeneratedSource):
   """``size`` fuzzy-logic sequences of one split; records as in ``generate_batch`` without the
   batch axis, a whole batch per jitted call through grain's ``_getitems``."""
+
   generate_batch = staticmethod(generate_batch)
   check_split = staticmethod(_check_usable_split)
 
@@ -299,8 +325,12 @@ def _survival_integrals(agree: np.ndarray, disagree: np.ndarray, power: int) -> 
   for low, high in ((0.0, 0.5), (0.5, 1.0)):
     z = 0.5 * (high - low) * nodes + 0.5 * (high + low)  # [Q]
     w = 0.5 * (high - low) * weights
-    integrand = (power * z**(power - 1) * (1 - z)**agree[..., None]
-                 * np.clip(1 - 2 * z, 0.0, None)**disagree[..., None])
+    integrand = (
+      power
+      * z ** (power - 1)
+      * (1 - z) ** agree[..., None]
+      * np.clip(1 - 2 * z, 0.0, None) ** disagree[..., None]
+    )
     total += integrand @ w
   return total
 
@@ -322,7 +352,7 @@ def task_moments(config: LogicConfig) -> tuple[np.ndarray, np.ndarray]:
   first = np.zeros(len(polarities))
   second = np.zeros(len(polarities))
   for size in range(1, config.num_terms + 1):
-    sign = (-1.0)**(size + 1)
+    sign = (-1.0) ** (size + 1)
     for subset in itertools.combinations(range(config.num_terms), size):
       chosen = polarities[:, subset, :]  # [T, size, n]
       disagree = np.sum(chosen.min(axis=1) != chosen.max(axis=1), axis=-1)
@@ -347,11 +377,14 @@ def r_squared(predictions: Any, targets: Any, task_variance: Any) -> float:
   Returns:
     Python float.
   """
-  predictions, targets, task_variance = (np.asarray(a, np.float64)
-                                         for a in (predictions, targets, task_variance))
+  predictions, targets, task_variance = (
+    np.asarray(a, np.float64) for a in (predictions, targets, task_variance)
+  )
   if not predictions.shape == targets.shape == task_variance.shape or predictions.ndim != 1:
-    raise ValueError(f"predictions, targets and task_variance must all be [B]; got "
-                     f"{predictions.shape}, {targets.shape}, {task_variance.shape}.")
+    raise ValueError(
+      f"predictions, targets and task_variance must all be [B]; got "
+      f"{predictions.shape}, {targets.shape}, {task_variance.shape}."
+    )
   if np.any(task_variance <= 0):
     raise ValueError("task_variance must be positive; look it up with task_moments(config)[1].")
-  return float(1.0 - np.sum((predictions - targets)**2) / np.sum(task_variance))
+  return float(1.0 - np.sum((predictions - targets) ** 2) / np.sum(task_variance))

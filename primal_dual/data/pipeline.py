@@ -70,14 +70,25 @@ class BatchStream:
   per-record bookkeeping, which is what makes it fast; see ``make_loader(batch_reads=True)``.
   """
 
-  def __init__(self, source: Any, *, batch_size: int, seed: int, shuffle: bool, start: int,
-               stop: int, num_epochs: int | None):
+  def __init__(
+    self,
+    source: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool,
+    start: int,
+    stop: int,
+    num_epochs: int | None,
+  ):
     self.source, self.batch_size, self.seed, self.shuffle = source, batch_size, seed, shuffle
     self.start, self.stop = start, stop
     self.per_epoch = (stop - start) // batch_size
     if self.per_epoch == 0:
-      raise ValueError(f"batch_size={batch_size} exceeds this process's {stop - start} records; "
-                       "lower the batch size.")
+      raise ValueError(
+        f"batch_size={batch_size} exceeds this process's {stop - start} records; "
+        "lower the batch size."
+      )
     self.num_epochs = _ENDLESS_EPOCHS if num_epochs is None else num_epochs
     self._cached_epoch: tuple[int, np.ndarray] | None = None
 
@@ -87,29 +98,42 @@ class BatchStream:
   def _order(self, epoch: int) -> np.ndarray:
     if self._cached_epoch is None or self._cached_epoch[0] != epoch:
       count = self.stop - self.start
-      order = (np.random.default_rng([self.seed, epoch]).permutation(count) if self.shuffle
-               else np.arange(count))
+      order = (
+        np.random.default_rng([self.seed, epoch]).permutation(count)
+        if self.shuffle
+        else np.arange(count)
+      )
       self._cached_epoch = (epoch, order)
     return self._cached_epoch[1]
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     epoch, position = divmod(int(index), self.per_epoch)
-    rows = self._order(epoch)[position * self.batch_size:(position + 1) * self.batch_size]
+    rows = self._order(epoch)[position * self.batch_size : (position + 1) * self.batch_size]
     return _gather(self.source, self.start + rows)
 
   def __repr__(self) -> str:
     # Stable across restarts: grain checks it when restoring an iterator.
-    return (f"BatchStream(source={self.source!r}, batch_size={self.batch_size}, seed={self.seed}, "
-            f"shuffle={self.shuffle}, start={self.start}, stop={self.stop}, "
-            f"num_epochs={self.num_epochs})")
+    return (
+      f"BatchStream(source={self.source!r}, batch_size={self.batch_size}, seed={self.seed}, "
+      f"shuffle={self.shuffle}, start={self.start}, stop={self.stop}, "
+      f"num_epochs={self.num_epochs})"
+    )
 
 
-def make_loader(source: Any, *, batch_size: int, seed: int, shuffle: bool,
-                num_epochs: int | None = None, drop_remainder: bool = True,
-                shard_by_process: bool = True, worker_count: int = 0,
-                transforms: Sequence[Any] = (),
-                read_options: grain.ReadOptions | None = None,
-                batch_reads: bool = False) -> grain.DataLoaderIterator:
+def make_loader(
+  source: Any,
+  *,
+  batch_size: int,
+  seed: int,
+  shuffle: bool,
+  num_epochs: int | None = None,
+  drop_remainder: bool = True,
+  shard_by_process: bool = True,
+  worker_count: int = 0,
+  transforms: Sequence[Any] = (),
+  read_options: grain.ReadOptions | None = None,
+  batch_reads: bool = False,
+) -> grain.DataLoaderIterator:
   """A checkpointable grain iterator of batched records.
 
   Args:
@@ -147,53 +171,104 @@ def make_loader(source: Any, *, batch_size: int, seed: int, shuffle: bool,
   if worker_count < 0:
     raise ValueError(f"worker_count must be >= 0, got {worker_count}.")
   if batch_reads:
-    return _make_batch_loader(source, size, batch_size=batch_size, seed=seed, shuffle=shuffle,
-                              num_epochs=num_epochs, drop_remainder=drop_remainder,
-                              shard_by_process=shard_by_process, worker_count=worker_count,
-                              transforms=transforms, read_options=read_options)
+    return _make_batch_loader(
+      source,
+      size,
+      batch_size=batch_size,
+      seed=seed,
+      shuffle=shuffle,
+      num_epochs=num_epochs,
+      drop_remainder=drop_remainder,
+      shard_by_process=shard_by_process,
+      worker_count=worker_count,
+      transforms=transforms,
+      read_options=read_options,
+    )
   # drop_remainder=True on the shards keeps every process at the same number of steps.
-  shard_options = (grain.sharding.ShardByJaxProcess(drop_remainder=True) if shard_by_process
-                   else grain.sharding.NoSharding())
-  sampler = grain.samplers.IndexSampler(num_records=size, shard_options=shard_options,
-                                        shuffle=shuffle, num_epochs=num_epochs, seed=seed)
-  operations = [*transforms, grain.transforms.Batch(batch_size=batch_size,
-                                                    drop_remainder=drop_remainder)]
-  loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
-                            worker_count=worker_count, shard_options=shard_options,
-                            read_options=read_options)
+  shard_options = (
+    grain.sharding.ShardByJaxProcess(drop_remainder=True)
+    if shard_by_process
+    else grain.sharding.NoSharding()
+  )
+  sampler = grain.samplers.IndexSampler(
+    num_records=size, shard_options=shard_options, shuffle=shuffle, num_epochs=num_epochs, seed=seed
+  )
+  operations = [
+    *transforms,
+    grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop_remainder),
+  ]
+  loader = grain.DataLoader(
+    data_source=source,
+    sampler=sampler,
+    operations=operations,
+    worker_count=worker_count,
+    shard_options=shard_options,
+    read_options=read_options,
+  )
   return iter(loader)
 
 
-def _make_batch_loader(source: Any, size: int, *, batch_size: int, seed: int, shuffle: bool,
-                       num_epochs: int | None, drop_remainder: bool, shard_by_process: bool,
-                       worker_count: int, transforms: Sequence[Any],
-                       read_options: grain.ReadOptions | None) -> grain.DataLoaderIterator:
+def _make_batch_loader(
+  source: Any,
+  size: int,
+  *,
+  batch_size: int,
+  seed: int,
+  shuffle: bool,
+  num_epochs: int | None,
+  drop_remainder: bool,
+  shard_by_process: bool,
+  worker_count: int,
+  transforms: Sequence[Any],
+  read_options: grain.ReadOptions | None,
+) -> grain.DataLoaderIterator:
   if not drop_remainder or transforms:
-    raise ValueError("batch_reads=True needs drop_remainder=True and no transforms "
-                     f"(got drop_remainder={drop_remainder}, {len(transforms)} transforms).")
+    raise ValueError(
+      "batch_reads=True needs drop_remainder=True and no transforms "
+      f"(got drop_remainder={drop_remainder}, {len(transforms)} transforms)."
+    )
   start, stop = 0, size
   if shard_by_process:
     import jax  # pylint: disable=g-import-not-at-top
+
     start, _, _ = _process_slice(size, None, None)
     # Slices differ by at most one record; reading the smallest size (size // count) everywhere
     # gives every process the same number of batches.
     stop = start + size // jax.process_count()
-  stream = BatchStream(source, batch_size=batch_size, seed=seed, shuffle=shuffle, start=start,
-                       stop=stop, num_epochs=num_epochs)
-  sampler = grain.samplers.IndexSampler(num_records=len(stream),
-                                        shard_options=grain.sharding.NoSharding(),
-                                        shuffle=False, num_epochs=1, seed=seed)
-  loader = grain.DataLoader(data_source=stream, sampler=sampler, operations=[],
-                            worker_count=worker_count,
-                            shard_options=grain.sharding.NoSharding(), read_options=read_options)
+  stream = BatchStream(
+    source,
+    batch_size=batch_size,
+    seed=seed,
+    shuffle=shuffle,
+    start=start,
+    stop=stop,
+    num_epochs=num_epochs,
+  )
+  sampler = grain.samplers.IndexSampler(
+    num_records=len(stream),
+    shard_options=grain.sharding.NoSharding(),
+    shuffle=False,
+    num_epochs=1,
+    seed=seed,
+  )
+  loader = grain.DataLoader(
+    data_source=stream,
+    sampler=sampler,
+    operations=[],
+    worker_count=worker_count,
+    shard_options=grain.sharding.NoSharding(),
+    read_options=read_options,
+  )
   return iter(loader)
 
 
-def _process_slice(size: int, process_index: int | None,
-                   process_count: int | None) -> tuple[int, int, int]:
+def _process_slice(
+  size: int, process_index: int | None, process_count: int | None
+) -> tuple[int, int, int]:
   """``(start, stop, largest slice)`` of this process when ``size`` records are split evenly."""
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top
+
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
@@ -209,8 +284,13 @@ def _read(source: Any, indices: Sequence[int]) -> list[Any]:
   return [source[i] for i in indices]
 
 
-def iterate_eval(source: Any, batch_size: int, *, process_index: int | None = None,
-                 process_count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+def iterate_eval(
+  source: Any,
+  batch_size: int,
+  *,
+  process_index: int | None = None,
+  process_count: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
   """Yields every example of this process's slice of ``source`` exactly once, in order.
 
   Every batch has ``batch_size`` rows. Rows past the end of the slice are padding: zeros (so a

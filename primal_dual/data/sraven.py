@@ -39,6 +39,7 @@ per answer slot), ``latent_id`` and ``feature_order`` for latent-code analysis a
 **Metrics.** ``whole_panel_accuracy`` (exact match of all ``F`` answer features) and
 ``ambiguity_rate`` (share of problems with more than one consistent answer, by brute force).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -125,6 +126,7 @@ class RuleDraws(NamedTuple):
       ``distinct_values``.
     row_orders: ``[3]`` in ``[0, 6)``: the ordering of each row (``distribute_three``).
   """
+
   operands: jax.Array
   distinct: jax.Array
   row_orders: jax.Array
@@ -135,15 +137,19 @@ WORDS_PER_RULE = 2 * GRID_SIZE + GRID_SIZE + GRID_SIZE  # operands, distinct, ro
 
 def rule_draws(words: jax.Array, num_values: int) -> RuleDraws:
   """``RuleDraws`` from uniform uint32 words ``[..., WORDS_PER_RULE]`` (leading axes kept)."""
-  bounds = np.array([num_values] * 2 * GRID_SIZE
-                    + [num_values, max(num_values - 1, 1), max(num_values - 2, 1)]
-                    + [len(_ORDERS_OF_THREE)] * GRID_SIZE, np.uint32)
+  bounds = np.array(
+    [num_values] * 2 * GRID_SIZE
+    + [num_values, max(num_values - 1, 1), max(num_values - 2, 1)]
+    + [len(_ORDERS_OF_THREE)] * GRID_SIZE,
+    np.uint32,
+  )
   draws = uniform_below(words, bounds)
   split = 2 * GRID_SIZE
   return RuleDraws(
-      operands=draws[..., :split].reshape(draws.shape[:-1] + (GRID_SIZE, 2)),
-      distinct=draws[..., split:split + GRID_SIZE],
-      row_orders=draws[..., split + GRID_SIZE:])
+    operands=draws[..., :split].reshape(draws.shape[:-1] + (GRID_SIZE, 2)),
+    distinct=draws[..., split : split + GRID_SIZE],
+    row_orders=draws[..., split + GRID_SIZE :],
+  )
 
 
 def distinct_values(draws: jax.Array) -> jax.Array:
@@ -166,18 +172,19 @@ def _rule_constant(draws: RuleDraws, num_values: int) -> jax.Array:
 
 
 def _rule_progression(draws: RuleDraws, num_values: int, *, step: int) -> jax.Array:
-  return jax.vmap(progression_row, in_axes=(0, None, None))(
-      draws.operands[:, 0], step, num_values)
+  return jax.vmap(progression_row, in_axes=(0, None, None))(draws.operands[:, 0], step, num_values)
 
 
 def _rule_addition(draws: RuleDraws, num_values: int) -> jax.Array:
   return jax.vmap(addition_row, in_axes=(0, 0, None))(
-      draws.operands[:, 0], draws.operands[:, 1], num_values)
+    draws.operands[:, 0], draws.operands[:, 1], num_values
+  )
 
 
 def _rule_subtraction(draws: RuleDraws, num_values: int) -> jax.Array:
   return jax.vmap(subtraction_row, in_axes=(0, 0, None))(
-      draws.operands[:, 0], draws.operands[:, 1], num_values)
+    draws.operands[:, 0], draws.operands[:, 1], num_values
+  )
 
 
 def _rule_distribute_three(draws: RuleDraws, num_values: int) -> jax.Array:
@@ -189,14 +196,14 @@ def _rule_distribute_three(draws: RuleDraws, num_values: int) -> jax.Array:
 Rule = Callable[[RuleDraws, int], jax.Array]
 
 RULES: dict[str, Rule] = {
-    "constant": _rule_constant,
-    "progression_plus_1": functools.partial(_rule_progression, step=1),
-    "progression_plus_2": functools.partial(_rule_progression, step=2),
-    "progression_minus_1": functools.partial(_rule_progression, step=-1),
-    "progression_minus_2": functools.partial(_rule_progression, step=-2),
-    "addition": _rule_addition,
-    "subtraction": _rule_subtraction,
-    "distribute_three": _rule_distribute_three,
+  "constant": _rule_constant,
+  "progression_plus_1": functools.partial(_rule_progression, step=1),
+  "progression_plus_2": functools.partial(_rule_progression, step=2),
+  "progression_minus_1": functools.partial(_rule_progression, step=-1),
+  "progression_minus_2": functools.partial(_rule_progression, step=-2),
+  "addition": _rule_addition,
+  "subtraction": _rule_subtraction,
+  "distribute_three": _rule_distribute_three,
 }
 DEFAULT_RULES: tuple[str, ...] = tuple(RULES)
 
@@ -231,14 +238,14 @@ def _holds_distribute_three(grid: np.ndarray, num_values: int) -> np.ndarray:
 
 
 RULE_CHECKS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
-    "constant": _holds_constant,
-    "progression_plus_1": functools.partial(_holds_progression, step=1),
-    "progression_plus_2": functools.partial(_holds_progression, step=2),
-    "progression_minus_1": functools.partial(_holds_progression, step=-1),
-    "progression_minus_2": functools.partial(_holds_progression, step=-2),
-    "addition": _holds_addition,
-    "subtraction": _holds_subtraction,
-    "distribute_three": _holds_distribute_three,
+  "constant": _holds_constant,
+  "progression_plus_1": functools.partial(_holds_progression, step=1),
+  "progression_plus_2": functools.partial(_holds_progression, step=2),
+  "progression_minus_1": functools.partial(_holds_progression, step=-1),
+  "progression_minus_2": functools.partial(_holds_progression, step=-2),
+  "addition": _holds_addition,
+  "subtraction": _holds_subtraction,
+  "distribute_three": _holds_distribute_three,
 }
 assert RULE_CHECKS.keys() == RULES.keys()
 
@@ -279,6 +286,7 @@ class SRavenConfig:
     ood_fraction: share of latents held out for the ``ood`` split, rounded down.
     split_seed: seeds the choice of held-out latents.
   """
+
   num_features: int = 4
   num_values: int = 8
   rules: tuple[str, ...] = DEFAULT_RULES
@@ -300,8 +308,9 @@ class SRavenConfig:
       raise ValueError(f"rules must not repeat a name, got {self.rules}.")
     min_values = GRID_SIZE if "distribute_three" in self.rules else 2
     if self.num_values < min_values:
-      raise ValueError(f"num_values must be >= {min_values} for rules {self.rules}, "
-                       f"got {self.num_values}.")
+      raise ValueError(
+        f"num_values must be >= {min_values} for rules {self.rules}, got {self.num_values}."
+      )
     if not 0.0 <= self.ood_fraction < 1.0:
       raise ValueError(f"ood_fraction must be in [0, 1), got {self.ood_fraction}.")
     if self.split_seed < 0:
@@ -323,10 +332,10 @@ class _Split(NamedTuple):
 
 
 SPLITS: dict[str, _Split] = {
-    "train": _Split(stream_id=0, held_out=False),
-    "validation": _Split(stream_id=1, held_out=False),
-    "test": _Split(stream_id=2, held_out=False),
-    "ood": _Split(stream_id=3, held_out=True),
+  "train": _Split(stream_id=0, held_out=False),
+  "validation": _Split(stream_id=1, held_out=False),
+  "test": _Split(stream_id=2, held_out=False),
+  "ood": _Split(stream_id=3, held_out=True),
 }
 
 
@@ -379,8 +388,9 @@ def split_latent_ids(config: SRavenConfig, split: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def _sample_problem(key: jax.Array, config: SRavenConfig, latent_pool: jax.Array,
-                    pool_size: jax.Array) -> dict[str, jax.Array]:
+def _sample_problem(
+  key: jax.Array, config: SRavenConfig, latent_pool: jax.Array, pool_size: jax.Array
+) -> dict[str, jax.Array]:
   """One problem from the first ``pool_size`` latent ids of ``latent_pool`` (int32 ``[L]``).
 
   Permutations are argsorts of 32-bit random words (one sort, no rejection rounds); ties, and so a
@@ -414,16 +424,17 @@ def _sample_problem(key: jax.Array, config: SRavenConfig, latent_pool: jax.Array
   context = jax.nn.one_hot(flat[:-1].reshape(-1), num_values, dtype=jnp.float32)
   queries = jnp.zeros((num_features, num_values), jnp.float32)
   return {
-      "inputs": jnp.concatenate([context, queries], axis=0),
-      "targets": flat[-1].astype(jnp.int32),
-      "rules": feature_rules[feature_order[-1]].astype(jnp.int32),
-      "latent_id": latent_id.astype(jnp.int32),
-      "feature_order": feature_order.astype(jnp.int32),
+    "inputs": jnp.concatenate([context, queries], axis=0),
+    "targets": flat[-1].astype(jnp.int32),
+    "rules": feature_rules[feature_order[-1]].astype(jnp.int32),
+    "latent_id": latent_id.astype(jnp.int32),
+    "feature_order": feature_order.astype(jnp.int32),
   }
 
 
-def sample_problem(key: jax.Array, config: SRavenConfig, split: str = "train"
-                   ) -> dict[str, jax.Array]:
+def sample_problem(
+  key: jax.Array, config: SRavenConfig, split: str = "train"
+) -> dict[str, jax.Array]:
   """One problem of a split from a JAX key (traceable; unbatched ``generate_batch`` record).
 
   ``generate_batch(config, seed, [i], split)`` equals this with
@@ -444,8 +455,9 @@ def _batched_generator(config: SRavenConfig) -> Callable[..., dict[str, jax.Arra
   return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
 
 
-def device_stream(sample: Callable[..., dict[str, jax.Array]], stream_id: int, pool: np.ndarray,
-                  pool_size: int) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+def device_stream(
+  sample: Callable[..., dict[str, jax.Array]], stream_id: int, pool: np.ndarray, pool_size: int
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
   """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of one split's stream.
 
   ``sample(key, pool, pool_size)`` makes one record; record ``i`` uses the key
@@ -453,19 +465,27 @@ def device_stream(sample: Callable[..., dict[str, jax.Array]], stream_id: int, p
   inside a jitted training step (no host work, nothing stored) equals the one the host makes.
   Shared with ``logic.py``.
   """
+
   def generate(seed, indices):
     stream = jax.random.fold_in(jax.random.key(seed), stream_id)
-    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), jnp.asarray(pool),
-                                     pool_size))(indices)
+    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), jnp.asarray(pool), pool_size))(
+      indices
+    )
+
   return generate
 
 
-def split_stream(config: SRavenConfig, split: str
-                 ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+def split_stream(
+  config: SRavenConfig, split: str
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
   """``device_stream`` of a split's problems (records as ``generate_batch``'s)."""
   pool, pool_size = _padded_pool(config, split)
-  return device_stream(lambda key, p, n: _sample_problem(key, config, p, n),
-                       _check_split(split).stream_id, pool, pool_size)
+  return device_stream(
+    lambda key, p, n: _sample_problem(key, config, p, n),
+    _check_split(split).stream_id,
+    pool,
+    pool_size,
+  )
 
 
 def _check_usable_split(config, split: str) -> None:
@@ -478,10 +498,12 @@ def _padded_pool(config: SRavenConfig, split: str) -> tuple[np.ndarray, int]:
   """The split's latent ids padded to ``L`` so every split shares one compiled function."""
   ids = split_latent_ids(config, split)
   if len(ids) == 0:
-    raise ValueError(f"Split {split!r} has no latents: raise ood_fraction "
-                     f"(now {config.ood_fraction}) or use fewer features/more rules.")
+    raise ValueError(
+      f"Split {split!r} has no latents: raise ood_fraction "
+      f"(now {config.ood_fraction}) or use fewer features/more rules."
+    )
   pool = np.zeros(len(latent_table(config)), np.int32)
-  pool[:len(ids)] = ids
+  pool[: len(ids)] = ids
   return _read_only(pool), len(ids)
 
 
@@ -516,9 +538,14 @@ def _check_indices(indices: Sequence[int] | np.ndarray) -> np.ndarray:
   return indices.astype(np.uint32)
 
 
-def call_generator(generator: Callable[..., Mapping[str, jax.Array]], seed: int, stream_id: int,
-                   pool: np.ndarray, pool_size: int,
-                   indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+def call_generator(
+  generator: Callable[..., Mapping[str, jax.Array]],
+  seed: int,
+  stream_id: int,
+  pool: np.ndarray,
+  pool_size: int,
+  indices: Sequence[int] | np.ndarray,
+) -> dict[str, np.ndarray]:
   """Run a jitted ``(seed, stream_id, pool, pool_size, indices) -> batch`` generator.
 
   Shared with ``logic.py``. Indices are padded to a power-of-two bucket (one compiled shape per
@@ -532,8 +559,9 @@ def call_generator(generator: Callable[..., Mapping[str, jax.Array]], seed: int,
   return {name: np.asarray(value)[:num] for name, value in out.items()}
 
 
-def generate_batch(config: SRavenConfig, seed: int, indices: Sequence[int] | np.ndarray,
-                   split: str = "train") -> dict[str, np.ndarray]:
+def generate_batch(
+  config: SRavenConfig, seed: int, indices: Sequence[int] | np.ndarray, split: str = "train"
+) -> dict[str, np.ndarray]:
   """Problems ``indices`` of a split's stream, in one jitted call.
 
   Args:
@@ -563,6 +591,7 @@ class GeneratedSource:
   pushdown is enabled) and makes a whole batch in one jitted call; ``__getitems__`` is the same
   under the PyTorch-style name. A source holds only its arguments, so it pickles into grain workers.
   """
+
   generate_batch: Callable[..., dict[str, np.ndarray]]
   check_split: Callable[[Any, str], None]
 
@@ -588,18 +617,22 @@ class GeneratedSource:
   def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
     indices = [self._check_index(i) for i in indices]
     batch = type(self).generate_batch(self.config, self.seed, indices, self.split)
-    return [{name: np.array(value[i]) for name, value in batch.items()}
-            for i in range(len(indices))]
+    return [
+      {name: np.array(value[i]) for name, value in batch.items()} for i in range(len(indices))
+    ]
 
   __getitems__ = _getitems
 
   def __repr__(self) -> str:
-    return (f"{type(self).__name__}(split={self.split!r}, seed={self.seed}, size={self.size}, "
-            f"config={self.config})")
+    return (
+      f"{type(self).__name__}(split={self.split!r}, seed={self.seed}, size={self.size}, "
+      f"config={self.config})"
+    )
 
 
 class SRavenSource(GeneratedSource):
   """``size`` sRAVEN problems of one split: records as in ``generate_batch`` without batch axis."""
+
   generate_batch = staticmethod(generate_batch)
   check_split = staticmethod(_check_usable_split)
 
@@ -623,11 +656,13 @@ def panels_from_record(config: SRavenConfig, inputs: Any, targets: Any) -> np.nd
   inputs, targets = np.asarray(inputs), np.asarray(targets)
   num_features = config.num_features
   if inputs.shape[-2:] != (config.num_tokens, config.num_values):
-    raise ValueError(f"inputs must have shape [..., {config.num_tokens}, {config.num_values}], "
-                     f"got {inputs.shape}.")
+    raise ValueError(
+      f"inputs must have shape [..., {config.num_tokens}, {config.num_values}], got {inputs.shape}."
+    )
   if targets.shape != inputs.shape[:-2] + (num_features,):
-    raise ValueError(f"targets must have shape {inputs.shape[:-2] + (num_features,)}, "
-                     f"got {targets.shape}.")
+    raise ValueError(
+      f"targets must have shape {inputs.shape[:-2] + (num_features,)}, got {targets.shape}."
+    )
   batch_shape = inputs.shape[:-2]
   context = np.argmax(inputs[..., :-num_features, :], axis=-1)
   context = context.reshape(batch_shape + (NUM_PANELS - 1, num_features))
@@ -641,9 +676,11 @@ def _column_alignments(config: SRavenConfig) -> np.ndarray:
   if not config.shuffle_features:
     return np.broadcast_to(np.arange(num_features), (1, 2, num_features))
   if num_features > _MAX_FEATURES_FOR_SHUFFLED_AMBIGUITY:
-    raise ValueError(f"The ambiguity check enumerates (F!)^2 column alignments; use "
-                     f"num_features <= {_MAX_FEATURES_FOR_SHUFFLED_AMBIGUITY} with "
-                     f"shuffle_features, got {num_features}.")
+    raise ValueError(
+      f"The ambiguity check enumerates (F!)^2 column alignments; use "
+      f"num_features <= {_MAX_FEATURES_FOR_SHUFFLED_AMBIGUITY} with "
+      f"shuffle_features, got {num_features}."
+    )
   perms = list(itertools.permutations(range(num_features)))
   return np.array([(p0, p1) for p0 in perms for p1 in perms], dtype=np.int64)
 
@@ -664,11 +701,14 @@ def _consistent_values(config: SRavenConfig, panels: np.ndarray) -> np.ndarray:
   # columns[c]: [B, F, rows], the values of every slot of column c.
   columns = [np.swapaxes(panels[:, :, c, :], 1, 2) for c in range(GRID_SIZE)]
   shape = (panels.shape[0], num_features, num_features, num_features, num_values, GRID_SIZE)
-  grid = np.stack([
+  grid = np.stack(
+    [
       np.broadcast_to(columns[0][:, :, None, None, None, :], shape),
       np.broadcast_to(columns[1][:, None, :, None, None, :], shape),
       np.broadcast_to(columns[2][:, None, None, :, None, :], shape),
-  ], axis=-1)  # [B, i, j, s, v, row, column]
+    ],
+    axis=-1,
+  )  # [B, i, j, s, v, row, column]
   grid[..., GRID_SIZE - 1, GRID_SIZE - 1] = np.arange(num_values)  # candidate answers
   fits = np.zeros(shape[:-1], bool)
   for name in config.rules:
@@ -706,8 +746,10 @@ def consistent_answers(config: SRavenConfig, problems: Mapping[str, Any]) -> np.
   """
   panels = panels_from_record(config, problems["inputs"], problems["targets"])
   if panels.ndim != 4:
-    raise ValueError(f"problems must be batched: inputs [B, {config.num_tokens}, "
-                     f"{config.num_values}], got {np.shape(problems['inputs'])}.")
+    raise ValueError(
+      f"problems must be batched: inputs [B, {config.num_tokens}, "
+      f"{config.num_values}], got {np.shape(problems['inputs'])}."
+    )
   alignments = _column_alignments(config)  # [P, 2, F]
   slots = np.arange(config.num_features)
   fits = _consistent_values(config, panels)  # [B, i, j, s, V]
@@ -738,8 +780,10 @@ def whole_panel_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
     targets: int ``[B, F]``.
   """
   if logits.ndim != 3 or targets.shape != logits.shape[:2]:
-    raise ValueError(f"Expected logits [B, F, V] and targets [B, F], got logits "
-                     f"{logits.shape} and targets {targets.shape}.")
+    raise ValueError(
+      f"Expected logits [B, F, V] and targets [B, F], got logits "
+      f"{logits.shape} and targets {targets.shape}."
+    )
   return jnp.all(jnp.argmax(logits, axis=-1) == targets, axis=-1)
 
 

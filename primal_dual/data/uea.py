@@ -46,18 +46,49 @@ import numpy as np
 
 # The 30 data sets of the UEA multivariate archive (Bagnall et al. 2018), spelled as it does.
 ARCHIVE_DATASETS: tuple[str, ...] = (
-    "ArticularyWordRecognition", "AtrialFibrillation", "BasicMotions", "CharacterTrajectories",
-    "Cricket", "DuckDuckGeese", "EigenWorms", "Epilepsy", "EthanolConcentration", "ERing",
-    "FaceDetection", "FingerMovements", "HandMovementDirection", "Handwriting", "Heartbeat",
-    "InsectWingbeat", "JapaneseVowels", "Libras", "LSST", "MotorImagery", "NATOPS", "PenDigits",
-    "PEMS-SF", "PhonemeSpectra", "RacketSports", "SelfRegulationSCP1", "SelfRegulationSCP2",
-    "SpokenArabicDigits", "StandWalkJump", "UWaveGestureLibrary",
+  "ArticularyWordRecognition",
+  "AtrialFibrillation",
+  "BasicMotions",
+  "CharacterTrajectories",
+  "Cricket",
+  "DuckDuckGeese",
+  "EigenWorms",
+  "Epilepsy",
+  "EthanolConcentration",
+  "ERing",
+  "FaceDetection",
+  "FingerMovements",
+  "HandMovementDirection",
+  "Handwriting",
+  "Heartbeat",
+  "InsectWingbeat",
+  "JapaneseVowels",
+  "Libras",
+  "LSST",
+  "MotorImagery",
+  "NATOPS",
+  "PenDigits",
+  "PEMS-SF",
+  "PhonemeSpectra",
+  "RacketSports",
+  "SelfRegulationSCP1",
+  "SelfRegulationSCP2",
+  "SpokenArabicDigits",
+  "StandWalkJump",
+  "UWaveGestureLibrary",
 )
 # The ten data sets of the standard Transformer protocol (docs/maths.md §4).
 PROTOCOL_DATASETS: tuple[str, ...] = (
-    "EthanolConcentration", "FaceDetection", "Handwriting", "Heartbeat", "JapaneseVowels",
-    "PEMS-SF", "SelfRegulationSCP1", "SelfRegulationSCP2", "SpokenArabicDigits",
-    "UWaveGestureLibrary",
+  "EthanolConcentration",
+  "FaceDetection",
+  "Handwriting",
+  "Heartbeat",
+  "JapaneseVowels",
+  "PEMS-SF",
+  "SelfRegulationSCP1",
+  "SelfRegulationSCP2",
+  "SpokenArabicDigits",
+  "UWaveGestureLibrary",
 )
 # Shipped as .ts files inside the installed aeon package: no download needed.
 BUNDLED_DATASETS: tuple[str, ...] = ("JapaneseVowels", "BasicMotions")
@@ -67,19 +98,21 @@ CLEAN_SPLITS: tuple[str, ...] = ("train_fit", "validation")
 ALL_SPLITS: tuple[str, ...] = ARCHIVE_SPLITS + CLEAN_SPLITS
 
 DOWNLOAD_HELP = (
-    "Download the Multivariate .ts archive from https://www.timeseriesclassification.com "
-    "(or one data set as https://timeseriesclassification.com/aeon-toolkit/<Name>.zip) and "
-    "unzip it so that each data set has its own folder <manual_dir>/<Name>/ holding "
-    "<Name>_TRAIN.ts and <Name>_TEST.ts; pass that folder as manual_dir (TFDS default: "
-    "<data_dir>/downloads/manual).")
+  "Download the Multivariate .ts archive from https://www.timeseriesclassification.com "
+  "(or one data set as https://timeseriesclassification.com/aeon-toolkit/<Name>.zip) and "
+  "unzip it so that each data set has its own folder <manual_dir>/<Name>/ holding "
+  "<Name>_TRAIN.ts and <Name>_TEST.ts; pass that folder as manual_dir (TFDS default: "
+  "<data_dir>/downloads/manual)."
+)
 
 
 def check_name(name: str) -> str:
   """Returns ``name`` if it is a data set of the archive, else raises ValueError."""
   if name not in ARCHIVE_DATASETS:
     raise ValueError(
-        f"Unknown UEA data set {name!r}; expected one of the archive's names (case matters): "
-        f"{', '.join(ARCHIVE_DATASETS)}.")
+      f"Unknown UEA data set {name!r}; expected one of the archive's names (case matters): "
+      f"{', '.join(ARCHIVE_DATASETS)}."
+    )
   return name
 
 
@@ -97,6 +130,7 @@ class TsFile:
     labels: str ``[N]``, the class label of each case as written in the file.
     header: the ``@key value`` lines, keys lower-cased without ``@``.
   """
+
   series: list[np.ndarray]
   labels: np.ndarray
   header: dict[str, str]
@@ -114,7 +148,7 @@ def _stack_channels(channels: Sequence[np.ndarray]) -> np.ndarray:
   length = max(len(c) for c in channels)
   out = np.full((len(channels), length), np.nan, np.float64)
   for i, channel in enumerate(channels):
-    out[i, :len(channel)] = channel
+    out[i, : len(channel)] = channel
   return out
 
 
@@ -144,8 +178,9 @@ def read_ts(path: str | os.PathLike[str]) -> TsFile:
         continue
       if not in_data:
         if not line.startswith("@"):
-          raise ValueError(f"{path}:{line_number}: expected a @header line before @data, got "
-                           f"{line[:60]!r}.")
+          raise ValueError(
+            f"{path}:{line_number}: expected a @header line before @data, got {line[:60]!r}."
+          )
         key, _, value = line[1:].partition(" ")
         key = key.lower()
         if key == "data":
@@ -153,20 +188,24 @@ def read_ts(path: str | os.PathLike[str]) -> TsFile:
           if header.get("timestamps", "false").lower() == "true":
             raise ValueError(f"{path}: .ts files with @timeStamps true are not supported.")
           if not header.get("classlabel", "false").lower().startswith("true"):
-            raise ValueError(f"{path}: no '@classLabel true ...' header; only classification "
-                             "files are supported.")
+            raise ValueError(
+              f"{path}: no '@classLabel true ...' header; only classification files are supported."
+            )
         else:
           header[key] = value.strip()
         continue
       *channel_texts, label = line.split(":")
       if not channel_texts:
-        raise ValueError(f"{path}:{line_number}: a case needs channels and a label separated by "
-                         "':'.")
+        raise ValueError(
+          f"{path}:{line_number}: a case needs channels and a label separated by ':'."
+        )
       if num_channels is None:
         num_channels = len(channel_texts)
       elif len(channel_texts) != num_channels:
-        raise ValueError(f"{path}:{line_number}: {len(channel_texts)} channels where earlier "
-                         f"cases had {num_channels}.")
+        raise ValueError(
+          f"{path}:{line_number}: {len(channel_texts)} channels where earlier "
+          f"cases had {num_channels}."
+        )
       try:
         series.append(_stack_channels([_parse_channel(c) for c in channel_texts]))
       except ValueError as e:
@@ -176,8 +215,9 @@ def read_ts(path: str | os.PathLike[str]) -> TsFile:
     raise ValueError(f"{path}: no cases after @data.")
   declared = header.get("dimensions")
   if declared is not None and declared.isdigit() and int(declared) != num_channels:
-    raise ValueError(f"{path}: @dimensions says {declared} but the cases have {num_channels} "
-                     "channels.")
+    raise ValueError(
+      f"{path}: @dimensions says {declared} but the cases have {num_channels} channels."
+    )
   return TsFile(series=series, labels=np.asarray(labels, dtype=str), header=header)
 
 
@@ -186,15 +226,18 @@ def check_manual_dir(name: str, manual_dir: str | os.PathLike[str] | None) -> No
   it should hold (never falling back to a bundled copy the user did not ask for)."""
   if manual_dir is None or pathlib.Path(manual_dir).is_dir():
     return
-  expected = [str(pathlib.Path(manual_dir) / name / f"{name}_{s.upper()}.ts")
-              for s in ARCHIVE_SPLITS]
+  expected = [
+    str(pathlib.Path(manual_dir) / name / f"{name}_{s.upper()}.ts") for s in ARCHIVE_SPLITS
+  ]
   raise FileNotFoundError(
-      f"manual_dir {manual_dir} does not exist; UEA data set {name} would be read from "
-      f"{expected[0]} and {expected[1]}. " + DOWNLOAD_HELP)
+    f"manual_dir {manual_dir} does not exist; UEA data set {name} would be read from "
+    f"{expected[0]} and {expected[1]}. " + DOWNLOAD_HELP
+  )
 
 
-def ts_paths(name: str,
-             manual_dir: str | os.PathLike[str] | None = None) -> dict[str, pathlib.Path]:
+def ts_paths(
+  name: str, manual_dir: str | os.PathLike[str] | None = None
+) -> dict[str, pathlib.Path]:
   """Returns ``{'train': path, 'test': path}`` of a data set's `.ts` files.
 
   Bundled data sets (:data:`BUNDLED_DATASETS`) are found inside the installed aeon package unless
@@ -210,22 +253,26 @@ def ts_paths(name: str,
     candidates.append(pathlib.Path(manual_dir) / name)
   if name in BUNDLED_DATASETS:
     import importlib_resources  # pylint: disable=g-import-not-at-top
+
     # `import aeon` alone is cheap; aeon.datasets is not, so walk from the top-level package.
-    candidates.append(pathlib.Path(str(importlib_resources.files("aeon"))) / "datasets" / "data"
-                      / name)
+    candidates.append(
+      pathlib.Path(str(importlib_resources.files("aeon"))) / "datasets" / "data" / name
+    )
   for folder in candidates:
     paths = {split: folder / f"{name}_{split.upper()}.ts" for split in ARCHIVE_SPLITS}
     if all(p.is_file() for p in paths.values()):
       return paths
   if manual_dir is None:
     raise FileNotFoundError(
-        f"UEA data set {name} is not bundled with aeon and no manual_dir was given. "
-        + DOWNLOAD_HELP)
-  expected = [str(pathlib.Path(manual_dir) / name / f"{name}_{s.upper()}.ts")
-              for s in ARCHIVE_SPLITS]
+      f"UEA data set {name} is not bundled with aeon and no manual_dir was given. " + DOWNLOAD_HELP
+    )
+  expected = [
+    str(pathlib.Path(manual_dir) / name / f"{name}_{s.upper()}.ts") for s in ARCHIVE_SPLITS
+  ]
   raise FileNotFoundError(
-      f"UEA data set {name}: expected the files {expected[0]} and {expected[1]}, which do not both "
-      "exist. " + DOWNLOAD_HELP)
+    f"UEA data set {name}: expected the files {expected[0]} and {expected[1]}, which do not both "
+    "exist. " + DOWNLOAD_HELP
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,8 +285,9 @@ def series_length(series: np.ndarray) -> int:
   return int(np.flatnonzero(has_value)[-1] + 1) if has_value.any() else 0
 
 
-def channel_statistics(series: Sequence[np.ndarray],
-                       lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def channel_statistics(
+  series: Sequence[np.ndarray], lengths: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
   """NaN-aware per-channel mean and population std over the real steps of ``series``.
 
   Args:
@@ -263,8 +311,13 @@ def channel_statistics(series: Sequence[np.ndarray],
   return mean, std
 
 
-def standardise_and_pad(series: Sequence[np.ndarray], lengths: Sequence[int], mean: np.ndarray,
-                        std: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+def standardise_and_pad(
+  series: Sequence[np.ndarray],
+  lengths: Sequence[int],
+  mean: np.ndarray,
+  std: np.ndarray,
+  max_length: int,
+) -> tuple[np.ndarray, np.ndarray]:
   """Standardises each series with ``mean``/``std`` and pads it to ``max_length``.
 
   Args:
@@ -307,13 +360,15 @@ def encode_labels(labels: Sequence[str], class_names: Sequence[str]) -> np.ndarr
   index = {name: i for i, name in enumerate(class_names)}
   unknown = sorted(set(str(label) for label in labels) - set(index))
   if unknown:
-    raise ValueError(f"labels {unknown} do not occur in the training split (classes "
-                     f"{list(class_names)}).")
+    raise ValueError(
+      f"labels {unknown} do not occur in the training split (classes {list(class_names)})."
+    )
   return np.asarray([index[str(label)] for label in labels], dtype=np.int32)
 
 
-def stratified_split(labels: np.ndarray, validation_fraction: float = 0.2,
-                     seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(
+  labels: np.ndarray, validation_fraction: float = 0.2, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """Deterministic stratified carve of a labelled split into fit and validation indices.
 
   Each class contributes ``round(validation_fraction * n_c)`` of its ``n_c`` examples (half up,
@@ -357,6 +412,7 @@ class UeaArrays:
     class_names: the TRAIN class names in label order.
     mean, std: float64 ``[C]`` TRAIN statistics used to standardise every split.
   """
+
   name: str
   splits: dict[str, dict[str, np.ndarray]]
   class_names: tuple[str, ...]
@@ -367,16 +423,16 @@ class UeaArrays:
     """JSON-friendly summary, stored with the prepared TFDS data set."""
     train, test = self.splits["train"], self.splits["test"]
     return dict(
-        name=self.name,
-        num_classes=len(self.class_names),
-        num_channels=int(train["inputs"].shape[2]),
-        max_length=int(train["inputs"].shape[1]),
-        num_train=int(len(train["label"])),
-        num_test=int(len(test["label"])),
-        class_names=list(self.class_names),
-        channel_mean=[float(x) for x in self.mean],
-        channel_std=[float(x) for x in self.std],
-        train_labels=[int(x) for x in train["label"]],
+      name=self.name,
+      num_classes=len(self.class_names),
+      num_channels=int(train["inputs"].shape[2]),
+      max_length=int(train["inputs"].shape[1]),
+      num_train=int(len(train["label"])),
+      num_test=int(len(test["label"])),
+      class_names=list(self.class_names),
+      channel_mean=[float(x) for x in self.mean],
+      channel_std=[float(x) for x in self.std],
+      train_labels=[int(x) for x in train["label"]],
     )
 
 

@@ -18,8 +18,10 @@ def plain(value: Any) -> Any:
 
 def attention_kwargs(model_config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``attention`` name and ``attention_options`` dict of a model config."""
-  return {"attention": model_config.attention,
-          "attention_options": plain(model_config.get("attention_options", {}) or {})}
+  return {
+    "attention": model_config.attention,
+    "attention_options": plain(model_config.get("attention_options", {}) or {}),
+  }
 
 
 def model_kwargs(model_config: ml_collections.ConfigDict, names: tuple[str, ...]) -> dict[str, Any]:

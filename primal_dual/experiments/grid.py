@@ -45,6 +45,7 @@ class GridRun:
   (``config.seeds``; batches made on the device) and yields one record per seed, each read from
   ``<root>/<name>/seed_<s>``.
   """
+
   name: str
   config_file: str
   config_arg: str
@@ -61,6 +62,7 @@ class GridRun:
     if not overrides:
       return config
     from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
+
     return config_lib.with_fields(config, overrides)
 
   def workdirs(self, root: str) -> list[tuple[int | None, str]]:
@@ -78,6 +80,7 @@ def load_config(config_file: str, config_arg: str | None):
   """``get_config(config_arg)`` of a config file, or of a packaged config named by its short name
   (``"uea"``; ``primal_dual.configs.resolve``)."""
   from primal_dual import configs  # pylint: disable=g-import-not-at-top
+
   return configs.load(config_file, config_arg)
 
 
@@ -101,10 +104,16 @@ def is_finished(workdir: str) -> bool:
 def hardware_info() -> dict[str, Any]:
   """What this process trains on: accelerator kind and count, host, JAX version."""
   import jax  # pylint: disable=g-import-not-at-top
+
   device = jax.devices()[0]
-  return {"platform": device.platform, "device_kind": device.device_kind,
-          "device_count": jax.device_count(), "host_machine": platform.machine(),
-          "host_cpu_count": os.cpu_count(), "jax_version": jax.__version__}
+  return {
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "device_count": jax.device_count(),
+    "host_machine": platform.machine(),
+    "host_cpu_count": os.cpu_count(),
+    "jax_version": jax.__version__,
+  }
 
 
 def describe_hardware(records: Sequence[Mapping[str, Any]]) -> str:
@@ -119,12 +128,16 @@ def describe_hardware(records: Sequence[Mapping[str, Any]]) -> str:
     if not info:
       phrase = "unrecorded hardware"
     elif info["platform"] == "cpu":
-      phrase = (f"{info['host_machine']} CPU with {info['host_cpu_count']} cores "
-                f"(JAX {info['jax_version']})")
+      phrase = (
+        f"{info['host_machine']} CPU with {info['host_cpu_count']} cores "
+        f"(JAX {info['jax_version']})"
+      )
     else:
-      phrase = (f"{info['device_count']} × {info['device_kind']} ({info['platform']}; host "
-                f"{info['host_machine']} with {info['host_cpu_count']} CPU cores; "
-                f"JAX {info['jax_version']})")
+      phrase = (
+        f"{info['device_count']} × {info['device_kind']} ({info['platform']}; host "
+        f"{info['host_machine']} with {info['host_cpu_count']} CPU cores; "
+        f"JAX {info['jax_version']})"
+      )
     if phrase not in phrases:
       phrases.append(phrase)
   return " and ".join(phrases) if phrases else "no runs"
@@ -133,13 +146,16 @@ def describe_hardware(records: Sequence[Mapping[str, Any]]) -> str:
 def load_records(results_json: str) -> list[dict[str, Any]]:
   """The records a grid wrote to ``results_json`` (for re-rendering a report without training)."""
   if not os.path.exists(results_json):
-    raise FileNotFoundError(f"{results_json} does not exist: run the grid first (without "
-                            "--report_only), or pass the results file it wrote")
+    raise FileNotFoundError(
+      f"{results_json} does not exist: run the grid first (without "
+      "--report_only), or pass the results file it wrote"
+    )
   return list(_read_json(results_json))
 
 
-def records_for_report(runs: Sequence[GridRun], root: str, results_json: str, *,
-                       report_only: bool, **run_grid_kwargs) -> list[dict[str, Any]]:
+def records_for_report(
+  runs: Sequence[GridRun], root: str, results_json: str, *, report_only: bool, **run_grid_kwargs
+) -> list[dict[str, Any]]:
   """``run_grid(...)``, or with ``report_only`` the records it wrote before (nothing trains).
 
   ``report_only`` re-renders a report from its JSON, e.g. on a laptop after the grid ran on an
@@ -171,8 +187,9 @@ def previous_report_command(markdown_path: str) -> str | None:
   return found.group(1) if found else None
 
 
-def report_command(script: str, argv: Sequence[str] | None, markdown_path: str, *,
-                   report_only: bool) -> str:
+def report_command(
+  script: str, argv: Sequence[str] | None, markdown_path: str, *, report_only: bool
+) -> str:
   """The command a report names as the one that produced its records.
 
   A grid that trains names its own command line (``invocation``). A re-render (``report_only``)
@@ -191,23 +208,32 @@ def shared_machine_note(command: str) -> str:
   jobs = [int(a.split("=", 1)[1]) for a in command.split() if a.startswith("--jobs=")]
   if not jobs or jobs[-1] <= 1:
     return ""
-  return (f" With `--jobs={jobs[-1]}`, {jobs[-1]} runs trained at once on that machine, so "
-          "steps/s and wall time are those of one run on a shared machine (for step time alone "
-          "see benchmarks/train_throughput.py).")
+  return (
+    f" With `--jobs={jobs[-1]}`, {jobs[-1]} runs trained at once on that machine, so "
+    "steps/s and wall time are those of one run on a shared machine (for step time alone "
+    "see benchmarks/train_throughput.py)."
+  )
 
 
 def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) one run; returns its final metrics and the wall time it took here."""
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
   config = run.config()
   start = time.time()
   metrics = trainer.train_and_evaluate(config, workdir)
   info_path = os.path.join(workdir, RUN_INFO)
   previous = _read_json(info_path)["wall_time_s"] if os.path.exists(info_path) else 0.0
   # Wall time adds up over restarts, so an interrupted run reports its total training time.
-  _write_json(info_path, {"wall_time_s": previous + time.time() - start,
-                          "config_file": run.config_file, "config_arg": run.config_arg,
-                          "hardware": hardware_info()})
+  _write_json(
+    info_path,
+    {
+      "wall_time_s": previous + time.time() - start,
+      "config_file": run.config_file,
+      "config_arg": run.config_arg,
+      "hardware": hardware_info(),
+    },
+  )
   return dict(metrics)
 
 
@@ -222,39 +248,54 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
-  command = [sys.executable, "-m", "primal_dual.experiments.grid", run.config_file,
-             run.config_arg, workdir,
-             json.dumps({"overrides": dict(run.overrides),
-                         "replica_seeds": list(run.replica_seeds)})]
+  command = [
+    sys.executable,
+    "-m",
+    "primal_dual.experiments.grid",
+    run.config_file,
+    run.config_arg,
+    workdir,
+    json.dumps({"overrides": dict(run.overrides), "replica_seeds": list(run.replica_seeds)}),
+  ]
   log_path = os.path.join(workdir, RUN_LOG)
   with open(log_path, "w") as log_file:
-    result = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                            check=False)
+    result = subprocess.run(
+      command, stdout=log_file, stderr=subprocess.STDOUT, env=env, check=False
+    )
   if result.returncode != 0:
     with open(log_path) as f:
       tail = "".join(f.readlines()[-20:])
-    raise RuntimeError(f"grid run {run.name} failed (exit {result.returncode}); "
-                       f"last lines of {log_path}:\n{tail}")
+    raise RuntimeError(
+      f"grid run {run.name} failed (exit {result.returncode}); last lines of {log_path}:\n{tail}"
+    )
 
 
-def _train_unfinished_in_parallel(runs: Sequence[GridRun], root: str, jobs: int,
-                                  log: Callable[[str], None]) -> None:
+def _train_unfinished_in_parallel(
+  runs: Sequence[GridRun], root: str, jobs: int, log: Callable[[str], None]
+) -> None:
   """Trains every unfinished run, ``jobs`` subprocesses at a time (finished runs are skipped)."""
   todo = [run for run in runs if not run.is_finished(root)]
   if not todo:
     return
   log(f"training {len(todo)} runs, {jobs} at a time (logs: <workdir>/{RUN_LOG})")
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-    futures = {pool.submit(train_in_subprocess, run, os.path.join(root, run.name)): run
-               for run in todo}
+    futures = {
+      pool.submit(train_in_subprocess, run, os.path.join(root, run.name)): run for run in todo
+    }
     for future in concurrent.futures.as_completed(futures):
       future.result()  # Re-raises a failed run's error (the others still finish first).
       log(f"  {futures[future].name}: done")
 
 
-def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
-             record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
-             log: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
+def run_grid(
+  runs: Sequence[GridRun],
+  root: str,
+  results_json: str,
+  *,
+  record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
+  log: Callable[[str], None] = print,
+  jobs: int = 1,
+) -> list[dict[str, Any]]:
   """Runs every unfinished job, then writes one record per run to ``results_json``.
 
   Args:
@@ -275,8 +316,10 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
   """
   names = [run.name for run in runs]
   if len(set(names)) != len(names):
-    raise ValueError(f"grid run names must be unique; duplicates: "
-                     f"{sorted({n for n in names if names.count(n) > 1})}")
+    raise ValueError(
+      f"grid run names must be unique; duplicates: "
+      f"{sorted({n for n in names if names.count(n) > 1})}"
+    )
   if jobs < 1:
     raise ValueError(f"jobs must be at least 1; got {jobs}")
   if jobs > 1:
@@ -294,14 +337,21 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
     info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
     for seed, workdir in run.workdirs(root):
       metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
-      record = {"name": run.name if seed is None else f"{run.name}/seed_{seed}",
-                "config_file": run.config_file, "config_arg": run.config_arg,
-                **dict(run.tags), **({} if seed is None else {"seed": seed}),
-                "wall_time_s": info["wall_time_s"], "hardware": info.get("hardware"),
-                "metrics": metrics}
+      record = {
+        "name": run.name if seed is None else f"{run.name}/seed_{seed}",
+        "config_file": run.config_file,
+        "config_arg": run.config_arg,
+        **dict(run.tags),
+        **({} if seed is None else {"seed": seed}),
+        "wall_time_s": info["wall_time_s"],
+        "hardware": info.get("hardware"),
+        "metrics": metrics,
+      }
       if run.overrides or run.replica_seeds:
-        record["overrides"] = {**dict(run.overrides), **(
-            {"seeds": list(run.replica_seeds)} if run.replica_seeds else {})}
+        record["overrides"] = {
+          **dict(run.overrides),
+          **({"seeds": list(run.replica_seeds)} if run.replica_seeds else {}),
+        }
       if record_fn is not None:
         record.update(record_fn(run, metrics, workdir))
       records.append(record)
@@ -311,29 +361,43 @@ def run_grid(runs: Sequence[GridRun], root: str, results_json: str, *,
 
 def comma_list(cast: Callable[[str], Any] = str) -> Callable[[str], tuple]:
   """An argparse ``type`` parsing ``"a,b,c"`` into a tuple of ``cast`` values (blanks dropped)."""
+
   def parse(text: str) -> tuple:
     return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
+
   return parse
 
 
-def add_variant_and_seed_arguments(parser: argparse.ArgumentParser,
-                                   default_variants: Sequence[str],
-                                   quick_variants: Sequence[str] | None = None,
-                                   default_seeds: Sequence[int] = (0, 1, 2)) -> None:
+def add_variant_and_seed_arguments(
+  parser: argparse.ArgumentParser,
+  default_variants: Sequence[str],
+  quick_variants: Sequence[str] | None = None,
+  default_seeds: Sequence[int] = (0, 1, 2),
+) -> None:
   """``--variants`` and ``--seeds`` comma lists; ``None`` until ``check_variants_and_seeds``."""
   quick = f"; --quick: {','.join(quick_variants)}" if quick_variants else ""
-  parser.add_argument("--variants", type=comma_list(), default=None,
-                      help=f"comma list of attention names (default {','.join(default_variants)}"
-                           f"{quick})")
-  parser.add_argument("--seeds", type=comma_list(int), default=None,
-                      help=f"comma list (default {','.join(map(str, default_seeds))}"
-                           f"{'; --quick: 0' if quick_variants else ''})")
+  parser.add_argument(
+    "--variants",
+    type=comma_list(),
+    default=None,
+    help=f"comma list of attention names (default {','.join(default_variants)}{quick})",
+  )
+  parser.add_argument(
+    "--seeds",
+    type=comma_list(int),
+    default=None,
+    help=f"comma list (default {','.join(map(str, default_seeds))}"
+    f"{'; --quick: 0' if quick_variants else ''})",
+  )
 
 
-def check_variants_and_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                             default_variants: Sequence[str],
-                             quick_variants: Sequence[str] | None = None,
-                             default_seeds: Sequence[int] = (0, 1, 2)) -> None:
+def check_variants_and_seeds(
+  parser: argparse.ArgumentParser,
+  args: argparse.Namespace,
+  default_variants: Sequence[str],
+  quick_variants: Sequence[str] | None = None,
+  default_seeds: Sequence[int] = (0, 1, 2),
+) -> None:
   """Fills the defaults (the quick ones with ``args.quick``) and rejects unknown attention names
   or empty lists through ``parser.error`` (one line, exit status 2)."""
   quick = bool(getattr(args, "quick", False)) and quick_variants is not None
@@ -342,36 +406,44 @@ def check_variants_and_seeds(parser: argparse.ArgumentParser, args: argparse.Nam
   if args.seeds is None:
     args.seeds = (0,) if quick else tuple(default_seeds)
   from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
+
   unknown = [v for v in args.variants if v not in ATTENTION_REGISTRY]
   if unknown or not args.variants:
-    parser.error(f"--variants: unknown {unknown or 'empty list'}; choose from "
-                 f"{sorted(ATTENTION_REGISTRY)}")
+    parser.error(
+      f"--variants: unknown {unknown or 'empty list'}; choose from {sorted(ATTENTION_REGISTRY)}"
+    )
   if not args.seeds:
     parser.error("--seeds: give at least one seed")
 
 
-def schema_problems(record: Mapping[str, Any],
-                    schema: Mapping[str, tuple[type, ...]]) -> list[str]:
+def schema_problems(record: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) -> list[str]:
   """Every field of ``schema`` (name → accepted types) missing from ``record`` or of another type
   (a bool is not accepted as an int unless the schema names bool)."""
   problems = []
   for name, types in schema.items():
     if name not in record:
       problems.append(f"{name}: missing")
-    elif (isinstance(record[name], bool) and bool not in types) or not isinstance(record[name],
-                                                                                 types):
-      problems.append(f"{name}: {type(record[name]).__name__} where "
-                      f"{[t.__name__ for t in types]} expected")
+    elif (isinstance(record[name], bool) and bool not in types) or not isinstance(
+      record[name], types
+    ):
+      problems.append(
+        f"{name}: {type(record[name]).__name__} where {[t.__name__ for t in types]} expected"
+      )
   return problems
 
 
-def check_schema(record: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]],
-                 label: str, extra_problems: Sequence[str] = ()) -> None:
+def check_schema(
+  record: Mapping[str, Any],
+  schema: Mapping[str, tuple[type, ...]],
+  label: str,
+  extra_problems: Sequence[str] = (),
+) -> None:
   """Raises ValueError naming every problem of ``record`` (``schema_problems`` + ``extra``)."""
   problems = schema_problems(record, schema) + list(extra_problems)
   if problems:
-    raise ValueError(f"{label} record {record.get('name')!r} does not match RECORD_SCHEMA: "
-                     + "; ".join(problems))
+    raise ValueError(
+      f"{label} record {record.get('name')!r} does not match RECORD_SCHEMA: " + "; ".join(problems)
+    )
 
 
 def field(name: str) -> Callable[[Mapping[str, Any]], Any]:
@@ -396,8 +468,9 @@ def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
   return float(values.mean()), std, int(values.size)
 
 
-def group_records(records: Sequence[Mapping[str, Any]],
-                  group_by: Sequence[str]) -> dict[tuple, list[Mapping[str, Any]]]:
+def group_records(
+  records: Sequence[Mapping[str, Any]], group_by: Sequence[str]
+) -> dict[tuple, list[Mapping[str, Any]]]:
   """Records grouped by the values of ``group_by`` (first-seen order)."""
   groups: dict[tuple, list[Mapping[str, Any]]] = {}
   for record in records:
@@ -405,8 +478,9 @@ def group_records(records: Sequence[Mapping[str, Any]],
   return groups
 
 
-def format_mean_std(mean: float, std: float, count: int, scale: float = 100.0,
-                    digits: int = 1) -> str:
+def format_mean_std(
+  mean: float, std: float, count: int, scale: float = 100.0, digits: int = 1
+) -> str:
   if count == 0:
     return "–"
   if count == 1:
@@ -414,10 +488,13 @@ def format_mean_std(mean: float, std: float, count: int, scale: float = 100.0,
   return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
-def summary_table(records: Sequence[Mapping[str, Any]], group_by: Sequence[str],
-                  columns: Mapping[str, Callable[[Mapping[str, Any]], float]],
-                  scales: Mapping[str, float] | None = None,
-                  extra_columns: Mapping[str, Callable[[tuple], str]] | None = None) -> str:
+def summary_table(
+  records: Sequence[Mapping[str, Any]],
+  group_by: Sequence[str],
+  columns: Mapping[str, Callable[[Mapping[str, Any]], float]],
+  scales: Mapping[str, float] | None = None,
+  extra_columns: Mapping[str, Callable[[tuple], str]] | None = None,
+) -> str:
   """A Markdown table: one row per group, ``mean ± std (n)`` of each column over its records.
 
   Args:
@@ -448,14 +525,23 @@ def _main(argv: Sequence[str]) -> int:
   """``python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]``: one run;
   JSON holds its ``overrides`` and ``replica_seeds``."""
   if len(argv) not in (3, 4):
-    print("usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
-          file=sys.stderr)
+    print(
+      "usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
+      file=sys.stderr,
+    )
     return 2
   config_file, config_arg, workdir = argv[:3]
   extra = json.loads(argv[3]) if len(argv) == 4 else {}
-  train_one(GridRun(name=os.path.basename(workdir), config_file=config_file,
-                    config_arg=config_arg, overrides=extra.get("overrides", {}),
-                    replica_seeds=tuple(extra.get("replica_seeds", ()))), workdir)
+  train_one(
+    GridRun(
+      name=os.path.basename(workdir),
+      config_file=config_file,
+      config_arg=config_arg,
+      overrides=extra.get("overrides", {}),
+      replica_seeds=tuple(extra.get("replica_seeds", ())),
+    ),
+    workdir,
+  )
   return 0
 
 

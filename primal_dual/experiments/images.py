@@ -45,8 +45,15 @@ from primal_dual.models import ViT
 from primal_dual.training import errors
 from primal_dual.training import tasks as tasks_lib
 
-VIT_FIELDS = ("patch_size", "model_dim", "num_layers", "num_heads", "mlp_dim", "dropout_rate",
-              "attention_dropout_rate")
+VIT_FIELDS = (
+  "patch_size",
+  "model_dim",
+  "num_layers",
+  "num_heads",
+  "mlp_dim",
+  "dropout_rate",
+  "attention_dropout_rate",
+)
 DIGITS_SIZE = 1797  # images in scikit-learn's digits
 DEFAULT_IMAGENET_SIZE = 224
 # Training-split sizes of the TFDS data sets (digits: see train_size).
@@ -61,8 +68,9 @@ def train_size(dataset: str, test_fraction: float = 0.2) -> int:
   if dataset == "digits":
     return DIGITS_SIZE - math.ceil(test_fraction * DIGITS_SIZE)
   if dataset not in TFDS_TRAIN_SIZES:
-    raise ValueError(f"unknown image data set {dataset!r}; choose one of "
-                     f"{sorted(['digits', *TFDS_TRAIN_SIZES])}")
+    raise ValueError(
+      f"unknown image data set {dataset!r}; choose one of {sorted(['digits', *TFDS_TRAIN_SIZES])}"
+    )
   return TFDS_TRAIN_SIZES[dataset]
 
 
@@ -107,8 +115,9 @@ class AugmentedSource:
   ``{'inputs': float32 [H, W, C], 'label': int32 []}``.
   """
 
-  def __init__(self, base: Any, preprocess: Callable[..., dict], *, seed: int, repeats: int,
-               description: str):
+  def __init__(
+    self, base: Any, preprocess: Callable[..., dict], *, seed: int, repeats: int, description: str
+  ):
     if repeats < 1:
       raise ValueError(f"augment_repeats must be >= 1, got {repeats}")
     self._base = base
@@ -135,14 +144,18 @@ class AugmentedSource:
     return [self._augment(i, record) for i, record in zip(indices, records)]
 
   def __repr__(self) -> str:
-    return (f"AugmentedSource({self._description}, repeats={self._repeats}, seed={self._seed}, "
-            f"len={len(self)})")
+    return (
+      f"AugmentedSource({self._description}, repeats={self._repeats}, seed={self._seed}, "
+      f"len={len(self)})"
+    )
 
 
 def _digits_raw(data: ml_collections.ConfigDict) -> dict[str, Any]:
-  return images.digits_sources(upscale=int(data.get("upscale", 1)),
-                               seed=int(data.get("split_seed", 0)),
-                               test_fraction=float(data.get("test_fraction", 0.2)))
+  return images.digits_sources(
+    upscale=int(data.get("upscale", 1)),
+    seed=int(data.get("split_seed", 0)),
+    test_fraction=float(data.get("test_fraction", 0.2)),
+  )
 
 
 def _tfds_raw(data: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -151,17 +164,18 @@ def _tfds_raw(data: ml_collections.ConfigDict) -> dict[str, Any]:
 
 # Data set → loader of its raw sources ({split: source of {'image', 'label'}}).
 RAW_SOURCES: dict[str, Callable[[ml_collections.ConfigDict], dict[str, Any]]] = {
-    "digits": _digits_raw,
-    "cifar10": _tfds_raw,
-    "imagenet2012": _tfds_raw,
+  "digits": _digits_raw,
+  "cifar10": _tfds_raw,
+  "imagenet2012": _tfds_raw,
 }
 
 # Data set → side of the model's input images.
 IMAGE_SIDES: dict[str, Callable[[ml_collections.ConfigDict], int]] = {
-    "digits": lambda data: images.dataset_info("digits")["image_shape"][0] * int(
-        data.get("upscale", 1)),
-    "cifar10": lambda data: images.dataset_info("cifar10")["image_shape"][0],
-    "imagenet2012": lambda data: int(data.get("image_size", 0) or DEFAULT_IMAGENET_SIZE),
+  "digits": lambda data: (
+    images.dataset_info("digits")["image_shape"][0] * int(data.get("upscale", 1))
+  ),
+  "cifar10": lambda data: images.dataset_info("cifar10")["image_shape"][0],
+  "imagenet2012": lambda data: int(data.get("image_size", 0) or DEFAULT_IMAGENET_SIZE),
 }
 
 
@@ -172,8 +186,11 @@ def images_metadata(config: ml_collections.ConfigDict) -> dict[str, Any]:
     raise ValueError(f"unknown image data set {dataset!r}; choose one of {sorted(RAW_SOURCES)}")
   info = images.dataset_info(dataset)
   side = IMAGE_SIDES[dataset](config.data)
-  return {"num_classes": info["num_classes"], "image_shape": (side, side, info["image_shape"][2]),
-          "eval_split": info["splits"][1]}
+  return {
+    "num_classes": info["num_classes"],
+    "image_shape": (side, side, info["image_shape"][2]),
+    "eval_split": info["splits"][1],
+  }
 
 
 def build_data(config: ml_collections.ConfigDict):
@@ -186,14 +203,17 @@ def build_data(config: ml_collections.ConfigDict):
   side = metadata["image_shape"][0]
   upscale = int(data.get("upscale", 1))
   train = AugmentedSource(
-      raw[train_split],
-      images.make_preprocess(dataset, train=True, image_size=side, upscale=upscale),
-      seed=config.seed, repeats=int(data.get("augment_repeats", 1)),
-      description=f"{dataset}:{train_split}")
+    raw[train_split],
+    images.make_preprocess(dataset, train=True, image_size=side, upscale=upscale),
+    seed=config.seed,
+    repeats=int(data.get("augment_repeats", 1)),
+    description=f"{dataset}:{train_split}",
+  )
   evaluation = PreprocessedSource(
-      raw[eval_split],
-      images.make_preprocess(dataset, train=False, image_size=side, upscale=upscale),
-      description=f"{dataset}:{eval_split}")
+    raw[eval_split],
+    images.make_preprocess(dataset, train=False, image_size=side, upscale=upscale),
+    description=f"{dataset}:{eval_split}",
+  )
   return {"train": train, eval_split: evaluation}, metadata
 
 
@@ -201,16 +221,26 @@ def build_model(config: ml_collections.ConfigDict, metadata: Mapping[str, Any]) 
   side = metadata["image_shape"][0]
   patch = config.model.patch_size
   if side % patch:
-    raise errors.ConfigError(f"image side {side} of {config.data.dataset!r} is not divisible by "
-                             f"config.model.patch_size={patch}; pick a patch size dividing it")
-  return ViT(num_classes=metadata["num_classes"], **model_kwargs(config.model, VIT_FIELDS),
-             **attention_kwargs(config.model))
+    raise errors.ConfigError(
+      f"image side {side} of {config.data.dataset!r} is not divisible by "
+      f"config.model.patch_size={patch}; pick a patch size dividing it"
+    )
+  return ViT(
+    num_classes=metadata["num_classes"],
+    **model_kwargs(config.model, VIT_FIELDS),
+    **attention_kwargs(config.model),
+  )
 
 
-TASK = tasks_lib.register_task(tasks_lib.Task(
-    name="images", build_data=build_data, build_model=build_model,
+TASK = tasks_lib.register_task(
+  tasks_lib.Task(
+    name="images",
+    build_data=build_data,
+    build_model=build_model,
     loss_and_metrics=tasks_lib.classification_loss_and_metrics,
-    eval_splits=("validation", "test")))
+    eval_splits=("validation", "test"),
+  )
+)
 
 
 def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -223,11 +253,16 @@ def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """
   metadata = images_metadata(config)
   model = build_model(config, metadata)
-  parameters = count_parameters(model, jnp.zeros((1, *metadata["image_shape"]), jnp.float32),
-                                train=False)
+  parameters = count_parameters(
+    model, jnp.zeros((1, *metadata["image_shape"]), jnp.float32), train=False
+  )
   grid = metadata["image_shape"][0] // config.model.patch_size
-  cost = flops.attention_flops(config.model, seq_len=grid * grid, grid_shape=(grid, grid),
-                               num_prefix_tokens=1)
-  return {"parameters": parameters, "attention_flops": cost["total"],
-          "attention_flops_relative": cost["relative_to_softmax"],
-          "sequence_length": 1 + grid * grid}
+  cost = flops.attention_flops(
+    config.model, seq_len=grid * grid, grid_shape=(grid, grid), num_prefix_tokens=1
+  )
+  return {
+    "parameters": parameters,
+    "attention_flops": cost["total"],
+    "attention_flops_relative": cost["relative_to_softmax"],
+    "sequence_length": 1 + grid * grid,
+  }

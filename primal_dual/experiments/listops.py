@@ -38,8 +38,18 @@ from primal_dual.models import EncoderClassifier, parameter_count
 from primal_dual.training import errors
 from primal_dual.training import tasks as tasks_lib
 
-ENCODER_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "positional", "pre_norm",
-                  "norm", "pooling", "dropout_rate", "attention_dropout_rate")
+ENCODER_FIELDS = (
+  "num_layers",
+  "model_dim",
+  "num_heads",
+  "mlp_dim",
+  "positional",
+  "pre_norm",
+  "norm",
+  "pooling",
+  "dropout_rate",
+  "attention_dropout_rate",
+)
 POOLINGS = ("cls", "mean")
 SPLITS = ("train", "validation", "test")
 
@@ -49,41 +59,57 @@ def listops_metadata(config: ml_collections.ConfigDict) -> dict[str, int]:
   preset = config.data.preset
   if preset not in listops.PRESETS:
     raise ValueError(f"unknown ListOps preset {preset!r}; choose one of {sorted(listops.PRESETS)}")
-  return {"num_classes": listops.NUM_CLASSES, "vocab_size": listops.VOCAB_SIZE,
-          "max_length": listops.PRESETS[preset]["max_length"]}
+  return {
+    "num_classes": listops.NUM_CLASSES,
+    "vocab_size": listops.VOCAB_SIZE,
+    "max_length": listops.PRESETS[preset]["max_length"],
+  }
 
 
 def build_data(config: ml_collections.ConfigDict):
   """``({'train', 'validation', 'test'} → source, metadata)``; records as in the data contract."""
   from primal_dual.data import builders  # pylint: disable=g-import-not-at-top (imports TFDS)
+
   metadata = listops_metadata(config)
   data = config.data
-  sources = builders.listops_sources(data.preset, seed=data.get("seed", 0),
-                                     data_dir=data.get("data_dir") or None, splits=SPLITS)
+  sources = builders.listops_sources(
+    data.preset, seed=data.get("seed", 0), data_dir=data.get("data_dir") or None, splits=SPLITS
+  )
   return dict(sources), metadata
 
 
-def build_model(config: ml_collections.ConfigDict, metadata: Mapping[str, Any]
-                ) -> EncoderClassifier:
+def build_model(
+  config: ml_collections.ConfigDict, metadata: Mapping[str, Any]
+) -> EncoderClassifier:
   pooling = config.model.get("pooling", "cls")
   if pooling not in POOLINGS:
     raise errors.ConfigError(f"ListOps config.model.pooling={pooling!r}; use one of {POOLINGS}")
-  return EncoderClassifier(num_classes=metadata["num_classes"], input_kind="embed",
-                           vocab_size=metadata["vocab_size"],
-                           **model_kwargs(config.model, ENCODER_FIELDS),
-                           **attention_kwargs(config.model))
+  return EncoderClassifier(
+    num_classes=metadata["num_classes"],
+    input_kind="embed",
+    vocab_size=metadata["vocab_size"],
+    **model_kwargs(config.model, ENCODER_FIELDS),
+    **attention_kwargs(config.model),
+  )
 
 
-TASK = tasks_lib.register_task(tasks_lib.Task(
-    name="listops", build_data=build_data, build_model=build_model,
+TASK = tasks_lib.register_task(
+  tasks_lib.Task(
+    name="listops",
+    build_data=build_data,
+    build_model=build_model,
     loss_and_metrics=tasks_lib.classification_loss_and_metrics,
-    eval_splits=("validation", "test")))
+    eval_splits=("validation", "test"),
+  )
+)
 
 
 def count_parameters(model, *example_args, **example_kwargs) -> int:
   """Number of trainable parameters of a Linen model (shapes only; nothing is computed)."""
+
   def init(rng):
     return model.init({"params": rng, "dropout": rng}, *example_args, **example_kwargs)
+
   return parameter_count(jax.eval_shape(init, jax.random.PRNGKey(0))["params"])
 
 
@@ -102,6 +128,9 @@ def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
   parameters = count_parameters(model, tokens, mask=jnp.ones((1, length), bool), train=False)
   prefix = 1 if config.model.pooling == "cls" else 0
   cost = flops.attention_flops(config.model, seq_len=length, num_prefix_tokens=prefix)
-  return {"parameters": parameters, "attention_flops": cost["total"],
-          "attention_flops_relative": cost["relative_to_softmax"],
-          "sequence_length": length + prefix}
+  return {
+    "parameters": parameters,
+    "attention_flops": cost["total"],
+    "attention_flops_relative": cost["relative_to_softmax"],
+    "sequence_length": length + prefix,
+  }

@@ -51,13 +51,15 @@ TRAIN_FIELDS = ("inputs", "target", "task_variance")
 def sequence_target_variance(inputs: jax.Array, target: jax.Array) -> jax.Array:
   """float32 ``[B]``: variance of each sequence's targets, the zeroed query slot replaced by
   ``target``. ``inputs [B, T, n + 1]`` (``y`` in the last channel), ``target [B]``."""
-  targets = jnp.concatenate([inputs[:, :-1, -1].astype(jnp.float32),
-                             target.astype(jnp.float32)[:, None]], axis=1)
+  targets = jnp.concatenate(
+    [inputs[:, :-1, -1].astype(jnp.float32), target.astype(jnp.float32)[:, None]], axis=1
+  )
   return jnp.mean(jnp.square(targets - jnp.mean(targets, axis=1, keepdims=True)), axis=1)
 
 
-def logic_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
-                           ) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+def logic_loss_and_metrics(
+  outputs: jax.Array, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
   """Squared error of the last position's prediction and R² as a (sum, count) pair.
 
   Args:
@@ -76,19 +78,20 @@ def logic_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
   count = weights.sum()
   sse = weighted_sum(squared_error, weights)
   sequence_variance = sequence_target_variance(batch["inputs"], targets)
-  sequence_r2 = jnp.where(sequence_variance > 0,
-                          1.0 - squared_error / jnp.where(sequence_variance > 0,
-                                                          sequence_variance, 1.0), 0.0)
+  sequence_r2 = jnp.where(
+    sequence_variance > 0,
+    1.0 - squared_error / jnp.where(sequence_variance > 0, sequence_variance, 1.0),
+    0.0,
+  )
   return sse / jnp.maximum(count, 1.0), {
-      "loss": (sse, count),
-      "mse": (sse, count),
-      "r2": (weighted_sum(variance - squared_error, weights), weighted_sum(variance, weights)),
-      "r2_per_sequence": (weighted_sum(sequence_r2, weights), count),
+    "loss": (sse, count),
+    "mse": (sse, count),
+    "r2": (weighted_sum(variance - squared_error, weights), weighted_sum(variance, weights)),
+    "r2_per_sequence": (weighted_sum(sequence_r2, weights), count),
   }
 
 
-def add_task_variance(batch: dict[str, np.ndarray], variances: np.ndarray
-                      ) -> dict[str, np.ndarray]:
+def add_task_variance(batch: dict[str, np.ndarray], variances: np.ndarray) -> dict[str, np.ndarray]:
   """``batch`` with ``task_variance`` float32 looked up by ``task_id`` (any leading shape)."""
   return dict(batch, task_variance=variances[batch["task_id"]].astype(np.float32))
 
@@ -102,9 +105,17 @@ class LogicTaskSource:
   ``task_variance``), restricted to ``fields`` (None: all).
   """
 
-  def __init__(self, config: logic.LogicConfig, split: str, seed: int, size: int, *,
-               materialize: bool = False, chunk_size: int = 8192,
-               fields: tuple[str, ...] | None = None):
+  def __init__(
+    self,
+    config: logic.LogicConfig,
+    split: str,
+    seed: int,
+    size: int,
+    *,
+    materialize: bool = False,
+    chunk_size: int = 8192,
+    fields: tuple[str, ...] | None = None,
+  ):
     self._stream = logic.LogicSource(config, split, seed, size)  # validates the arguments
     self.config, self.split, self.seed, self.size = config, split, seed, int(size)
     self.fields = None if fields is None else tuple(fields)
@@ -112,9 +123,12 @@ class LogicTaskSource:
     self._variances = np.asarray(logic.task_moments(config)[1], np.float64)
     self._stored = None
     if materialize:
-      chunks = [logic.generate_batch(config, seed, np.arange(start, min(start + chunk_size,
-                                                                         self.size)), split)
-                for start in range(0, self.size, chunk_size)]
+      chunks = [
+        logic.generate_batch(
+          config, seed, np.arange(start, min(start + chunk_size, self.size)), split
+        )
+        for start in range(0, self.size, chunk_size)
+      ]
       self._stored = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
 
   def __len__(self) -> int:
@@ -132,8 +146,10 @@ class LogicTaskSource:
     if any(not 0 <= i < self.size for i in indices):
       raise IndexError(f"indices {indices} out of range for a source of size {self.size}.")
     if self._stored is not None:
-      return [self._select({name: np.array(value[i]) for name, value in self._stored.items()})
-              for i in indices]
+      return [
+        self._select({name: np.array(value[i]) for name, value in self._stored.items()})
+        for i in indices
+      ]
     return [self._select(record) for record in self._stream.__getitems__(indices)]
 
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
@@ -151,16 +167,23 @@ class LogicTaskSource:
 
   def __repr__(self) -> str:
     # Stable across processes and restarts: grain checks it when restoring an iterator.
-    return (f"LogicTaskSource(split={self.split!r}, seed={self.seed}, size={self.size}, "
-            f"materialize={self.materialize}, fields={self.fields}, config={self.config})")
+    return (
+      f"LogicTaskSource(split={self.split!r}, seed={self.seed}, size={self.size}, "
+      f"materialize={self.materialize}, fields={self.fields}, config={self.config})"
+    )
 
 
 def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
   """The task family named by ``config.data``."""
   return logic.LogicConfig(
-      num_variables=data.num_variables, num_terms=data.num_terms, seq_len=data.seq_len,
-      ood_fraction=data.ood_fraction, split_seed=data.split_seed,
-      test_fraction=data.test_fraction, ood_term_sets=data.ood_term_sets)
+    num_variables=data.num_variables,
+    num_terms=data.num_terms,
+    seq_len=data.seq_len,
+    ood_fraction=data.ood_fraction,
+    split_seed=data.split_seed,
+    test_fraction=data.test_fraction,
+    ood_term_sets=data.ood_term_sets,
+  )
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -168,8 +191,7 @@ def train_size(config: ml_collections.ConfigDict) -> int:
   if config.data.get("num_train", 0) > 0:
     return int(config.data.num_train)
   if config.num_train_steps <= 0:
-    raise ValueError("set data.num_train > 0 or num_train_steps > 0 to size the logic train "
-                     "stream")
+    raise ValueError("set data.num_train > 0 or num_train_steps > 0 to size the logic train stream")
   return int(config.num_train_steps * config.batch_size)
 
 
@@ -178,12 +200,20 @@ def build_data(config: ml_collections.ConfigDict):
   data = config.data
   tasks = logic_config(data)
   seed = data.get("stream_seed", 0)
-  splits = {"train": LogicTaskSource(
-      tasks, "train", seed, train_size(config),
+  splits = {
+    "train": LogicTaskSource(
+      tasks,
+      "train",
+      seed,
+      train_size(config),
       # Batches made on the device never read the host's train split: nothing to store up front.
-      materialize=(bool(data.get("materialize_train"))
-                   and not config.get("train_data_on_device", False)),
-      chunk_size=data.get("chunk_size", 8192), fields=TRAIN_FIELDS)}
+      materialize=(
+        bool(data.get("materialize_train")) and not config.get("train_data_on_device", False)
+      ),
+      chunk_size=data.get("chunk_size", 8192),
+      fields=TRAIN_FIELDS,
+    )
+  }
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
     if size > 0:
@@ -192,8 +222,9 @@ def build_data(config: ml_collections.ConfigDict):
   return splits, metadata
 
 
-def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
-                        ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+def device_train_stream(
+  config: ml_collections.ConfigDict, metadata: dict
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
   """``(indices uint32 [B], seed int []) -> TRAIN_FIELDS`` of run ``seed``'s train stream, made
   on the device."""
   tasks = metadata["tasks"]
@@ -205,16 +236,26 @@ def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
     records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
     records["task_variance"] = jnp.asarray(variances)[records["task_id"]]
     return {name: records[name] for name in TRAIN_FIELDS}
+
   return batch
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   del metadata
-  return SequenceTransformer(num_outputs=1, **model_kwargs(config.model, SEQUENCE_FIELDS),
-                             **attention_kwargs(config.model))
+  return SequenceTransformer(
+    num_outputs=1, **model_kwargs(config.model, SEQUENCE_FIELDS), **attention_kwargs(config.model)
+  )
 
 
-TASK = tasks_lib.register_task(tasks_lib.Task(
-    name="logic", build_data=build_data, build_model=build_model,
-    loss_and_metrics=logic_loss_and_metrics, eval_splits=EVAL_SPLITS,
-    selection_metric="r2", selection_mode="max", device_train_stream=device_train_stream))
+TASK = tasks_lib.register_task(
+  tasks_lib.Task(
+    name="logic",
+    build_data=build_data,
+    build_model=build_model,
+    loss_and_metrics=logic_loss_and_metrics,
+    eval_splits=EVAL_SPLITS,
+    selection_metric="r2",
+    selection_mode="max",
+    device_train_stream=device_train_stream,
+  )
+)

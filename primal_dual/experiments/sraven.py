@@ -46,9 +46,19 @@ from primal_dual.training import tasks as tasks_lib
 
 EVAL_SPLITS = ("validation", "test", "ood")
 SELECTION_METRIC = "whole_panel_accuracy"
-SEQUENCE_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "dropout_rate",
-                   "attention_dropout_rate", "qkv_features", "num_buckets", "max_distance",
-                   "position_buckets", "mlp_kernel_init")
+SEQUENCE_FIELDS = (
+  "num_layers",
+  "model_dim",
+  "num_heads",
+  "mlp_dim",
+  "dropout_rate",
+  "attention_dropout_rate",
+  "qkv_features",
+  "num_buckets",
+  "max_distance",
+  "position_buckets",
+  "mlp_kernel_init",
+)
 # Fields of a record the training loop needs; the others (rules, latent ids, slot orders) serve
 # analysis and are kept only in the evaluation splits.
 TRAIN_FIELDS = ("inputs", "targets")
@@ -72,8 +82,9 @@ def answer_logits(outputs: jax.Array, num_features: int) -> jax.Array:
   return outputs[:, -num_features:, :].astype(jnp.float32)
 
 
-def sraven_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
-                            ) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+def sraven_loss_and_metrics(
+  outputs: jax.Array, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
   """Cross-entropy on the answer panel and exact-match metrics (see the module docstring).
 
   Args:
@@ -92,9 +103,9 @@ def sraven_loss_and_metrics(outputs: jax.Array, batch: Mapping[str, jax.Array]
   count = weights.sum()
   loss_sum = weighted_sum(losses, weights)
   return loss_sum / jnp.maximum(count, 1.0), {
-      "loss": (loss_sum, count),
-      "whole_panel_accuracy": (weighted_sum(panel_correct, weights), count),
-      "feature_accuracy": (weighted_sum(feature_correct.mean(axis=-1), weights), count),
+    "loss": (loss_sum, count),
+    "whole_panel_accuracy": (weighted_sum(panel_correct, weights), count),
+    "feature_accuracy": (weighted_sum(feature_correct.mean(axis=-1), weights), count),
   }
 
 
@@ -129,20 +140,31 @@ class MaterializedSRavenSource:
     fields: record fields returned, a subset of ``TRAIN_FIELDS`` (``inputs``, ``targets``).
   """
 
-  def __init__(self, config: sraven.SRavenConfig, split: str, seed: int, size: int, *,
-               chunk_size: int = 8192, fields: tuple[str, ...] = TRAIN_FIELDS):
+  def __init__(
+    self,
+    config: sraven.SRavenConfig,
+    split: str,
+    seed: int,
+    size: int,
+    *,
+    chunk_size: int = 8192,
+    fields: tuple[str, ...] = TRAIN_FIELDS,
+  ):
     sraven.SRavenSource(config, split, seed, size)  # validates the arguments
     if not set(fields) <= set(TRAIN_FIELDS):
       raise ValueError(f"MaterializedSRavenSource stores only {TRAIN_FIELDS}; got fields={fields}")
     if config.num_values > np.iinfo(np.int8).max:
-      raise ValueError(f"MaterializedSRavenSource stores values as int8 (at most 127); "
-                       f"num_values={config.num_values}: set data.materialize_train=False")
+      raise ValueError(
+        f"MaterializedSRavenSource stores values as int8 (at most 127); "
+        f"num_values={config.num_values}: set data.materialize_train=False"
+      )
     self.config, self.split, self.seed, self.size = config, split, seed, int(size)
     self.fields = tuple(fields)
     tokens, targets = [], []
     for start in range(0, self.size, chunk_size):
-      batch = sraven.generate_batch(config, seed, np.arange(start, min(start + chunk_size,
-                                                                       self.size)), split)
+      batch = sraven.generate_batch(
+        config, seed, np.arange(start, min(start + chunk_size, self.size)), split
+      )
       tokens.append(encode_tokens(batch["inputs"]))
       targets.append(batch["targets"].astype(np.int8))
     self._tokens = np.concatenate(tokens)
@@ -152,8 +174,10 @@ class MaterializedSRavenSource:
     return self.size
 
   def _record(self, index: int) -> dict[str, np.ndarray]:
-    record = {"inputs": decode_tokens(self._tokens[index], self.config.num_values),
-              "targets": self._targets[index].astype(np.int32)}
+    record = {
+      "inputs": decode_tokens(self._tokens[index], self.config.num_values),
+      "targets": self._targets[index].astype(np.int32),
+    }
     return {name: record[name] for name in self.fields}
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
@@ -171,14 +195,18 @@ class MaterializedSRavenSource:
     indices = np.asarray(indices, np.int64)
     if indices.size and (indices.min() < 0 or indices.max() >= self.size):
       raise IndexError(f"indices out of range for a source of size {self.size}.")
-    batch = {"inputs": decode_tokens(self._tokens[indices], self.config.num_values),
-             "targets": self._targets[indices].astype(np.int32)}
+    batch = {
+      "inputs": decode_tokens(self._tokens[indices], self.config.num_values),
+      "targets": self._targets[indices].astype(np.int32),
+    }
     return {name: batch[name] for name in self.fields}
 
   def __repr__(self) -> str:
     # Stable across processes and restarts: grain checks it when restoring an iterator.
-    return (f"MaterializedSRavenSource(split={self.split!r}, seed={self.seed}, size={self.size}, "
-            f"fields={self.fields}, config={self.config})")
+    return (
+      f"MaterializedSRavenSource(split={self.split!r}, seed={self.seed}, size={self.size}, "
+      f"fields={self.fields}, config={self.config})"
+    )
 
 
 class FieldsSource:
@@ -208,9 +236,13 @@ class FieldsSource:
 def sraven_config(data: ml_collections.ConfigDict) -> sraven.SRavenConfig:
   """The problem family named by ``config.data``."""
   return sraven.SRavenConfig(
-      num_features=data.num_features, num_values=data.num_values, rules=tuple(data.rules),
-      shuffle_features=data.shuffle_features, ood_fraction=data.ood_fraction,
-      split_seed=data.split_seed)
+    num_features=data.num_features,
+    num_values=data.num_values,
+    rules=tuple(data.rules),
+    shuffle_features=data.shuffle_features,
+    ood_fraction=data.ood_fraction,
+    split_seed=data.split_seed,
+  )
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -218,18 +250,21 @@ def train_size(config: ml_collections.ConfigDict) -> int:
   if config.data.get("num_train", 0) > 0:
     return int(config.data.num_train)
   if config.num_train_steps <= 0:
-    raise ValueError("set data.num_train > 0 or num_train_steps > 0 to size the sRAVEN train "
-                     "stream")
+    raise ValueError(
+      "set data.num_train > 0 or num_train_steps > 0 to size the sRAVEN train stream"
+    )
   return int(config.num_train_steps * config.batch_size)
 
 
 TrainSourceBuilder = Callable[[sraven.SRavenConfig, int, int, ml_collections.ConfigDict], Any]
 
 TRAIN_SOURCES: dict[bool, TrainSourceBuilder] = {
-    True: lambda problems, seed, size, data: MaterializedSRavenSource(
-        problems, "train", seed, size, chunk_size=data.get("chunk_size", 8192)),
-    False: lambda problems, seed, size, data: FieldsSource(
-        sraven.SRavenSource(problems, "train", seed, size), TRAIN_FIELDS),
+  True: lambda problems, seed, size, data: MaterializedSRavenSource(
+    problems, "train", seed, size, chunk_size=data.get("chunk_size", 8192)
+  ),
+  False: lambda problems, seed, size, data: FieldsSource(
+    sraven.SRavenSource(problems, "train", seed, size), TRAIN_FIELDS
+  ),
 }
 
 
@@ -239,21 +274,28 @@ def build_data(config: ml_collections.ConfigDict):
   problems = sraven_config(data)
   seed = data.get("stream_seed", 0)
   # Batches made on the device never read the host's train split: nothing to store up front.
-  materialize = (bool(data.get("materialize_train", True))
-                 and not config.get("train_data_on_device", False))
+  materialize = bool(data.get("materialize_train", True)) and not config.get(
+    "train_data_on_device", False
+  )
   splits = {"train": TRAIN_SOURCES[materialize](problems, seed, train_size(config), data)}
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
     if size > 0:
       splits[split] = sraven.SRavenSource(problems, split, seed, size)
-  metadata = {"num_features": problems.num_features, "num_values": problems.num_values,
-              "num_tokens": problems.num_tokens, "num_rules": problems.num_rules,
-              "rules": problems.rules, "problems": problems}
+  metadata = {
+    "num_features": problems.num_features,
+    "num_values": problems.num_values,
+    "num_tokens": problems.num_tokens,
+    "num_rules": problems.num_rules,
+    "rules": problems.rules,
+    "problems": problems,
+  }
   return splits, metadata
 
 
-def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
-                        ) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+def device_train_stream(
+  config: ml_collections.ConfigDict, metadata: dict
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
   """``(indices uint32 [B], seed int []) -> {'inputs', 'targets'}`` of run ``seed``'s train
   stream, made on the device."""
   stream = sraven.split_stream(metadata["problems"], "train")
@@ -262,17 +304,27 @@ def device_train_stream(config: ml_collections.ConfigDict, metadata: dict
   def batch(indices, seed):
     records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
     return {name: records[name] for name in TRAIN_FIELDS}
+
   return batch
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
-  return SequenceTransformer(num_outputs=metadata["num_values"],
-                             **model_kwargs(config.model, SEQUENCE_FIELDS),
-                             **attention_kwargs(config.model))
+  return SequenceTransformer(
+    num_outputs=metadata["num_values"],
+    **model_kwargs(config.model, SEQUENCE_FIELDS),
+    **attention_kwargs(config.model),
+  )
 
 
-TASK = tasks_lib.register_task(tasks_lib.Task(
-    name="sraven", build_data=build_data, build_model=build_model,
-    loss_and_metrics=sraven_loss_and_metrics, eval_splits=EVAL_SPLITS,
-    selection_metric=SELECTION_METRIC, selection_mode="max",
-    device_train_stream=device_train_stream))
+TASK = tasks_lib.register_task(
+  tasks_lib.Task(
+    name="sraven",
+    build_data=build_data,
+    build_model=build_model,
+    loss_and_metrics=sraven_loss_and_metrics,
+    eval_splits=EVAL_SPLITS,
+    selection_metric=SELECTION_METRIC,
+    selection_mode="max",
+    device_train_stream=device_train_stream,
+  )
+)

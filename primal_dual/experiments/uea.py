@@ -22,40 +22,66 @@ from primal_dual.models import EncoderClassifier
 from primal_dual.training import tasks as tasks_lib
 
 PROTOCOL_SPLITS = {
-    "best_test": {"train": "train", "test": "test"},
-    "clean": {"train": "train_fit", "validation": "validation", "test": "test"},
+  "best_test": {"train": "train", "test": "test"},
+  "clean": {"train": "train_fit", "validation": "validation", "test": "test"},
 }
 
-ENCODER_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "positional", "pre_norm",
-                  "norm", "pooling", "dropout_rate", "attention_dropout_rate")
+ENCODER_FIELDS = (
+  "num_layers",
+  "model_dim",
+  "num_heads",
+  "mlp_dim",
+  "positional",
+  "pre_norm",
+  "norm",
+  "pooling",
+  "dropout_rate",
+  "attention_dropout_rate",
+)
 
 
 def build_data(config: ml_collections.ConfigDict):
   data = config.data
   if data.protocol not in PROTOCOL_SPLITS:
-    raise ValueError(f"unknown UEA protocol {data.protocol!r}; choose one of "
-                     f"{sorted(PROTOCOL_SPLITS)}")
+    raise ValueError(
+      f"unknown UEA protocol {data.protocol!r}; choose one of {sorted(PROTOCOL_SPLITS)}"
+    )
   names = PROTOCOL_SPLITS[data.protocol]
   sources = builders.uea_sources(
-      data.dataset, data_dir=data.get("data_dir") or None,
-      manual_dir=data.get("manual_dir") or None, splits=tuple(names.values()),
-      validation_fraction=data.get("validation_fraction", 0.2),
-      split_seed=data.get("split_seed", 0))
-  info = builders.uea_info(data.dataset, data_dir=data.get("data_dir") or None,
-                      manual_dir=data.get("manual_dir") or None)
+    data.dataset,
+    data_dir=data.get("data_dir") or None,
+    manual_dir=data.get("manual_dir") or None,
+    splits=tuple(names.values()),
+    validation_fraction=data.get("validation_fraction", 0.2),
+    split_seed=data.get("split_seed", 0),
+  )
+  info = builders.uea_info(
+    data.dataset, data_dir=data.get("data_dir") or None, manual_dir=data.get("manual_dir") or None
+  )
   splits = {split: sources[source_split] for split, source_split in names.items()}
-  metadata = {"num_classes": info["num_classes"], "num_channels": info["num_channels"],
-              "max_length": info["max_length"]}
+  metadata = {
+    "num_classes": info["num_classes"],
+    "num_channels": info["num_channels"],
+    "max_length": info["max_length"],
+  }
   return splits, metadata
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> EncoderClassifier:
-  return EncoderClassifier(num_classes=metadata["num_classes"], input_kind="dense",
-                           **model_kwargs(config.model, ENCODER_FIELDS),
-                           **attention_kwargs(config.model))
+  return EncoderClassifier(
+    num_classes=metadata["num_classes"],
+    input_kind="dense",
+    **model_kwargs(config.model, ENCODER_FIELDS),
+    **attention_kwargs(config.model),
+  )
 
 
-TASK = tasks_lib.register_task(tasks_lib.Task(
-    name="uea", build_data=build_data, build_model=build_model,
+TASK = tasks_lib.register_task(
+  tasks_lib.Task(
+    name="uea",
+    build_data=build_data,
+    build_model=build_model,
     loss_and_metrics=tasks_lib.classification_loss_and_metrics,
-    eval_splits=("validation", "test")))
+    eval_splits=("validation", "test"),
+  )
+)

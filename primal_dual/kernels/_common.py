@@ -32,6 +32,7 @@ F32 = jnp.float32
 
 class QKVShapes(NamedTuple):
   """Validated sizes of a query/key/value triple (``heads`` counts the query heads)."""
+
   batch_shape: tuple[int, ...]
   q_len: int
   kv_len: int
@@ -59,32 +60,45 @@ def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim < 3:
       raise ValueError(
-          f"{name} must have rank >= 3 ([batch..., length, heads, features]); got "
-          f"{_shape_str(query=query, key=key, value=value)}")
+        f"{name} must have rank >= 3 ([batch..., length, heads, features]); got "
+        f"{_shape_str(query=query, key=key, value=value)}"
+      )
   if not query.ndim == key.ndim == value.ndim:
     raise ValueError(
-        "query, key and value must have the same rank; got "
-        f"{_shape_str(query=query, key=key, value=value)}")
+      "query, key and value must have the same rank; got "
+      f"{_shape_str(query=query, key=key, value=value)}"
+    )
   if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
     raise ValueError(
-        "query, key and value must share their batch dimensions; got "
-        f"{_shape_str(query=query, key=key, value=value)}")
+      "query, key and value must share their batch dimensions; got "
+      f"{_shape_str(query=query, key=key, value=value)}"
+    )
   kv_heads = key.shape[-2]
   if kv_heads < 1 or kv_heads != value.shape[-2] or query.shape[-2] % kv_heads:
     raise ValueError(
-        "key and value must have the same number of heads (axis -2), and it must divide the "
-        "number of query heads (grouped heads); got "
-        f"{_shape_str(query=query, key=key, value=value)}")
+      "key and value must have the same number of heads (axis -2), and it must divide the "
+      "number of query heads (grouped heads); got "
+      f"{_shape_str(query=query, key=key, value=value)}"
+    )
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
-        "query and key must have the same feature size d_qk (axis -1); got "
-        f"{_shape_str(query=query, key=key, value=value)}")
+      "query and key must have the same feature size d_qk (axis -1); got "
+      f"{_shape_str(query=query, key=key, value=value)}"
+    )
   if key.shape[-3] != value.shape[-3]:
     raise ValueError(
-        "key and value must have the same length kv_len (axis -3); got "
-        f"{_shape_str(query=query, key=key, value=value)}")
-  return QKVShapes(tuple(query.shape[:-3]), query.shape[-3], key.shape[-3], query.shape[-2],
-                   query.shape[-1], value.shape[-1], key.shape[-2])
+      "key and value must have the same length kv_len (axis -3); got "
+      f"{_shape_str(query=query, key=key, value=value)}"
+    )
+  return QKVShapes(
+    tuple(query.shape[:-3]),
+    query.shape[-3],
+    key.shape[-3],
+    query.shape[-2],
+    query.shape[-1],
+    value.shape[-1],
+    key.shape[-2],
+  )
 
 
 def repeat_kv_heads(key: Array, value: Array, shapes: QKVShapes) -> tuple[Array, Array]:
@@ -95,19 +109,21 @@ def repeat_kv_heads(key: Array, value: Array, shapes: QKVShapes) -> tuple[Array,
   """
   if shapes.kv_groups == 1:
     return key, value
-  return (jnp.repeat(key, shapes.kv_groups, axis=-2),
-          jnp.repeat(value, shapes.kv_groups, axis=-2))
+  return (jnp.repeat(key, shapes.kv_groups, axis=-2), jnp.repeat(value, shapes.kv_groups, axis=-2))
 
 
 def refuse_grouped_heads(shapes: QKVShapes, kernel: str, reason: str) -> None:
   """Raises ValueError if the key/value heads are grouped (fewer than the query heads)."""
   if shapes.kv_groups != 1:
-    raise ValueError(f"{kernel} does not support grouped key/value heads ({reason}); got "
-                     f"{shapes.heads} query heads and {shapes.kv_heads} key/value heads")
+    raise ValueError(
+      f"{kernel} does not support grouped key/value heads ({reason}); got "
+      f"{shapes.heads} query heads and {shapes.kv_heads} key/value heads"
+    )
 
 
-def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes, *,
-                         materialize: bool = True) -> Array | None:
+def broadcast_logits_arg(
+  x: Array | None, name: str, shapes: QKVShapes, *, materialize: bool = True
+) -> Array | None:
   """Broadcasts a mask or bias to ``[B, heads, q_len, kv_len]`` with the batch flattened.
 
   With ``materialize=False`` an argument shared by every example (e.g. a relative-position bias
@@ -126,8 +142,9 @@ def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes, *,
     full = None
   if full != target:
     raise ValueError(
-        f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
-        f" = {target}")
+      f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
+      f" = {target}"
+    )
   x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
   batch_axes = len(shapes.batch_shape)
   if not materialize and all(n == 1 for n in x.shape[:batch_axes]):
@@ -137,8 +154,8 @@ def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes, *,
 
 # causal_alignment -> offset(q_len, kv_len): query i sees keys j <= i + offset.
 CAUSAL_OFFSETS: dict[str, Callable[[int, int], int]] = {
-    "top_left": lambda q_len, kv_len: 0,
-    "bottom_right": lambda q_len, kv_len: kv_len - q_len,
+  "top_left": lambda q_len, kv_len: 0,
+  "bottom_right": lambda q_len, kv_len: kv_len - q_len,
 }
 
 
@@ -149,13 +166,16 @@ def causal_offset(alignment: str, q_len: int, kv_len: int) -> int:
   ``kv_len - q_len`` (the last query sees every key). Raises ValueError for other names.
   """
   if alignment not in CAUSAL_OFFSETS:
-    raise ValueError(f"causal_alignment must be one of {sorted(CAUSAL_OFFSETS)}; got "
-                     f"causal_alignment={alignment!r}")
+    raise ValueError(
+      f"causal_alignment must be one of {sorted(CAUSAL_OFFSETS)}; got "
+      f"causal_alignment={alignment!r}"
+    )
   return CAUSAL_OFFSETS[alignment](q_len, kv_len)
 
 
-def combine_causal(mask: Array | None, is_causal: bool, q_len: int, kv_len: int,
-                   alignment: str = "top_left") -> Array | None:
+def combine_causal(
+  mask: Array | None, is_causal: bool, q_len: int, kv_len: int, alignment: str = "top_left"
+) -> Array | None:
   """Adds a causal constraint (query i sees keys j <= i + causal_offset) to a bool ``mask``."""
   offset = causal_offset(alignment, q_len, kv_len)  # validates the name even when not causal
   if not is_causal:
@@ -175,17 +195,27 @@ def as_bool_mask(mask) -> Array | None:
   return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
-def prepare_mask_and_bias(mask, bias, shapes: QKVShapes, is_causal: bool = False,
-                          causal_alignment: str = "top_left", *, materialize: bool = True):
+def prepare_mask_and_bias(
+  mask,
+  bias,
+  shapes: QKVShapes,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  *,
+  materialize: bool = True,
+):
   """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None
   (``materialize=False``: see :func:`broadcast_logits_arg`).
 
   ``mask`` may have any dtype (nonzero = may attend); the result is bool.
   """
-  mask = combine_causal(as_bool_mask(mask), is_causal, shapes.q_len, shapes.kv_len,
-                        causal_alignment)
-  return (broadcast_logits_arg(mask, "mask", shapes, materialize=materialize),
-          broadcast_logits_arg(bias, "bias", shapes, materialize=materialize))
+  mask = combine_causal(
+    as_bool_mask(mask), is_causal, shapes.q_len, shapes.kv_len, causal_alignment
+  )
+  return (
+    broadcast_logits_arg(mask, "mask", shapes, materialize=materialize),
+    broadcast_logits_arg(bias, "bias", shapes, materialize=materialize),
+  )
 
 
 def to_heads_major(x: Array) -> Array:
@@ -225,8 +255,9 @@ def masked_softmax(logits: Array, mask: Array | None) -> Array:
   return unnormalized / jnp.where(total > 0, total, 1.0)
 
 
-def apply_dropout(weights: Array, *, dropout_rng, dropout_rate: float, broadcast_dropout: bool,
-                  deterministic: bool) -> Array:
+def apply_dropout(
+  weights: Array, *, dropout_rng, dropout_rate: float, broadcast_dropout: bool, deterministic: bool
+) -> Array:
   """Dropout on attention weights ``[B, H, q_len, kv_len]``, following Flax.
 
   With ``broadcast_dropout`` the same drop pattern is used for every example and head.
@@ -245,14 +276,30 @@ def apply_dropout(weights: Array, *, dropout_rng, dropout_rate: float, broadcast
 
 def contract_values(weights: Array, value: Array, precision=None) -> Array:
   """``out[q, d] = Σ_k weights[q, k] value[k, d]`` for one head, accumulated in float32."""
-  return jnp.einsum("qk,kd->qd", weights.astype(value.dtype), value, precision=precision,
-                    preferred_element_type=F32)
+  return jnp.einsum(
+    "qk,kd->qd", weights.astype(value.dtype), value, precision=precision, preferred_element_type=F32
+  )
 
 
-def attend_with_weights(weights_one_head: Callable, q: Array, k: Array, v: Array,
-                        bias: Array | None, mask: Array | None, *, shapes: QKVShapes, query: Array,
-                        dtype, module, return_weights: bool, dropout_rng, dropout_rate: float,
-                        broadcast_dropout: bool, deterministic: bool, precision=None):
+def attend_with_weights(
+  weights_one_head: Callable,
+  q: Array,
+  k: Array,
+  v: Array,
+  bias: Array | None,
+  mask: Array | None,
+  *,
+  shapes: QKVShapes,
+  query: Array,
+  dtype,
+  module,
+  return_weights: bool,
+  dropout_rng,
+  dropout_rate: float,
+  broadcast_dropout: bool,
+  deterministic: bool,
+  precision=None,
+):
   """The reference path of a kernel defined by its one-head weights.
 
   ``weights_one_head(q [q_len, d], k [kv_len, d], bias, mask) -> float32 [q_len, kv_len]`` is
@@ -260,19 +307,38 @@ def attend_with_weights(weights_one_head: Callable, q: Array, k: Array, v: Array
   contracted with ``v [B, H, kv_len, d_v]`` and the output finished as :func:`finish` does.
   """
   weights = map_heads(weights_one_head, q, k, bias, mask)
-  dropped = apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                          broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  dropped = apply_dropout(
+    weights,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=broadcast_dropout,
+    deterministic=deterministic,
+  )
   out = map_heads(lambda w, v: contract_values(w, v, precision), dropped, v)
-  return finish(out, weights, shapes=shapes, dtype=output_dtype(query, dtype), module=module,
-                return_weights=return_weights)
+  return finish(
+    out,
+    weights,
+    shapes=shapes,
+    dtype=output_dtype(query, dtype),
+    module=module,
+    return_weights=return_weights,
+  )
 
 
 def output_dtype(query: Array, dtype) -> jnp.dtype:
   return jnp.dtype(dtype) if dtype is not None else query.dtype
 
 
-def finish(out: Array, weights: Any, *, shapes: QKVShapes, dtype, module, return_weights: bool,
-           weights_name: str = "attention_weights"):
+def finish(
+  out: Array,
+  weights: Any,
+  *,
+  shapes: QKVShapes,
+  dtype,
+  module,
+  return_weights: bool,
+  weights_name: str = "attention_weights",
+):
   """Restores ``[batch..., q_len, heads, d_v]``, casts, sows and optionally returns weights.
 
   ``out`` is ``[B, H, q_len, d_v]``; ``weights`` is a ``[B, H, q_len, kv]`` array or a tuple of

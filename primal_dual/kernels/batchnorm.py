@@ -79,9 +79,9 @@ def _statistics_of_queries_and_keys(q, k, mask):
 # statistics source -> (q [q_len, d], k [kv_len, d], mask [q_len, kv_len] | None) -> (mean, var).
 # 'keys' is docs/maths.md §3.4; a query (key) is valid when it may attend to (be seen by) any key (query).
 STATISTICS_SOURCES: dict[str, Callable] = {
-    "keys": _statistics_of_keys,
-    "queries": _statistics_of_queries,
-    "queries_and_keys": _statistics_of_queries_and_keys,
+  "keys": _statistics_of_keys,
+  "queries": _statistics_of_queries,
+  "queries_and_keys": _statistics_of_queries_and_keys,
 }
 
 
@@ -98,8 +98,8 @@ def _linear_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
 # Kernels run on the normalised queries and keys of one head:
 # (q̂, k̂, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
 BN_KERNELS: dict[str, Callable] = {
-    "softmax": _softmax_kernel,
-    "linear": _linear_kernel,
+  "softmax": _softmax_kernel,
+  "linear": _linear_kernel,
 }
 
 
@@ -107,14 +107,25 @@ def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistic
   """``(q̂ [q_len, d], k̂ [kv_len, d])`` float32 of one head: both normalised with the statistics
   named by ``statistics`` (``STATISTICS_SOURCES``), over valid rows only."""
   mean, var = STATISTICS_SOURCES[statistics](q, k, mask)
-  return tuple(normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight)
-               for x in (q, k))
+  return tuple(
+    normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight) for x in (q, k)
+  )
 
 
-def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
-                               eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
-                               statistics: str = "keys", scale: float | None = None,
-                               linear_eps: float = LINEAR_EPS, precision=None):
+def batchnorm_weights_one_head(
+  q,
+  k,
+  bias,
+  mask,
+  *,
+  kernel: str = "softmax",
+  eps: float = DEFAULT_EPS,
+  mean_weight: float = 1.0,
+  statistics: str = "keys",
+  scale: float | None = None,
+  linear_eps: float = LINEAR_EPS,
+  precision=None,
+):
   """Attention-BN weights of one head: normalise q and k with the key statistics, then the kernel.
 
   Args:
@@ -125,11 +136,13 @@ def batchnorm_weights_one_head(q, k, bias, mask, *, kernel: str = "softmax",
   Returns:
     float32 ``[q_len, kv_len]``.
   """
-  q_hat, k_hat = normalized_one_head(q, k, mask, eps=eps, mean_weight=mean_weight,
-                                     statistics=statistics)
+  q_hat, k_hat = normalized_one_head(
+    q, k, mask, eps=eps, mean_weight=mean_weight, statistics=statistics
+  )
   scale = C.default_scale(q.shape[-1]) if scale is None else scale
-  return BN_KERNELS[kernel](q_hat, k_hat, bias, mask, scale=scale,
-                                       linear_eps=linear_eps, precision=precision)
+  return BN_KERNELS[kernel](
+    q_hat, k_hat, bias, mask, scale=scale, linear_eps=linear_eps, precision=precision
+  )
 
 
 def _check_choice(name: str, value: str, registry: dict) -> None:
@@ -137,14 +150,31 @@ def _check_choice(name: str, value: str, registry: dict) -> None:
     raise ValueError(f"{name} must be one of {sorted(registry)}; got {name}={value!r}")
 
 
-def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
-                        dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                        dtype=None, precision=None, module=None, is_causal: bool = False,
-                        causal_alignment: str = "top_left", return_weights: bool = False,
-                        kernel: str = "softmax",
-                        eps: float = DEFAULT_EPS, mean_weight: float = 1.0,
-                        statistics: str = "keys", scale: float | None = None,
-                        linear_eps: float = LINEAR_EPS, implementation: str = "auto"):
+def batchnorm_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  return_weights: bool = False,
+  kernel: str = "softmax",
+  eps: float = DEFAULT_EPS,
+  mean_weight: float = 1.0,
+  statistics: str = "keys",
+  scale: float | None = None,
+  linear_eps: float = LINEAR_EPS,
+  implementation: str = "auto",
+):
   """Attention-BN: the kernel on queries and keys normalised with the key statistics.
 
   For each example, head and channel: ``μ = mean_j k_j``, ``σ² = mean_j (k_j − μ)²`` over the
@@ -192,22 +222,58 @@ def batchnorm_attention(query, key, value, bias=None, mask=None, *, broadcast_dr
   key, value = C.repeat_kv_heads(key, value, shapes)
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-  if fused.use_fused(implementation, return_weights=return_weights, module=module,
-                     dropout_rate=dropout_rate, deterministic=deterministic,
-                     same_head_size=shapes.d_qk == shapes.d_v, softmax_kernel=kernel == "softmax"):
+  if fused.use_fused(
+    implementation,
+    return_weights=return_weights,
+    module=module,
+    dropout_rate=dropout_rate,
+    deterministic=deterministic,
+    same_head_size=shapes.d_qk == shapes.d_v,
+    softmax_kernel=kernel == "softmax",
+  ):
     q_hat, k_hat = C.map_heads(
-        lambda q, k, mask: normalized_one_head(q, k, mask, eps=eps, mean_weight=mean_weight,
-                                               statistics=statistics), q, k, mask)
-    out = fused.attend(q_hat, k_hat, v, bias, mask,
-                       scale=C.default_scale(shapes.d_qk) if scale is None else scale)
+      lambda q, k, mask: normalized_one_head(
+        q, k, mask, eps=eps, mean_weight=mean_weight, statistics=statistics
+      ),
+      q,
+      k,
+      mask,
+    )
+    out = fused.attend(
+      q_hat, k_hat, v, bias, mask, scale=C.default_scale(shapes.d_qk) if scale is None else scale
+    )
     return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
 
   def weights_fn(q, k, bias, mask):
-    return batchnorm_weights_one_head(q, k, bias, mask, kernel=kernel, eps=eps,
-                                      mean_weight=mean_weight, statistics=statistics, scale=scale,
-                                      linear_eps=linear_eps, precision=precision)
+    return batchnorm_weights_one_head(
+      q,
+      k,
+      bias,
+      mask,
+      kernel=kernel,
+      eps=eps,
+      mean_weight=mean_weight,
+      statistics=statistics,
+      scale=scale,
+      linear_eps=linear_eps,
+      precision=precision,
+    )
 
   return C.attend_with_weights(
-      weights_fn, q, k, v, bias, mask, shapes=shapes, query=query, dtype=dtype, module=module,
-      return_weights=return_weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout, deterministic=deterministic, precision=precision)
+    weights_fn,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    shapes=shapes,
+    query=query,
+    dtype=dtype,
+    module=module,
+    return_weights=return_weights,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=broadcast_dropout,
+    deterministic=deterministic,
+    precision=precision,
+  )

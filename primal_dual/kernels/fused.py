@@ -26,9 +26,16 @@ IMPLEMENTATIONS = ("auto", "fused", "reference")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def use_fused(implementation: str, *, return_weights: bool, module, dropout_rate: float,
-              deterministic: bool, same_head_size: bool = True,
-              softmax_kernel: bool = True) -> bool:
+def use_fused(
+  implementation: str,
+  *,
+  return_weights: bool,
+  module,
+  dropout_rate: float,
+  deterministic: bool,
+  same_head_size: bool = True,
+  softmax_kernel: bool = True,
+) -> bool:
   """Whether a call takes the fused path.
 
   Raises:
@@ -40,22 +47,35 @@ def use_fused(implementation: str, *, return_weights: bool, module, dropout_rate
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
   if implementation == "reference":
     return False
-  blockers = [reason for reason, present in (
-      ("return_weights=True", return_weights), ("sowing weights (module given)", module is not None),
+  blockers = [
+    reason
+    for reason, present in (
+      ("return_weights=True", return_weights),
+      ("sowing weights (module given)", module is not None),
       ("dropout on the weights", not deterministic and dropout_rate > 0.0),
       ("key and value head sizes differ", not same_head_size),
-      ("kernel is not softmax", not softmax_kernel)) if present]
+      ("kernel is not softmax", not softmax_kernel),
+    )
+    if present
+  ]
   if blockers and implementation == "fused":
-    raise ValueError(f"implementation='fused' cannot serve this call ({', '.join(blockers)}); "
-                     "use implementation='auto' or 'reference'")
+    raise ValueError(
+      f"implementation='fused' cannot serve this call ({', '.join(blockers)}); "
+      "use implementation='auto' or 'reference'"
+    )
   return not blockers
 
 
 def backend_implementation(query: jax.Array, *, head_size: int, masked: bool) -> str:
   """``'cudnn'`` where cuDNN's fused attention takes the call (see module docstring), else
   ``'xla'``."""
-  if (jax.default_backend() == "gpu" and query.dtype in _CUDNN_DTYPES and head_size <= 128
-      and head_size % 8 == 0 and not masked):
+  if (
+    jax.default_backend() == "gpu"
+    and query.dtype in _CUDNN_DTYPES
+    and head_size <= 128
+    and head_size % 8 == 0
+    and not masked
+  ):
     return "cudnn"
   return "xla"
 
@@ -74,11 +94,17 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False):
   """
   dtype = v.dtype
   q, k = q.astype(dtype), k.astype(dtype)
-  implementation = backend_implementation(q, head_size=q.shape[-1],
-                                          masked=mask is not None or bias is not None)
+  implementation = backend_implementation(
+    q, head_size=q.shape[-1], masked=mask is not None or bias is not None
+  )
   out = jax.nn.dot_product_attention(
-      *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), bias=bias, mask=mask, scale=scale,
-      is_causal=is_causal, implementation=implementation)
+    *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+    bias=bias,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    implementation=implementation,
+  )
   out = jnp.swapaxes(out, 1, 2)
   if mask is not None:
     out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
@@ -87,5 +113,6 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False):
 
 def finish(out, *, shapes: C.QKVShapes, query, dtype):
   """``[B, H, q_len, d_v]`` → ``[batch..., q_len, heads, d_v]`` in the output dtype."""
-  return C.finish(out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=None,
-                  return_weights=False)
+  return C.finish(
+    out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=None, return_weights=False
+  )

@@ -48,8 +48,9 @@ def hyla_scores(q, k, bias, mask, *, scale: float, precision=None):
   Returns:
     float32 ``[B, H, q_len, kv_len]``.
   """
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision,
-                      preferred_element_type=C.F32) * scale
+  scores = (
+    jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=C.F32) * scale
+  )
   if bias is not None:
     scores = scores + bias.astype(C.F32)
   if mask is not None:
@@ -82,9 +83,9 @@ def no_normalization(scores, mask):
 
 
 NORMALIZATIONS: dict[str, Callable] = {
-    "rms_head": rms_head_normalization,
-    "softmax": softmax_normalization,
-    "none": no_normalization,
+  "rms_head": rms_head_normalization,
+  "softmax": softmax_normalization,
+  "none": no_normalization,
 }
 
 
@@ -95,14 +96,20 @@ NORMALIZATIONS: dict[str, Callable] = {
 
 def _mix_heads(a, v, precision):
   """``Σ_h a_hij v_hj`` -> ``[B, q, kv, d_v]`` float32."""
-  return jnp.einsum("bhqk,bkhd->bqkd", a.astype(v.dtype), v, precision=precision,
-                    preferred_element_type=C.F32)
+  return jnp.einsum(
+    "bhqk,bkhd->bqkd", a.astype(v.dtype), v, precision=precision, preferred_element_type=C.F32
+  )
 
 
 def _read_out(a, u, dtype, precision):
   """``out_hi = Σ_j a_hij u_ij`` -> ``[B, q, H, d_v]`` float32."""
-  return jnp.einsum("bhqk,bqkd->bqhd", a.astype(dtype), u.astype(dtype), precision=precision,
-                    preferred_element_type=C.F32)
+  return jnp.einsum(
+    "bhqk,bqkd->bqhd",
+    a.astype(dtype),
+    u.astype(dtype),
+    precision=precision,
+    preferred_element_type=C.F32,
+  )
 
 
 def mlp_relu_value_network(a, v, precision=None):
@@ -117,14 +124,15 @@ def mlp_linear_value_network(a, v, precision=None):
 
 def linear_value_network(a, v, precision=None):
   """``out_hi = Σ_j a_hij v_hj``: plain per-head attention with weights ``a``."""
-  return jnp.einsum("bhqk,bkhd->bqhd", a.astype(v.dtype), v, precision=precision,
-                    preferred_element_type=C.F32)
+  return jnp.einsum(
+    "bhqk,bkhd->bqhd", a.astype(v.dtype), v, precision=precision, preferred_element_type=C.F32
+  )
 
 
 VALUE_NETWORKS: dict[str, Callable] = {
-    "mlp_relu": mlp_relu_value_network,
-    "mlp_linear": mlp_linear_value_network,
-    "linear": linear_value_network,
+  "mlp_relu": mlp_relu_value_network,
+  "mlp_linear": mlp_linear_value_network,
+  "linear": linear_value_network,
 }
 
 
@@ -149,24 +157,46 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   return out[:, :q_len]
 
 
-def blockwise_supported(*, normalization: str, deterministic: bool, dropout_rate: float,
-                        module, return_weights: bool) -> bool:
+def blockwise_supported(
+  *, normalization: str, deterministic: bool, dropout_rate: float, module, return_weights: bool
+) -> bool:
   """Whether a ``hyla_attention`` call can run blockwise (else the exact dense path runs).
 
   Softmax normalises over keys (it would need running statistics), dropout and returned or sown
   weights need the whole ``[H, q_len, kv_len]`` weights.
   """
   dropout_active = not deterministic and dropout_rate != 0.0
-  return (normalization in hyla_blockwise.NORMALIZATIONS and not dropout_active
-          and module is None and not return_weights)
+  return (
+    normalization in hyla_blockwise.NORMALIZATIONS
+    and not dropout_active
+    and module is None
+    and not return_weights
+  )
 
 
-def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                   dtype=None, precision=None, module=None, is_causal: bool = False,
-                   causal_alignment: str = "top_left", normalization: str = "rms_head", value_network: str = "mlp_relu",
-                   query_chunk_size: int | None = None, scale: float | None = None,
-                   return_weights: bool = False, block_size: int | None = None):
+def hyla_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  normalization: str = "rms_head",
+  value_network: str = "mlp_relu",
+  query_chunk_size: int | None = None,
+  scale: float | None = None,
+  return_weights: bool = False,
+  block_size: int | None = None,
+):
   """HYLA attention (docs/maths.md §3.7).
 
   Args:
@@ -212,37 +242,67 @@ def hyla_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
   shapes = C.validate_qkv(query, key, value)
-  C.refuse_grouped_heads(shapes, "hyla_attention",
-                         "its value network sums the values over heads with per-head weights")
+  C.refuse_grouped_heads(
+    shapes, "hyla_attention", "its value network sums the values over heads with per-head weights"
+  )
   normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
   network = _lookup(VALUE_NETWORKS, value_network, "value_network")
-  if query_chunk_size is not None and (not isinstance(query_chunk_size, int)
-                                       or query_chunk_size < 1):
+  if query_chunk_size is not None and (
+    not isinstance(query_chunk_size, int) or query_chunk_size < 1
+  ):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
-                                 or block_size < 1):
+  if block_size is not None and (
+    not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
+  ):
     raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
   if block_size is not None and blockwise_supported(
-      normalization=normalization, deterministic=deterministic, dropout_rate=dropout_rate,
-      module=module, return_weights=return_weights):
+    normalization=normalization,
+    deterministic=deterministic,
+    dropout_rate=dropout_rate,
+    module=module,
+    return_weights=return_weights,
+  ):
     return hyla_blockwise.hyla_blockwise_attention(
-        query, key, value, bias, mask, block_size=block_size, is_causal=is_causal,
-        causal_alignment=causal_alignment, normalization=normalization,
-        value_network=value_network, scale=scale, dtype=dtype, precision=precision)
+      query,
+      key,
+      value,
+      bias,
+      mask,
+      block_size=block_size,
+      is_causal=is_causal,
+      causal_alignment=causal_alignment,
+      normalization=normalization,
+      value_network=value_network,
+      scale=scale,
+      dtype=dtype,
+      precision=precision,
+    )
   # A bias or mask shared by the examples stays [1, H, q, kv]: the einsums broadcast it.
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment,
-                                       materialize=False)
+  mask, bias = C.prepare_mask_and_bias(
+    mask, bias, shapes, is_causal, causal_alignment, materialize=False
+  )
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (query, key, value))  # batch flattened
 
   weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=precision), mask)
-  dropped = C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                            broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+  dropped = C.apply_dropout(
+    weights,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=broadcast_dropout,
+    deterministic=deterministic,
+  )
   run_network = functools.partial(network, precision=precision)
   if query_chunk_size is None:
     out = run_network(dropped, v)
   else:
     out = _chunked_over_queries(run_network, dropped, v, query_chunk_size)
   out = jnp.swapaxes(out, 1, 2)  # finish takes heads-major; XLA folds the two transposes
-  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
-                  return_weights=return_weights)
+  return C.finish(
+    out,
+    weights,
+    shapes=shapes,
+    dtype=C.output_dtype(query, dtype),
+    module=module,
+    return_weights=return_weights,
+  )

@@ -55,6 +55,7 @@ VALUE_NETWORKS = ("mlp_relu", "mlp_linear", "linear")
 
 class Config(NamedTuple):
   """Static settings of one blockwise call (block sizes divide the padded lengths)."""
+
   scale: float
   normalization: str
   value_network: str
@@ -83,11 +84,11 @@ def reduced_broadcast(x, name: str, shapes: C.QKVShapes):
     return None
   x = jnp.asarray(x)
   target = (*shapes.batch_shape, shapes.heads, shapes.q_len, shapes.kv_len)
-  if x.ndim > len(target) or any(
-      n not in (1, t) for n, t in zip(x.shape[::-1], target[::-1])):
+  if x.ndim > len(target) or any(n not in (1, t) for n, t in zip(x.shape[::-1], target[::-1])):
     raise ValueError(
-        f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
-        f" = {target}")
+      f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
+      f" = {target}"
+    )
   x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
   batch_rank = len(shapes.batch_shape)
   if all(n == 1 for n in x.shape[:batch_rank]):
@@ -148,6 +149,7 @@ def tile_validity(mask_tile, qi, ki, cfg: Config):
 class TileState(NamedTuple):
   """Recomputed quantities of one tile (float32): s, a ``[H, bq, bk]``; r ``[bq, bk]`` or None;
   z, u ``[bq, bk, d_v]`` or None (linear value network)."""
+
   s: jax.Array
   r: jax.Array | None
   a: jax.Array
@@ -162,8 +164,10 @@ def tile_state(qb, kb, vb, bias_tile, valid, cfg: Config) -> TileState:
     qb: ``[H, bq, D]``. kb: ``[H, bk, D]``. vb: ``[H, bk, d_v]``.
     bias_tile: ``[H'|1, bq|1, bk|1]`` or None. valid: bool broadcastable to ``[H, bq, bk]``.
   """
-  s = jnp.einsum("hqd,hkd->hqk", qb, kb, precision=cfg.precision,
-                 preferred_element_type=C.F32) * cfg.scale
+  s = (
+    jnp.einsum("hqd,hkd->hqk", qb, kb, precision=cfg.precision, preferred_element_type=C.F32)
+    * cfg.scale
+  )
   if bias_tile is not None:
     s = s + bias_tile.astype(C.F32)
   s = jnp.where(valid, s, 0.0)
@@ -175,8 +179,9 @@ def tile_state(qb, kb, vb, bias_tile, valid, cfg: Config) -> TileState:
   if cfg.value_network == "linear":
     return TileState(s, r, a, None, None)
   # Casts as in the dense kernel: operands in the value dtype, float32 accumulation.
-  z = jnp.einsum("hqk,hkd->qkd", a.astype(vb.dtype), vb, precision=cfg.precision,
-                 preferred_element_type=C.F32)
+  z = jnp.einsum(
+    "hqk,hkd->qkd", a.astype(vb.dtype), vb, precision=cfg.precision, preferred_element_type=C.F32
+  )
   u = jax.nn.relu(z) if cfg.value_network == "mlp_relu" else z
   return TileState(s, r, a, z, u)
 
@@ -185,10 +190,20 @@ def tile_output(state: TileState, vb, cfg: Config):
   """``Σ_j a_hij u_ij`` (or ``Σ_j a_hij v_hj``) of one tile: float32 ``[H, bq, d_v]``."""
   dtype = vb.dtype
   if cfg.value_network == "linear":
-    return jnp.einsum("hqk,hkd->hqd", state.a.astype(dtype), vb, precision=cfg.precision,
-                      preferred_element_type=C.F32)
-  return jnp.einsum("hqk,qkd->hqd", state.a.astype(dtype), state.u.astype(dtype),
-                    precision=cfg.precision, preferred_element_type=C.F32)
+    return jnp.einsum(
+      "hqk,hkd->hqd",
+      state.a.astype(dtype),
+      vb,
+      precision=cfg.precision,
+      preferred_element_type=C.F32,
+    )
+  return jnp.einsum(
+    "hqk,qkd->hqd",
+    state.a.astype(dtype),
+    state.u.astype(dtype),
+    precision=cfg.precision,
+    preferred_element_type=C.F32,
+  )
 
 
 def tile_gradients(state: TileState, qb, kb, vb, dout, valid, cfg: Config):
@@ -214,7 +229,7 @@ def tile_gradients(state: TileState, qb, kb, vb, dout, valid, cfg: Config):
     dv = jnp.einsum("hqk,qkd->hkd", state.a, dz, **f32)
   if cfg.normalization == "rms_head":
     mean_sda = jnp.mean(state.s * da, axis=0)
-    ds = state.r * da - state.s * state.r ** 3 * mean_sda
+    ds = state.r * da - state.s * state.r**3 * mean_sda
   else:
     ds = da
   ds = jnp.where(valid, ds, 0.0)
@@ -291,14 +306,19 @@ def backward_one(q, k, v, bias, mask, dout, cfg: Config):
       return (dq_acc + dq, dbias_acc), (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, C.F32)
-    (dq, dbias_acc), (dk, dv) = jax.lax.scan(key_block, (dq0, dbias_acc),
-                                             (k_blocks, v_blocks, key_index))
+    (dq, dbias_acc), (dk, dv) = jax.lax.scan(
+      key_block, (dq0, dbias_acc), (k_blocks, v_blocks, key_index)
+    )
     return (dk_acc + dk, dv_acc + dv, dbias_acc), dq
 
-  init = (jnp.zeros(k_blocks.shape, C.F32), jnp.zeros(v_blocks.shape, C.F32),
-          None if bias is None else jnp.zeros(bias.shape, C.F32))
-  (dk, dv, dbias), dq = jax.lax.scan(query_block, init,
-                                     (q_blocks, dout_blocks, jnp.arange(q_blocks.shape[0])))
+  init = (
+    jnp.zeros(k_blocks.shape, C.F32),
+    jnp.zeros(v_blocks.shape, C.F32),
+    None if bias is None else jnp.zeros(bias.shape, C.F32),
+  )
+  (dk, dv, dbias), dq = jax.lax.scan(
+    query_block, init, (q_blocks, dout_blocks, jnp.arange(q_blocks.shape[0]))
+  )
   return _unblocks(dq), _unblocks(dk), _unblocks(dv), dbias
 
 
@@ -357,10 +377,22 @@ def _round_up(n: int, block: int) -> int:
   return -(-n // block) * block
 
 
-def hyla_blockwise_attention(query, key, value, bias=None, mask=None, *, block_size: int = 128,
-                             is_causal: bool = False, causal_alignment: str = "top_left",
-                             normalization: str = "rms_head", value_network: str = "mlp_relu",
-                             scale: float | None = None, dtype=None, precision=None):
+def hyla_blockwise_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  block_size: int = 128,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  normalization: str = "rms_head",
+  value_network: str = "mlp_relu",
+  scale: float | None = None,
+  dtype=None,
+  precision=None,
+):
   """HYLA over (query block × key block) tiles; equals ``hyla.hyla_attention`` (module docstring).
 
   Args:
@@ -382,23 +414,37 @@ def hyla_blockwise_attention(query, key, value, bias=None, mask=None, *, block_s
       ``normalization``/``value_network``, or a ``block_size`` that is not a positive int.
   """
   shapes = C.validate_qkv(query, key, value)
-  C.refuse_grouped_heads(shapes, "hyla_blockwise_attention",
-                         "its value network sums the values over heads with per-head weights")
+  C.refuse_grouped_heads(
+    shapes,
+    "hyla_blockwise_attention",
+    "its value network sums the values over heads with per-head weights",
+  )
   if normalization not in NORMALIZATIONS:
-    raise ValueError(f"hyla_blockwise_attention: normalization must be one of "
-                     f"{list(NORMALIZATIONS)}; got {normalization!r}")
+    raise ValueError(
+      f"hyla_blockwise_attention: normalization must be one of "
+      f"{list(NORMALIZATIONS)}; got {normalization!r}"
+    )
   if value_network not in VALUE_NETWORKS:
-    raise ValueError(f"hyla_blockwise_attention: value_network must be one of "
-                     f"{list(VALUE_NETWORKS)}; got {value_network!r}")
+    raise ValueError(
+      f"hyla_blockwise_attention: value_network must be one of "
+      f"{list(VALUE_NETWORKS)}; got {value_network!r}"
+    )
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
     raise ValueError(f"block_size must be a positive int; got {block_size!r}")
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
   q_block, k_block = min(block_size, shapes.q_len), min(block_size, shapes.kv_len)
   q_pad, k_pad = _round_up(shapes.q_len, q_block), _round_up(shapes.kv_len, k_block)
-  cfg = Config(scale=C.default_scale(shapes.d_qk) if scale is None else scale,
-               normalization=normalization, value_network=value_network, q_block=q_block,
-               k_block=k_block, q_len=shapes.q_len, kv_len=shapes.kv_len,
-               causal_offset=offset if is_causal else None, precision=precision)
+  cfg = Config(
+    scale=C.default_scale(shapes.d_qk) if scale is None else scale,
+    normalization=normalization,
+    value_network=value_network,
+    q_block=q_block,
+    k_block=k_block,
+    q_len=shapes.q_len,
+    kv_len=shapes.kv_len,
+    causal_offset=offset if is_causal else None,
+    precision=precision,
+  )
   mask = reduced_broadcast(C.as_bool_mask(mask), "mask", shapes)
   bias = reduced_broadcast(bias, "bias", shapes)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
@@ -406,6 +452,7 @@ def hyla_blockwise_attention(query, key, value, bias=None, mask=None, *, block_s
   k, v = pad_axis(k, 2, k_pad), pad_axis(v, 2, k_pad)
   mask = pad_axis(pad_axis(mask, 2, q_pad, False), 3, k_pad, False)
   bias = pad_axis(pad_axis(bias, 2, q_pad), 3, k_pad)
-  out = make_blockwise(cfg)(q, k, v, bias, mask)[:, :, :shapes.q_len]
-  return C.finish(out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=None,
-                  return_weights=False)
+  out = make_blockwise(cfg)(q, k, v, bias, mask)[:, :, : shapes.q_len]
+  return C.finish(
+    out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=None, return_weights=False
+  )

@@ -83,8 +83,9 @@ def _causal_prefix(x, q_len: int, offset: int):
   return jnp.where(sees_any, taken, 0.0)
 
 
-def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float,
-                            causal_offset: int | None = None, precision=None):
+def feature_primal_one_head(
+  phi_q, phi_k, v, key_valid, *, eps: float, causal_offset: int | None = None, precision=None
+):
   """Primal form ``out_i = Φ(q_i)ᵀS / (Φ(q_i)ᵀz + eps)`` from precomputed features of one head.
 
   Args:
@@ -106,8 +107,9 @@ def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float,
   v = v.astype(C.F32)
   if causal_offset is not None:
     q_len = phi_q.shape[0]
-    states = _causal_prefix(jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len,
-                            causal_offset)
+    states = _causal_prefix(
+      jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len, causal_offset
+    )
     normalizers = _causal_prefix(phi_k, q_len, causal_offset)
     numerator = jnp.einsum("qf,qfd->qd", phi_q, states, precision=precision)
     denominator = jnp.einsum("qf,qf->q", phi_q, normalizers, precision=precision)
@@ -119,8 +121,9 @@ def feature_primal_one_head(phi_q, phi_k, v, key_valid, *, eps: float,
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[:, None]
 
 
-def linear_primal_one_head(q, k, v, key_valid, *, eps: float = DEFAULT_EPS, precision=None,
-                           causal_offset: int | None = None):
+def linear_primal_one_head(
+  q, k, v, key_valid, *, eps: float = DEFAULT_EPS, precision=None, causal_offset: int | None = None
+):
   """Primal-form (O(N)) linear attention of one head, ``Φ = elu + 1``.
 
   Args:
@@ -134,8 +137,15 @@ def linear_primal_one_head(q, k, v, key_valid, *, eps: float = DEFAULT_EPS, prec
     float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, mask) @ v`` when ``mask`` is
     ``key_valid`` on every row, up to float error.
   """
-  return feature_primal_one_head(elu_feature_map(q), elu_feature_map(k), v, key_valid, eps=eps,
-                                 causal_offset=causal_offset, precision=precision)
+  return feature_primal_one_head(
+    elu_feature_map(q),
+    elu_feature_map(k),
+    v,
+    key_valid,
+    eps=eps,
+    causal_offset=causal_offset,
+    precision=precision,
+  )
 
 
 def draw_random_features(feature_key, num_features: int, d_qk: int):
@@ -150,8 +160,9 @@ def _log_positive_random_features(x, omega, precision=None):
   return projected - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
 
 
-def random_feature_primal_one_head(q, k, v, key_valid, *, omega,
-                                   causal_offset: int | None = None, precision=None):
+def random_feature_primal_one_head(
+  q, k, v, key_valid, *, omega, causal_offset: int | None = None, precision=None
+):
   """Approximate softmax attention of one head with positive random features.
 
   ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` gives ``E[Φ(q)ᵀΦ(k)] = exp(qᵀk/√D)``. For stability each query's
@@ -178,8 +189,15 @@ def random_feature_primal_one_head(q, k, v, key_valid, *, omega,
   key_shift = jnp.max(log_k)
   key_shift = jnp.where(jnp.isfinite(key_shift), key_shift, 0.0)  # no valid key: any shift works
   log_k = log_k - jax.lax.stop_gradient(key_shift)
-  return feature_primal_one_head(jnp.exp(log_q), jnp.exp(log_k), v, key_valid, eps=0.0,
-                                 causal_offset=causal_offset, precision=precision)
+  return feature_primal_one_head(
+    jnp.exp(log_q),
+    jnp.exp(log_k),
+    v,
+    key_valid,
+    eps=0.0,
+    causal_offset=causal_offset,
+    precision=precision,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +218,10 @@ def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
     return None
   if mask.ndim >= 2 and mask.shape[-2] != 1 and shapes.q_len != 1:
     raise ValueError(
-        f"the primal form needs a key-only mask (size 1 on the q_len axis, e.g. padding_mask's "
-        f"output [batch..., 1, 1, kv_len]); got mask.shape={tuple(mask.shape)} with "
-        f"q_len={shapes.q_len}. {form_hint}")
+      f"the primal form needs a key-only mask (size 1 on the q_len axis, e.g. padding_mask's "
+      f"output [batch..., 1, 1, kv_len]); got mask.shape={tuple(mask.shape)} with "
+      f"q_len={shapes.q_len}. {form_hint}"
+    )
   validity = C.broadcast_logits_arg(mask, "mask", shapes._replace(q_len=1))
   return validity[:, :, 0, :]
 
@@ -217,15 +236,17 @@ def check_no_dropout(*, dropout_rate: float, deterministic: bool, name: str):
   """Primal forms never form the weights, so they cannot drop them."""
   if not deterministic and dropout_rate > 0.0:
     raise ValueError(
-        f"{name} never forms the attention weights, so attention dropout is not available; got "
-        f"dropout_rate={dropout_rate} with deterministic=False")
+      f"{name} never forms the attention weights, so attention dropout is not available; got "
+      f"dropout_rate={dropout_rate} with deterministic=False"
+    )
 
 
 def check_no_bias(bias, name: str):
   if bias is not None:
     raise ValueError(
-        f"bias is not defined for {name} (an additive logit bias has no meaning for its kernel); "
-        f"got bias.shape={tuple(jnp.shape(bias))}")
+      f"bias is not defined for {name} (an additive logit bias has no meaning for its kernel); "
+      f"got bias.shape={tuple(jnp.shape(bias))}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,8 +254,9 @@ def check_no_bias(bias, name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_causal,
-                 causal_alignment, dropout):
+def _linear_dual(
+  query, key, value, bias, mask, *, shapes, eps, precision, is_causal, causal_alignment, dropout
+):
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
@@ -246,32 +268,49 @@ def _linear_dual(query, key, value, bias, mask, *, shapes, eps, precision, is_ca
   return out, weights
 
 
-def _linear_primal(query, key, value, bias, mask, *, shapes, eps, precision, is_causal,
-                   causal_alignment, dropout):
+def _linear_primal(
+  query, key, value, bias, mask, *, shapes, eps, precision, is_causal, causal_alignment, dropout
+):
   del bias, dropout  # Checked by the caller: neither applies here.
   key_valid = key_only_validity(mask, shapes, "Use form='dual' for query-dependent masks.")
   offset = primal_causal_offset(is_causal, causal_alignment, shapes)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def primal_fn(q, k, v, key_valid):
-    return linear_primal_one_head(q, k, v, key_valid, eps=eps, precision=precision,
-                                  causal_offset=offset)
+    return linear_primal_one_head(
+      q, k, v, key_valid, eps=eps, precision=precision, causal_offset=offset
+    )
 
   return C.map_heads(primal_fn, q, k, v, key_valid), None
 
 
 # form name -> (computation, whether it forms the N×N weights; only then can a bias enter).
 LINEAR_FORMS = {
-    "dual": (_linear_dual, True),
-    "primal": (_linear_primal, False),
+  "dual": (_linear_dual, True),
+  "primal": (_linear_primal, False),
 }
 
 
-def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
-                     dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                     dtype=None, precision=None, module=None, is_causal: bool = False,
-                     causal_alignment: str = "top_left", return_weights: bool = False,
-                     form: str = "dual", eps: float = DEFAULT_EPS):
+def linear_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  return_weights: bool = False,
+  form: str = "dual",
+  eps: float = DEFAULT_EPS,
+):
   """Linear attention, ``Φ = elu + 1`` on queries and keys (no 1/√D).
 
   ``out_i = Σ_j Φ(q_i)ᵀΦ(k_j) m_ij v_j / (Σ_j Φ(q_i)ᵀΦ(k_j) m_ij + eps)``; masked keys contribute
@@ -314,29 +353,68 @@ def linear_attention(query, key, value, bias=None, mask=None, *, broadcast_dropo
   key, value = C.repeat_kv_heads(key, value, shapes)
   if not forms_weights:
     check_no_bias(bias, f"linear_attention(form={form!r})")
-    check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
-                     name=f"linear_attention(form={form!r})")
+    check_no_dropout(
+      dropout_rate=dropout_rate,
+      deterministic=deterministic,
+      name=f"linear_attention(form={form!r})",
+    )
     if return_weights:
-      raise ValueError(f"return_weights=True needs form='dual'; form={form!r} never forms the "
-                       "weights")
+      raise ValueError(
+        f"return_weights=True needs form='dual'; form={form!r} never forms the weights"
+      )
 
   def dropout(weights):
-    return C.apply_dropout(weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                           broadcast_dropout=broadcast_dropout, deterministic=deterministic)
+    return C.apply_dropout(
+      weights,
+      dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout,
+      deterministic=deterministic,
+    )
 
-  out, weights = compute(query, key, value, bias, mask, shapes=shapes, eps=eps, precision=precision,
-                         is_causal=is_causal, causal_alignment=causal_alignment, dropout=dropout)
-  return C.finish(out, weights, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
-                  return_weights=return_weights)
+  out, weights = compute(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    shapes=shapes,
+    eps=eps,
+    precision=precision,
+    is_causal=is_causal,
+    causal_alignment=causal_alignment,
+    dropout=dropout,
+  )
+  return C.finish(
+    out,
+    weights,
+    shapes=shapes,
+    dtype=C.output_dtype(query, dtype),
+    module=module,
+    return_weights=return_weights,
+  )
 
 
-def random_feature_attention(query, key, value, bias=None, mask=None, *,
-                             broadcast_dropout: bool = True, dropout_rng=None,
-                             dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
-                             precision=None, module=None, is_causal: bool = False,
-                             causal_alignment: str = "top_left",
-                             return_weights: bool = False, num_features: int = 256,
-                             feature_key=None):
+def random_feature_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  return_weights: bool = False,
+  num_features: int = 256,
+  feature_key=None,
+):
   """Softmax attention approximated in the primal with positive random features (docs/maths.md §2).
 
   ``Φ(x) = exp(ωᵀx̃ − ‖x̃‖²/2)/√m`` with ``x̃ = x/D^¼`` and ``ω ~ N(0, I)`` (``m = num_features``),
@@ -365,28 +443,40 @@ def random_feature_attention(query, key, value, bias=None, mask=None, *,
   """
   del broadcast_dropout, dropout_rng  # Only meaningful with dropout, which is refused.
   if feature_key is None:
-    raise ValueError("random_feature_attention needs feature_key (a jax PRNG key drawing the "
-                     "random features); got feature_key=None")
+    raise ValueError(
+      "random_feature_attention needs feature_key (a jax PRNG key drawing the "
+      "random features); got feature_key=None"
+    )
   if num_features < 1:
     raise ValueError(f"num_features must be >= 1; got num_features={num_features}")
   shapes = C.validate_qkv(query, key, value)
   key, value = C.repeat_kv_heads(key, value, shapes)
   check_no_bias(bias, "random_feature_attention")
-  check_no_dropout(dropout_rate=dropout_rate, deterministic=deterministic,
-                   name="random_feature_attention")
+  check_no_dropout(
+    dropout_rate=dropout_rate, deterministic=deterministic, name="random_feature_attention"
+  )
   if return_weights:
-    raise ValueError("random_feature_attention never forms the weights; return_weights must be "
-                     "False")
+    raise ValueError(
+      "random_feature_attention never forms the weights; return_weights must be False"
+    )
   key_valid = key_only_validity(
-      mask, shapes, "Random-feature attention is a primal form; use softmax_attention instead.")
+    mask, shapes, "Random-feature attention is a primal form; use softmax_attention instead."
+  )
   offset = primal_causal_offset(is_causal, causal_alignment, shapes)
   omega = draw_random_features(feature_key, num_features, shapes.d_qk)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
 
   def primal_fn(q, k, v, key_valid):
-    return random_feature_primal_one_head(q, k, v, key_valid, omega=omega, causal_offset=offset,
-                                          precision=precision)
+    return random_feature_primal_one_head(
+      q, k, v, key_valid, omega=omega, causal_offset=offset, precision=precision
+    )
 
   out = C.map_heads(primal_fn, q, k, v, key_valid)
-  return C.finish(out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=module,
-                  return_weights=False)
+  return C.finish(
+    out,
+    None,
+    shapes=shapes,
+    dtype=C.output_dtype(query, dtype),
+    module=module,
+    return_weights=False,
+  )

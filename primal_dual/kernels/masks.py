@@ -56,17 +56,20 @@ def padding_mask(key_valid, query_valid=None):
   """
   key_valid = jnp.asarray(key_valid)
   if key_valid.dtype != jnp.bool_ or key_valid.ndim < 1:
-    raise ValueError(f"key_valid must be a bool array [batch..., kv_len]; got dtype "
-                     f"{key_valid.dtype}, shape {tuple(key_valid.shape)}")
+    raise ValueError(
+      f"key_valid must be a bool array [batch..., kv_len]; got dtype "
+      f"{key_valid.dtype}, shape {tuple(key_valid.shape)}"
+    )
   mask = key_valid[..., None, None, :]
   if query_valid is None:
     return mask
   query_valid = jnp.asarray(query_valid)
   if query_valid.dtype != jnp.bool_ or query_valid.shape[:-1] != key_valid.shape[:-1]:
     raise ValueError(
-        f"query_valid must be a bool array [batch..., q_len] with the batch dimensions of "
-        f"key_valid; got query_valid dtype {query_valid.dtype}, shape "
-        f"{tuple(query_valid.shape)}, key_valid.shape={tuple(key_valid.shape)}")
+      f"query_valid must be a bool array [batch..., q_len] with the batch dimensions of "
+      f"key_valid; got query_valid dtype {query_valid.dtype}, shape "
+      f"{tuple(query_valid.shape)}, key_valid.shape={tuple(key_valid.shape)}"
+    )
   return jnp.logical_and(mask, query_valid[..., None, :, None])
 
 

@@ -68,11 +68,13 @@ def validate_ratios(ratios, heads: int) -> tuple[int, ...]:
     values = tuple(ratios)
   except TypeError:
     values = None
-  if (values is None or len(values) != heads
-      or not all(_is_static_int(r) and r >= 1 for r in values)):
+  if (
+    values is None or len(values) != heads or not all(_is_static_int(r) and r >= 1 for r in values)
+  ):
     raise ValueError(
-        f"ratios must be a sequence of {heads} static Python ints >= 1, one per head "
-        f"(heads={heads}); got ratios={ratios!r}")
+      f"ratios must be a sequence of {heads} static Python ints >= 1, one per head "
+      f"(heads={heads}); got ratios={ratios!r}"
+    )
   return tuple(int(r) for r in values)
 
 
@@ -85,8 +87,7 @@ def head_groups(ratios: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...
   >>> head_groups((2, 1, 2, 4))
   ((1, (1,)), (2, (0, 2)), (4, (3,)))
   """
-  return tuple((r, tuple(h for h, rh in enumerate(ratios) if rh == r))
-               for r in sorted(set(ratios)))
+  return tuple((r, tuple(h for h, rh in enumerate(ratios) if rh == r)) for r in sorted(set(ratios)))
 
 
 def attention_cost_ratio(ratios: Sequence[int]) -> float:
@@ -94,8 +95,9 @@ def attention_cost_ratio(ratios: Sequence[int]) -> float:
   return sum(1.0 / r for r in ratios) / len(ratios)
 
 
-def pooled_length(kv_len: int, ratio: int, *, grid_shape: tuple[int, int] | None = None,
-                  num_prefix_tokens: int = 0) -> int:
+def pooled_length(
+  kv_len: int, ratio: int, *, grid_shape: tuple[int, int] | None = None, num_prefix_tokens: int = 0
+) -> int:
   """Number of keys a head with this ratio attends to.
 
   ``ceil(N / r)`` in 1-D without prefix; ``P + ceil(gh / r) * ceil(gw / r)`` on a grid.
@@ -110,21 +112,27 @@ class KeyWindows(NamedTuple):
     index: int32 ``[pooled_len, window]``, key index of each window slot (0 in padding slots).
     real: bool ``[pooled_len, window]``, False in padding slots (past the end of a row or grid).
   """
+
   index: np.ndarray
   real: np.ndarray
 
 
 def _validate_layout(kv_len: int, grid_shape, num_prefix_tokens: int):
   if not _is_static_int(num_prefix_tokens) or not 0 <= num_prefix_tokens <= kv_len:
-    raise ValueError(f"num_prefix_tokens must be an int in [0, kv_len={kv_len}]; got "
-                     f"{num_prefix_tokens!r}")
+    raise ValueError(
+      f"num_prefix_tokens must be an int in [0, kv_len={kv_len}]; got {num_prefix_tokens!r}"
+    )
   if grid_shape is None:
     return
-  if (len(grid_shape) != 2 or not all(_is_static_int(s) and s >= 1 for s in grid_shape)
-      or kv_len != num_prefix_tokens + grid_shape[0] * grid_shape[1]):
+  if (
+    len(grid_shape) != 2
+    or not all(_is_static_int(s) and s >= 1 for s in grid_shape)
+    or kv_len != num_prefix_tokens + grid_shape[0] * grid_shape[1]
+  ):
     raise ValueError(
-        "grid_shape must be two positive ints (gh, gw) with kv_len == num_prefix_tokens + gh*gw;"
-        f" got grid_shape={grid_shape!r}, num_prefix_tokens={num_prefix_tokens}, kv_len={kv_len}")
+      "grid_shape must be two positive ints (gh, gw) with kv_len == num_prefix_tokens + gh*gw;"
+      f" got grid_shape={grid_shape!r}, num_prefix_tokens={num_prefix_tokens}, kv_len={kv_len}"
+    )
 
 
 def _windows_1d(length: int, ratio: int):
@@ -148,8 +156,9 @@ def _windows_2d(grid_shape: tuple[int, int], ratio: int):
 
 
 @functools.lru_cache(maxsize=256)
-def key_windows(kv_len: int, ratio: int, grid_shape: tuple[int, int] | None = None,
-                num_prefix_tokens: int = 0) -> KeyWindows:
+def key_windows(
+  kv_len: int, ratio: int, grid_shape: tuple[int, int] | None = None, num_prefix_tokens: int = 0
+) -> KeyWindows:
   """Pooling windows for one ratio: prefix tokens alone, then 1-D or 2-D windows of the rest."""
   _validate_layout(kv_len, grid_shape, num_prefix_tokens)
   if grid_shape is None:
@@ -162,8 +171,9 @@ def key_windows(kv_len: int, ratio: int, grid_shape: tuple[int, int] | None = No
   prefix_slots[:, 0] = np.arange(num_prefix_tokens)
   prefix_real = np.zeros((num_prefix_tokens, width), bool)
   prefix_real[:, 0] = True
-  return KeyWindows(np.concatenate([prefix_slots, slots]).astype(np.int32),
-                    np.concatenate([prefix_real, real]))
+  return KeyWindows(
+    np.concatenate([prefix_slots, slots]).astype(np.int32), np.concatenate([prefix_real, real])
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +207,7 @@ POOLS: dict[str, Callable] = {"avg": _masked_mean, "max": _masked_max, "stride":
 
 class PooledKeys(NamedTuple):
   """One head's keys after pooling (``n`` = pooled length)."""
+
   key: jax.Array  # [n, d_qk], input dtype
   value: jax.Array  # [n, d_v], input dtype
   bias: jax.Array | None  # [q_len, n] float32
@@ -204,8 +215,9 @@ class PooledKeys(NamedTuple):
   key_valid: jax.Array  # [n] bool, window holds a valid key
 
 
-def pool_keys_one_head(k, v, bias, mask, key_valid, *, windows: KeyWindows,
-                       pool: Callable, q_len: int) -> PooledKeys:
+def pool_keys_one_head(
+  k, v, bias, mask, key_valid, *, windows: KeyWindows, pool: Callable, q_len: int
+) -> PooledKeys:
   """Pools one head's keys, values, bias and mask over ``windows``.
 
   Args:
@@ -230,8 +242,9 @@ def pool_keys_one_head(k, v, bias, mask, key_valid, *, windows: KeyWindows,
     # Mean over the entries query i may see; 0 where it sees none (then masked anyway).
     total = jnp.sum(jnp.where(visible, bias[:, index].astype(C.F32), 0.0), axis=-1)
     pooled_bias = total / jnp.maximum(jnp.sum(visible, axis=-1), 1)
-  return PooledKeys(pool(k[index], valid), pool(v[index], valid), pooled_bias, pooled_mask,
-                    pooled_valid)
+  return PooledKeys(
+    pool(k[index], valid), pool(v[index], valid), pooled_bias, pooled_mask, pooled_valid
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +263,8 @@ def _linear_kernel(q, k, bias, mask, *, scale, precision):
 
 # name -> (one-head weights function, whether it accepts a bias).
 KERNELS: dict[str, tuple[Callable, bool]] = {
-    "softmax": (_softmax_kernel, True),
-    "linear": (_linear_kernel, False),
+  "softmax": (_softmax_kernel, True),
+  "linear": (_linear_kernel, False),
 }
 
 STATS_SOURCES = ("pooled", "full")
@@ -263,8 +276,17 @@ class BatchNormOptions(NamedTuple):
   mean_weight: float
 
 
-def _attention_inputs_one_head(q, k, v, bias, mask, *, windows: KeyWindows | None,
-                               pool: Callable, batchnorm: BatchNormOptions | None):
+def _attention_inputs_one_head(
+  q,
+  k,
+  v,
+  bias,
+  mask,
+  *,
+  windows: KeyWindows | None,
+  pool: Callable,
+  batchnorm: BatchNormOptions | None,
+):
   """What one head of one group attends with: ``(q [q_len, d], PooledKeys)``.
 
   ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
@@ -276,27 +298,43 @@ def _attention_inputs_one_head(q, k, v, bias, mask, *, windows: KeyWindows | Non
   if windows is None:
     pooled = PooledKeys(k, v, bias, mask, key_valid)
   else:
-    pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool,
-                                q_len=q_len)
+    pooled = pool_keys_one_head(
+      k, v, bias, mask, key_valid, windows=windows, pool=pool, q_len=q_len
+    )
   k_used = pooled.key
   if batchnorm is not None:
-    stats_keys, stats_valid = ((pooled.key, pooled.key_valid) if batchnorm.stats == "pooled"
-                               else (k, key_valid))
+    stats_keys, stats_valid = (
+      (pooled.key, pooled.key_valid) if batchnorm.stats == "pooled" else (k, key_valid)
+    )
     mean, var = bn_lib.key_statistics(stats_keys, stats_valid)
 
     def normalize(x):
-      return bn_lib.normalize_with_key_stats(x, mean, var, eps=batchnorm.eps,
-                                             mean_weight=batchnorm.mean_weight)
+      return bn_lib.normalize_with_key_stats(
+        x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
+      )
 
     q, k_used = normalize(q), normalize(k_used)
   return q, pooled._replace(key=k_used)
 
 
-def _one_head(q, k, v, bias, mask, *, windows: KeyWindows | None, pool: Callable,
-              kernel: Callable, batchnorm: BatchNormOptions | None, scale: float, precision):
+def _one_head(
+  q,
+  k,
+  v,
+  bias,
+  mask,
+  *,
+  windows: KeyWindows | None,
+  pool: Callable,
+  kernel: Callable,
+  batchnorm: BatchNormOptions | None,
+  scale: float,
+  precision,
+):
   """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group."""
-  q, pooled = _attention_inputs_one_head(q, k, v, bias, mask, windows=windows, pool=pool,
-                                         batchnorm=batchnorm)
+  q, pooled = _attention_inputs_one_head(
+    q, k, v, bias, mask, windows=windows, pool=pool, batchnorm=batchnorm
+  )
   weights = kernel(q, pooled.key, pooled.bias, pooled.mask, scale=scale, precision=precision)
   return weights, pooled.value
 
@@ -319,18 +357,35 @@ def _select_heads(x, heads: np.ndarray, num_heads: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def scaled_head_attention(query, key, value, bias=None, mask=None, *,
-                          broadcast_dropout: bool = True, dropout_rng=None,
-                          dropout_rate: float = 0.0, deterministic: bool = True, dtype=None,
-                          precision=None, module=None, is_causal: bool = False,
-                          causal_alignment: str = "top_left",
-                          ratios: Sequence[int] | None = None, pool: str = "avg",
-                          kernel: str = "softmax", batchnorm: bool = False,
-                          stats: str = "pooled", bn_eps: float = 1e-5,
-                          bn_mean_weight: float = 1.0,
-                          grid_shape: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
-                          scale: float | None = None, return_weights: bool = False,
-                          implementation: str = "auto"):
+def scaled_head_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  ratios: Sequence[int] | None = None,
+  pool: str = "avg",
+  kernel: str = "softmax",
+  batchnorm: bool = False,
+  stats: str = "pooled",
+  bn_eps: float = 1e-5,
+  bn_mean_weight: float = 1.0,
+  grid_shape: tuple[int, int] | None = None,
+  num_prefix_tokens: int = 0,
+  scale: float | None = None,
+  return_weights: bool = False,
+  implementation: str = "auto",
+):
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
   Args:
@@ -396,32 +451,55 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
 
   groups = head_groups(ratios)
   take_fused = fused.use_fused(
-      implementation, return_weights=return_weights, module=module, dropout_rate=dropout_rate,
-      deterministic=deterministic, same_head_size=shapes.d_qk == shapes.d_v,
-      softmax_kernel=kernel == "softmax")
+    implementation,
+    return_weights=return_weights,
+    module=module,
+    dropout_rate=dropout_rate,
+    deterministic=deterministic,
+    same_head_size=shapes.d_qk == shapes.d_v,
+    softmax_kernel=kernel == "softmax",
+  )
   outputs, weights = [], []
   for ratio, heads in groups:
     heads = np.asarray(heads)
-    windows = (None if ratio == 1 else
-               key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens))
+    windows = (
+      None if ratio == 1 else key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
+    )
     group_inputs = [_select_heads(x, heads, shapes.heads) for x in (q, k, v, bias, mask)]
     if take_fused:
-      group_q, pooled = C.map_heads(functools.partial(
-          _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options),
-          *group_inputs)
-      outputs.append(fused.attend(group_q, pooled.key, pooled.value, pooled.bias, pooled.mask,
-                                  scale=scale))
+      group_q, pooled = C.map_heads(
+        functools.partial(
+          _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options
+        ),
+        *group_inputs,
+      )
+      outputs.append(
+        fused.attend(group_q, pooled.key, pooled.value, pooled.bias, pooled.mask, scale=scale)
+      )
       continue
-    one_head = functools.partial(_one_head, windows=windows, pool=pool_fn, kernel=kernel_fn,
-                                 batchnorm=bn_options, scale=scale, precision=precision)
+    one_head = functools.partial(
+      _one_head,
+      windows=windows,
+      pool=pool_fn,
+      kernel=kernel_fn,
+      batchnorm=bn_options,
+      scale=scale,
+      precision=precision,
+    )
     group_weights, group_values = C.map_heads(one_head, *group_inputs)
     group_rng = dropout_rng
     if dropout_rng is not None and len(groups) > 1:
       group_rng = jax.random.fold_in(dropout_rng, ratio)
-    dropped = C.apply_dropout(group_weights, dropout_rng=group_rng, dropout_rate=dropout_rate,
-                              broadcast_dropout=broadcast_dropout, deterministic=deterministic)
-    outputs.append(C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped,
-                               group_values))
+    dropped = C.apply_dropout(
+      group_weights,
+      dropout_rng=group_rng,
+      dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout,
+      deterministic=deterministic,
+    )
+    outputs.append(
+      C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped, group_values)
+    )
     weights.append(group_weights)
 
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
@@ -429,5 +507,11 @@ def scaled_head_attention(query, key, value, bias=None, mask=None, *,
   out = _select_heads(jnp.concatenate(outputs, axis=1), np.argsort(order), shapes.heads)
   if take_fused:
     return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
-  return C.finish(out, tuple(weights), shapes=shapes, dtype=C.output_dtype(query, dtype),
-                  module=module, return_weights=return_weights)
+  return C.finish(
+    out,
+    tuple(weights),
+    shapes=shapes,
+    dtype=C.output_dtype(query, dtype),
+    module=module,
+    return_weights=return_weights,
+  )

@@ -19,18 +19,32 @@ def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
   Returns:
     float32 ``[q_len, kv_len]``; rows with no valid key are zero.
   """
-  logits = jnp.einsum("qd,kd->qk", q, k, precision=precision,
-                      preferred_element_type=C.F32) * scale
+  logits = jnp.einsum("qd,kd->qk", q, k, precision=precision, preferred_element_type=C.F32) * scale
   if bias is not None:
     logits = logits + bias.astype(C.F32)
   return C.masked_softmax(logits, mask)
 
 
-def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout: bool = True,
-                      dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                      dtype=None, precision=None, module=None, is_causal: bool = False,
-                      causal_alignment: str = "top_left", scale: float | None = None,
-                      return_weights: bool = False, implementation: str = "auto"):
+def softmax_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  dtype=None,
+  precision=None,
+  module=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  scale: float | None = None,
+  return_weights: bool = False,
+  implementation: str = "auto",
+):
   """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
 
   Args:
@@ -60,15 +74,26 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
   shapes = C.validate_qkv(query, key, value)
   key, value = C.repeat_kv_heads(key, value, shapes)
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  if fused.use_fused(implementation, return_weights=return_weights, module=module,
-                     dropout_rate=dropout_rate, deterministic=deterministic,
-                     same_head_size=shapes.d_qk == shapes.d_v):
+  if fused.use_fused(
+    implementation,
+    return_weights=return_weights,
+    module=module,
+    dropout_rate=dropout_rate,
+    deterministic=deterministic,
+    same_head_size=shapes.d_qk == shapes.d_v,
+  ):
     # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
     causal_apart = is_causal and mask is None and causal_alignment == "top_left"
-    mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal and not causal_apart,
-                                         causal_alignment)
-    out = fused.attend(*(C.to_heads_major(x) for x in (query, key, value)), bias, mask,
-                       scale=scale, is_causal=causal_apart)
+    mask, bias = C.prepare_mask_and_bias(
+      mask, bias, shapes, is_causal and not causal_apart, causal_alignment
+    )
+    out = fused.attend(
+      *(C.to_heads_major(x) for x in (query, key, value)),
+      bias,
+      mask,
+      scale=scale,
+      is_causal=causal_apart,
+    )
     return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
   mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
@@ -77,6 +102,20 @@ def softmax_attention(query, key, value, bias=None, mask=None, *, broadcast_drop
     return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
 
   return C.attend_with_weights(
-      weights_fn, q, k, v, bias, mask, shapes=shapes, query=query, dtype=dtype, module=module,
-      return_weights=return_weights, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout, deterministic=deterministic, precision=precision)
+    weights_fn,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    shapes=shapes,
+    query=query,
+    dtype=dtype,
+    module=module,
+    return_weights=return_weights,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=broadcast_dropout,
+    deterministic=deterministic,
+    precision=precision,
+  )

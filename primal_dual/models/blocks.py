@@ -18,20 +18,22 @@ class MaskedBatchNorm(nn.Module):
   Inputs ``[batch, length, features]``; ``mask [batch, length]`` or None. Running averages are
   updated in training (``train=True``) and used in evaluation, like the UEA reference protocol.
   """
+
   dtype: Any = None
   momentum: float = 0.9
 
   @nn.compact
   def __call__(self, x, mask=None, *, train: bool):
     bn_mask = None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
-    return nn.BatchNorm(use_running_average=not train, momentum=self.momentum, dtype=self.dtype,
-                        axis_name=None)(x, mask=bn_mask)
+    return nn.BatchNorm(
+      use_running_average=not train, momentum=self.momentum, dtype=self.dtype, axis_name=None
+    )(x, mask=bn_mask)
 
 
 # One registry for the normalisation layers a block may use: name -> factory(dtype).
 NORMS: dict[str, Callable[[Any], nn.Module]] = {
-    "layer": lambda dtype: nn.LayerNorm(dtype=dtype),
-    "batch": lambda dtype: MaskedBatchNorm(dtype=dtype),
+  "layer": lambda dtype: nn.LayerNorm(dtype=dtype),
+  "batch": lambda dtype: MaskedBatchNorm(dtype=dtype),
 }
 
 
@@ -49,8 +51,8 @@ def apply_norm(norm: nn.Module, x, mask, train: bool):
 
 # Kernel initialisers an MLP may use, by config name.
 MLP_KERNEL_INITS: dict[str, Callable] = {
-    "xavier_uniform": nn.initializers.xavier_uniform(),
-    "lecun_normal": nn.initializers.lecun_normal(),  # Flax's Dense default
+  "xavier_uniform": nn.initializers.xavier_uniform(),
+  "lecun_normal": nn.initializers.lecun_normal(),  # Flax's Dense default
 }
 
 
@@ -59,6 +61,7 @@ class MlpBlock(nn.Module):
 
   ``kernel_init`` names the kernels' initialiser in ``MLP_KERNEL_INITS`` (biases start at 0).
   """
+
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = None
@@ -68,15 +71,20 @@ class MlpBlock(nn.Module):
   def __call__(self, x, *, train: bool):
     width = x.shape[-1]
     if self.kernel_init not in MLP_KERNEL_INITS:
-      raise ValueError(f"unknown MLP kernel_init {self.kernel_init!r}; choose one of "
-                       f"{sorted(MLP_KERNEL_INITS)}")
+      raise ValueError(
+        f"unknown MLP kernel_init {self.kernel_init!r}; choose one of {sorted(MLP_KERNEL_INITS)}"
+      )
     init = MLP_KERNEL_INITS[self.kernel_init]
-    x = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
-        init, ("embed", "mlp")))(x)
+    x = nn.Dense(
+      self.mlp_dim,
+      dtype=self.dtype,
+      kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+    )(x)
     x = nn.gelu(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-    x = nn.Dense(width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(
-        init, ("mlp", "embed")))(x)
+    x = nn.Dense(
+      width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"))
+    )(x)
     return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
 
@@ -90,6 +98,7 @@ class EncoderBlock(nn.Module):
     qkv_features: total q/k/v width of the attention (default: the model width).
     mlp_kernel_init: the MLP's kernel initialiser (``MLP_KERNEL_INITS``).
   """
+
   num_heads: int
   mlp_dim: int
   qkv_features: int | None = None
@@ -104,13 +113,20 @@ class EncoderBlock(nn.Module):
   dtype: Any = None
 
   @nn.compact
-  def __call__(self, x, *, mask=None, token_mask=None, bias=None, train: bool,
-               sow_weights: bool = False):
+  def __call__(
+    self, x, *, mask=None, token_mask=None, bias=None, train: bool, sow_weights: bool = False
+  ):
     """x ``[batch, length, width]``; ``mask`` attention mask; ``token_mask [batch, length]``."""
     attention = MultiHeadAttention(
-        num_heads=self.num_heads, qkv_features=self.qkv_features, attention=self.attention,
-        attention_options=self.attention_options, attention_context=self.attention_context,
-        dropout_rate=self.attention_dropout_rate, dtype=self.dtype, name="attention")
+      num_heads=self.num_heads,
+      qkv_features=self.qkv_features,
+      attention=self.attention,
+      attention_options=self.attention_options,
+      attention_context=self.attention_context,
+      dropout_rate=self.attention_dropout_rate,
+      dtype=self.dtype,
+      name="attention",
+    )
     norm1, norm2 = make_norm(self.norm, self.dtype), make_norm(self.norm, self.dtype)
 
     def attend(y):
@@ -136,14 +152,18 @@ def sinusoidal_positions(length: int, width: int) -> jax.Array:
 
 class PositionEmbedding(nn.Module):
   """Adds learnable (``'learned'``) or fixed (``'sinusoidal'``) positions to ``[batch, L, width]``."""
+
   kind: str = "learned"
 
   @nn.compact
   def __call__(self, x):
     length, width = x.shape[-2:]
     if self.kind == "learned":
-      table = self.param("embedding", nn.with_logical_partitioning(
-          nn.initializers.normal(0.02), (None, "embed")), (length, width))
+      table = self.param(
+        "embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+        (length, width),
+      )
     elif self.kind == "sinusoidal":
       table = sinusoidal_positions(length, width)
     else:

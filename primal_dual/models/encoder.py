@@ -49,6 +49,7 @@ class EncoderClassifier(nn.Module):
     attention, attention_options: kernel by registry name (``primal_dual.layers``).
     dropout_rate, attention_dropout_rate: dropout.
   """
+
   num_classes: int
   num_layers: int = 2
   model_dim: int = 64
@@ -69,13 +70,16 @@ class EncoderClassifier(nn.Module):
   def _embed_inputs(self, inputs):
     if self.input_kind == "dense":
       if inputs.ndim != 3:
-        raise ValueError(f"input_kind='dense' expects inputs [batch, length, channels]; got "
-                         f"shape {inputs.shape}")
+        raise ValueError(
+          f"input_kind='dense' expects inputs [batch, length, channels]; got shape {inputs.shape}"
+        )
       return nn.Dense(self.model_dim, dtype=self.dtype, name="input_projection")(inputs)
     if self.input_kind == "embed":
       if self.vocab_size is None or inputs.ndim != 2:
-        raise ValueError(f"input_kind='embed' needs vocab_size and inputs [batch, length]; got "
-                         f"vocab_size={self.vocab_size}, shape {inputs.shape}")
+        raise ValueError(
+          f"input_kind='embed' needs vocab_size and inputs [batch, length]; got "
+          f"vocab_size={self.vocab_size}, shape {inputs.shape}"
+        )
       return nn.Embed(self.vocab_size, self.model_dim, name="token_embedding")(inputs)
     raise ValueError(f"unknown input_kind {self.input_kind!r}; use 'dense' or 'embed'")
 
@@ -89,8 +93,9 @@ class EncoderClassifier(nn.Module):
     if self.pooling == "cls":
       # Not zeros: a zero CLS has zero queries, and HYLA's normalised scores then vanish for it.
       cls = self.param("cls", nn.initializers.normal(0.02), (1, 1, self.model_dim))
-      x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.model_dim)).astype(x.dtype),
-                           x], axis=1)
+      x = jnp.concatenate(
+        [jnp.broadcast_to(cls, (x.shape[0], 1, self.model_dim)).astype(x.dtype), x], axis=1
+      )
       if mask is not None:
         mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
       prefix = 1
@@ -98,13 +103,18 @@ class EncoderClassifier(nn.Module):
     attention_mask = None if mask is None else padding_mask(mask)
     for i in range(self.num_layers):
       x = EncoderBlock(
-          num_heads=self.num_heads, mlp_dim=self.mlp_dim, attention=self.attention,
-          attention_options=self.attention_options,
-          attention_context={"num_prefix_tokens": prefix}, norm=self.norm,
-          pre_norm=self.pre_norm, dropout_rate=self.dropout_rate,
-          attention_dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-          name=f"block_{i}")(x, mask=attention_mask, token_mask=mask, train=train,
-                             sow_weights=sow_weights)
+        num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim,
+        attention=self.attention,
+        attention_options=self.attention_options,
+        attention_context={"num_prefix_tokens": prefix},
+        norm=self.norm,
+        pre_norm=self.pre_norm,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype,
+        name=f"block_{i}",
+      )(x, mask=attention_mask, token_mask=mask, train=train, sow_weights=sow_weights)
     if self.pre_norm:
       x = apply_norm(make_norm(self.norm, self.dtype), x, mask, train)
     x = POOLINGS[self.pooling](x, mask)

@@ -12,8 +12,9 @@ import numpy as np
 from primal_dual.models.blocks import EncoderBlock
 
 
-def relative_position_buckets(length: int, num_buckets: int = 32,
-                              max_distance: int = 64) -> np.ndarray:
+def relative_position_buckets(
+  length: int, num_buckets: int = 32, max_distance: int = 64
+) -> np.ndarray:
   """Bidirectional T5-style buckets ``int32 [length, length]`` of ``key − query`` offsets.
 
   Half the buckets hold keys after the query, half keys before it, so earlier and later keys at
@@ -31,8 +32,7 @@ def relative_position_buckets(length: int, num_buckets: int = 32,
   return (bucket + np.where(distance < exact, distance, large)).astype(np.int32)
 
 
-def unidirectional_position_buckets(length: int, num_buckets: int,
-                                    max_distance: int) -> np.ndarray:
+def unidirectional_position_buckets(length: int, num_buckets: int, max_distance: int) -> np.ndarray:
   """T5 buckets with ``bidirectional=False``: ``int32 [length, length]``, query × key.
 
   The bucket depends on ``n = max(query − key, 0)`` only, so every key at or after the query
@@ -42,8 +42,9 @@ def unidirectional_position_buckets(length: int, num_buckets: int,
   backwards = np.maximum(np.arange(length)[:, None] - np.arange(length)[None, :], 0)
   exact = num_buckets // 2
   ratio = backwards.astype(np.float32) / np.float32(exact) + np.finfo(np.float32).eps
-  log_scaled = (np.log(ratio) / np.float32(np.log(max_distance / exact))
-                * np.float32(num_buckets - exact))
+  log_scaled = (
+    np.log(ratio) / np.float32(np.log(max_distance / exact)) * np.float32(num_buckets - exact)
+  )
   large = np.minimum(exact + log_scaled.astype(np.int32), num_buckets - 1)
   return np.where(backwards < exact, backwards, large).astype(np.int32)
 
@@ -56,23 +57,27 @@ class PositionBucketScheme(NamedTuple):
     heads_first: the table is ``[heads, buckets]`` (else ``[buckets, heads]``).
     init: the table's initialiser.
   """
+
   buckets: Callable[[int, int, int], np.ndarray]
   heads_first: bool
   init: Callable
 
 
 POSITION_BUCKET_SCHEMES: dict[str, PositionBucketScheme] = {
-    # The HYLA paper's (T5 bidirectional=False, Flax's default_embed_init).
-    "unidirectional": PositionBucketScheme(unidirectional_position_buckets, True,
-                                           nn.linear.default_embed_init),
-    # This library's extension: earlier and later keys get different biases.
-    "bidirectional": PositionBucketScheme(relative_position_buckets, False,
-                                          nn.initializers.normal(0.02)),
+  # The HYLA paper's (T5 bidirectional=False, Flax's default_embed_init).
+  "unidirectional": PositionBucketScheme(
+    unidirectional_position_buckets, True, nn.linear.default_embed_init
+  ),
+  # This library's extension: earlier and later keys get different biases.
+  "bidirectional": PositionBucketScheme(
+    relative_position_buckets, False, nn.initializers.normal(0.02)
+  ),
 }
 
 
 class RelativePositionBias(nn.Module):
   """A learned bias ``[1, heads, length, length]`` from a per-head table of ``num_buckets``."""
+
   num_heads: int
   num_buckets: int = 32
   max_distance: int = 64
@@ -81,8 +86,10 @@ class RelativePositionBias(nn.Module):
   @nn.compact
   def __call__(self, length: int):
     if self.scheme not in POSITION_BUCKET_SCHEMES:
-      raise ValueError(f"unknown position bucket scheme {self.scheme!r}; choose one of "
-                       f"{sorted(POSITION_BUCKET_SCHEMES)}")
+      raise ValueError(
+        f"unknown position bucket scheme {self.scheme!r}; choose one of "
+        f"{sorted(POSITION_BUCKET_SCHEMES)}"
+      )
     scheme = POSITION_BUCKET_SCHEMES[self.scheme]
     shape, axes = (self.num_buckets, self.num_heads), (None, "heads")
     if scheme.heads_first:
@@ -106,6 +113,7 @@ class SequenceTransformer(nn.Module):
   HYLA paper sets it apart), ``position_buckets`` (a key of ``POSITION_BUCKET_SCHEMES``),
   ``attention_dropout_rate`` (on the attention weights, training only), ``mlp_kernel_init``.
   """
+
   num_outputs: int
   num_layers: int = 4
   model_dim: int = 128
@@ -125,18 +133,31 @@ class SequenceTransformer(nn.Module):
   @nn.compact
   def __call__(self, inputs, mask=None, *, train: bool = False, sow_weights: bool = False):
     if inputs.ndim != 3:
-      raise ValueError(f"SequenceTransformer expects inputs [batch, length, features]; got shape "
-                       f"{inputs.shape}")
+      raise ValueError(
+        f"SequenceTransformer expects inputs [batch, length, features]; got shape {inputs.shape}"
+      )
     length = inputs.shape[1]
     x = nn.Dense(self.model_dim, dtype=self.dtype, name="input_projection")(inputs)
     for i in range(self.num_layers):
-      bias = RelativePositionBias(self.num_heads, self.num_buckets, self.max_distance,
-                                  self.position_buckets, name=f"relative_bias_{i}")(length)
-      x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-                       qkv_features=self.qkv_features, mlp_kernel_init=self.mlp_kernel_init,
-                       attention=self.attention, attention_options=self.attention_options,
-                       pre_norm=True, dropout_rate=self.dropout_rate,
-                       attention_dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-                       name=f"block_{i}")(x, bias=bias, train=train, sow_weights=sow_weights)
+      bias = RelativePositionBias(
+        self.num_heads,
+        self.num_buckets,
+        self.max_distance,
+        self.position_buckets,
+        name=f"relative_bias_{i}",
+      )(length)
+      x = EncoderBlock(
+        num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim,
+        qkv_features=self.qkv_features,
+        mlp_kernel_init=self.mlp_kernel_init,
+        attention=self.attention,
+        attention_options=self.attention_options,
+        pre_norm=True,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype,
+        name=f"block_{i}",
+      )(x, bias=bias, train=train, sow_weights=sow_weights)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     return nn.Dense(self.num_outputs, dtype=self.dtype, name="readout")(x).astype(jnp.float32)

@@ -16,9 +16,9 @@ from primal_dual.models.blocks import EncoderBlock
 
 # Sizes of the published DeiT models (Touvron et al. 2021) and a micro size for CPU demos.
 VIT_PRESETS: dict[str, dict[str, int]] = {
-    "micro": dict(model_dim=64, num_layers=4, num_heads=4, mlp_dim=128),
-    "tiny": dict(model_dim=192, num_layers=12, num_heads=3, mlp_dim=768),
-    "small": dict(model_dim=384, num_layers=12, num_heads=6, mlp_dim=1536),
+  "micro": dict(model_dim=64, num_layers=4, num_heads=4, mlp_dim=128),
+  "tiny": dict(model_dim=192, num_layers=12, num_heads=3, mlp_dim=768),
+  "small": dict(model_dim=384, num_layers=12, num_heads=6, mlp_dim=1536),
 }
 
 
@@ -31,6 +31,7 @@ class ViT(nn.Module):
     attention, attention_options: kernel by registry name.
     dropout_rate, attention_dropout_rate: dropout.
   """
+
   num_classes: int
   patch_size: int = 16
   model_dim: int = 192
@@ -50,23 +51,38 @@ class ViT(nn.Module):
       raise ValueError(f"ViT expects images [batch, height, width, channels]; got {images.shape}")
     height, width = images.shape[1:3]
     if height % self.patch_size or width % self.patch_size:
-      raise ValueError(f"image size {height}x{width} is not divisible by patch_size="
-                       f"{self.patch_size}")
-    x = nn.Conv(self.model_dim, (self.patch_size,) * 2, strides=(self.patch_size,) * 2,
-                padding="VALID", dtype=self.dtype, name="patch_embedding")(images)
+      raise ValueError(
+        f"image size {height}x{width} is not divisible by patch_size={self.patch_size}"
+      )
+    x = nn.Conv(
+      self.model_dim,
+      (self.patch_size,) * 2,
+      strides=(self.patch_size,) * 2,
+      padding="VALID",
+      dtype=self.dtype,
+      name="patch_embedding",
+    )(images)
     batch, grid_h, grid_w, _ = x.shape
     x = x.reshape((batch, grid_h * grid_w, self.model_dim))
     cls = self.param("cls", nn.initializers.zeros_init(), (1, 1, self.model_dim))
     x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, self.model_dim)).astype(x.dtype), x], 1)
-    positions = self.param("positions", nn.initializers.normal(0.02), (1, x.shape[1],
-                                                                       self.model_dim))
+    positions = self.param(
+      "positions", nn.initializers.normal(0.02), (1, x.shape[1], self.model_dim)
+    )
     x = nn.Dropout(self.dropout_rate)(x + positions.astype(x.dtype), deterministic=not train)
     context = {"grid_shape": (grid_h, grid_w), "num_prefix_tokens": 1}
     for i in range(self.num_layers):
-      x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim, attention=self.attention,
-                       attention_options=self.attention_options, attention_context=context,
-                       pre_norm=True, dropout_rate=self.dropout_rate,
-                       attention_dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-                       name=f"block_{i}")(x, train=train, sow_weights=sow_weights)
+      x = EncoderBlock(
+        num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim,
+        attention=self.attention,
+        attention_options=self.attention_options,
+        attention_context=context,
+        pre_norm=True,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype,
+        name=f"block_{i}",
+      )(x, train=train, sow_weights=sow_weights)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x[:, 0]).astype(jnp.float32)

@@ -27,14 +27,17 @@ SELECTED_DIR = 'checkpoints_selected'
 def _grain_args():
   """grain's Orbax argument classes (registered with Orbax when grain is imported)."""
   import grain  # pylint: disable=g-import-not-at-top
+
   return grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointRestore
 
 
 def abstract_with_shardings(abstract_tree: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying shardings: the restore target that places arrays directly."""
   return jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-      abstract_tree, shardings)
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+    abstract_tree,
+    shardings,
+  )
 
 
 class Checkpointer:
@@ -50,18 +53,20 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
-        create=True,
-        enable_async_checkpointing=async_save,
-        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
-        cleanup_tmp_directories=True,
-        # Orbax names its cross-process barriers by step alone ("async_write_complete.<step>"), so
-        # two managers saving the same step at once (the latest and the selected checkpoint) would
-        # join the same barrier and hang a multi-process run; the folder name keeps them apart.
-        multiprocessing_options=ocp.options.MultiprocessingOptions(
-            barrier_sync_key_prefix=os.path.basename(self.directory)),
+      create=True,
+      enable_async_checkpointing=async_save,
+      preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+      cleanup_tmp_directories=True,
+      # Orbax names its cross-process barriers by step alone ("async_write_complete.<step>"), so
+      # two managers saving the same step at once (the latest and the selected checkpoint) would
+      # join the same barrier and hang a multi-process run; the folder name keeps them apart.
+      multiprocessing_options=ocp.options.MultiprocessingOptions(
+        barrier_sync_key_prefix=os.path.basename(self.directory)
+      ),
     )
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=('state', 'data', 'meta'))
+      self.directory, options=options, item_names=('state', 'data', 'meta')
+    )
 
   def latest_step(self) -> int | None:
     """Step of the newest complete checkpoint, or None."""
@@ -70,8 +75,9 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, *, meta: dict, data_iterator: Iterator | None = None
-           ) -> None:
+  def save(
+    self, step: int, state: Any, *, meta: dict, data_iterator: Iterator | None = None
+  ) -> None:
     """Saves a checkpoint at `step` (all processes must call this together).
 
     Args:
@@ -86,8 +92,9 @@ class Checkpointer:
       items['data'] = grain_save(data_iterator)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def restore(self, step: int | None, abstract_state: Any, *,
-              data_iterator: Iterator | None = None) -> tuple[Any, dict]:
+  def restore(
+    self, step: int | None, abstract_state: Any, *, data_iterator: Iterator | None = None
+  ) -> tuple[Any, dict]:
     """Restores a checkpoint; sets `data_iterator`'s position in place when given.
 
     Args:
@@ -106,7 +113,8 @@ class Checkpointer:
       step = self.latest_step()
     if step is None or step not in self.all_steps():
       raise errors.CheckpointNotFoundError(
-          f'no checkpoint{"" if step is None else f" at step {step}"} in {self.directory}')
+        f'no checkpoint{"" if step is None else f" at step {step}"} in {self.directory}'
+      )
     items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
     if data_iterator is not None:
       _, grain_restore = _grain_args()

@@ -21,8 +21,16 @@ from primal_dual.training import errors
 EXIT_USER_ERROR = 2
 
 # What absl and ml_collections raise while parsing flags or loading a config file.
-_FLAG_ERRORS = (flags.Error, KeyError, AttributeError, OSError, ValueError, TypeError,
-                ImportError, SyntaxError)
+_FLAG_ERRORS = (
+  flags.Error,
+  KeyError,
+  AttributeError,
+  OSError,
+  ValueError,
+  TypeError,
+  ImportError,
+  SyntaxError,
+)
 
 
 def run_command(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
@@ -99,6 +107,7 @@ def _load_config(spec: str):
   """Calls `get_config(arg)` of the config file or packaged name `spec` names, without
   overrides."""
   from primal_dual import configs  # pylint: disable=g-import-not-at-top
+
   return configs.load(*_config_file_and_arg(spec))
 
 
@@ -114,7 +123,7 @@ def unknown_field_message(config, field: str) -> str | None:
     message = f'unknown config field --config.{field}'
     close = difflib.get_close_matches(part, keys, n=1)
     if close:
-      fixed = '.'.join(parts[:depth] + close + parts[depth + 1:])
+      fixed = '.'.join(parts[:depth] + close + parts[depth + 1 :])
       return f'{message}; did you mean --config.{fixed}?'
     return f'{message}; known at that level: {", ".join(sorted(keys)) or "(none)"}'
   return None
@@ -130,14 +139,13 @@ def _describe_config_override_error(argv: list[str], config_flag: str) -> str | 
   except Exception:  # pylint: disable=broad-except
     return None  # the file itself is the problem; reported from the original error
   for flag, _ in _flag_values(argv, f'{config_flag}.'):
-    message = unknown_field_message(config, flag[len(config_flag) + 1:])
+    message = unknown_field_message(config, flag[len(config_flag) + 1 :])
     if message:
       return message
   return None
 
 
-def describe_flag_error(error: BaseException, argv: list[str], config_flag: str = 'config'
-                        ) -> str:
+def describe_flag_error(error: BaseException, argv: list[str], config_flag: str = 'config') -> str:
   """One line saying what is wrong with the command line that raised `error` while parsing."""
   user_error = user_error_in_chain(error)
   if user_error is not None:
@@ -162,6 +170,7 @@ def resolve_config_specs(argv: list[str], config_flag: str = 'config') -> list[s
     ConfigError: an unknown short name or a missing file (one line, the packaged names listed).
   """
   from primal_dual import configs  # pylint: disable=g-import-not-at-top
+
   resolved, index = list(argv), 0
   while index < len(resolved):
     item = resolved[index]

@@ -48,16 +48,18 @@ def _parse_number(cast):
       return cast(raw)
     except ValueError:
       raise errors.ConfigError(
-          f'config argument {key}={raw!r}: expected a value of type {cast.__name__}') from None
+        f'config argument {key}={raw!r}: expected a value of type {cast.__name__}'
+      ) from None
+
   return parse
 
 
 # Keyed by the exact type of the default, so that `bool` never falls through to `int`.
 _PARSERS = {
-    bool: _parse_bool,
-    int: _parse_number(int),
-    float: _parse_number(float),
-    str: lambda raw, key: raw,
+  bool: _parse_bool,
+  int: _parse_number(int),
+  float: _parse_number(float),
+  str: lambda raw, key: raw,
 }
 
 
@@ -88,8 +90,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
       known = ', '.join(sorted(defaults)) or '(none)'
       close = difflib.get_close_matches(key, list(defaults), n=1)
       hint = f'did you mean {close[0]!r}? ' if close else ''
-      raise errors.ConfigError(
-          f'unknown config argument {key!r} in {arg!r}; {hint}known: {known}')
+      raise errors.ConfigError(f'unknown config argument {key!r} in {arg!r}; {hint}known: {known}')
     default = defaults[key]
     if not has_value:
       if not isinstance(default, bool):
@@ -142,23 +143,37 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Model selection: the 'clean' protocol picks the evaluation with the best `metric` on `split`.
   config.selection = ml_collections.ConfigDict(dict(split='validation', metric='', mode=''))
 
-  config.optimizer = ml_collections.ConfigDict(dict(
-      name='adamw', lr=1e-3, schedule='constant', warmup_steps=0, end_lr=0.0,
+  config.optimizer = ml_collections.ConfigDict(
+    dict(
+      name='adamw',
+      lr=1e-3,
+      schedule='constant',
+      warmup_steps=0,
+      end_lr=0.0,
       cosine_end='total',
-      weight_decay=0.0, grad_clip_norm=0.0, b1=0.9, b2=0.999, eps=1e-8,
-      momentum=0.9, nesterov=False))
+      weight_decay=0.0,
+      grad_clip_norm=0.0,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      momentum=0.9,
+      nesterov=False,
+    )
+  )
   # Device mesh: -1 = all remaining devices. data * model must equal the device count.
   config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   # Multi-process launch; empty values defer to environment variables / cluster auto-detection.
-  config.distributed = ml_collections.ConfigDict(dict(
-      coordinator_address='', num_processes=0, process_id=-1))
+  config.distributed = ml_collections.ConfigDict(
+    dict(coordinator_address='', num_processes=0, process_id=-1)
+  )
 
   # Training input pipeline (grain): worker processes, reader threads, records read ahead, and
   # batch_reads (one grain record per batch: several times less host time per step, the thing
   # that limits small models on an accelerator; a different example order, so off by default to
   # keep the published results reproducible; see pipeline.make_loader).
-  config.loader = ml_collections.ConfigDict(dict(
-      worker_count=0, num_threads=2, prefetch_buffer_size=64, batch_reads=False))
+  config.loader = ml_collections.ConfigDict(
+    dict(worker_count=0, num_threads=2, prefetch_buffer_size=64, batch_reads=False)
+  )
 
   config.model = ml_collections.ConfigDict()
   config.data = ml_collections.ConfigDict()
@@ -188,8 +203,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise errors.ConfigError(f'config.model.{name}={value!r} must be in [0, 1)')
 
 
-def with_fields(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
-                ) -> ml_collections.ConfigDict:
+def with_fields(
+  config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
+) -> ml_collections.ConfigDict:
   """An unlocked copy of `config` with dotted fields set (`{'optimizer.lr': 0.1}`)."""
   config = ml_collections.ConfigDict(config.to_dict())
   for dotted, value in overrides.items():
@@ -201,8 +217,9 @@ def with_fields(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
   return config
 
 
-def merge(base: ml_collections.ConfigDict,
-          override: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
+def merge(
+  base: ml_collections.ConfigDict, override: ml_collections.ConfigDict | dict
+) -> ml_collections.ConfigDict:
   """Returns a copy of `base` with every field of `override` set, recursing into sub-dicts.
 
   Keys of `override` absent from `base` are added; this lets a config carry task-specific fields.
@@ -239,8 +256,11 @@ def freeze(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict
 
 def to_json(config: ml_collections.ConfigDict) -> str:
   """Serialises a (frozen or not) config to indented JSON; tuples become lists."""
-  as_dict = config.as_configdict().to_dict() if isinstance(
-      config, ml_collections.FrozenConfigDict) else config.to_dict()
+  as_dict = (
+    config.as_configdict().to_dict()
+    if isinstance(config, ml_collections.FrozenConfigDict)
+    else config.to_dict()
+  )
   return json.dumps(as_dict, indent=2, sort_keys=True, default=str)
 
 
@@ -264,6 +284,7 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise errors.CheckpointNotFoundError(
-        f'{path} not found: is {workdir!r} the workdir of a training run?')
+      f'{path} not found: is {workdir!r} the workdir of a training run?'
+    )
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))

@@ -35,12 +35,16 @@ class NonFiniteLossError(UserError):
   """
 
   def __init__(self, step: int, loss: float, last_checkpoint_step: int | None = None):
-    kept = ('no checkpoint was saved' if last_checkpoint_step is None else
-            f'the last good checkpoint (step {last_checkpoint_step}) is kept')
+    kept = (
+      'no checkpoint was saved'
+      if last_checkpoint_step is None
+      else f'the last good checkpoint (step {last_checkpoint_step}) is kept'
+    )
     super().__init__(
-        f'training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. '
-        'Lower the learning rate, enable gradient clipping (optimizer.grad_clip_norm) or '
-        'check the inputs for NaN.')
+      f'training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. '
+      'Lower the learning rate, enable gradient clipping (optimizer.grad_clip_norm) or '
+      'check the inputs for NaN.'
+    )
     self.step = step
     self.loss = loss
 
@@ -73,8 +77,11 @@ class StoppedError(UserError):
   """
 
   def __init__(self, step: int, last_checkpoint_step: int | None):
-    kept = ('no checkpoint was saved yet' if last_checkpoint_step is None else
-            f'last checkpoint step {last_checkpoint_step}')
+    kept = (
+      'no checkpoint was saved yet'
+      if last_checkpoint_step is None
+      else f'last checkpoint step {last_checkpoint_step}'
+    )
     super().__init__(f'stopped at step {step}; {kept}; re-run the same command to resume')
     self.step = step
     self.last_checkpoint_step = last_checkpoint_step
@@ -84,5 +91,7 @@ class DiskFullError(UserError):
   """Writing into the workdir failed because its disk is full."""
 
   def __init__(self, folder: str):
-    super().__init__(f'no space left on the disk of {folder}; free space there and re-run the '
-                     'same command to resume')
+    super().__init__(
+      f'no space left on the disk of {folder}; free space there and re-run the '
+      'same command to resume'
+    )

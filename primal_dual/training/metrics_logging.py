@@ -80,8 +80,10 @@ class MetricWriter:
     if tensorboard:
       # Imported lazily: tensorboardX pulls in protobuf, which a Colab user may not want.
       import tensorboardX  # pylint: disable=g-import-not-at-top
+
       self._tensorboard = tensorboardX.SummaryWriter(
-          logdir=os.path.join(workdir, TENSORBOARD_DIR), flush_secs=30)
+        logdir=os.path.join(workdir, TENSORBOARD_DIR), flush_secs=30
+      )
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     """Writes one record `{'step': step, **scalars}`; values may be JAX or NumPy scalars.
@@ -134,11 +136,17 @@ class ProgressBar:
     if enabled and jax.process_index() == 0:
       import tqdm  # pylint: disable=g-import-not-at-top
       import sys  # pylint: disable=g-import-not-at-top
+
       # In a log file (batch jobs) a redraw is a new line: redraw rarely.
       interactive = sys.stderr.isatty()
-      self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit='step',
-                            dynamic_ncols=True, smoothing=0.1,
-                            mininterval=0.5 if interactive else 60.0)
+      self._bar = tqdm.tqdm(
+        total=total_steps,
+        initial=initial_step,
+        unit='step',
+        dynamic_ncols=True,
+        smoothing=0.1,
+        mininterval=0.5 if interactive else 60.0,
+      )
 
   def update(self, steps: int = 1, **postfix: float) -> None:
     """Advances the bar; `postfix` values (e.g. loss) are shown after the rate."""
@@ -163,11 +171,15 @@ def format_table(rows: Mapping[str, Mapping[str, float]], *, row_title: str = 's
     test   0.7500    0.9000
   """
   columns = sorted({c for values in rows.values() for c in values})
+
   def cell(value):
     return f'{value:.4f}' if isinstance(value, float) else str(value)
+
   table = [[row_title, *columns]] + [
-      [name, *(cell(values[c]) if c in values else '-' for c in columns)]
-      for name, values in rows.items()]
+    [name, *(cell(values[c]) if c in values else '-' for c in columns)]
+    for name, values in rows.items()
+  ]
   widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-  return '\n'.join('  '.join(text.ljust(w) for text, w in zip(line, widths)).rstrip()
-                   for line in table)
+  return '\n'.join(
+    '  '.join(text.ljust(w) for text, w in zip(line, widths)).rstrip() for line in table
+  )

@@ -45,14 +45,14 @@ def _constant(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
   if opt.warmup_steps <= 0:
     return optax.constant_schedule(opt.lr)
   return optax.join_schedules(
-      [_linear_warmup(opt.lr, opt.warmup_steps), optax.constant_schedule(opt.lr)],
-      [opt.warmup_steps])
+    [_linear_warmup(opt.lr, opt.warmup_steps), optax.constant_schedule(opt.lr)], [opt.warmup_steps]
+  )
 
 
 # Step at which the cosine reaches `end_lr` (optax's `decay_steps`, warm-up included).
 COSINE_ENDS: dict[str, Callable[[int, int], int]] = {
-    'total': lambda total_steps, warmup_steps: total_steps,
-    'total_minus_warmup': lambda total_steps, warmup_steps: total_steps - warmup_steps,
+  'total': lambda total_steps, warmup_steps: total_steps,
+  'total_minus_warmup': lambda total_steps, warmup_steps: total_steps - warmup_steps,
 }
 
 
@@ -61,8 +61,12 @@ def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Sc
   cosine_end = errors.lookup(COSINE_ENDS, opt.get('cosine_end', 'total'), 'cosine_end')
   end_step = cosine_end(total_steps, max(opt.warmup_steps, 0))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=opt.lr, warmup_steps=max(opt.warmup_steps, 0),
-      decay_steps=max(end_step, opt.warmup_steps + 1), end_value=opt.end_lr)
+    init_value=0.0,
+    peak_value=opt.lr,
+    warmup_steps=max(opt.warmup_steps, 0),
+    decay_steps=max(end_step, opt.warmup_steps + 1),
+    end_value=opt.end_lr,
+  )
 
 
 def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -79,14 +83,15 @@ def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
     return decay
   # join_schedules passes `step - boundary` to the second schedule; shift it back.
   return optax.join_schedules(
-      [_linear_warmup(opt.lr, opt.warmup_steps), lambda s: decay(s + opt.warmup_steps)],
-      [opt.warmup_steps])
+    [_linear_warmup(opt.lr, opt.warmup_steps), lambda s: decay(s + opt.warmup_steps)],
+    [opt.warmup_steps],
+  )
 
 
 SCHEDULES: dict[str, Callable[[ml_collections.ConfigDict, int], optax.Schedule]] = {
-    'constant': _constant,
-    'warmup_cosine': _warmup_cosine,
-    'rsqrt': _rsqrt,
+  'constant': _constant,
+  'warmup_cosine': _warmup_cosine,
+  'rsqrt': _rsqrt,
 }
 
 
@@ -101,9 +106,9 @@ def _sgd_direction(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
 
 
 OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict], optax.GradientTransformation]] = {
-    'adamw': lambda opt: optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
-    'radam': lambda opt: optax.scale_by_radam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
-    'sgd': _sgd_direction,
+  'adamw': lambda opt: optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+  'radam': lambda opt: optax.scale_by_radam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+  'sgd': _sgd_direction,
 }
 
 
@@ -124,8 +129,9 @@ def _check(opt: ml_collections.ConfigDict) -> None:
     raise errors.ConfigError(f'optimizer.lr must be > 0, got {opt.lr}')
   if opt.weight_decay < 0 or opt.grad_clip_norm < 0 or opt.warmup_steps < 0:
     raise errors.ConfigError(
-        'optimizer.weight_decay, grad_clip_norm and warmup_steps must be ≥ 0; got '
-        f'{opt.weight_decay}, {opt.grad_clip_norm}, {opt.warmup_steps}')
+      'optimizer.weight_decay, grad_clip_norm and warmup_steps must be ≥ 0; got '
+      f'{opt.weight_decay}, {opt.grad_clip_norm}, {opt.warmup_steps}'
+    )
 
 
 def make_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -133,8 +139,9 @@ def make_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Sch
   return errors.lookup(SCHEDULES, opt.schedule, 'learning-rate schedule')(opt, total_steps)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict,
-                   total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+  opt: ml_collections.ConfigDict, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the optimizer chain described in the module docstring.
 
   Args:

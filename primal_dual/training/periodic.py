@@ -24,6 +24,7 @@ class PeriodicActions:
     total_steps: the final step (≥ 1).
     every: action name → period in steps (≤ 0 or None: final step only).
   """
+
   total_steps: int
   every: Mapping[str, int | None]
 

@@ -39,14 +39,14 @@ MESH_AXES = ('data', 'model')
 
 # Logical axis name → mesh axis (None = replicated). First matching rule wins (Flax semantics).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
-    ('batch', 'data'),
-    ('heads', 'model'),    # q/k/v kernels [embed, heads, kv], out kernel [heads, kv, embed].
-    ('mlp', 'model'),      # feed-forward [embed, mlp] and [mlp, embed].
-    ('embed', None),       # residual stream: replicated (no FSDP).
-    ('kv', None),          # per-head feature dimension.
-    ('length', None),
-    ('vocab', None),
-    ('classes', None),
+  ('batch', 'data'),
+  ('heads', 'model'),  # q/k/v kernels [embed, heads, kv], out kernel [heads, kv, embed].
+  ('mlp', 'model'),  # feed-forward [embed, mlp] and [mlp, embed].
+  ('embed', None),  # residual stream: replicated (no FSDP).
+  ('kv', None),  # per-head feature dimension.
+  ('length', None),
+  ('vocab', None),
+  ('classes', None),
 )
 
 
@@ -93,12 +93,14 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict | None = None
   if not (address or num_processes or _launched_multi_process()):
     return False
   jax.distributed.initialize(
-      coordinator_address=address, num_processes=num_processes, process_id=process_id)
+    coordinator_address=address, num_processes=num_processes, process_id=process_id
+  )
   return True
 
 
-def mesh_shape(mesh_config: Mapping[str, int], num_devices: int, *,
-               allow_subset: bool = False) -> tuple[int, ...]:
+def mesh_shape(
+  mesh_config: Mapping[str, int], num_devices: int, *, allow_subset: bool = False
+) -> tuple[int, ...]:
   """Resolves `{'data': d, 'model': m}` (one of them may be −1) to sizes for `num_devices`.
 
   Args:
@@ -119,13 +121,15 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int, *,
   if unknown:
     if num_devices % known:
       raise errors.ConfigError(
-          f'config.mesh {described}: {num_devices} devices do not divide by {known}')
+        f'config.mesh {described}: {num_devices} devices do not divide by {known}'
+      )
     sizes[unknown[0]] = num_devices // known
   used = math.prod(sizes)
   if used > num_devices or (used < num_devices and not allow_subset):
     raise errors.ConfigError(
-        f'config.mesh {described} uses {used} devices but {num_devices} are available; '
-        'set one size to -1 to use them all')
+      f'config.mesh {described} uses {used} devices but {num_devices} are available; '
+      'set one size to -1 to use them all'
+    )
   return tuple(sizes)
 
 
@@ -139,9 +143,10 @@ def make_mesh(mesh_config: Mapping[str, int], devices: list | None = None) -> Me
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_config, len(devices), allow_subset=jax.process_count() == 1)
-  devices = devices[:math.prod(shape)]
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  devices = devices[: math.prod(shape)]
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+  )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -163,8 +168,7 @@ def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(None, 'data'))
 
 
-def variable_shardings(abstract_variables: Any, mesh: Mesh,
-                       rules=LOGICAL_AXIS_RULES) -> Any:
+def variable_shardings(abstract_variables: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> Any:
   """NamedShardings for a (possibly boxed) variables tree, in the *unboxed* tree structure.
 
   Args:
@@ -177,8 +181,9 @@ def variable_shardings(abstract_variables: Any, mesh: Mesh,
   return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
-def check_divisible(abstract_tree: Any, shardings: Any, mesh: Mesh, what: str = 'parameter'
-                    ) -> None:
+def check_divisible(
+  abstract_tree: Any, shardings: Any, mesh: Mesh, what: str = 'parameter'
+) -> None:
   """Raises a ConfigError naming the first array whose sharded dimension the mesh cannot split.
 
   Without this, a head count or hidden width not divisible by `config.mesh.model` fails deep
@@ -191,9 +196,10 @@ def check_divisible(abstract_tree: Any, shardings: Any, mesh: Mesh, what: str = 
       parts = math.prod(mesh.shape[a] for a in axes)
       if dim % parts:
         raise errors.ConfigError(
-            f'{what} {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} has a dimension '
-            f'of {dim} split over mesh axes {axes} of total size {parts}; choose config.mesh sizes '
-            'that divide it (e.g. model=1)')
+          f'{what} {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} has a dimension '
+          f'of {dim} split over mesh axes {axes} of total size {parts}; choose config.mesh sizes '
+          'that divide it (e.g. model=1)'
+        )
 
 
 def _path_key(entry) -> Any:
@@ -213,8 +219,10 @@ def shardings_following(tree: Any, reference: Any, reference_shardings: Any, mes
   """
   ref_leaves = jax.tree_util.tree_leaves_with_path(reference)
   ref_shardings = jax.tree.leaves(reference_shardings)
-  by_path = {tuple(_path_key(e) for e in path): (leaf.shape, sharding)
-             for (path, leaf), sharding in zip(ref_leaves, ref_shardings)}
+  by_path = {
+    tuple(_path_key(e) for e in path): (leaf.shape, sharding)
+    for (path, leaf), sharding in zip(ref_leaves, ref_shardings)
+  }
   lengths = sorted({len(p) for p in by_path}, reverse=True)
 
   def pick(path, leaf):
@@ -240,8 +248,10 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Ar
     Dict of global `jax.Array`s with leading axis `batch_size`, split over `data`.
   """
   sharding = batch_sharding(mesh)
-  return {name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
-          for name, value in batch.items()}
+  return {
+    name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+    for name, value in batch.items()
+  }
 
 
 def shard_stacked_batch(batches: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -251,8 +261,10 @@ def shard_stacked_batch(batches: Mapping[str, np.ndarray], mesh: Mesh) -> dict[s
     Dict of global `jax.Array`s `[steps, batch_size, ...]`, the batch axis split over `data`.
   """
   sharding = stacked_batch_sharding(mesh)
-  return {name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
-          for name, value in batches.items()}
+  return {
+    name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+    for name, value in batches.items()
+  }
 
 
 @contextlib.contextmanager

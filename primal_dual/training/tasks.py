@@ -51,6 +51,7 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One trainable task; see the module docstring for the contract of each field."""
+
   name: str
   build_data: Callable[[ml_collections.ConfigDict], tuple[dict[str, Any], dict[str, Any]]]
   build_model: Callable[[ml_collections.ConfigDict, dict[str, Any]], nn.Module]
@@ -58,16 +59,18 @@ class Task:
   eval_splits: tuple[str, ...] = ('validation', 'test')
   selection_metric: str = 'accuracy'
   selection_mode: str = 'max'
-  device_train_stream: Callable[[ml_collections.ConfigDict, dict[str, Any]],
-                                Callable[[jax.Array, jax.Array], Batch]] | None = None
+  device_train_stream: (
+    Callable[[ml_collections.ConfigDict, dict[str, Any]], Callable[[jax.Array, jax.Array], Batch]]
+    | None
+  ) = None
 
 
 TASKS: dict[str, Task] = {}
 
 # Task name → module whose import registers it (filled in as task modules are added).
 LAZY_TASK_MODULES: dict[str, str] = {
-    name: f'primal_dual.experiments.{name}'
-    for name in ('uea', 'listops', 'images', 'sraven', 'logic')
+  name: f'primal_dual.experiments.{name}'
+  for name in ('uea', 'listops', 'images', 'sraven', 'logic')
 }
 
 
@@ -116,8 +119,8 @@ def classification_loss_and_metrics(logits: jax.Array, batch: Batch) -> tuple[ja
   # `where`, not a product: a padding row's logits may be NaN, and NaN · 0 is NaN.
   loss_sum = jnp.where(weights > 0, losses * weights, 0.0).sum()
   return loss_sum / jnp.maximum(count, 1.0), {
-      'loss': (loss_sum, count),
-      'accuracy': (jnp.where(weights > 0, correct * weights, 0.0).sum(), count),
+    'loss': (loss_sum, count),
+    'accuracy': (jnp.where(weights > 0, correct * weights, 0.0).sum(), count),
   }
 
 
@@ -142,11 +145,13 @@ class SyntheticSource:
     seq_len, num_features, num_classes: shapes (num_classes ≤ num_features).
   """
 
-  def __init__(self, size: int, *, seed: int, split_id: int, seq_len: int, num_features: int,
-               num_classes: int):
+  def __init__(
+    self, size: int, *, seed: int, split_id: int, seq_len: int, num_features: int, num_classes: int
+  ):
     if num_classes > num_features:
       raise errors.ConfigError(
-          f'synthetic task: num_classes ({num_classes}) must be ≤ num_features ({num_features})')
+        f'synthetic task: num_classes ({num_classes}) must be ≤ num_features ({num_features})'
+      )
     self._size = size
     self._seed = seed
     self._split_id = split_id
@@ -166,7 +171,7 @@ class SyntheticSource:
     mask = np.arange(self._seq_len) < length
     inputs = rng.standard_normal((self._seq_len, self._num_features)).astype(np.float32)
     inputs *= mask[:, None]
-    label = np.argmax(inputs[:length, :self._num_classes].mean(axis=0))
+    label = np.argmax(inputs[:length, : self._num_classes].mean(axis=0))
     return {'inputs': inputs, 'mask': mask, 'label': np.int32(label)}
 
   def __repr__(self) -> str:
@@ -183,10 +188,15 @@ def build_synthetic_data(config: ml_collections.ConfigDict):
   """Splits train / validation / test of `SyntheticSource` from `config.data` (all optional)."""
   options = _synthetic_data_config(config)
   shapes = {k: options[k] for k in ('seq_len', 'num_features', 'num_classes')}
-  sizes = {'train': options['num_train'], 'validation': options['num_eval'],
-           'test': options['num_eval']}
-  splits = {name: SyntheticSource(sizes[name], seed=options['seed'], split_id=split_id, **shapes)
-            for name, split_id in SYNTHETIC_SPLITS.items()}
+  sizes = {
+    'train': options['num_train'],
+    'validation': options['num_eval'],
+    'test': options['num_eval'],
+  }
+  splits = {
+    name: SyntheticSource(sizes[name], seed=options['seed'], split_id=split_id, **shapes)
+    for name, split_id in SYNTHETIC_SPLITS.items()
+  }
   return splits, dict(shapes)
 
 
@@ -202,44 +212,54 @@ class SyntheticClassifier(nn.Module):
     dropout_rate: dropout on the pooled features.
     use_batch_norm: add a BatchNorm (over valid positions) so the model has `batch_stats`.
   """
+
   hidden: int = 16
   num_classes: int = 4
   dropout_rate: float = 0.0
   use_batch_norm: bool = False
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, mask: jax.Array | None = None, train: bool = False
-               ) -> jax.Array:
+  def __call__(
+    self, inputs: jax.Array, mask: jax.Array | None = None, train: bool = False
+  ) -> jax.Array:
     """inputs float32 [batch, seq, features], mask bool [batch, seq] → logits [batch, classes]."""
     if mask is None:
       mask = jnp.ones(inputs.shape[:2], bool)
     partitioned = nn.with_logical_partitioning
-    x = nn.Dense(self.hidden,
-                 kernel_init=partitioned(nn.initializers.lecun_normal(), ('embed', 'mlp')),
-                 bias_init=partitioned(nn.initializers.zeros_init(), ('mlp',)))(inputs)
+    x = nn.Dense(
+      self.hidden,
+      kernel_init=partitioned(nn.initializers.lecun_normal(), ('embed', 'mlp')),
+      bias_init=partitioned(nn.initializers.zeros_init(), ('mlp',)),
+    )(inputs)
     x = nn.gelu(x)
     if self.use_batch_norm:
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=mask[..., None])
     weights = mask.astype(x.dtype)[..., None]
     pooled = (x * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1.0)
     pooled = nn.Dropout(self.dropout_rate)(pooled, deterministic=not train)
-    return nn.Dense(self.num_classes,
-                    kernel_init=partitioned(nn.initializers.lecun_normal(), ('mlp', 'classes')),
-                    bias_init=partitioned(nn.initializers.zeros_init(), ('classes',)))(pooled)
+    return nn.Dense(
+      self.num_classes,
+      kernel_init=partitioned(nn.initializers.lecun_normal(), ('mlp', 'classes')),
+      bias_init=partitioned(nn.initializers.zeros_init(), ('classes',)),
+    )(pooled)
 
 
 def build_synthetic_model(config: ml_collections.ConfigDict, metadata: dict) -> nn.Module:
   model = config.get('model') or {}
   return SyntheticClassifier(
-      hidden=model.get('hidden', 16), num_classes=metadata['num_classes'],
-      dropout_rate=model.get('dropout_rate', 0.0),
-      use_batch_norm=model.get('use_batch_norm', False))
+    hidden=model.get('hidden', 16),
+    num_classes=metadata['num_classes'],
+    dropout_rate=model.get('dropout_rate', 0.0),
+    use_batch_norm=model.get('use_batch_norm', False),
+  )
 
 
-register_task(Task(
+register_task(
+  Task(
     name='synthetic',
     build_data=build_synthetic_data,
     build_model=build_synthetic_model,
     loss_and_metrics=classification_loss_and_metrics,
     eval_splits=('validation', 'test'),
-))
+  )
+)

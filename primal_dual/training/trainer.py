@@ -81,6 +81,7 @@ class TrainState:
     opt_state: the optax state.
     rng: uint32 [2] base key; step s uses `fold_in(rng, s)` for dropout.
   """
+
   step: jax.Array
   params: Any
   batch_stats: Any
@@ -97,13 +98,19 @@ def model_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
 
 
 def _apply_model(model: nn.Module, params, batch_stats, batch, **kwargs):
-  return model.apply(model_variables(params, batch_stats), batch['inputs'],
-                     mask=batch.get('mask'), **kwargs)
+  return model.apply(
+    model_variables(params, batch_stats), batch['inputs'], mask=batch.get('mask'), **kwargs
+  )
 
 
-def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, loss_fn: Callable
-               ) -> tuple[TrainState, jax.Array, dict]:
+def train_step(
+  state: TrainState,
+  batch: Mapping[str, jax.Array],
+  *,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  loss_fn: Callable,
+) -> tuple[TrainState, jax.Array, dict]:
   """One optimisation step (pure; jit it with the keyword arguments bound).
 
   Args:
@@ -119,27 +126,43 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.M
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def compute_loss(params):
-    outputs, updates = _apply_model(model, params, state.batch_stats, batch, train=True,
-                                    rngs={'dropout': dropout_rng}, mutable=['batch_stats'])
+    outputs, updates = _apply_model(
+      model,
+      params,
+      state.batch_stats,
+      batch,
+      train=True,
+      rngs={'dropout': dropout_rng},
+      mutable=['batch_stats'],
+    )
     loss, metrics = loss_fn(outputs, batch)
     return loss, (metrics, updates.get('batch_stats', state.batch_stats))
 
   (loss, (metrics, batch_stats)), grads = jax.value_and_grad(compute_loss, has_aux=True)(
-      state.params)
+    state.params
+  )
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
-  new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
-                            opt_state=opt_state)
+  new_state = state.replace(
+    step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
+  )
   return new_state, loss, metrics
 
 
-def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None,
-                data_seed: jax.Array | None = None, *, num_steps: int, model: nn.Module,
-                tx: optax.GradientTransformation, loss_fn: Callable,
-                device_batch: Callable[..., Mapping[str, jax.Array]] | None = None,
-                batch_size: int = 0, batch_sharding=None
-                ) -> tuple[TrainState, jax.Array, dict]:
+def train_steps(
+  state: TrainState,
+  batches: Mapping[str, jax.Array] | None,
+  data_seed: jax.Array | None = None,
+  *,
+  num_steps: int,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  loss_fn: Callable,
+  device_batch: Callable[..., Mapping[str, jax.Array]] | None = None,
+  batch_size: int = 0,
+  batch_sharding=None,
+) -> tuple[TrainState, jax.Array, dict]:
   """`num_steps` calls of `train_step` in one program (`lax.scan`; pure, jit it).
 
   Args:
@@ -158,10 +181,12 @@ def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None,
   Returns:
     (new state, float32 [num_steps] losses, metrics: (sum, count) pairs summed over the steps).
   """
+
   def one_step(state, batch):
     if device_batch is not None:
-      indices = (state.step.astype(jnp.uint32) * jnp.uint32(batch_size)
-                 + jnp.arange(batch_size, dtype=jnp.uint32))
+      indices = state.step.astype(jnp.uint32) * jnp.uint32(batch_size) + jnp.arange(
+        batch_size, dtype=jnp.uint32
+      )
       batch = device_batch(indices, data_seed)
       if batch_sharding is not None:
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
@@ -172,8 +197,9 @@ def train_steps(state: TrainState, batches: Mapping[str, jax.Array] | None,
   return state, losses, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
 
 
-def eval_step(state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module,
-              loss_fn: Callable) -> dict:
+def eval_step(
+  state: TrainState, batch: Mapping[str, jax.Array], *, model: nn.Module, loss_fn: Callable
+) -> dict:
   """Metric (sum, count) pairs of one padded eval batch (rows with `valid` False count 0)."""
   outputs = _apply_model(model, state.params, state.batch_stats, batch, train=False)
   _, metrics = loss_fn(outputs, batch)
@@ -222,7 +248,7 @@ class EvalTracker:
   def rule(self) -> str:
     """The selection rule in words (written to final_metrics.json as `selected/rule`)."""
     split = self.selection_split
-    return (f'{self.mode} {split} {self.metric}; ties: lower {split} loss, then later step')
+    return f'{self.mode} {split} {self.metric}; ties: lower {split} loss, then later step'
 
   def update(self, step: int, results: Mapping[str, Mapping[str, float]]) -> bool:
     """Records one evaluation (split → metric → value); True if it became the selected one."""
@@ -238,8 +264,9 @@ class EvalTracker:
       return False
     if not self._beats_selected(value, selection.get('loss')):
       return False
-    self.selected = {f'{split}_{name}': v for split, metrics in results.items()
-                     for name, v in metrics.items()}
+    self.selected = {
+      f'{split}_{name}': v for split, metrics in results.items() for name, v in metrics.items()
+    }
     self.selected_step = step
     return True
 
@@ -266,8 +293,12 @@ class EvalTracker:
     return out
 
   def state_dict(self) -> dict:
-    return dict(best=self.best, best_step=self.best_step, selected=self.selected,
-                selected_step=self.selected_step)
+    return dict(
+      best=self.best,
+      best_step=self.best_step,
+      selected=self.selected,
+      selected_step=self.selected_step,
+    )
 
   def load_state_dict(self, state: Mapping) -> None:
     self.best = dict(state.get('best', {}))
@@ -308,6 +339,7 @@ def _as_tuple(value) -> tuple[str, ...]:
 @dataclasses.dataclass
 class Experiment:
   """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
+
   config: ml_collections.FrozenConfigDict
   task: tasks_lib.Task
   splits: dict[str, Any]
@@ -338,12 +370,19 @@ class Experiment:
       return None
     loader = self.config.loader
     return pipeline.make_loader(
-        self.splits['train'], batch_size=self.local_batch_size, seed=self.config.seed,
-        shuffle=True, num_epochs=None, drop_remainder=True, shard_by_process=True,
-        worker_count=loader.worker_count,
-        read_options=grain.ReadOptions(num_threads=loader.num_threads,
-                                       prefetch_buffer_size=loader.prefetch_buffer_size),
-        batch_reads=loader.get('batch_reads', False))
+      self.splits['train'],
+      batch_size=self.local_batch_size,
+      seed=self.config.seed,
+      shuffle=True,
+      num_epochs=None,
+      drop_remainder=True,
+      shard_by_process=True,
+      worker_count=loader.worker_count,
+      read_options=grain.ReadOptions(
+        num_threads=loader.num_threads, prefetch_buffer_size=loader.prefetch_buffer_size
+      ),
+      batch_reads=loader.get('batch_reads', False),
+    )
 
   def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
     """This process's padded batches covering split `split` once (with `valid`)."""
@@ -361,8 +400,15 @@ class StepRunner:
   and a shorter final call when they do not divide the run).
   """
 
-  def __init__(self, single_step: Callable, compile_steps: Callable[[int], Callable], mesh,
-               steps_per_call: int, device_data: bool, data_seed: jax.Array):
+  def __init__(
+    self,
+    single_step: Callable,
+    compile_steps: Callable[[int], Callable],
+    mesh,
+    steps_per_call: int,
+    device_data: bool,
+    data_seed: jax.Array,
+  ):
     self._single_step, self._compile_steps = single_step, compile_steps
     self._compiled: dict[int, Callable] = {}
     self.mesh, self.steps_per_call, self.device_data = mesh, steps_per_call, device_data
@@ -376,7 +422,8 @@ class StepRunner:
     batches = None
     if not self.device_data:
       batches = sharding.shard_stacked_batch(
-          _stack([next(train_iterator) for _ in range(num_steps)]), self.mesh)
+        _stack([next(train_iterator) for _ in range(num_steps)]), self.mesh
+      )
     return self._compiled[num_steps](state, batches, self.data_seed)
 
 
@@ -393,8 +440,9 @@ def _replica_seeds(config) -> tuple[int, ...] | None:
 def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
   """Period in steps of each periodic action (0: the final step only), checked against
   `config.steps_per_call`: actions happen between calls, so K must divide every period."""
-  periods = {name: _every_steps(config, name, steps_per_epoch)
-             for name in ('log', 'eval', 'checkpoint')}
+  periods = {
+    name: _every_steps(config, name, steps_per_epoch) for name in ('log', 'eval', 'checkpoint')
+  }
   steps_per_call = config.get('steps_per_call', 1)
   if steps_per_call < 1:
     raise errors.ConfigError(f'config.steps_per_call must be >= 1, got {steps_per_call}')
@@ -402,8 +450,9 @@ def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
   if bad:
     listed = ', '.join(f'{name} every {period}' for name, period in sorted(bad.items()))
     raise errors.ConfigError(
-        f'config.steps_per_call={steps_per_call} must divide every logging, evaluation and '
-        f'checkpoint period (actions happen between calls); got {listed} steps')
+      f'config.steps_per_call={steps_per_call} must divide every logging, evaluation and '
+      f'checkpoint period (actions happen between calls); got {listed} steps'
+    )
   return periods
 
 
@@ -411,8 +460,9 @@ def _check_batch_size(name: str, size: int, data_axis: int) -> None:
   processes = jax.process_count()
   if size < 1 or size % data_axis or size % processes:
     raise errors.ConfigError(
-        f'config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) '
-        f'and of the process count ({processes})')
+      f'config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) '
+      f'and of the process count ({processes})'
+    )
 
 
 def _training_length(config, train_size: int) -> tuple[int, int]:
@@ -420,8 +470,9 @@ def _training_length(config, train_size: int) -> tuple[int, int]:
   steps_per_epoch = train_size // config.batch_size
   if steps_per_epoch < 1:
     raise errors.ConfigError(
-        f'the train split has {train_size} examples, fewer than config.batch_size='
-        f'{config.batch_size}; lower the batch size')
+      f'the train split has {train_size} examples, fewer than config.batch_size='
+      f'{config.batch_size}; lower the batch size'
+    )
   if config.num_train_steps > 0:
     return int(config.num_train_steps), steps_per_epoch
   if config.num_epochs > 0:
@@ -431,10 +482,12 @@ def _training_length(config, train_size: int) -> tuple[int, int]:
 
 def _in_mesh(fn: Callable, mesh) -> Callable:
   """Runs `fn` (tracing included) with `mesh` and the logical axis rules in context."""
+
   @functools.wraps(fn)
   def wrapped(*args):
     with sharding.mesh_context(mesh):
       return fn(*args)
+
   return wrapped
 
 
@@ -474,16 +527,21 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
   example_mask = example.get('mask')
 
   def init_variables(rng):
-    return model.init({'params': rng, 'dropout': rng}, example['inputs'], mask=example_mask,
-                      train=False)
+    return model.init(
+      {'params': rng, 'dropout': rng}, example['inputs'], mask=example_mask, train=False
+    )
 
   def create_state(rng):
     init_rng, state_rng = jax.random.split(rng)
     variables = nn.unbox(init_variables(init_rng))
     params = variables['params']
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      batch_stats=variables.get('batch_stats', {}), opt_state=tx.init(params),
-                      rng=state_rng)
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      batch_stats=variables.get('batch_stats', {}),
+      opt_state=tx.init(params),
+      rng=state_rng,
+    )
 
   root_rng = jax.random.PRNGKey(config.seed)
   with sharding.mesh_context(mesh):
@@ -499,52 +557,81 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
   sharding.check_divisible(abstract_state.params, param_shardings, mesh)
   replicated = sharding.replicated(mesh)
   state_shardings = TrainState(
-      step=replicated, params=param_shardings,
-      batch_stats=variable_shardings.get('batch_stats', {}),
-      opt_state=sharding.shardings_following(abstract_state.opt_state, abstract_state.params,
-                                             param_shardings, mesh),
-      rng=replicated)
+    step=replicated,
+    params=param_shardings,
+    batch_stats=variable_shardings.get('batch_stats', {}),
+    opt_state=sharding.shardings_following(
+      abstract_state.opt_state, abstract_state.params, param_shardings, mesh
+    ),
+    rng=replicated,
+  )
 
   batch_sharding = sharding.batch_sharding(mesh)
   seeds = _replica_seeds(config)
   # Replicas (config.seeds) stack their states on a leading axis, kept whole on every device.
-  run_shardings = (state_shardings if seeds is None
-                   else sharding.with_leading_axis(state_shardings, mesh))
+  run_shardings = (
+    state_shardings if seeds is None else sharding.with_leading_axis(state_shardings, mesh)
+  )
   jit_init = jax.jit(create_state, out_shardings=state_shardings)
   jit_train = jax.jit(
-      functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
-      in_shardings=(state_shardings, batch_sharding),
-      out_shardings=(state_shardings, replicated, replicated),
-      donate_argnums=(0,))
+    functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
+    in_shardings=(state_shardings, batch_sharding),
+    out_shardings=(state_shardings, replicated, replicated),
+    donate_argnums=(0,),
+  )
   evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
-  jit_eval = jax.jit(evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
-                     in_shardings=(run_shardings, batch_sharding), out_shardings=replicated)
+  jit_eval = jax.jit(
+    evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
+    in_shardings=(run_shardings, batch_sharding),
+    out_shardings=replicated,
+  )
 
   device_data = bool(config.get('train_data_on_device', False))
   if device_data and task.device_train_stream is None:
-    raise errors.ConfigError(f'task {task.name!r} has no on-device train stream; set '
-                             'config.train_data_on_device=False')
+    raise errors.ConfigError(
+      f'task {task.name!r} has no on-device train stream; set config.train_data_on_device=False'
+    )
   if seeds is not None and not device_data:
-    raise errors.ConfigError('config.seeds trains its replicas in one program on batches made on '
-                             'the device; set config.train_data_on_device=True (sRAVEN, logic)')
+    raise errors.ConfigError(
+      'config.seeds trains its replicas in one program on batches made on '
+      'the device; set config.train_data_on_device=True (sRAVEN, logic)'
+    )
   device_batch = task.device_train_stream(config, metadata) if device_data else None
 
   def compile_steps(num_steps: int) -> Callable:
-    steps = functools.partial(train_steps, num_steps=num_steps, model=model, tx=tx,
-                              loss_fn=task.loss_and_metrics, device_batch=device_batch,
-                              batch_size=config.batch_size, batch_sharding=batch_sharding)
+    steps = functools.partial(
+      train_steps,
+      num_steps=num_steps,
+      model=model,
+      tx=tx,
+      loss_fn=task.loss_and_metrics,
+      device_batch=device_batch,
+      batch_size=config.batch_size,
+      batch_sharding=batch_sharding,
+    )
     if seeds is not None:
       steps = jax.vmap(steps, in_axes=(0, None, 0))
     scanned = jax.jit(
-        steps, in_shardings=(run_shardings,
-                             None if device_data else sharding.stacked_batch_sharding(mesh),
-                             replicated),
-        out_shardings=(run_shardings, replicated, replicated), donate_argnums=(0,))
+      steps,
+      in_shardings=(
+        run_shardings,
+        None if device_data else sharding.stacked_batch_sharding(mesh),
+        replicated,
+      ),
+      out_shardings=(run_shardings, replicated, replicated),
+      donate_argnums=(0,),
+    )
     return _in_mesh(scanned, mesh)
 
   data_seed = jnp.asarray(config.seed if seeds is None else seeds, jnp.int32)
-  run_steps = StepRunner(_in_mesh(jit_train, mesh), compile_steps, mesh,
-                         int(config.get('steps_per_call', 1)), device_data, data_seed)
+  run_steps = StepRunner(
+    _in_mesh(jit_train, mesh),
+    compile_steps,
+    mesh,
+    int(config.get('steps_per_call', 1)),
+    device_data,
+    data_seed,
+  )
   if seeds is None:
     init_state = lambda: jit_init(root_rng)  # pylint: disable=unnecessary-lambda-assignment
   else:
@@ -557,25 +644,42 @@ def build_experiment(config: ml_collections.FrozenConfigDict) -> Experiment:
   unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
   if unknown:
     raise errors.ConfigError(
-        f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})')
+      f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})'
+    )
   if config.selection.split not in splits:
     raise errors.ConfigError(
-        f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
-        f'({sorted(splits)})')
+      f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
+      f'({sorted(splits)})'
+    )
   return Experiment(
-      config=config, task=task, splits=splits, metadata=metadata, model=model, mesh=mesh, tx=tx,
-      schedule=schedule, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-      local_batch_size=config.batch_size // jax.process_count(), eval_batch_size=eval_batch_size,
-      eval_splits=tuple(s for s in eval_splits if s in splits),
-      state_shardings=state_shardings, abstract_state=abstract_state,
-      init_state=_in_mesh(init_state, mesh),
-      train_step=_in_mesh(jit_train, mesh), eval_step=_in_mesh(jit_eval, mesh),
-      action_periods=action_periods, run_steps=run_steps, seeds=seeds,
-      run_shardings=run_shardings)
+    config=config,
+    task=task,
+    splits=splits,
+    metadata=metadata,
+    model=model,
+    mesh=mesh,
+    tx=tx,
+    schedule=schedule,
+    total_steps=total_steps,
+    steps_per_epoch=steps_per_epoch,
+    local_batch_size=config.batch_size // jax.process_count(),
+    eval_batch_size=eval_batch_size,
+    eval_splits=tuple(s for s in eval_splits if s in splits),
+    state_shardings=state_shardings,
+    abstract_state=abstract_state,
+    init_state=_in_mesh(init_state, mesh),
+    train_step=_in_mesh(jit_train, mesh),
+    eval_step=_in_mesh(jit_eval, mesh),
+    action_periods=action_periods,
+    run_steps=run_steps,
+    seeds=seeds,
+    run_shardings=run_shardings,
+  )
 
 
-def _sum_metrics(metric_list: list[Mapping[str, tuple]], replicas: bool = False
-                 ) -> dict[str, tuple[Any, Any]]:
+def _sum_metrics(
+  metric_list: list[Mapping[str, tuple]], replicas: bool = False
+) -> dict[str, tuple[Any, Any]]:
   """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer), in float64:
   Python floats for a single run, `[replicas]` arrays for replicas."""
   totals = {}
@@ -591,8 +695,10 @@ def _sum_metrics(metric_list: list[Mapping[str, tuple]], replicas: bool = False
 
 
 def _means(totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-  return {name: float(total) / float(count) if count else float('nan')
-          for name, (total, count) in totals.items()}
+  return {
+    name: float(total) / float(count) if count else float('nan')
+    for name, (total, count) in totals.items()
+  }
 
 
 def _reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
@@ -609,23 +715,27 @@ def _reduce_runs(metric_list: list[Mapping[str, tuple]], replicas: bool) -> list
   return [_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
 
 
-def evaluate_runs(experiment: Experiment, state: TrainState,
-                  split_names: tuple[str, ...] | None = None) -> list[dict[str, dict[str, float]]]:
+def evaluate_runs(
+  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+) -> list[dict[str, dict[str, float]]]:
   """`evaluate` of every run: `[results]`, or one per replica of a stacked state."""
   replicas = experiment.seeds is not None
   per_split = {}
   for split in split_names or experiment.eval_splits:
     if split not in experiment.splits:
       raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
-    per_batch = [experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
-                 for batch in experiment.eval_batches(split)]
+    per_batch = [
+      experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
+      for batch in experiment.eval_batches(split)
+    ]
     per_split[split] = _reduce_runs(per_batch, replicas)
   num_runs = len(experiment.seeds) if replicas else 1
   return [{split: runs[i] for split, runs in per_split.items()} for i in range(num_runs)]
 
 
-def evaluate(experiment: Experiment, state: TrainState,
-             split_names: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+def evaluate(
+  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+) -> dict[str, dict[str, float]]:
   """Metrics of `state` on whole splits (every example exactly once).
 
   Returns:
@@ -635,8 +745,11 @@ def evaluate(experiment: Experiment, state: TrainState,
 
 
 def _flatten(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-  return {f'{split}/{name}': value for split, metrics in results.items()
-          for name, value in metrics.items()}
+  return {
+    f'{split}/{name}': value
+    for split, metrics in results.items()
+    for name, value in metrics.items()
+  }
 
 
 def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int | None) -> None:
@@ -648,15 +761,18 @@ def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int 
   bad = np.flatnonzero(~finite.all(axis=0))
   if bad.size:
     column = per_step[:, bad[0]]
-    raise errors.NonFiniteLossError(first_step + int(bad[0]), float(column[~finite[:, bad[0]]][0]),
-                                    last_checkpoint_step)
+    raise errors.NonFiniteLossError(
+      first_step + int(bad[0]), float(column[~finite[:, bad[0]]][0]), last_checkpoint_step
+    )
 
 
 def _make_tracker(config, task: tasks_lib.Task) -> EvalTracker:
   selection = config.selection
-  return EvalTracker(metric=selection.metric or task.selection_metric,
-                     mode=selection.mode or task.selection_mode,
-                     selection_split=selection.split)
+  return EvalTracker(
+    metric=selection.metric or task.selection_metric,
+    mode=selection.mode or task.selection_mode,
+    selection_split=selection.split,
+  )
 
 
 def _write_json(path: str, payload: Mapping) -> None:
@@ -730,6 +846,7 @@ class _Run:
   """The files and bookkeeping of one trained model: the whole run, or one replica of
   `config.seeds` (then in `<workdir>/seed_<s>`, a workdir of its own that looks as if that seed
   had been trained alone)."""
+
   config: ml_collections.FrozenConfigDict
   workdir: str
   checkpointer: checkpointing.Checkpointer
@@ -747,8 +864,9 @@ class _Run:
         manager.close()
 
 
-def replica_config(config: ml_collections.FrozenConfigDict,
-                   seed: int) -> ml_collections.FrozenConfigDict:
+def replica_config(
+  config: ml_collections.FrozenConfigDict, seed: int
+) -> ml_collections.FrozenConfigDict:
   """The config of one replica of `config.seeds`: `config` with `seed` and no `seeds`."""
   return resolve_config(config_lib.merge(config.as_configdict(), {'seed': seed, 'seeds': ()}))
 
@@ -762,9 +880,17 @@ def _runs_of(config, workdir: str, seeds: tuple[int, ...] | None) -> list[_Run]:
   runs = []
   for run_config, run_workdir in configs:
     workdir_lib.check_same_experiment(run_workdir, run_config)
-    runs.append(_Run(run_config, run_workdir, checkpointing.Checkpointer(
-        os.path.join(run_workdir, checkpointing.CHECKPOINT_DIR), keep=config.keep_checkpoints,
-        async_save=config.async_checkpointing)))
+    runs.append(
+      _Run(
+        run_config,
+        run_workdir,
+        checkpointing.Checkpointer(
+          os.path.join(run_workdir, checkpointing.CHECKPOINT_DIR),
+          keep=config.keep_checkpoints,
+          async_save=config.async_checkpointing,
+        ),
+      )
+    )
   return runs
 
 
@@ -776,8 +902,9 @@ def _common_start_step(runs: list[_Run]) -> int | None:
   if not common:
     if any(steps):
       raise errors.CheckpointNotFoundError(
-          f'the replicas under {os.path.dirname(runs[0].workdir)} share no checkpoint step; '
-          'delete their checkpoints/ folders to start again')
+        f'the replicas under {os.path.dirname(runs[0].workdir)} share no checkpoint step; '
+        'delete their checkpoints/ folders to start again'
+      )
     return None
   return max(common)
 
@@ -796,8 +923,11 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
   experiment = build_experiment(config)
   num_parameters = parameter_count(experiment.abstract_state.params)
   if jax.process_index() == 0:
-    print(f'model: {num_parameters:,} parameters ({config.task}, '
-          f'attention={config.model.get("attention", "-")})', flush=True)
+    print(
+      f'model: {num_parameters:,} parameters ({config.task}, '
+      f'attention={config.model.get("attention", "-")})',
+      flush=True,
+    )
   runs = _runs_of(config, workdir, experiment.seeds)
   try:
     return _train_runs(experiment, runs, num_parameters)
@@ -811,19 +941,26 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
   config = experiment.config
   start_step = _common_start_step(runs)
   finished = [_read_final_metrics(run.workdir) for run in runs]
-  if (start_step is not None and start_step >= experiment.total_steps
-      and all(f is not None for f in finished)):
+  if (
+    start_step is not None
+    and start_step >= experiment.total_steps
+    and all(f is not None for f in finished)
+  ):
     if jax.process_index() == 0:
-      print(f'workdir {os.path.commonpath([r.workdir for r in runs])} already finished at step '
-            f'{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was',
-            file=sys.stderr)
+      print(
+        f'workdir {os.path.commonpath([r.workdir for r in runs])} already finished at step '
+        f'{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was',
+        file=sys.stderr,
+      )
     return _combined(runs, finished, experiment.seeds is not None)
 
   for run in runs:
     if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
       run.selected_checkpointer = checkpointing.Checkpointer(
-          os.path.join(run.workdir, checkpointing.SELECTED_DIR), keep=1,
-          async_save=config.async_checkpointing)
+        os.path.join(run.workdir, checkpointing.SELECTED_DIR),
+        keep=1,
+        async_save=config.async_checkpointing,
+      )
     run.tracker = _make_tracker(config, experiment.task)
   train_iterator = experiment.make_train_iterator()
 
@@ -832,12 +969,14 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
   else:
     states = []
     for run in runs:
-      run_state, meta = run.checkpointer.restore(start_step, experiment.restore_target(),
-                                                 data_iterator=train_iterator)
+      run_state, meta = run.checkpointer.restore(
+        start_step, experiment.restore_target(), data_iterator=train_iterator
+      )
       run.tracker.load_state_dict(meta.get('tracker', {}))
       states.append(run_state)
-    state = (states[0] if experiment.seeds is None
-             else _stack_states(states, experiment.run_shardings))
+    state = (
+      states[0] if experiment.seeds is None else _stack_states(states, experiment.run_shardings)
+    )
   for run in runs:
     # Only now, with the checkpoint restored or the state initialised, is the config known to
     # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
@@ -853,8 +992,8 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     run.writer = metrics_logging.MetricWriter(run.workdir)
 
   progress = metrics_logging.ProgressBar(
-      experiment.total_steps, min(start_step, experiment.total_steps),
-      enabled=config.progress_bar)
+    experiment.total_steps, min(start_step, experiment.total_steps), enabled=config.progress_bar
+  )
   try:
     finals = _train_loop(experiment, state, start_step, train_iterator, runs, progress)
   finally:
@@ -871,8 +1010,11 @@ def _combined(runs: list[_Run], finals: list[dict], replicas: bool) -> dict:
   """A single run's final metrics, or every replica's under `seed_<s>/`."""
   if not replicas:
     return finals[0]
-  return {f'{os.path.basename(run.workdir)}/{name}': value
-          for run, final in zip(runs, finals) for name, value in final.items()}
+  return {
+    f'{os.path.basename(run.workdir)}/{name}': value
+    for run, final in zip(runs, finals)
+    for name, value in final.items()
+  }
 
 
 _MAX_PENDING_METRICS = 500
@@ -910,8 +1052,14 @@ class _StopRequest:
       self._installed = False
 
 
-def _train_loop(experiment: Experiment, state: TrainState, start_step: int, train_iterator,
-                runs: list[_Run], progress: metrics_logging.ProgressBar) -> list[dict[str, float]]:
+def _train_loop(
+  experiment: Experiment,
+  state: TrainState,
+  start_step: int,
+  train_iterator,
+  runs: list[_Run],
+  progress: metrics_logging.ProgressBar,
+) -> list[dict[str, float]]:
   """Trains from `start_step` to the end; returns each run's final metrics."""
   total_steps = experiment.total_steps
   actions = periodic.PeriodicActions(total_steps, every=experiment.action_periods)
@@ -952,8 +1100,9 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
         for run, reduced, out in zip(runs, per_run, scalars):
           run.last_train = {f'train/{k}': v for k, v in reduced.items()}
           run.last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
-          run.last_train['train/steps_per_second'] = (
-              (step - log_clock[1]) / max(now - log_clock[0], 1e-9))
+          run.last_train['train/steps_per_second'] = (step - log_clock[1]) / max(
+            now - log_clock[0], 1e-9
+          )
           out.update(run.last_train)
         log_clock = (now, step)
         pending_metrics = []
@@ -961,20 +1110,26 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
 
       if 'eval' in due:
         for index, (run, results, out) in enumerate(
-            zip(runs, evaluate_runs(experiment, state), scalars)):
+          zip(runs, evaluate_runs(experiment, state), scalars)
+        ):
           run.last_eval = results
           improved = run.tracker.update(step, results)
           out.update({**_flatten(results), **run.tracker.summary()})
           if improved and run.selected_checkpointer is not None:
-            run.selected_checkpointer.save(step, _replica(state, index if replicas else None),
-                                           meta={'step': step,
-                                                 'tracker': run.tracker.state_dict()})
+            run.selected_checkpointer.save(
+              step,
+              _replica(state, index if replicas else None),
+              meta={'step': step, 'tracker': run.tracker.state_dict()},
+            )
 
       if 'checkpoint' in due:
         for index, run in enumerate(runs):
-          run.checkpointer.save(step, _replica(state, index if replicas else None),
-                                meta={'step': step, 'tracker': run.tracker.state_dict()},
-                                data_iterator=train_iterator)
+          run.checkpointer.save(
+            step,
+            _replica(state, index if replicas else None),
+            meta={'step': step, 'tracker': run.tracker.state_dict()},
+            data_iterator=train_iterator,
+          )
         last_checkpoint_step = step
       for run, out in zip(runs, scalars):
         run.writer.write_scalars(step, out)
@@ -990,8 +1145,9 @@ def _train_loop(experiment: Experiment, state: TrainState, start_step: int, trai
       run.last_eval = results
   finals = []
   for run in runs:
-    finals.append({'step': total_steps, **run.last_train, **_flatten(run.last_eval),
-                   **run.tracker.summary()})
+    finals.append(
+      {'step': total_steps, **run.last_train, **_flatten(run.last_eval), **run.tracker.summary()}
+    )
     run.writer.flush()
   return finals
 
@@ -1013,8 +1169,7 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
     return checkpointing.CHECKPOINT_DIR, None
   if name.isdigit():
     return checkpointing.CHECKPOINT_DIR, int(name)
-  raise errors.ConfigError(
-      f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
+  raise errors.ConfigError(f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
 
 
 def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
@@ -1035,14 +1190,16 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
   workdir = os.path.abspath(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   experiment = build_experiment(config)
-  with checkpointing.Checkpointer(os.path.join(workdir, directory), keep=None,
-                                  async_save=False) as checkpointer:
+  with checkpointing.Checkpointer(
+    os.path.join(workdir, directory), keep=None, async_save=False
+  ) as checkpointer:
     state, _ = checkpointer.restore(step, experiment.restore_target())
   return experiment, state
 
 
-def evaluate_workdir(workdir: str, splits: tuple[str, ...] | None = None,
-                     checkpoint: str = 'latest') -> dict[str, dict[str, float]]:
+def evaluate_workdir(
+  workdir: str, splits: tuple[str, ...] | None = None, checkpoint: str = 'latest'
+) -> dict[str, dict[str, float]]:
   """Restores a workdir's checkpoint and evaluates splits with its saved config.
 
   Args:
@@ -1060,7 +1217,10 @@ def evaluate_workdir(workdir: str, splits: tuple[str, ...] | None = None,
   workdir = os.path.abspath(workdir)
   experiment, state = restore_workdir(workdir, checkpoint)
   results = evaluate(experiment, state, tuple(splits) if splits else None)
-  report = {'checkpoint': str(checkpoint), 'step': int(jax.device_get(state.step)),
-            'results': results}
+  report = {
+    'checkpoint': str(checkpoint),
+    'step': int(jax.device_get(state.step)),
+    'results': results,
+  }
   _write_json(os.path.join(workdir, 'eval.json'), report)
   return report

@@ -32,16 +32,16 @@ LOCK_FILE = '.lock'
 # mesh, distributed, loader threads and workers) changes how a run is carried out or observed,
 # not what it learns, and may differ between runs of one workdir.
 DEFINING_FIELDS = (
-    'task',
-    'data',
-    'model',
-    'optimizer',
-    'seed',
-    'seeds',
-    'batch_size',
-    'loader.batch_reads',  # decides the order of the training examples
-    'train_data_on_device',  # decides which generated examples a run trains on
-    'selection',  # decides which checkpoint checkpoints_selected/ holds
+  'task',
+  'data',
+  'model',
+  'optimizer',
+  'seed',
+  'seeds',
+  'batch_size',
+  'loader.batch_reads',  # decides the order of the training examples
+  'train_data_on_device',  # decides which generated examples a run trains on
+  'selection',  # decides which checkpoint checkpoints_selected/ holds
 )
 
 # Fields inside DEFINING_FIELDS sections that only say where files are, not what they hold.
@@ -97,8 +97,11 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
   Fields the stored definition does not name are not compared: the workdir's runs predate them
   (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
   """
-  return [f'{name} {stored[name]!r} != {current.get(name, _UNSET)!r}'
-          for name in sorted(stored) if stored[name] != current.get(name, _UNSET)]
+  return [
+    f'{name} {stored[name]!r} != {current.get(name, _UNSET)!r}'
+    for name in sorted(stored)
+    if stored[name] != current.get(name, _UNSET)
+  ]
 
 
 def stored_definition(workdir: str) -> dict[str, Any] | None:
@@ -128,8 +131,9 @@ def check_same_experiment(workdir: str, config) -> None:
     return
   diff = differences(stored, definition(config))
   if diff:
-    raise errors.WorkdirError(f'workdir {workdir} holds another experiment: {"; ".join(diff)}; '
-                              'use a new --workdir')
+    raise errors.WorkdirError(
+      f'workdir {workdir} holds another experiment: {"; ".join(diff)}; use a new --workdir'
+    )
 
 
 def write_definition(workdir: str, config) -> None:
@@ -232,10 +236,11 @@ class WorkdirLock:
     return True
 
   def _in_use_message(self, holder: dict | None) -> str:
-    who = (f'process {holder.get("pid")} on {holder.get("host")}' if holder else
-           'another process')
-    return (f'workdir {self.workdir} is in use by {who}; wait for it to finish or use another '
-            f'--workdir (if that process is gone, delete {self.path})')
+    who = f'process {holder.get("pid")} on {holder.get("host")}' if holder else 'another process'
+    return (
+      f'workdir {self.workdir} is in use by {who}; wait for it to finish or use another '
+      f'--workdir (if that process is gone, delete {self.path})'
+    )
 
   def release(self) -> None:
     """Removes the lock file if this process holds it."""
@@ -262,7 +267,8 @@ def make_workdir(workdir: str) -> None:
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.WorkdirError(
-        f'workdir {workdir} is a file, not a folder; choose another --workdir')
+      f'workdir {workdir} is a file, not a folder; choose another --workdir'
+    )
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:

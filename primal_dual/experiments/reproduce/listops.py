@@ -77,14 +77,25 @@ python scripts/reproduce_listops.py --setting=pytorch --preset=full \\
 
 _NUMBER = (int, float)
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
-    "name": (str,), "config_file": (str,), "config_arg": (str,),
-    "setting": (str,), "preset": (str,), "attention": (str,), "seed": (int,), "steps": (int,),
-    "quick": (bool,),
-    "test_accuracy": _NUMBER, "selected_test_accuracy": _NUMBER,
-    "best_validation_accuracy": _NUMBER, "selected_step": (int,),
-    "num_params": (int,), "sequence_length": (int,), "attention_flops": _NUMBER,
-    "attention_flops_relative": _NUMBER,
-    "wall_time_s": _NUMBER, "metrics": (dict,),
+  "name": (str,),
+  "config_file": (str,),
+  "config_arg": (str,),
+  "setting": (str,),
+  "preset": (str,),
+  "attention": (str,),
+  "seed": (int,),
+  "steps": (int,),
+  "quick": (bool,),
+  "test_accuracy": _NUMBER,
+  "selected_test_accuracy": _NUMBER,
+  "best_validation_accuracy": _NUMBER,
+  "selected_step": (int,),
+  "num_params": (int,),
+  "sequence_length": (int,),
+  "attention_flops": _NUMBER,
+  "attention_flops_relative": _NUMBER,
+  "wall_time_s": _NUMBER,
+  "metrics": (dict,),
 }
 
 
@@ -105,11 +116,21 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
       config_arg += ",runlocal" if args.quick else ""
       steps = int(grid.load_config(config_file, config_arg).num_train_steps)
       preset = "tiny" if args.quick else args.preset
-      runs.append(grid.GridRun(
+      runs.append(
+        grid.GridRun(
           name=f"{args.setting}-{preset}-{attention}-steps{steps}-s{seed}",
-          config_file=config_file, config_arg=config_arg,
-          tags=dict(setting=args.setting, preset=preset, attention=attention, seed=seed,
-                    steps=steps, quick=bool(args.quick))))
+          config_file=config_file,
+          config_arg=config_arg,
+          tags=dict(
+            setting=args.setting,
+            preset=preset,
+            attention=attention,
+            seed=seed,
+            steps=steps,
+            quick=bool(args.quick),
+          ),
+        )
+      )
   return runs
 
 
@@ -117,18 +138,29 @@ def record_fn(run: grid.GridRun, metrics: Mapping[str, Any], workdir: str) -> di
   """``run_grid``'s ``record_fn``: accuracies, size and attention cost of one run."""
   del workdir
   from primal_dual.experiments import listops as listops_task  # pylint: disable=g-import-not-at-top
+
   summary = listops_task.model_summary(grid.load_config(run.config_file, run.config_arg))
-  record = {"test_accuracy": float(metrics["test/accuracy"]),
-            "selected_test_accuracy": float(metrics["selected/test_accuracy"]),
-            "best_validation_accuracy": float(metrics["best/validation_accuracy"]),
-            "selected_step": int(metrics["selected/step"]),
-            "num_params": int(summary["parameters"]),
-            "sequence_length": int(summary["sequence_length"]),
-            "attention_flops": float(summary["attention_flops"]),
-            "attention_flops_relative": float(summary["attention_flops_relative"])}
-  validate_record({**dict(run.tags), "name": run.name, "config_file": run.config_file,
-                   "config_arg": run.config_arg, "wall_time_s": 0.0, "metrics": dict(metrics),
-                   **record})
+  record = {
+    "test_accuracy": float(metrics["test/accuracy"]),
+    "selected_test_accuracy": float(metrics["selected/test_accuracy"]),
+    "best_validation_accuracy": float(metrics["best/validation_accuracy"]),
+    "selected_step": int(metrics["selected/step"]),
+    "num_params": int(summary["parameters"]),
+    "sequence_length": int(summary["sequence_length"]),
+    "attention_flops": float(summary["attention_flops"]),
+    "attention_flops_relative": float(summary["attention_flops_relative"]),
+  }
+  validate_record(
+    {
+      **dict(run.tags),
+      "name": run.name,
+      "config_file": run.config_file,
+      "config_arg": run.config_arg,
+      "wall_time_s": 0.0,
+      "metrics": dict(metrics),
+      **record,
+    }
+  )
   return record
 
 
@@ -147,36 +179,44 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     value = REFERENCE.get((setting, key[0]))
     return "–" if value is None else f"{100 * value:.2f}"
 
-  columns = {"test acc % (last step)": grid.field("test_accuracy"),
-             "test acc % (validation-selected)": grid.field("selected_test_accuracy"),
-             "wall time (min)": grid.field("wall_time_s")}
-  extra = {"params": lambda key: f"{params[key[0]]:,}",
-           "attention MFLOPs / example": lambda key: f"{flops[key[0]] / 1e6:.4g}",
-           "attention FLOPs / softmax": lambda key: f"{relative[key[0]]:.2f}",
-           REFERENCE_HEADER: reference}
+  columns = {
+    "test acc % (last step)": grid.field("test_accuracy"),
+    "test acc % (validation-selected)": grid.field("selected_test_accuracy"),
+    "wall time (min)": grid.field("wall_time_s"),
+  }
+  extra = {
+    "params": lambda key: f"{params[key[0]]:,}",
+    "attention MFLOPs / example": lambda key: f"{flops[key[0]] / 1e6:.4g}",
+    "attention FLOPs / softmax": lambda key: f"{relative[key[0]]:.2f}",
+    REFERENCE_HEADER: reference,
+  }
   presets = sorted({r["preset"] for r in records})
   steps = sorted({r["steps"] for r in records})
   seeds = sorted({r["seed"] for r in records})
   lengths = sorted({r["sequence_length"] for r in records})
   lines = [
-      "# ListOps (Long Range Arena): accuracy and attention cost per variant\n",
-      f"Measured by `{command}` on {grid.describe_hardware(records)}; setting `{setting}`, preset {', '.join(presets)}, "
-      f"{', '.join(map(str, steps))} steps, seeds {', '.join(map(str, seeds))}. Cells are "
-      "mean ± std over seeds (n runs). *Last step*: test accuracy after the final step (LRA's "
-      "protocol). *Validation-selected*: test accuracy at the evaluation with the best validation "
-      "accuracy. Attention FLOPs are analytic: the products inside every layer's attention kernel "
-      f"for one example at the padded length ({', '.join(map(str, lengths))} tokens), "
-      "multiply-add = 2, projections left out (primal_dual/analysis/flops.py); linear runs in its "
-      "O(N) primal form. Wall time covers training and the periodic evaluations."
-      + grid.shared_machine_note(command) + " Per-run records: listops.json.\n",
-      f"The column *{REFERENCE_HEADER}* holds docs/maths.md §5's published softmax number for this "
-      "setting, measured by others on the full LRA data (96k examples of 500–2000 tokens, 5000 "
-      "steps) with their own code. " + (
-          "It is not comparable to the runs above, which use a smaller preset (shorter "
-          "sequences, less data).\n" if presets != ["full"] or steps != [5000] else
-          "The runs above use the same data scale and schedule with this library's code.\n"),
-      grid.summary_table(records, ("attention",), columns, {"wall time (min)": 1 / 60}, extra),
-      FULL_SCALE_COMMANDS,
+    "# ListOps (Long Range Arena): accuracy and attention cost per variant\n",
+    f"Measured by `{command}` on {grid.describe_hardware(records)}; setting `{setting}`, preset {', '.join(presets)}, "
+    f"{', '.join(map(str, steps))} steps, seeds {', '.join(map(str, seeds))}. Cells are "
+    "mean ± std over seeds (n runs). *Last step*: test accuracy after the final step (LRA's "
+    "protocol). *Validation-selected*: test accuracy at the evaluation with the best validation "
+    "accuracy. Attention FLOPs are analytic: the products inside every layer's attention kernel "
+    f"for one example at the padded length ({', '.join(map(str, lengths))} tokens), "
+    "multiply-add = 2, projections left out (primal_dual/analysis/flops.py); linear runs in its "
+    "O(N) primal form. Wall time covers training and the periodic evaluations."
+    + grid.shared_machine_note(command)
+    + " Per-run records: listops.json.\n",
+    f"The column *{REFERENCE_HEADER}* holds docs/maths.md §5's published softmax number for this "
+    "setting, measured by others on the full LRA data (96k examples of 500–2000 tokens, 5000 "
+    "steps) with their own code. "
+    + (
+      "It is not comparable to the runs above, which use a smaller preset (shorter "
+      "sequences, less data).\n"
+      if presets != ["full"] or steps != [5000]
+      else "The runs above use the same data scale and schedule with this library's code.\n"
+    ),
+    grid.summary_table(records, ("attention",), columns, {"wall time (min)": 1 / 60}, extra),
+    FULL_SCALE_COMMANDS,
   ]
   return "\n".join(lines)
 
@@ -186,22 +226,31 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   grid.add_variant_and_seed_arguments(parser, DEFAULT_VARIANTS, QUICK_VARIANTS, DEFAULT_SEEDS)
   parser.add_argument("--setting", choices=SETTINGS, default="pytorch")
   parser.add_argument("--preset", choices=PRESETS, default="short")
   parser.add_argument("--steps", type=int, default=-1, help="-1: the setting's (5000)")
   parser.add_argument("--data_dir", default="", help="TFDS data folder (default TFDS's)")
   parser.add_argument("--root", default="workdirs/listops_grid", help="parent of the workdirs")
-  parser.add_argument("--jobs", type=int, default=1,
-                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
-  parser.add_argument("--report_only", action="store_true",
-                      help="rewrite the report from the existing results JSON; train nothing")
-  parser.add_argument("--results", default="results/listops.json",
-                      help="records; the .md goes next to it")
-  parser.add_argument("--quick", action="store_true",
-                      help="smoke test: tiny preset and model, 4 steps, 2 runs by default")
+  parser.add_argument(
+    "--jobs", type=int, default=1, help="runs trained at once, one process each (e.g. 6 on a GPU)"
+  )
+  parser.add_argument(
+    "--report_only",
+    action="store_true",
+    help="rewrite the report from the existing results JSON; train nothing",
+  )
+  parser.add_argument(
+    "--results", default="results/listops.json", help="records; the .md goes next to it"
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="smoke test: tiny preset and model, 4 steps, 2 runs by default",
+  )
   args = parser.parse_args(argv)
   grid.check_variants_and_seeds(parser, args, DEFAULT_VARIANTS, QUICK_VARIANTS, DEFAULT_SEEDS)
   return args
@@ -210,16 +259,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   runs = build_runs(args)
-  print(f"ListOps grid: {len(runs)} runs ({len(args.variants)} variants × {len(args.seeds)} "
-        f"seeds, setting {args.setting}) under {args.root}")
-  records = grid.records_for_report(runs, args.root, args.results,
-                                    report_only=args.report_only, record_fn=record_fn,
-                                    jobs=args.jobs)
+  print(
+    f"ListOps grid: {len(runs)} runs ({len(args.variants)} variants × {len(args.seeds)} "
+    f"seeds, setting {args.setting}) under {args.root}"
+  )
+  records = grid.records_for_report(
+    runs, args.root, args.results, report_only=args.report_only, record_fn=record_fn, jobs=args.jobs
+  )
   for record in records:
     validate_record(record)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
-  command = grid.report_command("scripts/reproduce_listops.py", argv, markdown_path,
-                                report_only=args.report_only)
+  command = grid.report_command(
+    "scripts/reproduce_listops.py", argv, markdown_path, report_only=args.report_only
+  )
   with open(markdown_path, "w") as f:
     f.write(markdown_report(records, command))
   print(f"wrote {args.results}, {markdown_path}")

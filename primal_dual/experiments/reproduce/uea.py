@@ -68,14 +68,14 @@ MAPS_VARIANTS = ("softmax", "bn_sh")
 
 # Protocol → (metric reported as test accuracy, checkpoint head redundancy is measured on).
 PROTOCOLS = {
-    "best_test": ("best/test_accuracy", "latest"),
-    "clean": ("selected/test_accuracy", "selected"),
+  "best_test": ("best/test_accuracy", "latest"),
+  "clean": ("selected/test_accuracy", "selected"),
 }
 PROTOCOL_TITLES = {
-    "best_test": "best_test protocol — test accuracy = best over epochs (optimistic: the test "
-                 "set picks the epoch)",
-    "clean": "clean protocol — test accuracy of the checkpoint selected on a validation split "
-             "carved from TRAIN",
+  "best_test": "best_test protocol — test accuracy = best over epochs (optimistic: the test "
+  "set picks the epoch)",
+  "clean": "clean protocol — test accuracy of the checkpoint selected on a validation split "
+  "carved from TRAIN",
 }
 # docs/maths.md §5, published by others (best test accuracy over epochs): (data set, variant) → accuracy.
 REFERENCE = {("JapaneseVowels", "softmax"): 0.987}
@@ -86,24 +86,42 @@ REFERENCE_HEADER = "reference (published, best-test)"
 _NUMBER = (int, float)
 _OPTIONAL_NUMBER = (int, float, type(None))
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
-    "name": (str,), "config_file": (str,), "config_arg": (str,),
-    "dataset": (str,), "attention": (str,), "protocol": (str,), "seed": (int,),
-    "model_size": (str,), "epochs": (int,), "runlocal": (bool,),
-    "test_accuracy": _NUMBER, "best_epoch_accuracy": _NUMBER, "best_epoch_step": (int,),
-    "final_test_accuracy": _NUMBER,
-    "head_distance_per_layer": (list,), "head_distance": _OPTIONAL_NUMBER,
-    "redundancy_checkpoint": (str,), "redundancy_step": (int,), "redundancy_examples": (int,),
-    "num_params": (int,), "padded_length": (int,),
-    "attention_flops": _NUMBER, "attention_flops_per_layer": (list,),
-    "attention_flops_relative": _NUMBER,
-    "wall_time_s": _NUMBER, "metrics": (dict,),
+  "name": (str,),
+  "config_file": (str,),
+  "config_arg": (str,),
+  "dataset": (str,),
+  "attention": (str,),
+  "protocol": (str,),
+  "seed": (int,),
+  "model_size": (str,),
+  "epochs": (int,),
+  "runlocal": (bool,),
+  "test_accuracy": _NUMBER,
+  "best_epoch_accuracy": _NUMBER,
+  "best_epoch_step": (int,),
+  "final_test_accuracy": _NUMBER,
+  "head_distance_per_layer": (list,),
+  "head_distance": _OPTIONAL_NUMBER,
+  "redundancy_checkpoint": (str,),
+  "redundancy_step": (int,),
+  "redundancy_examples": (int,),
+  "num_params": (int,),
+  "padded_length": (int,),
+  "attention_flops": _NUMBER,
+  "attention_flops_per_layer": (list,),
+  "attention_flops_relative": _NUMBER,
+  "wall_time_s": _NUMBER,
+  "metrics": (dict,),
 }
 
 
 def validate_record(record: Mapping[str, Any]) -> None:
   """Raises ValueError naming every field of ``RECORD_SCHEMA`` missing or of the wrong type."""
-  extra = ([] if record.get("protocol") in PROTOCOLS else
-           [f"protocol: {record.get('protocol')!r} is not one of {sorted(PROTOCOLS)}"])
+  extra = (
+    []
+    if record.get("protocol") in PROTOCOLS
+    else [f"protocol: {record.get('protocol')!r} is not one of {sorted(PROTOCOLS)}"]
+  )
   grid.check_schema(record, RECORD_SCHEMA, "UEA", extra)
 
 
@@ -114,8 +132,11 @@ def validate_record(record: Mapping[str, Any]) -> None:
 def available_datasets(manual_dir: str | None) -> list[str]:
   """Configured data sets whose ``.ts`` files exist: the bundled ones first, then the others."""
   from primal_dual.data import uea  # pylint: disable=g-import-not-at-top
-  order = [*uea_config.BUNDLED_DATASETS,
-           *(d for d in uea_config.DATASETS if d not in uea_config.BUNDLED_DATASETS)]
+
+  order = [
+    *uea_config.BUNDLED_DATASETS,
+    *(d for d in uea_config.DATASETS if d not in uea_config.BUNDLED_DATASETS),
+  ]
   found = []
   for name in order:
     try:
@@ -129,15 +150,19 @@ def available_datasets(manual_dir: str | None) -> list[str]:
 def check_datasets(names: Sequence[str], manual_dir: str | None) -> None:
   """Fails before any training when a requested data set is unknown or its files are missing."""
   from primal_dual.data import uea  # pylint: disable=g-import-not-at-top
+
   for name in names:
     if name not in uea_config.DATASETS:
-      raise ValueError(f"--datasets: {name!r} is not configured in primal_dual/configs/uea.py; "
-                       f"choose from {', '.join(uea_config.DATASETS)}")
+      raise ValueError(
+        f"--datasets: {name!r} is not configured in primal_dual/configs/uea.py; "
+        f"choose from {', '.join(uea_config.DATASETS)}"
+      )
     uea.ts_paths(name, manual_dir or None)  # FileNotFoundError says where to put the files.
 
 
-def run_name(dataset: str, protocol: str, attention: str, model_size: str, seed: int,
-             epochs: int) -> str:
+def run_name(
+  dataset: str, protocol: str, attention: str, model_size: str, seed: int, epochs: int
+) -> str:
   """The run's workdir name, e.g. ``JapaneseVowels-clean-bn_sh-small-s1`` (``-e40``: --epochs)."""
   parts = [dataset, protocol, attention, model_size, f"s{seed}"]
   if epochs >= 0:
@@ -155,17 +180,33 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
     for seed in args.seeds:
       for protocol in args.protocols:
         for attention in args.variants:
-          config_arg = (f"dataset={dataset},attention={attention},protocol={protocol},"
-                        f"size={args.model_size},seed={seed},epochs={args.epochs}")
-          config_arg += "".join(f",{key}={value}" for key, value in (
-              ("manual_dir", args.manual_dir), ("data_dir", args.data_dir)) if value)
+          config_arg = (
+            f"dataset={dataset},attention={attention},protocol={protocol},"
+            f"size={args.model_size},seed={seed},epochs={args.epochs}"
+          )
+          config_arg += "".join(
+            f",{key}={value}"
+            for key, value in (("manual_dir", args.manual_dir), ("data_dir", args.data_dir))
+            if value
+          )
           config_arg += ",runlocal" if args.runlocal else ""
           epochs = int(grid.load_config(config_file, config_arg).num_epochs)
-          runs.append(grid.GridRun(
+          runs.append(
+            grid.GridRun(
               name=run_name(dataset, protocol, attention, size_label, seed, args.epochs),
-              config_file=config_file, config_arg=config_arg,
-              tags=dict(dataset=dataset, attention=attention, protocol=protocol, seed=seed,
-                        model_size=size_label, epochs=epochs, runlocal=args.runlocal)))
+              config_file=config_file,
+              config_arg=config_arg,
+              tags=dict(
+                dataset=dataset,
+                attention=attention,
+                protocol=protocol,
+                seed=seed,
+                model_size=size_label,
+                epochs=epochs,
+                runlocal=args.runlocal,
+              ),
+            )
+          )
   return runs
 
 
@@ -184,26 +225,30 @@ def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[st
   from primal_dual.models import parameter_count  # pylint: disable=g-import-not-at-top
   from primal_dual.analysis import flops  # pylint: disable=g-import-not-at-top
   from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+
   experiment, state = trainer.restore_workdir(workdir, checkpoint)
-  redundancy = attention_maps.run_redundancy(experiment, state, split="test",
-                                             max_examples=max_examples, out_dir=workdir)
+  redundancy = attention_maps.run_redundancy(
+    experiment, state, split="test", max_examples=max_examples, out_dir=workdir
+  )
   padded_length = int(experiment.metadata["max_length"])
   attention_flops = flops.attention_flops(experiment.config.model, padded_length)
   return {
-      "head_distance_per_layer": redundancy["head_distance_per_layer"],
-      "head_distance": redundancy["head_distance"],
-      "redundancy_checkpoint": checkpoint, "redundancy_step": redundancy["step"],
-      "redundancy_examples": redundancy["num_examples"],
-      "num_params": parameter_count(state.params),
-      "padded_length": padded_length,
-      "attention_flops": attention_flops["total"],
-      "attention_flops_per_layer": attention_flops["per_layer"],
-      "attention_flops_relative": attention_flops["relative_to_softmax"],
+    "head_distance_per_layer": redundancy["head_distance_per_layer"],
+    "head_distance": redundancy["head_distance"],
+    "redundancy_checkpoint": checkpoint,
+    "redundancy_step": redundancy["step"],
+    "redundancy_examples": redundancy["num_examples"],
+    "num_params": parameter_count(state.params),
+    "padded_length": padded_length,
+    "attention_flops": attention_flops["total"],
+    "attention_flops_per_layer": attention_flops["per_layer"],
+    "attention_flops_relative": attention_flops["relative_to_softmax"],
   }
 
 
-def cached_analysis(workdir: str, checkpoint: str, metrics: Mapping[str, Any],
-                    max_examples: int) -> dict[str, Any]:
+def cached_analysis(
+  workdir: str, checkpoint: str, metrics: Mapping[str, Any], max_examples: int
+) -> dict[str, Any]:
   """:func:`analyse_workdir`, reused from ``<workdir>/uea_analysis.json`` when still valid.
 
   The cache is valid for the same checkpoint kind, the same training length and selected step
@@ -224,18 +269,30 @@ def cached_analysis(workdir: str, checkpoint: str, metrics: Mapping[str, Any],
 
 def make_record_fn(max_examples: int):
   """``run_grid``'s ``record_fn``: protocol accuracy, redundancy, size and cost of a run."""
+
   def record_fn(run: grid.GridRun, metrics: Mapping[str, Any], workdir: str) -> dict[str, Any]:
     protocol = run.tags["protocol"]
     accuracy_key, checkpoint = PROTOCOLS[protocol]
-    record = {"test_accuracy": float(metrics[accuracy_key]),
-              "best_epoch_accuracy": float(metrics["best/test_accuracy"]),
-              "best_epoch_step": int(metrics["best/test_step"]),
-              "final_test_accuracy": float(metrics["test/accuracy"]),
-              **cached_analysis(workdir, checkpoint, metrics, max_examples)}
-    validate_record({**dict(run.tags), "name": run.name, "config_file": run.config_file,
-                     "config_arg": run.config_arg, "wall_time_s": 0.0, "metrics": dict(metrics),
-                     **record})
+    record = {
+      "test_accuracy": float(metrics[accuracy_key]),
+      "best_epoch_accuracy": float(metrics["best/test_accuracy"]),
+      "best_epoch_step": int(metrics["best/test_step"]),
+      "final_test_accuracy": float(metrics["test/accuracy"]),
+      **cached_analysis(workdir, checkpoint, metrics, max_examples),
+    }
+    validate_record(
+      {
+        **dict(run.tags),
+        "name": run.name,
+        "config_file": run.config_file,
+        "config_arg": run.config_arg,
+        "wall_time_s": 0.0,
+        "metrics": dict(metrics),
+        **record,
+      }
+    )
     return record
+
   return record_fn
 
 
@@ -254,44 +311,57 @@ def _ten_dataset_average(records: Sequence[Mapping[str, Any]]) -> str:
   datasets = {r["dataset"] for r in chosen}
   if not set(uea_config.PROTOCOL_DATASETS) <= datasets:
     return ""
-  lines = ["\n### Average over the ten protocol data sets (best_test)\n",
-           f"| attention | mean test acc % | {REFERENCE_HEADER} |", "|---|---|---|"]
+  lines = [
+    "\n### Average over the ten protocol data sets (best_test)\n",
+    f"| attention | mean test acc % | {REFERENCE_HEADER} |",
+    "|---|---|---|",
+  ]
   groups = grid.group_records(chosen, ("attention", "dataset"))
   for attention in dict.fromkeys(r["attention"] for r in chosen):
-    per_dataset = [grid.mean_std(r["test_accuracy"] for r in groups[(attention, d)])[0]
-                   for d in uea_config.PROTOCOL_DATASETS if (attention, d) in groups]
+    per_dataset = [
+      grid.mean_std(r["test_accuracy"] for r in groups[(attention, d)])[0]
+      for d in uea_config.PROTOCOL_DATASETS
+      if (attention, d) in groups
+    ]
     if len(per_dataset) < len(uea_config.PROTOCOL_DATASETS):
       continue
     reference = REFERENCE_TEN_DATASET_AVERAGE.get(attention)
-    lines.append(f"| {attention} | {100 * np.mean(per_dataset):.1f} | "
-                 f"{'–' if reference is None else f'{100 * reference:.1f}'} |")
+    lines.append(
+      f"| {attention} | {100 * np.mean(per_dataset):.1f} | "
+      f"{'–' if reference is None else f'{100 * reference:.1f}'} |"
+    )
   return "\n".join(lines) + "\n"
 
 
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   """results/uea.md: one table per protocol, mean ± std over seeds (n = seeds)."""
   columns = {
-      "test acc %": grid.field("test_accuracy"),
-      "head distance": grid.field("head_distance"),
-      "params (M)": grid.field("num_params"),
-      "attn FLOPs / softmax": grid.field("attention_flops_relative"),
-      "train time (min)": grid.field("wall_time_s"),
+    "test acc %": grid.field("test_accuracy"),
+    "head distance": grid.field("head_distance"),
+    "params (M)": grid.field("num_params"),
+    "attn FLOPs / softmax": grid.field("attention_flops_relative"),
+    "train time (min)": grid.field("wall_time_s"),
   }
-  scales = {"head distance": 1.0, "params (M)": 1e-6, "attn FLOPs / softmax": 1.0,
-            "train time (min)": 1 / 60}
+  scales = {
+    "head distance": 1.0,
+    "params (M)": 1e-6,
+    "attn FLOPs / softmax": 1.0,
+    "train time (min)": 1 / 60,
+  }
   sizes = sorted({str(r["model_size"]) for r in records})
   epochs = sorted({int(r["epochs"]) for r in records})
   seeds = sorted({int(r["seed"]) for r in records})
   lines = [
-      "# UEA time-series classification: accuracy and head redundancy\n",
-      f"Measured by `{command}` on {grid.describe_hardware(records)}; model size {', '.join(sizes)}, epochs "
-      f"{', '.join(map(str, epochs))}, seeds {', '.join(map(str, seeds))}. Cells are mean ± std "
-      "over seeds (n runs). Head distance: mean over layers of the mean pairwise distance between "
-      "the heads' attention maps on the test split (higher = heads less redundant; see "
-      "primal_dual/analysis/redundancy.py). Attention FLOPs are analytic (QK and AV products at "
-      "the padded length, primal_dual/analysis/flops.py), relative to softmax. Train time is the "
-      "wall time of training and per-epoch evaluation." + grid.shared_machine_note(command)
-      + " Per-run records: uea.json.\n",
+    "# UEA time-series classification: accuracy and head redundancy\n",
+    f"Measured by `{command}` on {grid.describe_hardware(records)}; model size {', '.join(sizes)}, epochs "
+    f"{', '.join(map(str, epochs))}, seeds {', '.join(map(str, seeds))}. Cells are mean ± std "
+    "over seeds (n runs). Head distance: mean over layers of the mean pairwise distance between "
+    "the heads' attention maps on the test split (higher = heads less redundant; see "
+    "primal_dual/analysis/redundancy.py). Attention FLOPs are analytic (QK and AV products at "
+    "the padded length, primal_dual/analysis/flops.py), relative to softmax. Train time is the "
+    "wall time of training and per-epoch evaluation."
+    + grid.shared_machine_note(command)
+    + " Per-run records: uea.json.\n",
   ]
   for protocol, title in PROTOCOL_TITLES.items():
     chosen = [r for r in records if r["protocol"] == protocol]
@@ -304,34 +374,48 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   return "\n".join(lines)
 
 
-def redundancy_values(records: Sequence[Mapping[str, Any]]
-                      ) -> dict[str, dict[str, tuple[float, float]]]:
+def redundancy_values(
+  records: Sequence[Mapping[str, Any]],
+) -> dict[str, dict[str, tuple[float, float]]]:
   """``'dataset (protocol)'`` → variant → (mean, std) of head distance over seeds."""
   values: dict[str, dict[str, tuple[float, float]]] = {}
   for (dataset, protocol, attention), group in grid.group_records(
-      records, ("dataset", "protocol", "attention")).items():
+    records, ("dataset", "protocol", "attention")
+  ).items():
     mean, std, count = grid.mean_std(r["head_distance"] for r in group)
     if count:
       values.setdefault(f"{dataset}\n{protocol}", {})[attention] = (mean, std)
   return values
 
 
-def write_figures(records: Sequence[Mapping[str, Any]], root: str, out_dir: str,
-                  log=print) -> list[str]:
+def write_figures(
+  records: Sequence[Mapping[str, Any]], root: str, out_dir: str, log=print
+) -> list[str]:
   """uea_redundancy.png and uea_attention_maps.png from the grid's records and workdirs."""
   from primal_dual.analysis import attention_maps  # pylint: disable=g-import-not-at-top
   from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+
   written = []
   values = redundancy_values(records)
   if values:
-    written.append(plots.plot_redundancy_bars(
-        values, os.path.join(out_dir, REDUNDANCY_PLOT),
-        title="Head distance per variant (mean ± std over seeds; higher = less redundant)"))
+    written.append(
+      plots.plot_redundancy_bars(
+        values,
+        os.path.join(out_dir, REDUNDANCY_PLOT),
+        title="Head distance per variant (mean ± std over seeds; higher = less redundant)",
+      )
+    )
   first = records[0] if records else None
   maps = {}
   for variant in MAPS_VARIANTS:
-    candidates = [r for r in records if r["attention"] == variant and first is not None
-                  and r["dataset"] == first["dataset"] and r["protocol"] == first["protocol"]]
+    candidates = [
+      r
+      for r in records
+      if r["attention"] == variant
+      and first is not None
+      and r["dataset"] == first["dataset"]
+      and r["protocol"] == first["protocol"]
+    ]
     if not candidates:
       continue
     record = min(candidates, key=lambda r: r["seed"])
@@ -339,9 +423,13 @@ def write_figures(records: Sequence[Mapping[str, Any]], root: str, out_dir: str,
     if os.path.exists(path):
       maps[f"{variant} (seed {record['seed']})"] = attention_maps.load_example_maps(path)
   if maps:
-    written.append(plots.plot_attention_grid(
-        maps, os.path.join(out_dir, MAPS_PLOT),
-        title=f"{first['dataset']}, {first['protocol']} protocol: test example 0"))
+    written.append(
+      plots.plot_attention_grid(
+        maps,
+        os.path.join(out_dir, MAPS_PLOT),
+        title=f"{first['dataset']}, {first['protocol']} protocol: test example 0",
+      )
+    )
   else:
     log(f"no {' / '.join(MAPS_VARIANTS)} runs with saved maps: {MAPS_PLOT} not written")
   return written
@@ -352,29 +440,45 @@ def write_figures(records: Sequence[Mapping[str, Any]], root: str, out_dir: str,
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--datasets", type=grid.comma_list(), default=(),
-                      help="comma list; default: those available (bundled + --manual_dir)")
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+    "--datasets",
+    type=grid.comma_list(),
+    default=(),
+    help="comma list; default: those available (bundled + --manual_dir)",
+  )
   grid.add_variant_and_seed_arguments(parser, DEFAULT_VARIANTS, default_seeds=DEFAULT_SEEDS)
   parser.add_argument("--protocols", type=grid.comma_list(), default=tuple(PROTOCOLS))
   parser.add_argument("--root", default="workdirs/uea_grid", help="parent of the runs' workdirs")
-  parser.add_argument("--jobs", type=int, default=1,
-                      help="runs trained at once, one process each (e.g. 6 on a GPU)")
-  parser.add_argument("--results", default="results/uea.json",
-                      help="records; the .md and the figures go next to it")
+  parser.add_argument(
+    "--jobs", type=int, default=1, help="runs trained at once, one process each (e.g. 6 on a GPU)"
+  )
+  parser.add_argument(
+    "--results", default="results/uea.json", help="records; the .md and the figures go next to it"
+  )
   parser.add_argument("--epochs", type=int, default=-1, help="-1: the protocol's (100, PEMS 400)")
   parser.add_argument("--model_size", choices=sorted(uea_config.MODEL_SIZES), default="reference")
   parser.add_argument("--manual_dir", default="", help="folder of <Name>/<Name>_{TRAIN,TEST}.ts")
   parser.add_argument("--data_dir", default="", help="TFDS data folder")
-  parser.add_argument("--redundancy_examples", type=int, default=512,
-                      help="head redundancy on the first N test examples (0 = all)")
+  parser.add_argument(
+    "--redundancy_examples",
+    type=int,
+    default=512,
+    help="head redundancy on the first N test examples (0 = all)",
+  )
   parser.add_argument("--runlocal", action="store_true", help="tiny model, 2 epochs (smoke test)")
-  parser.add_argument("--dry_run", action="store_true",
-                      help="list the runs and whether each is finished; train nothing")
-  parser.add_argument("--report_only", action="store_true",
-                      help="re-render the tables and figures from every record of --results; "
-                           "train nothing")
+  parser.add_argument(
+    "--dry_run",
+    action="store_true",
+    help="list the runs and whether each is finished; train nothing",
+  )
+  parser.add_argument(
+    "--report_only",
+    action="store_true",
+    help="re-render the tables and figures from every record of --results; train nothing",
+  )
   args = parser.parse_args(argv)
   grid.check_variants_and_seeds(parser, args, DEFAULT_VARIANTS, default_seeds=DEFAULT_SEEDS)
   unknown = [p for p in args.protocols if p not in PROTOCOLS]
@@ -394,22 +498,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   runs = build_runs(args)
-  print(f"UEA grid: {len(runs)} runs ({', '.join(args.datasets)} × {len(args.variants)} variants "
-        f"× {len(args.seeds)} seeds × {len(args.protocols)} protocols) under {args.root}")
+  print(
+    f"UEA grid: {len(runs)} runs ({', '.join(args.datasets)} × {len(args.variants)} variants "
+    f"× {len(args.seeds)} seeds × {len(args.protocols)} protocols) under {args.root}"
+  )
   if args.dry_run:
     for run in runs:
       done = grid.is_finished(os.path.join(args.root, run.name))
       print(f"  {'finished' if done else 'to train'}  {run.name}  ({run.config_arg})")
     return 0
   # --report_only re-renders every record of the results JSON, whatever workdirs exist here.
-  records = grid.records_for_report(runs, args.root, args.results, report_only=args.report_only,
-                                    record_fn=make_record_fn(args.redundancy_examples),
-                                    jobs=args.jobs)
+  records = grid.records_for_report(
+    runs,
+    args.root,
+    args.results,
+    report_only=args.report_only,
+    record_fn=make_record_fn(args.redundancy_examples),
+    jobs=args.jobs,
+  )
   for record in records:
     validate_record(record)
   markdown_path = os.path.splitext(args.results)[0] + ".md"
-  command = grid.report_command("scripts/reproduce_uea.py", argv, markdown_path,
-                                report_only=args.report_only)
+  command = grid.report_command(
+    "scripts/reproduce_uea.py", argv, markdown_path, report_only=args.report_only
+  )
   with open(markdown_path, "w") as f:
     f.write(markdown_report(records, command))
   figures = write_figures(records, args.root, os.path.dirname(os.path.abspath(args.results)))
