@@ -41,7 +41,7 @@ The results in ``results/logic.md`` were measured with the earlier model of this
 width = model width, bidirectional buckets, no attention dropout, xavier MLP).
 """
 
-from primal_dual.configs.sraven import paper_model, preset_config
+from primal_dual.configs.sraven import PAPER_OPTIMIZER, paper_model, preset_config
 from primal_dual.training import config_lib
 
 PAPER_DATA = dict(
@@ -75,9 +75,7 @@ PAPER = dict(
   num_train_steps=50_000,
   warmup_steps=100,
   cosine_end="total_minus_warmup",
-  lr=1e-3,
-  end_lr=1e-4,
-  weight_decay=0.1,
+  **PAPER_OPTIMIZER,
   log_every_steps=500,
   eval_every_steps=2500,
   checkpoint_every_steps=2500,
@@ -114,9 +112,7 @@ CPU = dict(
   num_train_steps=6000,
   warmup_steps=300,
   cosine_end="total",
-  lr=1e-3,
-  end_lr=1e-4,
-  weight_decay=0.1,
+  **PAPER_OPTIMIZER,
   log_every_steps=100,
   eval_every_steps=500,
   checkpoint_every_steps=1000,

@@ -80,6 +80,11 @@ def paper_model(
   )
 
 
+# The HYLA paper's AdamW (both tasks; our cpu presets too): peak and final learning rate, and
+# weight decay on non-vector parameters.
+PAPER_OPTIMIZER = dict(lr=1e-3, end_lr=1e-4, weight_decay=0.1)
+
+
 def num_tokens(data: dict) -> int:
   """8 panels of F feature tokens, then F query tokens."""
   return sraven.NUM_PANELS * data["num_features"]
@@ -115,9 +120,7 @@ PAPER = dict(
   num_train_steps=156_250,
   warmup_steps=1000,
   cosine_end="total_minus_warmup",
-  lr=1e-3,
-  end_lr=1e-4,
-  weight_decay=0.1,
+  **PAPER_OPTIMIZER,
   log_every_steps=500,
   eval_every_steps=6250,
   checkpoint_every_steps=6250,
@@ -153,9 +156,7 @@ CPU = dict(
   num_train_steps=12_000,
   warmup_steps=500,
   cosine_end="total",
-  lr=1e-3,
-  end_lr=1e-4,
-  weight_decay=0.1,
+  **PAPER_OPTIMIZER,
   log_every_steps=100,
   eval_every_steps=500,
   checkpoint_every_steps=1000,
