@@ -403,6 +403,18 @@ def listops_sources(
   return decoded_sources(builder, list(splits))
 
 
+def _prepared_uea(name: str, data_dir, manual_dir) -> tfds.core.GeneratorBasedBuilder:
+  """The UEA builder of ``name``, prepared from (and kept in step with) its ``.ts`` files."""
+  uea.check_name(name)
+  return prepared_builder(
+    UeaMultivariate,
+    name,
+    data_dir=data_dir,
+    manual_dir=manual_dir,
+    source_fingerprint=uea_fingerprint(name, manual_dir),
+  )
+
+
 def uea_sources(
   name: str,
   *,
@@ -431,13 +443,7 @@ def uea_sources(
   unknown = [s for s in splits if s not in uea.ALL_SPLITS]
   if unknown:
     raise ValueError(f"Unknown UEA split(s) {unknown}; choose from {list(uea.ALL_SPLITS)}.")
-  builder = prepared_builder(
-    UeaMultivariate,
-    name,
-    data_dir=data_dir,
-    manual_dir=manual_dir,
-    source_fingerprint=uea_fingerprint(name, manual_dir),
-  )
+  builder = _prepared_uea(name, data_dir, manual_dir)
   archive = decoded_sources(builder, [s for s in uea.ARCHIVE_SPLITS if s in splits or s == "train"])
   out = {s: archive[s] for s in uea.ARCHIVE_SPLITS if s in splits}
   if any(s in uea.CLEAN_SPLITS for s in splits):
@@ -463,14 +469,7 @@ def uea_info(
   Returns:
     ``dict(num_classes, num_channels, max_length, num_train, num_test, class_names)``.
   """
-  uea.check_name(name)
-  builder = prepared_builder(
-    UeaMultivariate,
-    name,
-    data_dir=data_dir,
-    manual_dir=manual_dir,
-    source_fingerprint=uea_fingerprint(name, manual_dir),
-  )
+  builder = _prepared_uea(name, data_dir, manual_dir)
   metadata: Mapping[str, Any] = builder.info.metadata
   keys = ("num_classes", "num_channels", "max_length", "num_train", "num_test", "class_names")
   return {k: metadata[k] for k in keys}
