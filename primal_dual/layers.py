@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from primal_dual import _decode
+from primal_dual import _attend, _decode
 from primal_dual.registry import (
   ATTENTION_REGISTRY,
   AttentionVariant,
   KernelParam,
+  lookup,
   make_attention_fn,
   register_attention,
 )
@@ -105,6 +106,9 @@ class MultiHeadAttention(nn.Module):
 
   Attributes:
     num_heads: number of heads H.
+    num_kv_heads: key/value heads (default H); fewer than H, dividing it, gives grouped heads
+      (GQA; 1 is MQA): the ``key``/``value`` kernels are ``[in_features, num_kv_heads, head_dim]``.
+      HYLA refuses grouped heads.
     qkv_features: total width of q/k/v (default: the query input width); divisible by H.
     out_features: output width (default: the query input width).
     attention: registry name of the kernel.
@@ -114,6 +118,8 @@ class MultiHeadAttention(nn.Module):
     dropout_rate: dropout on the attention weights.
     broadcast_dropout: share the dropout pattern across batch and heads.
     deterministic: default for ``__call__``'s ``deterministic``.
+    is_causal: query ``i`` attends to keys ``j <= i`` only (top-left, as Flax and
+      ``jax.nn.dot_product_attention``), on top of ``mask``.
     dtype, param_dtype, precision: as in Flax.
     use_bias: biases on the projections.
     decode: autoregressive decoding with a key/value cache (collection ``cache``: ``cached_key``,
@@ -124,6 +130,7 @@ class MultiHeadAttention(nn.Module):
   """
 
   num_heads: int
+  num_kv_heads: int | None = None
   qkv_features: int | None = None
   out_features: int | None = None
   attention: str = "softmax"
@@ -132,6 +139,7 @@ class MultiHeadAttention(nn.Module):
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   deterministic: bool | None = None
+  is_causal: bool = False
   dtype: Any = None
   param_dtype: Any = jnp.float32
   precision: Any = None
@@ -161,7 +169,7 @@ class MultiHeadAttention(nn.Module):
 
   def _kernel_params(self, head_dim: int) -> dict[str, jax.Array]:
     """The learned parameters the variant's registry entry declares, by keyword name."""
-    declared = ATTENTION_REGISTRY[self.attention].params
+    declared = lookup(self.attention).params
     created = {}
     for name, spec in declared.items():
       init = spec.init
@@ -201,13 +209,8 @@ class MultiHeadAttention(nn.Module):
     inputs_v = inputs_k if inputs_v is None else inputs_v
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
-    if qkv_features % self.num_heads:
-      raise ValueError(
-        f"qkv_features={qkv_features} is not divisible by num_heads="
-        f"{self.num_heads}; choose a width that is a multiple of the head count"
-      )
-    head_dim = qkv_features // self.num_heads
-    attention_fn = make_attention_fn(self.attention, self.attention_options, self.attention_context)
+    head_dim = _attend.head_dim(qkv_features, self.num_heads)
+    kv_heads = _attend.kv_heads(self.num_heads, self.num_kv_heads)
     dense_kwargs = dict(
       dtype=self.dtype,
       param_dtype=self.param_dtype,
@@ -217,40 +220,30 @@ class MultiHeadAttention(nn.Module):
       bias_init=self.bias_init,
     )
 
-    def projection(name):
+    def projection(name, heads):
       return _Projection(
-        features=(self.num_heads, head_dim),
+        features=(heads, head_dim),
         contract_dims=1,
         logical_axes=("embed", "heads", "kv"),
         name=name,
         **dense_kwargs,
       )
 
-    query = projection("query")(inputs_q)
-    key = projection("key")(inputs_k)
-    value = projection("value")(inputs_v)
+    query = projection("query", self.num_heads)(inputs_q)
+    key = projection("key", kv_heads)(inputs_k)
+    value = projection("value", kv_heads)(inputs_v)
     if self.decode:
       key, value, mask = self._decode_step(key, value, mask)
 
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic
-    if not deterministic and self.dropout_rate > 0.0 and dropout_rng is None:
+    if deterministic or self.dropout_rate == 0.0:
+      dropout_rng = None
+    elif dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
-
-    x = attention_fn(
-      query,
-      key,
-      value,
-      bias=bias,
-      mask=mask,
-      dropout_rng=dropout_rng,
-      dropout_rate=self.dropout_rate,
-      broadcast_dropout=self.broadcast_dropout,
-      deterministic=deterministic,
-      dtype=self.dtype,
-      precision=self.precision,
-      module=self if sow_weights else None,
-      **self._kernel_params(head_dim),
+    kernel_params = self._kernel_params(head_dim)
+    x = _attend.attend(
+      self, query, key, value, mask, bias, dropout_rng, sow_weights, self.decode, kernel_params
     )
     return _Projection(
       features=(features,),

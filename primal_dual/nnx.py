@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from primal_dual import _decode
+from primal_dual import _attend, _decode
 from primal_dual.registry import lookup, make_attention_fn
 
 __all__ = ["MultiHeadAttention", "linen_params", "load_linen_params"]
@@ -42,6 +42,9 @@ class MultiHeadAttention(nnx.Module):
 
   Args:
     num_heads: number of heads H.
+    num_kv_heads: key/value heads (default H); fewer than H, dividing it, gives grouped heads
+      (GQA; 1 is MQA): ``key``/``value`` kernels ``[in_kv, num_kv_heads, head_dim]``. HYLA
+      refuses grouped heads.
     in_features: width of the query input (and of the key/value inputs unless
       ``in_kv_features``).
     qkv_features: total width of q/k/v (default ``in_features``); divisible by H.
@@ -54,6 +57,8 @@ class MultiHeadAttention(nnx.Module):
     dropout_rate: dropout on the attention weights.
     broadcast_dropout: share the dropout pattern across batch and heads.
     deterministic: default for ``__call__``'s ``deterministic`` (None: True, dropout off).
+    is_causal: query ``i`` attends to keys ``j <= i`` only (top-left, as Flax and
+      ``jax.nn.dot_product_attention``), on top of ``mask``.
     decode: default for ``__call__``'s ``decode``: one position per call through the key/value
       cache made by :meth:`init_cache`.
     dtype, param_dtype, precision, kernel_init, bias_init, use_bias: as in Flax.
@@ -71,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
     qkv_features: int | None = None,
     out_features: int | None = None,
     *,
+    num_kv_heads: int | None = None,
     in_kv_features: int | None = None,
     attention: str = "softmax",
     attention_options: Mapping[str, Any] | None = None,
@@ -78,6 +84,7 @@ class MultiHeadAttention(nnx.Module):
     dropout_rate: float = 0.0,
     broadcast_dropout: bool = True,
     deterministic: bool | None = None,
+    is_causal: bool = False,
     decode: bool = False,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
@@ -88,13 +95,9 @@ class MultiHeadAttention(nnx.Module):
     rngs: nnx.Rngs,
   ):
     qkv_features = in_features if qkv_features is None else qkv_features
-    if qkv_features % num_heads:
-      raise ValueError(
-        f"qkv_features={qkv_features} is not divisible by num_heads="
-        f"{num_heads}; choose a width that is a multiple of the head count"
-      )
     self.num_heads = num_heads
-    self.head_dim = qkv_features // num_heads
+    self.head_dim = _attend.head_dim(qkv_features, num_heads)
+    self.num_kv_heads = _attend.kv_heads(num_heads, num_kv_heads)
     self.in_features = in_features
     self.out_features = in_features if out_features is None else out_features
     self.attention = attention
@@ -107,6 +110,7 @@ class MultiHeadAttention(nnx.Module):
     self.dropout_rate = dropout_rate
     self.broadcast_dropout = broadcast_dropout
     self.deterministic = deterministic
+    self.is_causal = is_causal
     self.decode = decode
     self.dtype = dtype
     self.precision = precision
@@ -121,10 +125,11 @@ class MultiHeadAttention(nnx.Module):
       rngs=rngs,
     )
     heads = (num_heads, self.head_dim)
+    kv_heads = (self.num_kv_heads, self.head_dim)
     kv_in = in_features if in_kv_features is None else in_kv_features
     self.query = _projection(in_features, heads, -1, _QKV_AXES, **linear)
-    self.key = _projection(kv_in, heads, -1, _QKV_AXES, **linear)
-    self.value = _projection(kv_in, heads, -1, _QKV_AXES, **linear)
+    self.key = _projection(kv_in, kv_heads, -1, _QKV_AXES, **linear)
+    self.value = _projection(kv_in, kv_heads, -1, _QKV_AXES, **linear)
     self.out = _projection(heads, self.out_features, (-2, -1), _OUT_AXES, **linear)
     self.kernel_param_names = self._create_kernel_params(rngs, param_dtype)
     self.rngs = rngs.dropout.fork() if dropout_rate > 0.0 else None
@@ -149,8 +154,8 @@ class MultiHeadAttention(nnx.Module):
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
     """Empties the decoding cache for inputs ``[batch..., max_length, in_features]``: keys and
-    values ``[batch..., max_length, heads, head_dim]`` of ``dtype``, index 0."""
-    shape = (*input_shape[:-1], self.num_heads, self.head_dim)
+    values ``[batch..., max_length, num_kv_heads, head_dim]`` of ``dtype``, index 0."""
+    shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
@@ -214,28 +219,15 @@ class MultiHeadAttention(nnx.Module):
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
-    if self.decode if decode is None else decode:
+    decoding = self.decode if decode is None else decode
+    if decoding:
       key, value, mask = self._decode_step(key, value, mask)
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic
-    attention_fn = make_attention_fn(
-      self.attention, dict(self.attention_options), dict(self.attention_context)
-    )
+    dropout_rng = self._dropout_rng(deterministic, rngs)
     kernel_params = {name: getattr(self, name)[...] for name in self.kernel_param_names}
-    x = attention_fn(
-      query,
-      key,
-      value,
-      bias=bias,
-      mask=mask,
-      dropout_rng=self._dropout_rng(deterministic, rngs),
-      dropout_rate=self.dropout_rate,
-      broadcast_dropout=self.broadcast_dropout,
-      deterministic=deterministic,
-      dtype=self.dtype,
-      precision=self.precision,
-      module=self if sow_weights else None,
-      **kernel_params,
+    x = _attend.attend(
+      self, query, key, value, mask, bias, dropout_rng, sow_weights, decoding, kernel_params
     )
     return self.out(x)
 
