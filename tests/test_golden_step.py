@@ -12,7 +12,8 @@ import pytest
 
 from primal_dual.configs import sraven as sraven_configs
 from primal_dual.training import config_lib
-from primal_dual.training import trainer
+from primal_dual.training import setup
+from primal_dual.training import steps
 
 # sRAVEN runlocal (the paper's model structure: unidirectional buckets, attention dropout 0.1),
 # softmax and HYLA: two steps on the first 8 training problems (the first at warm-up's learning
@@ -38,13 +39,13 @@ def _two_steps(attention: str, jit: bool) -> dict[str, float]:
   config = config_lib.with_fields(
     sraven_configs.get_config(f"attention={attention},runlocal"), {"mesh.data": 1}
   )
-  experiment = trainer.build_experiment(trainer.resolve_config(config))
+  experiment = setup.build_experiment(setup.resolve_config(config))
   state = experiment.init_state()
-  batch = trainer._stack([experiment.splits["train"][i] for i in range(8)])  # pylint: disable=protected-access
+  batch = setup.stack_records([experiment.splits["train"][i] for i in range(8)])
   step = (
     experiment.train_step
     if jit
-    else lambda s, b: trainer.train_step(
+    else lambda s, b: steps.train_step(
       s, b, model=experiment.model, tx=experiment.tx, loss_fn=experiment.task.loss_and_metrics
     )
   )

@@ -14,6 +14,7 @@ from primal_dual.configs import sraven as sraven_configs
 from primal_dual.configs import uea as uea_configs
 from primal_dual import registry
 from primal_dual.analysis import flops
+from primal_dual.training import evaluation
 from primal_dual.training import trainer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ def test_example_variant_trains_and_learns_its_parameter(example, tmp_path):
   assert np.isfinite(final["train/loss"])
   with open(tmp_path / "final_metrics.json") as f:
     assert json.load(f)["model/num_parameters"] == final["model/num_parameters"]
-  _, state = trainer.restore_workdir(str(tmp_path))
+  _, state = evaluation.restore_workdir(str(tmp_path))
   params = flax.traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
   learned = {name: value for name, value in params.items() if name.endswith("log_temperature")}
   assert learned and all(value.shape == (config.model.num_heads,) for value in learned.values())

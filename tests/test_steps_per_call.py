@@ -14,6 +14,8 @@ from primal_dual.experiments import logic as logic_task
 from primal_dual.experiments import sraven as sraven_task
 from primal_dual.training import config_lib
 from primal_dual.training import errors
+from primal_dual.training import evaluation
+from primal_dual.training import setup
 from primal_dual.training import trainer
 
 
@@ -37,7 +39,7 @@ def _config(module=sraven_configs, **overrides):
 
 def _train(config, workdir):
   final = trainer.train_and_evaluate(config, str(workdir))
-  _, state = trainer.restore_workdir(str(workdir))
+  _, state = evaluation.restore_workdir(str(workdir))
   return final, jax.device_get(state.params)
 
 
@@ -58,7 +60,7 @@ def test_a_run_killed_between_calls_resumes_bit_identically(tmp_path, monkeypatc
   config = _config(steps_per_call=2, train_data_on_device=True, num_train_steps=12)
   reference_final, reference = _train(config, tmp_path / "reference")
 
-  original, calls = trainer.StepRunner.__call__, []
+  original, calls = setup.StepRunner.__call__, []
 
   def crash_on_fifth_call(self, *args):
     calls.append(args[1])
@@ -66,10 +68,10 @@ def test_a_run_killed_between_calls_resumes_bit_identically(tmp_path, monkeypatc
       raise Crash()
     return original(self, *args)
 
-  monkeypatch.setattr(trainer.StepRunner, "__call__", crash_on_fifth_call)
+  monkeypatch.setattr(setup.StepRunner, "__call__", crash_on_fifth_call)
   with pytest.raises(Crash):
     trainer.train_and_evaluate(config, str(tmp_path / "crashed"))
-  monkeypatch.setattr(trainer.StepRunner, "__call__", original)
+  monkeypatch.setattr(setup.StepRunner, "__call__", original)
   final, resumed = _train(config, tmp_path / "crashed")
   jax.tree.map(np.testing.assert_array_equal, reference, resumed)
   assert final["train/loss"] == reference_final["train/loss"]
@@ -143,7 +145,7 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
   for seed in (3,):  # the second replica: its slices of every stacked array
     alone_final, alone = _train(_config(seed=seed, **common), tmp_path / f"alone_{seed}")
     replica_dir = tmp_path / "both" / f"seed_{seed}"
-    _, replica_state = trainer.restore_workdir(str(replica_dir))
+    _, replica_state = evaluation.restore_workdir(str(replica_dir))
     _assert_same_params(jax.device_get(replica_state.params), alone, rtol=1e-4, atol=1e-5)
     for name, value in alone_final.items():
       if "steps_per_second" not in name and isinstance(value, float):
@@ -157,7 +159,7 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
     ).read_text()
 
   # Killed after the step-4 checkpoint, resumed: the same replicas as the uninterrupted run.
-  original, calls = trainer.StepRunner.__call__, []
+  original, calls = setup.StepRunner.__call__, []
 
   def crash_on_third_call(self, *args):
     calls.append(1)
@@ -165,14 +167,14 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
       raise Crash()
     return original(self, *args)
 
-  monkeypatch.setattr(trainer.StepRunner, "__call__", crash_on_third_call)
+  monkeypatch.setattr(setup.StepRunner, "__call__", crash_on_third_call)
   with pytest.raises(Crash):
     trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
-  monkeypatch.setattr(trainer.StepRunner, "__call__", original)
+  monkeypatch.setattr(setup.StepRunner, "__call__", original)
   trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
   for seed in (0, 3):
-    _, expected = trainer.restore_workdir(str(tmp_path / "both" / f"seed_{seed}"))
-    _, resumed = trainer.restore_workdir(str(tmp_path / "crashed" / f"seed_{seed}"))
+    _, expected = evaluation.restore_workdir(str(tmp_path / "both" / f"seed_{seed}"))
+    _, resumed = evaluation.restore_workdir(str(tmp_path / "crashed" / f"seed_{seed}"))
     jax.tree.map(
       np.testing.assert_array_equal, jax.device_get(expected.params), jax.device_get(resumed.params)
     )

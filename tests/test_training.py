@@ -34,7 +34,10 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import metrics_logging
 from primal_dual.training import optim
+from primal_dual.training import evaluation
 from primal_dual.training import periodic
+from primal_dual.training import selection
+from primal_dual.training import setup
 from primal_dual.training import sharding
 from primal_dual.training import tasks
 from primal_dual.training import trainer
@@ -68,7 +71,7 @@ def batch_recorder(seen: list, crash_at: int | None = None):
 
 
 def restore_state(workdir, step, config=None):
-  experiment = trainer.build_experiment(trainer.resolve_config(config or tiny_config()))
+  experiment = setup.build_experiment(setup.resolve_config(config or tiny_config()))
   with checkpointing.Checkpointer(
     os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=None, async_save=False
   ) as checkpointer:
@@ -234,7 +237,7 @@ def test_shard_batch_places_leading_axis_on_data():
 
 
 def test_state_shardings_follow_logical_axes():
-  experiment = trainer.build_experiment(trainer.resolve_config(tiny_config()))
+  experiment = setup.build_experiment(setup.resolve_config(tiny_config()))
   shardings = experiment.state_shardings
   assert shardings.params['Dense_0']['kernel'].spec == PartitionSpec(None, 'model')  # embed, mlp
   assert shardings.params['Dense_1']['kernel'].spec == PartitionSpec('model', None)  # mlp, classes
@@ -250,7 +253,7 @@ def test_sharded_train_step_matches_single_device():
   losses, params = {}, {}
   for mesh in ((1, 1), (4, 2)):
     config = tiny_config(**{'mesh.data': mesh[0], 'mesh.model': mesh[1]})
-    experiment = trainer.build_experiment(trainer.resolve_config(config))
+    experiment = setup.build_experiment(setup.resolve_config(config))
     assert experiment.mesh.size == mesh[0] * mesh[1]
     state = experiment.init_state()
     batch = next(experiment.make_train_iterator())
@@ -283,7 +286,7 @@ def test_maybe_initialize_distributed_single_process_is_a_no_op(monkeypatch):
 
 
 def test_eval_tracker_best_and_selected():
-  tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
+  tracker = selection.EvalTracker('accuracy', 'max', 'validation')
   assert tracker.update(
     1, {'validation': {'accuracy': 0.5, 'loss': 1.0}, 'test': {'accuracy': 0.9}}
   )
@@ -298,19 +301,19 @@ def test_eval_tracker_best_and_selected():
   summary = tracker.summary()
   assert summary['best/test_accuracy'] == 0.9 and summary['best/test_step'] == 1
   assert summary['selected/test_accuracy'] == 0.6 and summary['selected/step'] == 3
-  restored = trainer.EvalTracker('accuracy', 'max', 'validation')
+  restored = selection.EvalTracker('accuracy', 'max', 'validation')
   restored.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
   assert restored.summary() == summary
-  low = trainer.EvalTracker('loss', 'min', 'validation')
+  low = selection.EvalTracker('loss', 'min', 'validation')
   low.update(1, {'validation': {'loss': 2.0}})
   low.update(2, {'validation': {'loss': 1.0}})
   assert low.summary()['best/validation_loss'] == 1.0
   with pytest.raises(errors.UnknownNameError):
-    trainer.EvalTracker('accuracy', 'highest', 'validation')
+    selection.EvalTracker('accuracy', 'highest', 'validation')
 
 
 def test_eval_tracker_breaks_ties_by_loss_then_later_step():
-  tracker = trainer.EvalTracker('accuracy', 'max', 'validation')
+  tracker = selection.EvalTracker('accuracy', 'max', 'validation')
 
   def evaluation(accuracy, loss, test_accuracy):
     return {'validation': {'accuracy': accuracy, 'loss': loss}, 'test': {'accuracy': test_accuracy}}
@@ -325,7 +328,7 @@ def test_eval_tracker_breaks_ties_by_loss_then_later_step():
   assert summary['best/validation_step'] == 1  # best/ keeps the earliest of tied values
   assert tracker.rule == 'max validation accuracy; ties: lower validation loss, then later step'
   # Without a loss the tie goes to the later step.
-  no_loss = trainer.EvalTracker('accuracy', 'max', 'validation')
+  no_loss = selection.EvalTracker('accuracy', 'max', 'validation')
   no_loss.update(1, {'validation': {'accuracy': 0.5}})
   assert no_loss.update(2, {'validation': {'accuracy': 0.5}})
   assert no_loss.summary()['selected/step'] == 2
@@ -336,10 +339,10 @@ def test_metric_sums_collapse_without_changing_the_mean():
     {'loss': (np.float32(3.0), np.float32(2.0))},
     {'loss': (np.float32(1.0), np.float32(2.0))},
   ]
-  collapsed = [trainer._sum_metrics(per_batch), {'loss': (2.0, 4.0)}]
-  assert trainer._reduce_metrics(per_batch) == {'loss': 1.0}
-  assert trainer._reduce_metrics(collapsed) == {'loss': 0.75}
-  assert trainer._reduce_metrics([]) == {}
+  collapsed = [evaluation.sum_metrics(per_batch), {'loss': (2.0, 4.0)}]
+  assert evaluation.reduce_metrics(per_batch) == {'loss': 1.0}
+  assert evaluation.reduce_metrics(collapsed) == {'loss': 0.75}
+  assert evaluation.reduce_metrics([]) == {}
 
 
 def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
@@ -371,9 +374,9 @@ def test_data_problems_become_user_errors(monkeypatch):
     dataclasses.replace(tasks.TASKS['synthetic'], name='no_data', build_data=missing_folder)
   )
   with pytest.raises(errors.DataNotFoundError, match="'no_data': /data/uea/Heartbeat not found"):
-    trainer.build_experiment(trainer.resolve_config(tiny_config(task='no_data')))
+    setup.build_experiment(setup.resolve_config(tiny_config(task='no_data')))
   with pytest.raises(errors.ConfigError, match='num_classes .* must be ≤ num_features'):
-    trainer.build_experiment(trainer.resolve_config(tiny_config(**{'data.num_classes': 5})))
+    setup.build_experiment(setup.resolve_config(tiny_config(**{'data.num_classes': 5})))
 
 
 def test_synthetic_source_is_deterministic_and_labelled_by_its_rule():
@@ -403,10 +406,10 @@ def test_classification_metrics_ignore_padding_even_if_nan():
 
 def test_epochs_convert_to_steps_and_periods():
   config = tiny_config(num_train_steps=-1, num_epochs=3, eval_every_epochs=1)
-  experiment = trainer.build_experiment(trainer.resolve_config(config))
+  experiment = setup.build_experiment(setup.resolve_config(config))
   assert experiment.steps_per_epoch == 64 // 8
   assert experiment.total_steps == 24
-  assert trainer._every_steps(experiment.config, 'eval', experiment.steps_per_epoch) == 8
+  assert setup._every_steps(experiment.config, 'eval', experiment.steps_per_epoch) == 8
 
 
 @pytest.mark.parametrize(
@@ -545,10 +548,10 @@ def test_evaluation_counts_each_example_once(uninterrupted):
 
 def test_evaluate_workdir_and_eval_cli(uninterrupted, capsys):
   workdir, final, _ = uninterrupted
-  report = trainer.evaluate_workdir(workdir, ('test', 'validation'))
+  report = evaluation.evaluate_workdir(workdir, ('test', 'validation'))
   assert report['step'] == 8
   assert report['results']['test']['accuracy'] == pytest.approx(final['test/accuracy'])
-  selected = trainer.evaluate_workdir(workdir, ('validation', 'test'), checkpoint='selected')
+  selected = evaluation.evaluate_workdir(workdir, ('validation', 'test'), checkpoint='selected')
   assert selected['step'] == final['selected/step']
   assert selected['results']['test']['accuracy'] == pytest.approx(final['selected/test_accuracy'])
 
@@ -563,7 +566,7 @@ def test_evaluate_workdir_and_eval_cli(uninterrupted, capsys):
   with open(os.path.join(workdir, 'eval.json')) as f:
     assert json.load(f)['results']['test']['accuracy'] == pytest.approx(final['test/accuracy'])
   with pytest.raises(errors.CheckpointNotFoundError):
-    trainer.evaluate_workdir(workdir, checkpoint='5')
+    evaluation.evaluate_workdir(workdir, checkpoint='5')
 
 
 def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
@@ -699,7 +702,7 @@ def test_another_experiment_is_refused_before_anything_is_written(uninterrupted)
 
 def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
   workdir = str(tmp_path)
-  workdir_lib.write_definition(workdir, trainer.resolve_config(tiny_config()))
+  workdir_lib.write_definition(workdir, setup.resolve_config(tiny_config()))
   longer = tiny_config(
     num_train_steps=80,
     log_every_steps=7,
@@ -709,7 +712,7 @@ def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
     keep_checkpoints=1,
     **{'mesh.model': 1, 'data.data_dir': '/elsewhere'},
   )
-  workdir_lib.check_same_experiment(workdir, trainer.resolve_config(longer))
+  workdir_lib.check_same_experiment(workdir, setup.resolve_config(longer))
   for field, value in [
     ('optimizer.lr', 0.5),
     ('batch_size', 16),
@@ -719,7 +722,7 @@ def test_run_length_cadence_and_paths_do_not_change_the_experiment(tmp_path):
   ]:
     with pytest.raises(errors.WorkdirError, match=f'holds another experiment: {field} '):
       workdir_lib.check_same_experiment(
-        workdir, trainer.resolve_config(tiny_config(**{field: value}))
+        workdir, setup.resolve_config(tiny_config(**{field: value}))
       )
 
 

@@ -6,13 +6,13 @@ Every analysis has the signature::
 
   run(experiment, state, *, split: str, max_examples: int, out_dir: str | None) -> dict
 
-where ``experiment`` is ``trainer.build_experiment``'s Experiment, ``state`` the restored
+where ``experiment`` is ``setup.build_experiment``'s Experiment, ``state`` the restored
 TrainState, and the returned dict is JSON-able (``eval.py --analyses=...`` writes it into
 ``eval.json``; figures go to ``out_dir``). Example::
 
   from primal_dual import analysis
-  from primal_dual.training import trainer
-  experiment, state = trainer.restore_workdir('workdirs/jv', 'latest')
+  from primal_dual.training import evaluation
+  experiment, state = evaluation.restore_workdir('workdirs/jv', 'latest')
   analysis.run_analyses(['redundancy'], experiment, state, split='test', out_dir='workdirs/jv')
 """
 

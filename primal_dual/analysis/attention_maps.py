@@ -313,9 +313,9 @@ def load_example_maps(path: str) -> list[np.ndarray]:
 
 
 def _host_variables(state) -> dict[str, Any]:
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import steps  # pylint: disable=g-import-not-at-top
 
-  return jax.device_get(trainer.model_variables(state.params, state.batch_stats))
+  return jax.device_get(steps.model_variables(state.params, state.batch_stats))
 
 
 def run_redundancy(
@@ -329,7 +329,7 @@ def run_redundancy(
   """The 'redundancy' analysis: head distance per layer of ``state``'s model on ``split``.
 
   Args:
-    experiment: ``trainer.build_experiment``'s Experiment (model, splits, config).
+    experiment: ``setup.build_experiment``'s Experiment (model, splits, config).
     state: the restored TrainState.
     split: evaluation split. max_examples: cap (first examples in order); None or ≤ 0 = all.
     out_dir: where ``attention_maps_example.npz`` and ``attention_maps.png`` (example 0, heads ×

@@ -239,13 +239,13 @@ def latent_codes(
 ) -> tuple[list[np.ndarray] | None, str]:
   """Codes ``[N, F, 2H]`` per layer for the records, or ``(None, reason)`` without weights."""
   from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import steps  # pylint: disable=g-import-not-at-top
 
   model = experiment.model
   num_layers = model.num_layers
   num_features = records["targets"].shape[-1]
   query, keys = rule_pair_positions(records["feature_order"], num_features)
-  variables = trainer.model_variables(state.params, state.batch_stats)
+  variables = steps.model_variables(state.params, state.batch_stats)
   apply = sow_apply(model)
   per_layer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
   count = len(records["inputs"])
@@ -348,7 +348,7 @@ def run(
   """Decodes rules from latent codes of a trained sRAVEN model (see the module docstring).
 
   Args:
-    experiment: a ``trainer.Experiment`` of the 'sraven' task.
+    experiment: a ``setup.Experiment`` of the 'sraven' task.
     state: its ``TrainState`` (e.g. restored from a checkpoint).
     split: the split whose problems are analysed ('ood': held-out rule combinations).
     max_examples: problems used (the first ones of the split); half fit, half score.

@@ -19,6 +19,7 @@ import os
 
 from absl import flags
 
+from primal_dual import atomic
 from primal_dual.training import cli
 
 FLAGS = flags.FLAGS
@@ -52,12 +53,12 @@ def define_flags() -> None:
 def _evaluate_and_analyse(workdir: str) -> dict:
   """Evaluation plus the requested analyses on one restored checkpoint; writes eval.json."""
   from primal_dual import analysis  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   for name in FLAGS.analyses:  # Fail on a typo before restoring anything.
     analysis.get_analysis(name)
-  experiment, state = trainer.restore_workdir(workdir, FLAGS.checkpoint)
+  experiment, state = evaluation.restore_workdir(workdir, FLAGS.checkpoint)
   if FLAGS.analysis_split and FLAGS.analysis_split not in experiment.splits:
     from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
 
@@ -65,7 +66,7 @@ def _evaluate_and_analyse(workdir: str) -> dict:
       f'--analysis_split={FLAGS.analysis_split!r} is not a split of this '
       f'task; choose one of {sorted(experiment.splits)}'
     )
-  results = trainer.evaluate(experiment, state, tuple(FLAGS.splits) or None)
+  results = evaluation.evaluate(experiment, state, tuple(FLAGS.splits) or None)
   report = {
     'checkpoint': str(FLAGS.checkpoint),
     'step': int(jax.device_get(state.step)),
@@ -80,10 +81,7 @@ def _evaluate_and_analyse(workdir: str) -> dict:
     out_dir=workdir,
   )
   if jax.process_index() == 0:
-    path = os.path.join(os.path.abspath(workdir), 'eval.json')
-    with open(path + '.tmp', 'w') as f:
-      json.dump(report, f, indent=2, sort_keys=True)
-    os.replace(path + '.tmp', path)
+    atomic.write_json(os.path.join(os.path.abspath(workdir), 'eval.json'), report)
   return report
 
 
@@ -95,12 +93,12 @@ def main(argv: list[str]) -> int:
 
   try:
     sharding.maybe_initialize_distributed()
-    from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
 
     if FLAGS.analyses:
       report = _evaluate_and_analyse(FLAGS.workdir)
     else:
-      report = trainer.evaluate_workdir(
+      report = evaluation.evaluate_workdir(
         FLAGS.workdir, tuple(FLAGS.splits) or None, FLAGS.checkpoint
       )
   except errors.UserError as e:

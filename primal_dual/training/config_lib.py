@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
+from primal_dual import atomic
 from primal_dual.training import errors
 
 _TRUE = frozenset({'1', 'true', 'yes', 'on', 't', 'y'})
@@ -266,13 +267,7 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes `config` to `workdir/config.json` (creating workdir) and returns the path."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, 'config.json')
-  tmp_path = path + '.tmp'
-  with open(tmp_path, 'w') as f:
-    f.write(to_json(config))
-  os.replace(tmp_path, path)  # atomic: a crash never leaves half a config.
-  return path
+  return atomic.write_text(os.path.join(workdir, 'config.json'), to_json(config))
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:

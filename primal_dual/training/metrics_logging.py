@@ -21,6 +21,8 @@ from typing import Mapping
 
 import jax
 
+from primal_dual import atomic
+
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
 
@@ -55,10 +57,9 @@ def truncate_metrics_after(workdir: str, step: int) -> None:
   kept = [r for r in records if r.get('step', 0) <= step]
   if len(kept) == len(records):
     return
-  path = os.path.join(workdir, METRICS_FILE)
-  with open(path + '.tmp', 'w') as f:
-    f.writelines(json.dumps(r) + '\n' for r in kept)
-  os.replace(path + '.tmp', path)
+  atomic.write_text(
+    os.path.join(workdir, METRICS_FILE), ''.join(json.dumps(r) + '\n' for r in kept)
+  )
 
 
 class MetricWriter:

@@ -4,7 +4,8 @@ A `Task` bundles four things:
 
 * `build_data(config) -> (splits, metadata)`: `splits` maps split names ('train', 'validation',
   'test', ...) to random-access sources (`__len__`, `__getitem__` → dict of NumPy arrays, see
-  docs/ARCHITECTURE.md "Data contract"); `metadata` is a dict of facts the model needs
+  docs/ARCHITECTURE.md "Data contract"), or to a `LazySplit` that builds one when first read (so
+  evaluating a workdir never builds a large training split); `metadata` is a dict of facts the model needs
   (`num_classes`, `seq_len`, `num_features`, ...).
 * `build_model(config, metadata) -> nn.Module`, a Linen module called as
   `model.apply(variables, batch['inputs'], mask=batch.get('mask'), train=bool, ...)`, with or
@@ -63,6 +64,13 @@ class Task:
     Callable[[ml_collections.ConfigDict, dict[str, Any]], Callable[[jax.Array, jax.Array], Batch]]
     | None
   ) = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LazySplit:
+  """A split built the first time the trainer reads it: `build() -> source`."""
+
+  build: Callable[[], Any]
 
 
 TASKS: dict[str, Task] = {}

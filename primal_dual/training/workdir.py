@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
+from primal_dual import atomic
 from primal_dual.training import errors
 
 EXPERIMENT_FILE = 'experiment.json'
@@ -139,10 +140,7 @@ def check_same_experiment(workdir: str, config) -> None:
 def write_definition(workdir: str, config) -> None:
   """Writes `experiment.json` (atomically): the defining fields and their list."""
   path = os.path.join(workdir, EXPERIMENT_FILE)
-  payload = {'fields': list(DEFINING_FIELDS), 'definition': definition(config)}
-  with open(path + '.tmp', 'w') as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  os.replace(path + '.tmp', path)
+  atomic.write_json(path, {'fields': list(DEFINING_FIELDS), 'definition': definition(config)})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""Evaluation: metrics of a state on whole splits (`evaluate`, `evaluate_runs`), the host-side
+reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved workdir
+(`restore_workdir`, `evaluate_workdir`), which never builds the training split."""
+
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from primal_dual import atomic
+from primal_dual.training import checkpointing
+from primal_dual.training import config_lib
+from primal_dual.training import errors
+from primal_dual.training import sharding
+from primal_dual.training.setup import Experiment, build_experiment, resolve_config
+from primal_dual.training.steps import TrainState
+
+
+def sum_metrics(
+  metric_list: list[Mapping[str, tuple]], replicas: bool = False
+) -> dict[str, tuple[Any, Any]]:
+  """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer), in float64:
+  Python floats for a single run, `[replicas]` arrays for replicas."""
+  totals = {}
+  for metrics in jax.device_get(metric_list):
+    for name, (total, count) in metrics.items():
+      total, count = (np.asarray(x, np.float64) for x in (total, count))
+      if name in totals:
+        total, count = totals[name][0] + total, totals[name][1] + count
+      totals[name] = (total, count)
+  if not replicas:
+    totals = {name: (float(t), float(c)) for name, (t, c) in totals.items()}
+  return totals
+
+
+def split_means(totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+  """Σ sums / Σ counts of each metric (NaN where nothing was counted)."""
+  return {
+    name: float(total) / float(count) if count else float('nan')
+    for name, (total, count) in totals.items()
+  }
+
+
+def reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
+  """Σ sums / Σ counts over a list of per-batch (sum, count) dicts."""
+  return split_means(sum_metrics(metric_list))
+
+
+def reduce_runs(metric_list: list[Mapping[str, tuple]], replicas: bool) -> list[dict[str, float]]:
+  """`reduce_metrics` per run: `[means]`, or one dict per replica."""
+  totals = sum_metrics(metric_list, replicas)
+  if not replicas:
+    return [split_means(totals)]
+  num = len(next(iter(totals.values()))[0]) if totals else 0
+  return [split_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
+
+
+def evaluate_runs(
+  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+) -> list[dict[str, dict[str, float]]]:
+  """`evaluate` of every run: `[results]`, or one per replica of a stacked state."""
+  replicas = experiment.seeds is not None
+  per_split = {}
+  for split in split_names or experiment.eval_splits:
+    if split not in experiment.splits:
+      raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
+    per_batch = [
+      experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
+      for batch in experiment.eval_batches(split)
+    ]
+    per_split[split] = reduce_runs(per_batch, replicas)
+  num_runs = len(experiment.seeds) if replicas else 1
+  return [{split: runs[i] for split, runs in per_split.items()} for i in range(num_runs)]
+
+
+def evaluate(
+  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+) -> dict[str, dict[str, float]]:
+  """Metrics of `state` on whole splits (every example exactly once).
+
+  Returns:
+    split → metric name → mean over the split's examples.
+  """
+  return evaluate_runs(experiment, state, split_names)[0]
+
+
+def flatten_results(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+  """split → metric → value as `{'split/metric': value}`."""
+  return {
+    f'{split}/{name}': value
+    for split, metrics in results.items()
+    for name, value in metrics.items()
+  }
+
+
+def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
+  """(checkpoint folder, step or None for the newest) of 'latest', 'selected' or a step number.
+
+  Raises:
+    errors.ConfigError: anything else.
+  """
+  name = str(checkpoint)
+  if name == 'selected':
+    return checkpointing.SELECTED_DIR, None
+  if name == 'latest':
+    return checkpointing.CHECKPOINT_DIR, None
+  if name.isdigit():
+    return checkpointing.CHECKPOINT_DIR, int(name)
+  raise errors.ConfigError(f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
+
+
+def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
+  """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
+
+  Args:
+    workdir: a `train_and_evaluate` workdir (needs config.json and checkpoints/).
+    checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
+
+  Returns:
+    `(experiment, state)`: the Experiment of `build_experiment` and the restored TrainState.
+
+  Raises:
+    errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+    errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
+  """
+  directory, step = _checkpoint_location(checkpoint)
+  workdir = os.path.abspath(workdir)
+  config = resolve_config(config_lib.read_config(workdir))
+  experiment = build_experiment(config, for_training=False)
+  with checkpointing.Checkpointer(
+    os.path.join(workdir, directory), keep=None, async_save=False
+  ) as checkpointer:
+    state, _ = checkpointer.restore(step, experiment.restore_target())
+  return experiment, state
+
+
+def evaluate_workdir(
+  workdir: str, splits: tuple[str, ...] | None = None, checkpoint: str = 'latest'
+) -> dict[str, dict[str, float]]:
+  """Restores a workdir's checkpoint and evaluates splits with its saved config.
+
+  Args:
+    workdir: a `train_and_evaluate` workdir (needs config.json and checkpoints/).
+    splits: split names; None for the task's eval splits.
+    checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
+
+  Returns:
+    `{'checkpoint': checkpoint, 'step': restored step, 'results': split → metric → value}`,
+    also written to `workdir/eval.json`.
+
+  Raises:
+    errors.CheckpointNotFoundError: no config.json or no such checkpoint.
+  """
+  workdir = os.path.abspath(workdir)
+  experiment, state = restore_workdir(workdir, checkpoint)
+  results = evaluate(experiment, state, tuple(splits) if splits else None)
+  report = {
+    'checkpoint': str(checkpoint),
+    'step': int(jax.device_get(state.step)),
+    'results': results,
+  }
+  if jax.process_index() == 0:
+    atomic.write_json(os.path.join(workdir, 'eval.json'), report)
+  return report

@@ -1,0 +1,487 @@
+"""Everything built once from a config before a step runs: `resolve_config`, and
+`build_experiment` (data, model, mesh, optimizer, shardings, jitted steps) with its `Experiment`.
+
+Splits are built lazily (`LazySplits`): an experiment built for evaluation
+(`build_experiment(config, for_training=False)`) never builds the training split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Iterator, Mapping
+
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from primal_dual.data import pipeline
+from primal_dual.training import checkpointing
+from primal_dual.training import config_lib
+from primal_dual.training import errors
+from primal_dual.training import optim
+from primal_dual.training import sharding
+from primal_dual.training import tasks as tasks_lib
+from primal_dual.training.steps import TrainState, eval_step, train_step, train_steps
+
+
+def stack_records(records: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """Records (dicts of arrays) stacked along a new leading axis, key by key."""
+  return {key: np.stack([np.asarray(r[key]) for r in records]) for key in records[0]}
+
+
+def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+  """The effective config: `training_defaults()` overridden by `config`, frozen.
+
+  Raises:
+    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`).
+  """
+  if isinstance(config, ml_collections.FrozenConfigDict):
+    config = config.as_configdict()
+  config_lib.validate(config)
+  return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
+
+
+def _every_steps(config, name: str, steps_per_epoch: int) -> int:
+  epochs = config.get(f'{name}_every_epochs', 0) or 0
+  if epochs > 0:
+    return max(1, round(epochs * steps_per_epoch))
+  return config.get(f'{name}_every_steps', 0) or 0
+
+
+def _as_tuple(value) -> tuple[str, ...]:
+  if isinstance(value, str):
+    return tuple(s.strip() for s in value.split(',') if s.strip())
+  return tuple(value or ())
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
+
+  config: ml_collections.FrozenConfigDict
+  task: tasks_lib.Task
+  splits: LazySplits
+  metadata: dict[str, Any]
+  model: nn.Module
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  total_steps: int
+  steps_per_epoch: int
+  local_batch_size: int
+  eval_batch_size: int
+  eval_splits: tuple[str, ...]
+  state_shardings: TrainState
+  abstract_state: TrainState
+  init_state: Callable[[], TrainState]
+  train_step: Callable
+  eval_step: Callable
+  action_periods: dict[str, int]
+  run_steps: 'StepRunner'
+  seeds: tuple[int, ...] | None  # replicas trained in one program (config.seeds), or None
+  run_shardings: TrainState  # of the trained state: `state_shardings`, stacked for replicas
+
+  def make_train_iterator(self):
+    """A checkpointable grain iterator of this process's training batches (endless), or None
+    when the batches are made on the device (`config.train_data_on_device`)."""
+    if self.run_steps.device_data:
+      return None
+    loader = self.config.loader
+    return pipeline.make_loader(
+      self.splits['train'],
+      batch_size=self.local_batch_size,
+      seed=self.config.seed,
+      shuffle=True,
+      num_epochs=None,
+      drop_remainder=True,
+      shard_by_process=True,
+      worker_count=loader.worker_count,
+      read_options=grain.ReadOptions(
+        num_threads=loader.num_threads, prefetch_buffer_size=loader.prefetch_buffer_size
+      ),
+      batch_reads=loader.get('batch_reads', False),
+    )
+
+  def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
+    """This process's padded batches covering split `split` once (with `valid`)."""
+    return pipeline.iterate_eval(self.splits[split], self.eval_batch_size // jax.process_count())
+
+  def restore_target(self) -> TrainState:
+    return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+
+class StepRunner:
+  """Runs the next `n` training steps and returns `(state, losses [n] or [], metrics)`.
+
+  With one step per call and host batches this is one `train_step` call per step; otherwise one
+  scanned program (`steps.train_steps`, vmapped over replicas) per call, compiled once per
+  distinct `n` (the steps per call, and a shorter final call when they do not divide the run).
+
+  Args:
+    single_step: the jitted `train_step` (state, sharded batch).
+    scanned_steps: `train_steps` with everything but `num_steps` bound.
+    mesh: the device mesh.
+    run_shardings: of the trained state (stacked for replicas).
+    replicas: whether the state stacks replicas (`config.seeds`).
+    steps_per_call: K.
+    data_seed: int32 `[]` (one run) or `[replicas]`: the seed of each run's generated stream.
+  """
+
+  def __init__(
+    self,
+    single_step: Callable,
+    scanned_steps: Callable,
+    mesh,
+    *,
+    run_shardings: TrainState,
+    replicas: bool,
+    steps_per_call: int,
+    data_seed: jax.Array,
+  ):
+    self._single_step, self._scanned_steps = single_step, scanned_steps
+    self._compiled: dict[int, Callable] = {}
+    self.mesh, self.steps_per_call, self.data_seed = mesh, steps_per_call, data_seed
+    self._run_shardings, self._replicas = run_shardings, replicas
+    self.device_data = scanned_steps.keywords.get('device_batch') is not None
+
+  def _compile(self, num_steps: int) -> Callable:
+    steps = functools.partial(self._scanned_steps, num_steps=num_steps)
+    if self._replicas:
+      steps = jax.vmap(steps, in_axes=(0, None, 0))
+    replicated = sharding.replicated(self.mesh)
+    batches = None if self.device_data else sharding.stacked_batch_sharding(self.mesh)
+    scanned = jax.jit(
+      steps,
+      in_shardings=(self._run_shardings, batches, replicated),
+      out_shardings=(self._run_shardings, replicated, replicated),
+      donate_argnums=(0,),
+    )
+    return _in_mesh(scanned, self.mesh)
+
+  def __call__(self, state: TrainState, num_steps: int, train_iterator):
+    if self.steps_per_call == 1 and not self.device_data:
+      return self._single_step(state, sharding.shard_batch(next(train_iterator), self.mesh))
+    if num_steps not in self._compiled:
+      self._compiled[num_steps] = self._compile(num_steps)
+    batches = None
+    if not self.device_data:
+      batches = sharding.shard_stacked_batch(
+        stack_records([next(train_iterator) for _ in range(num_steps)]), self.mesh
+      )
+    return self._compiled[num_steps](state, batches, self.data_seed)
+
+
+def _replica_seeds(config) -> tuple[int, ...] | None:
+  """`config.seeds` as a tuple of distinct ints, or None for an ordinary single run."""
+  seeds = tuple(int(s) for s in (config.get('seeds') or ()))
+  if not seeds:
+    return None
+  if len(set(seeds)) != len(seeds):
+    raise errors.ConfigError(f'config.seeds must be distinct; got {seeds}')
+  return seeds
+
+
+def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
+  """Period in steps of each periodic action (0: the final step only), checked against
+  `config.steps_per_call`: actions happen between calls, so K must divide every period."""
+  periods = {
+    name: _every_steps(config, name, steps_per_epoch) for name in ('log', 'eval', 'checkpoint')
+  }
+  steps_per_call = config.get('steps_per_call', 1)
+  if steps_per_call < 1:
+    raise errors.ConfigError(f'config.steps_per_call must be >= 1, got {steps_per_call}')
+  bad = {name: period for name, period in periods.items() if period > 0 and period % steps_per_call}
+  if bad:
+    listed = ', '.join(f'{name} every {period}' for name, period in sorted(bad.items()))
+    raise errors.ConfigError(
+      f'config.steps_per_call={steps_per_call} must divide every logging, evaluation and '
+      f'checkpoint period (actions happen between calls); got {listed} steps'
+    )
+  return periods
+
+
+def _check_batch_size(name: str, size: int, data_axis: int) -> None:
+  processes = jax.process_count()
+  if size < 1 or size % data_axis or size % processes:
+    raise errors.ConfigError(
+      f'config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) '
+      f'and of the process count ({processes})'
+    )
+
+
+def _training_length(config, train_size: int) -> tuple[int, int]:
+  """(total_steps, steps_per_epoch) from num_train_steps or num_epochs."""
+  steps_per_epoch = train_size // config.batch_size
+  if steps_per_epoch < 1:
+    raise errors.ConfigError(
+      f'the train split has {train_size} examples, fewer than config.batch_size='
+      f'{config.batch_size}; lower the batch size'
+    )
+  if config.num_train_steps > 0:
+    return int(config.num_train_steps), steps_per_epoch
+  if config.num_epochs > 0:
+    return int(math.ceil(config.num_epochs * steps_per_epoch)), steps_per_epoch
+  raise errors.ConfigError('set config.num_train_steps > 0 or config.num_epochs > 0')
+
+
+def _in_mesh(fn: Callable, mesh) -> Callable:
+  """Runs `fn` (tracing included) with `mesh` and the logical axis rules in context."""
+
+  @functools.wraps(fn)
+  def wrapped(*args):
+    with sharding.mesh_context(mesh):
+      return fn(*args)
+
+  return wrapped
+
+
+class LazySplits(Mapping[str, Any]):
+  """Split name → source, each built the first time it is read.
+
+  A task's `build_data` may give a split as a source or as a `tasks.LazySplit` (a zero-argument
+  builder); names, membership and iteration never build anything, so evaluating a workdir never
+  generates the training split.
+  """
+
+  def __init__(self, task_name: str, splits: Mapping[str, Any]):
+    self._task_name = task_name
+    self._given = dict(splits)
+    self._built: dict[str, Any] = {}
+
+  def __getitem__(self, name: str) -> Any:
+    if name not in self._built:
+      given = self._given[name]
+      self._built[name] = given.build() if isinstance(given, tasks_lib.LazySplit) else given
+    return self._built[name]
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._given  # Mapping's default would read (and so build) the split
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._given)
+
+  def __len__(self) -> int:
+    return len(self._given)
+
+  def is_built(self, name: str) -> bool:
+    return name in self._built
+
+
+def _build_data(task: tasks_lib.Task, config) -> tuple[LazySplits, dict[str, Any]]:
+  """`task.build_data(config)`, with data problems (missing or malformed files, bad data
+  options: FileNotFoundError / ValueError) turned into one-line user errors."""
+  try:
+    splits, metadata = task.build_data(config)
+  except errors.UserError:
+    raise
+  except FileNotFoundError as e:
+    raise errors.DataNotFoundError(f'task {task.name!r}: {e}') from e
+  except ValueError as e:
+    raise errors.ConfigError(f'task {task.name!r} data: {e}') from e
+  if 'train' not in splits:
+    raise errors.ConfigError(f'task {task.name!r} returned no train split (got {sorted(splits)})')
+  return LazySplits(task.name, splits), metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _Initializer:
+  """Initial variables and TrainState of `model` from a key, traced on one example batch."""
+
+  model: nn.Module
+  tx: optax.GradientTransformation
+  example: Mapping[str, np.ndarray]
+
+  def variables(self, rng: jax.Array) -> dict[str, Any]:
+    return self.model.init(
+      {'params': rng, 'dropout': rng},
+      self.example['inputs'],
+      mask=self.example.get('mask'),
+      train=False,
+    )
+
+  def state(self, rng: jax.Array) -> TrainState:
+    init_rng, state_rng = jax.random.split(rng)
+    variables = nn.unbox(self.variables(init_rng))
+    params = variables['params']
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      batch_stats=variables.get('batch_stats', {}),
+      opt_state=self.tx.init(params),
+      rng=state_rng,
+    )
+
+
+def _abstract_state(initializer: _Initializer, root_rng, mesh) -> tuple[Any, TrainState]:
+  """Shapes of the variables and of the TrainState, without computing them."""
+  with sharding.mesh_context(mesh):
+    try:
+      abstract_variables = jax.eval_shape(initializer.variables, root_rng)
+    except ValueError as e:
+      # The first trace of the model is where invalid model options surface (a head count that
+      # does not divide the width, SH ratios of the wrong length, an unknown variant name...).
+      raise errors.ConfigError(f'model config (config.model): {e}') from e
+    return abstract_variables, jax.eval_shape(initializer.state, root_rng)
+
+
+def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> TrainState:
+  """Where each leaf of the TrainState lives: parameters by their logical axes, the optimizer
+  state following its parameters, step and key replicated."""
+  variable_shardings = sharding.variable_shardings(abstract_variables, mesh)
+  param_shardings = variable_shardings['params']
+  sharding.check_divisible(abstract_state.params, param_shardings, mesh)
+  replicated = sharding.replicated(mesh)
+  return TrainState(
+    step=replicated,
+    params=param_shardings,
+    batch_stats=variable_shardings.get('batch_stats', {}),
+    opt_state=sharding.shardings_following(
+      abstract_state.opt_state, abstract_state.params, param_shardings, mesh
+    ),
+    rng=replicated,
+  )
+
+
+def _device_batch(task: tasks_lib.Task, config, metadata, seeds) -> Callable | None:
+  """The task's on-device train stream when `config.train_data_on_device`, else None."""
+  if not config.get('train_data_on_device', False):
+    if seeds is not None:
+      raise errors.ConfigError(
+        'config.seeds trains its replicas in one program on batches made on '
+        'the device; set config.train_data_on_device=True (sRAVEN, logic)'
+      )
+    return None
+  if task.device_train_stream is None:
+    raise errors.ConfigError(
+      f'task {task.name!r} has no on-device train stream; set config.train_data_on_device=False'
+    )
+  return task.device_train_stream(config, metadata)
+
+
+def _eval_splits(config, task: tasks_lib.Task, splits: LazySplits) -> tuple[str, ...]:
+  """The splits evaluated periodically: `config.eval_splits` or the task's, those that exist."""
+  unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
+  if unknown:
+    raise errors.ConfigError(
+      f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})'
+    )
+  if config.selection.split not in splits:
+    raise errors.ConfigError(
+      f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
+      f'({sorted(splits)})'
+    )
+  eval_splits = _as_tuple(config.eval_splits) or task.eval_splits
+  return tuple(s for s in eval_splits if s in splits)
+
+
+def build_experiment(
+  config: ml_collections.FrozenConfigDict, *, for_training: bool = True
+) -> Experiment:
+  """Builds data, model, mesh, optimizer, shardings and the jitted steps (nothing runs yet).
+
+  Args:
+    config: a resolved config (`resolve_config`).
+    for_training: False builds an experiment for evaluation only: the training split is never
+      built (the model is traced on the first evaluation split's first record), and
+      `total_steps`, `steps_per_epoch` and the action periods are those of `config.num_train_steps`
+      alone (0 for an epoch-based run, whose length needs the training split).
+
+  Raises:
+    errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
+  """
+  task = tasks_lib.get_task(config.task)
+  splits, metadata = _build_data(task, config)
+  mesh = sharding.make_mesh(config.mesh)
+  data_axis = mesh.shape['data']
+  eval_batch_size = config.eval_batch_size or config.batch_size
+  _check_batch_size('batch_size', config.batch_size, data_axis)
+  _check_batch_size('eval_batch_size', eval_batch_size, data_axis)
+  eval_splits = _eval_splits(config, task, splits)
+  if for_training:
+    total_steps, steps_per_epoch = _training_length(config, len(splits['train']))
+  else:
+    total_steps, steps_per_epoch = max(int(config.num_train_steps), 0), 0
+  tx, schedule = optim.make_optimizer(config.optimizer, max(total_steps, 1))
+  model = task.build_model(config, metadata)
+  example_split = 'train' if for_training else (eval_splits or tuple(splits))[0]
+  initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
+
+  root_rng = jax.random.PRNGKey(config.seed)
+  abstract_variables, abstract_state = _abstract_state(initializer, root_rng, mesh)
+  state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
+  replicated = sharding.replicated(mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+  seeds = _replica_seeds(config)
+  # Replicas (config.seeds) stack their states on a leading axis, kept whole on every device.
+  run_shardings = (
+    state_shardings if seeds is None else sharding.with_leading_axis(state_shardings, mesh)
+  )
+  jit_train = jax.jit(
+    functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
+    in_shardings=(state_shardings, batch_sharding),
+    out_shardings=(state_shardings, replicated, replicated),
+    donate_argnums=(0,),
+  )
+  evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
+  jit_eval = jax.jit(
+    evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
+    in_shardings=(run_shardings, batch_sharding),
+    out_shardings=replicated,
+  )
+  scanned_steps = functools.partial(
+    train_steps,
+    model=model,
+    tx=tx,
+    loss_fn=task.loss_and_metrics,
+    device_batch=_device_batch(task, config, metadata, seeds) if for_training else None,
+    batch_size=config.batch_size,
+    batch_sharding=batch_sharding,
+  )
+  run_steps = StepRunner(
+    _in_mesh(jit_train, mesh),
+    scanned_steps,
+    mesh,
+    run_shardings=run_shardings,
+    replicas=seeds is not None,
+    steps_per_call=int(config.get('steps_per_call', 1)),
+    data_seed=jnp.asarray(config.seed if seeds is None else seeds, jnp.int32),
+  )
+  if seeds is None:
+    init_state = functools.partial(
+      jax.jit(initializer.state, out_shardings=state_shardings), root_rng
+    )
+  else:
+    init_state = functools.partial(
+      jax.jit(jax.vmap(initializer.state), out_shardings=run_shardings),
+      jnp.stack([jax.random.PRNGKey(seed) for seed in seeds]),
+    )
+  return Experiment(
+    config=config,
+    task=task,
+    splits=splits,
+    metadata=metadata,
+    model=model,
+    mesh=mesh,
+    tx=tx,
+    schedule=schedule,
+    total_steps=total_steps,
+    steps_per_epoch=steps_per_epoch,
+    local_batch_size=config.batch_size // jax.process_count(),
+    eval_batch_size=eval_batch_size,
+    eval_splits=eval_splits,
+    state_shardings=state_shardings,
+    abstract_state=abstract_state,
+    init_state=_in_mesh(init_state, mesh),
+    train_step=_in_mesh(jit_train, mesh),
+    eval_step=_in_mesh(jit_eval, mesh),
+    action_periods=_action_periods(config, steps_per_epoch),
+    run_steps=run_steps,
+    seeds=seeds,
+    run_shardings=run_shardings,
+  )
