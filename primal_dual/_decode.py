@@ -42,4 +42,8 @@ def seen_keys_mask(
   given."""
   seen = jnp.arange(max_length) <= index
   seen = jnp.broadcast_to(seen, (*batch_shape, 1, 1, max_length))
-  return seen if mask is None else jnp.logical_and(seen, jnp.asarray(mask) != 0)
+  if mask is None:
+    return seen
+  allowed = jnp.asarray(mask) != 0
+  shape = jnp.broadcast_shapes(seen.shape, allowed.shape)  # explicit: no rank promotion
+  return jnp.logical_and(jnp.broadcast_to(seen, shape), jnp.broadcast_to(allowed, shape))

@@ -93,7 +93,7 @@ class _Projection(nn.Module):
       x, kernel, ((in_axes, tuple(range(n_in))), ((), ())), precision=self.precision
     )
     if bias is not None:
-      y = y + bias
+      y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)  # no rank promotion
     return y
 
 
