@@ -70,3 +70,17 @@ def padding_mask(rng, batch_shape, kv_len, min_valid=1):
   """Key padding ``[batch..., 1, 1, kv_len]`` with a random number of valid keys per example."""
   lengths = rng.integers(min_valid, kv_len + 1, size=batch_shape)
   return (np.arange(kv_len) < lengths[..., None])[..., None, None, :]
+
+
+def tiny_model_sizes(**overrides) -> dict:
+  """Sizes of a 1-layer model of width 8 with 2 heads (``overrides`` replace any of them)."""
+  return dict(dict(num_layers=1, model_dim=8, num_heads=2, mlp_dim=16), **overrides)
+
+
+def assert_sampler_follows_key_derivation(sample, stream_id, index, batch):
+  """``sample(key)`` (jitted), with ``key = fold_in(fold_in(key(0), stream_id), index)`` as the
+  generated-data modules document, equals row ``index`` of ``batch`` (generated with seed 0)."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), stream_id), index)
+  record = jax.jit(sample)(key)
+  for name, value in batch.items():
+    np.testing.assert_array_equal(np.asarray(record[name]), value[index])

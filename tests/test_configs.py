@@ -13,8 +13,9 @@ from primal_dual.training import cli, config_lib, errors
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "primal_dual", "configs")
+# The config files: every module but the private ones (``__init__.py``, the helpers ``_*.py``).
 CONFIG_FILES = sorted(
-  p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not p.endswith("__init__.py")
+  p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not os.path.basename(p).startswith("_")
 )
 
 

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
+
 from primal_dual.analysis import latent_code
 from primal_dual.data import sraven
 from primal_dual.models import SequenceTransformer
@@ -92,10 +94,7 @@ def tiny_experiment():
   problems = sraven.SRavenConfig(num_features=3, num_values=8)
   model = SequenceTransformer(
     num_outputs=8,
-    num_layers=1,
-    model_dim=16,
-    num_heads=4,
-    mlp_dim=32,
+    **helpers.tiny_model_sizes(model_dim=16, num_heads=4, mlp_dim=32),
     attention="hyla",
     num_buckets=108,
     max_distance=108,

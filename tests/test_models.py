@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 from primal_dual.models import VIT_PRESETS, EncoderClassifier, SequenceTransformer, ViT
 from primal_dual.models.sequence import relative_position_buckets
 
@@ -20,10 +22,7 @@ def _count(variables):
 def test_encoder_classifier_dense(pooling, norm, pre_norm):
   model = EncoderClassifier(
     num_classes=3,
-    num_layers=1,
-    model_dim=8,
-    num_heads=2,
-    mlp_dim=16,
+    **helpers.tiny_model_sizes(),
     pooling=pooling,
     norm=norm,
     pre_norm=pre_norm,
@@ -49,10 +48,7 @@ def test_encoder_classifier_dense(pooling, norm, pre_norm):
 def test_encoder_classifier_tokens_and_errors():
   model = EncoderClassifier(
     num_classes=10,
-    num_layers=1,
-    model_dim=8,
-    num_heads=2,
-    mlp_dim=16,
+    **helpers.tiny_model_sizes(),
     input_kind="embed",
     vocab_size=17,
     pooling="cls",
@@ -101,10 +97,7 @@ def test_vit_scaled_heads_pool_over_the_patch_grid():
   model = ViT(
     num_classes=4,
     patch_size=2,
-    model_dim=8,
-    num_layers=1,
-    num_heads=2,
-    mlp_dim=8,
+    **helpers.tiny_model_sizes(mlp_dim=8),
     attention="sh",
     attention_options={"ratios": (1, 2)},
   )

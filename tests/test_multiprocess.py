@@ -20,26 +20,18 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r'''
 import json, sys
-import ml_collections
-from primal_dual.training import config_lib, sharding
+from primal_dual.training import sharding
 assert sharding.maybe_initialize_distributed(), 'expected a multi-process launch'
 import jax
 from primal_dual.training import trainer
+sys.path.insert(0, 'tests')  # the working directory is the repository root
+from helpers import tiny_config
 
-config = config_lib.training_defaults()
-config.num_train_steps = 6
-config.batch_size = 8
-config.eval_batch_size = 8
-config.log_every_steps = 3
-config.eval_every_steps = 3
-config.checkpoint_every_steps = 3
-config.progress_bar = False
-config.mesh.data = -1
-config.mesh.model = 2
-config.optimizer.lr = 0.05
-config.model = ml_collections.ConfigDict(dict(hidden=8, use_batch_norm=True, dropout_rate=0.1))
-config.data = ml_collections.ConfigDict(dict(num_train=64, num_eval=20, seq_len=6, num_features=3,
-                                             num_classes=3))
+# The tiny synthetic run, shorter, with a constant learning rate and no regularisation.
+config = tiny_config(**{
+    'num_train_steps': 6, 'eval_batch_size': 8, 'log_every_steps': 3, 'eval_every_steps': 3,
+    'checkpoint_every_steps': 3, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 0,
+    'optimizer.weight_decay': 0.0, 'optimizer.grad_clip_norm': 0.0})
 final = trainer.train_and_evaluate(config, sys.argv[1])
 print('RESULT ' + json.dumps({
     'process_index': jax.process_index(), 'process_count': jax.process_count(),

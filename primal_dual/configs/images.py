@@ -47,8 +47,9 @@ data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_bn_sh
   # every variant × 3 seeds on digits, tabulated: python scripts/reproduce_images.py
 """
 
-from primal_dual.experiments import images as images_task
 from primal_dual import registry
+from primal_dual.configs import _base
+from primal_dual.experiments import images as images_task
 from primal_dual.models import VIT_PRESETS
 from primal_dual.training import config_lib
 
@@ -61,50 +62,53 @@ def deit_lr(batch_size: int) -> float:
 
 
 # Data set → recipe. Sizes in epochs; image_size only matters for imagenet2012.
+CIFAR10 = dict(
+  model="tiny",
+  patch_size=4,
+  upscale=1,
+  image_size=0,
+  batch_size=512,
+  epochs=300,
+  warmup_epochs=5,
+  lr=deit_lr(512),
+  weight_decay=0.05,
+  end_lr=1e-5,
+  eval_every_epochs=5,
+  checkpoint_every_epochs=5,
+)
 RECIPES = {
-  "digits": dict(
-    model="micro",
-    patch_size=4,
-    upscale=2,
-    image_size=0,
-    batch_size=64,
-    epochs=60,
-    warmup_epochs=3,
-    lr=1e-3,
-    weight_decay=0.05,
-    end_lr=1e-5,
-    eval_every_epochs=5,
-    checkpoint_every_epochs=20,
+  "digits": _base.merge(
+    CIFAR10,
+    dict(
+      model="micro",
+      upscale=2,
+      batch_size=64,
+      epochs=60,
+      warmup_epochs=3,
+      lr=1e-3,
+      checkpoint_every_epochs=20,
+    ),
   ),
-  "cifar10": dict(
-    model="tiny",
-    patch_size=4,
-    upscale=1,
-    image_size=0,
-    batch_size=512,
-    epochs=300,
-    warmup_epochs=5,
-    lr=deit_lr(512),
-    weight_decay=0.05,
-    end_lr=1e-5,
-    eval_every_epochs=5,
-    checkpoint_every_epochs=5,
-  ),
-  "imagenet2012": dict(
-    model="tiny",
-    patch_size=16,
-    upscale=1,
-    image_size=224,
-    batch_size=1024,
-    epochs=300,
-    warmup_epochs=5,
-    lr=deit_lr(1024),
-    weight_decay=0.05,
-    end_lr=1e-5,
-    eval_every_epochs=1,
-    checkpoint_every_epochs=1,
+  "cifar10": CIFAR10,
+  "imagenet2012": _base.merge(
+    CIFAR10,
+    dict(
+      patch_size=16,
+      image_size=224,
+      batch_size=1024,
+      lr=deit_lr(1024),
+      eval_every_epochs=1,
+      checkpoint_every_epochs=1,
+    ),
   ),
 }
+# A 1-layer d 16 model, 4 steps: a smoke test.
+RUNLOCAL = dict(
+  _base.RUNLOCAL_STEPS,
+  model=_base.RUNLOCAL_MODEL,
+  data=dict(augment_repeats=1),
+  optimizer=dict(warmup_steps=2),
+)
 SH_RATIOS = {3: (1, 2, 4), 4: (1, 1, 2, 2), 6: (1, 1, 2, 2, 4, 4)}
 
 
@@ -141,57 +145,49 @@ def get_config(arg=None):
     raise ValueError(f"epochs must be >= 1 (or -1 for the recipe's), got {arg.epochs}")
   batch_size = recipe["batch_size"]
 
-  config = config_lib.training_defaults()
-  config.task = "images"
-  config.seed = arg.seed
-  config.data = dict(
-    dataset=arg.dataset,
-    data_dir=arg.data_dir,
-    upscale=recipe["upscale"],
-    image_size=recipe["image_size"],
-    test_fraction=0.2,
-    split_seed=0,
-    augment_repeats=epochs,
-  )
-  config.model = dict(
-    patch_size=recipe["patch_size"],
-    dropout_rate=0.0,
-    attention_dropout_rate=0.0,
-    attention=arg.attention,
-    attention_options={},
-    **VIT_PRESETS[model_name],
-  )
-  config.batch_size = batch_size
-  config.optimizer.update(
-    name="adamw",
-    lr=recipe["lr"],
-    schedule="warmup_cosine",
-    weight_decay=recipe["weight_decay"],
-    end_lr=recipe["end_lr"],
-  )
   steps_per_epoch = images_task.train_size(arg.dataset) // batch_size
-  config.num_train_steps = epochs * steps_per_epoch
-  config.optimizer.warmup_steps = min(recipe["warmup_epochs"], epochs) * steps_per_epoch
-  config.eval_every_steps = recipe["eval_every_epochs"] * steps_per_epoch
-  config.checkpoint_every_steps = recipe["checkpoint_every_epochs"] * steps_per_epoch
-  config.log_every_steps = min(100, steps_per_epoch)
-  eval_split = "validation" if arg.dataset == "imagenet2012" else "test"
-  config.selection.split = eval_split
-  config.selection.metric = "accuracy"
-
-  if arg.runlocal:
-    config.model.update(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
-    config.data.augment_repeats = 1
-    config.batch_size = 8
-    config.num_train_steps = 4
-    config.optimizer.warmup_steps = 2
-    config.eval_every_steps = 2
-    config.checkpoint_every_steps = 0  # only after the last step
-    config.log_every_steps = 2
-  side = images_task.IMAGE_SIDES[arg.dataset](config.data)
-  config.model.attention_options = registry.model_options(
-    arg.attention,
-    config.model.num_heads,
-    ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size),
+  config = _base.build(
+    "images",
+    arg.seed,
+    dict(
+      data=dict(
+        dataset=arg.dataset,
+        data_dir=arg.data_dir,
+        upscale=recipe["upscale"],
+        image_size=recipe["image_size"],
+        test_fraction=0.2,
+        split_seed=0,
+        augment_repeats=epochs,
+      ),
+      model=dict(
+        patch_size=recipe["patch_size"],
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+        attention=arg.attention,
+        attention_options={},
+        **VIT_PRESETS[model_name],
+      ),
+      batch_size=batch_size,
+      optimizer=dict(
+        name="adamw",
+        lr=recipe["lr"],
+        schedule="warmup_cosine",
+        weight_decay=recipe["weight_decay"],
+        end_lr=recipe["end_lr"],
+        warmup_steps=min(recipe["warmup_epochs"], epochs) * steps_per_epoch,
+      ),
+      num_train_steps=epochs * steps_per_epoch,
+      eval_every_steps=recipe["eval_every_epochs"] * steps_per_epoch,
+      checkpoint_every_steps=recipe["checkpoint_every_epochs"] * steps_per_epoch,
+      log_every_steps=min(100, steps_per_epoch),
+      selection=dict(
+        split="validation" if arg.dataset == "imagenet2012" else "test", metric="accuracy"
+      ),
+    ),
   )
-  return config_lib.lock(config)
+  if arg.runlocal:
+    _base.apply(config, RUNLOCAL)
+  side = images_task.IMAGE_SIDES[arg.dataset](config.data)
+  return _base.finish(
+    config, ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size)
+  )

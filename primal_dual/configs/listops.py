@@ -53,6 +53,7 @@ Commands::
 import math
 
 from primal_dual import registry
+from primal_dual.configs import _base
 from primal_dual.training import config_lib
 
 SETTINGS = {
@@ -94,6 +95,8 @@ VARIANT_OPTIONS = {"linear": {"form": "primal"}}
 BATCH_SIZE = 32
 NUM_TRAIN_STEPS = 5000
 EVAL_EVERY_STEPS = 250
+RUNLOCAL = dict(_base.RUNLOCAL_STEPS, model=_base.RUNLOCAL_MODEL, optimizer=dict(warmup_steps=2))
+RUNLOCAL_SH_RATIOS = (1, 2)
 
 
 def get_config(arg=None):
@@ -115,48 +118,38 @@ def get_config(arg=None):
   registry.lookup(arg.attention)
   setting = SETTINGS[arg.setting]
 
-  config = config_lib.training_defaults()
-  config.task = "listops"
-  config.seed = arg.seed
-  config.data = dict(
-    preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed, data_dir=arg.data_dir
+  config = _base.build(
+    "listops",
+    arg.seed,
+    dict(
+      data=dict(
+        preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed, data_dir=arg.data_dir
+      ),
+      model=dict(
+        pre_norm=True,
+        norm="layer",
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        attention=arg.attention,
+        attention_options={},
+        **setting["model"],
+      ),
+      optimizer=setting["optimizer"],
+      batch_size=BATCH_SIZE,
+      num_train_steps=NUM_TRAIN_STEPS,
+      eval_every_steps=EVAL_EVERY_STEPS,
+      checkpoint_every_steps=1000,
+      log_every_steps=50,
+      selection=dict(split="validation", metric="accuracy"),
+    ),
+    RUNLOCAL if arg.runlocal else {},
   )
-  config.model = dict(
-    pre_norm=True,
-    norm="layer",
-    dropout_rate=0.1,
-    attention_dropout_rate=0.0,
-    attention=arg.attention,
-    attention_options={},
-    **setting["model"],
-  )
-  config.optimizer.update(setting["optimizer"])
-  config.batch_size = BATCH_SIZE
-  config.num_train_steps = NUM_TRAIN_STEPS
-  config.eval_every_steps = EVAL_EVERY_STEPS
-  config.checkpoint_every_steps = 1000
-  config.log_every_steps = 50
-  config.selection.split = "validation"
-  config.selection.metric = "accuracy"
-  sh_ratios = setting["sh_ratios"]
-
-  if arg.runlocal:
-    config.model.update(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
-    config.optimizer.warmup_steps = 2
-    config.batch_size = 8
-    config.num_train_steps = 4
-    config.eval_every_steps = 2
-    config.checkpoint_every_steps = 0  # only after the last step
-    config.log_every_steps = 2
-    sh_ratios = (1, 2)
   if arg.steps > 0:
     config.num_train_steps = arg.steps
     # A shortened run keeps its warm-up to at most a fifth of the steps.
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, max(1, arg.steps // 5))
-  config.model.attention_options = registry.model_options(
-    arg.attention,
-    config.model.num_heads,
-    ratios=sh_ratios,
+  return _base.finish(
+    config,
+    ratios=RUNLOCAL_SH_RATIOS if arg.runlocal else setting["sh_ratios"],
     **VARIANT_OPTIONS.get(arg.attention, {}),
   )
-  return config_lib.lock(config)

@@ -41,7 +41,8 @@ The results in ``results/logic.md`` were measured with the earlier model of this
 width = model width, bidirectional buckets, no attention dropout, xavier MLP).
 """
 
-from primal_dual.configs.sraven import PAPER_OPTIMIZER, paper_model, preset_config
+from primal_dual.configs import _base
+from primal_dual.configs.sraven import paper_model, position_buckets, preset_config
 from primal_dual.training import config_lib
 
 PAPER_DATA = dict(
@@ -73,49 +74,33 @@ PAPER = dict(
   batch_size=128,
   eval_batch_size=1000,
   num_train_steps=50_000,
-  warmup_steps=100,
-  cosine_end="total_minus_warmup",
-  **PAPER_OPTIMIZER,
+  optimizer=dict(warmup_steps=100, cosine_end="total_minus_warmup"),
   log_every_steps=500,
   eval_every_steps=2500,
   checkpoint_every_steps=2500,
 )
-
 CPU_DATA = dict(
-  num_variables=4,
-  num_terms=2,
   seq_len=16,
-  ood_fraction=0.25,
-  split_seed=0,
   test_fraction=0.5,
   ood_term_sets="any_held_out",
-  stream_seed=0,
-  num_train=0,
   materialize_train=True,
-  chunk_size=8192,
   num_validation=2048,
   num_test=2048,
   num_ood=2048,
 )
-CPU = dict(
-  data=CPU_DATA,
-  model=paper_model(
-    num_layers=2,
-    model_dim=64,
-    num_heads=8,
-    qkv_features=16,
-    mlp_dim=128,
-    num_tokens=CPU_DATA["seq_len"],
+CPU = _base.merge(
+  PAPER,
+  dict(
+    data=CPU_DATA,
+    model=dict(model_dim=64, mlp_dim=128, **position_buckets(CPU_DATA["seq_len"])),
+    batch_size=64,
+    eval_batch_size=512,
+    num_train_steps=6000,
+    optimizer=dict(warmup_steps=300, cosine_end="total"),
+    log_every_steps=100,
+    eval_every_steps=500,
+    checkpoint_every_steps=1000,
   ),
-  batch_size=64,
-  eval_batch_size=512,
-  num_train_steps=6000,
-  warmup_steps=300,
-  cosine_end="total",
-  **PAPER_OPTIMIZER,
-  log_every_steps=100,
-  eval_every_steps=500,
-  checkpoint_every_steps=1000,
 )
 
 PRESETS = {"paper": PAPER, "cpu": CPU}

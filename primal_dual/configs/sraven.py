@@ -48,9 +48,15 @@ results in ``results/sraven.md`` were measured with the earlier model of this pr
 is recorded there.
 """
 
-from primal_dual import registry
+from primal_dual.configs import _base
 from primal_dual.data import sraven
 from primal_dual.training import config_lib
+
+
+def position_buckets(num_tokens: int) -> dict:
+  """T5 unidirectional relative-position buckets spanning the sequence:
+  ``num_buckets = max_distance = num_tokens``."""
+  return dict(position_buckets="unidirectional", num_buckets=num_tokens, max_distance=num_tokens)
 
 
 def paper_model(
@@ -63,8 +69,8 @@ def paper_model(
   num_tokens: int,
 ) -> dict:
   """The HYLA paper's sequence model: q/k/v width set apart from the model width, T5
-  unidirectional relative-position buckets (``num_buckets = max_distance = num_tokens``),
-  attention-weight dropout 0.1 in training, lecun_normal MLP kernels, no residual dropout."""
+  unidirectional relative-position buckets (``position_buckets``), attention-weight dropout 0.1
+  in training, lecun_normal MLP kernels, no residual dropout."""
   return dict(
     num_layers=num_layers,
     model_dim=model_dim,
@@ -73,16 +79,19 @@ def paper_model(
     mlp_dim=mlp_dim,
     dropout_rate=0.0,
     attention_dropout_rate=0.1,
-    position_buckets="unidirectional",
-    num_buckets=num_tokens,
-    max_distance=num_tokens,
     mlp_kernel_init="lecun_normal",
+    **position_buckets(num_tokens),
   )
 
 
 # The HYLA paper's AdamW (both tasks; our cpu presets too): peak and final learning rate, and
 # weight decay on non-vector parameters.
 PAPER_OPTIMIZER = dict(lr=1e-3, end_lr=1e-4, weight_decay=0.1)
+# What every preset of the paper's two tasks (sRAVEN, logic) shares.
+PAPER_TASK = dict(
+  optimizer=dict(name="adamw", schedule="warmup_cosine", **PAPER_OPTIMIZER),
+  selection=dict(split="validation", mode="max"),
+)
 
 
 def num_tokens(data: dict) -> int:
@@ -118,66 +127,48 @@ PAPER = dict(
   batch_size=128,
   eval_batch_size=512,
   num_train_steps=156_250,
-  warmup_steps=1000,
-  cosine_end="total_minus_warmup",
-  **PAPER_OPTIMIZER,
+  optimizer=dict(warmup_steps=1000, cosine_end="total_minus_warmup"),
   log_every_steps=500,
   eval_every_steps=6250,
   checkpoint_every_steps=6250,
 )
-
-CPU_DATA = dict(
-  num_features=3,
-  num_values=8,
-  rules=sraven.DEFAULT_RULES,
-  shuffle_features=True,
-  ood_fraction=0.25,
-  split_seed=0,
-  stream_seed=0,
-  num_train=0,
-  num_validation=1024,
-  num_test=1024,
-  num_ood=1024,
-  materialize_train=True,
-  chunk_size=8192,
-)
-CPU = dict(
-  data=CPU_DATA,
-  model=paper_model(
-    num_layers=2,
-    model_dim=64,
-    num_heads=8,
-    qkv_features=32,
-    mlp_dim=128,
-    num_tokens=num_tokens(CPU_DATA),
+CPU_DATA = dict(num_features=3, num_validation=1024, num_test=1024, num_ood=1024)
+CPU = _base.merge(
+  PAPER,
+  dict(
+    data=CPU_DATA,
+    model=dict(
+      num_layers=2,
+      model_dim=64,
+      num_heads=8,
+      qkv_features=32,
+      mlp_dim=128,
+      **position_buckets(num_tokens(CPU_DATA)),
+    ),
+    batch_size=64,
+    num_train_steps=12_000,
+    optimizer=dict(warmup_steps=500, cosine_end="total"),
+    log_every_steps=100,
+    eval_every_steps=500,
+    checkpoint_every_steps=1000,
   ),
-  batch_size=64,
-  eval_batch_size=512,
-  num_train_steps=12_000,
-  warmup_steps=500,
-  cosine_end="total",
-  **PAPER_OPTIMIZER,
-  log_every_steps=100,
-  eval_every_steps=500,
-  checkpoint_every_steps=1000,
 )
 
 PRESETS = {"paper": PAPER, "cpu": CPU}
 
-
-def apply_runlocal(config) -> None:
-  """A tiny model, tiny splits and a few steps (batch sizes multiples of 8 devices)."""
-  config.model.update(num_layers=1, model_dim=16, num_heads=4, qkv_features=16, mlp_dim=32)
-  # 32 problems per split (= the 4 × 8 training problems): one compiled generator shape.
-  config.data.update(num_validation=32, num_test=32, num_ood=32, chunk_size=32)
-  config.batch_size = 8
-  config.eval_batch_size = 32
-  config.num_train_steps = 4
-  config.optimizer.warmup_steps = 1
-  config.log_every_steps = 2
-  config.eval_every_steps = 2
-  config.checkpoint_every_steps = 4
-  config.progress_bar = False
+# A tiny model, tiny splits and a few steps (shared with logic.py); 32 problems per split (= the
+# 4 × 8 training problems): one compiled generator shape.
+RUNLOCAL = _base.merge(
+  _base.RUNLOCAL_STEPS,
+  dict(
+    model=dict(_base.RUNLOCAL_MODEL, num_heads=4, qkv_features=16),
+    data=dict(num_validation=32, num_test=32, num_ood=32, chunk_size=32),
+    eval_batch_size=32,
+    optimizer=dict(warmup_steps=1),
+    checkpoint_every_steps=4,
+    progress_bar=False,
+  ),
+)
 
 
 def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title: str):
@@ -185,31 +176,21 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
   ``title`` names the task in messages."""
   if arg.preset not in presets:
     raise ValueError(f"unknown {title} preset {arg.preset!r}; choose one of {sorted(presets)}")
-  preset = presets[arg.preset]
-  config = config_lib.training_defaults()
-  config.task = task
-  config.seed = arg.seed
-  config.data = dict(preset["data"])
-  config.model = dict(preset["model"], attention=arg.attention, attention_options={})
-  config.batch_size = preset["batch_size"]
-  config.eval_batch_size = preset["eval_batch_size"]
-  config.num_train_steps = preset["num_train_steps"] if arg.steps < 0 else arg.steps
-  config.optimizer.update(
-    name="adamw",
-    lr=preset["lr"],
-    schedule="warmup_cosine",
-    warmup_steps=preset["warmup_steps"],
-    end_lr=preset["end_lr"],
-    cosine_end=preset["cosine_end"],
-    weight_decay=preset["weight_decay"],
+  config = _base.build(
+    task,
+    arg.seed,
+    PAPER_TASK,
+    presets[arg.preset],
+    dict(
+      model=dict(attention=arg.attention, attention_options={}),
+      selection=dict(metric=selection_metric),
+    ),
   )
-  for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-    config[field] = preset[field]
-  config.selection.update(split="validation", metric=selection_metric, mode="max")
+  if arg.steps >= 0:
+    config.num_train_steps = arg.steps
   if arg.runlocal:
-    apply_runlocal(config)
-  config.model.attention_options = registry.model_options(arg.attention, config.model.num_heads)
-  return config_lib.lock(config)
+    _base.apply(config, RUNLOCAL)
+  return _base.finish(config)
 
 
 def get_config(arg=None):

@@ -47,6 +47,7 @@ run of JapaneseVowels takes on the order of 10–20 minutes on a 2-core CPU; ``s
 """
 
 from primal_dual import registry
+from primal_dual.configs import _base
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 
@@ -77,7 +78,8 @@ MODEL_SIZES = {
   "reference": dict(num_layers=2, model_dim=512, num_heads=8, mlp_dim=2048),
   "small": dict(num_layers=2, model_dim=64, num_heads=4, mlp_dim=128),
 }
-RUNLOCAL_SIZE = dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
+# A tiny model and 2 epochs (whatever ``epochs`` says), batch 8: a smoke test.
+RUNLOCAL = dict(model=_base.RUNLOCAL_MODEL, num_epochs=2, batch_size=8, checkpoint_every_epochs=1)
 
 
 def sh_ratios_for(ratios: tuple[int, ...], num_heads: int) -> tuple[int, ...]:
@@ -112,44 +114,37 @@ def get_config(arg=None):
   _check_choice("size", arg.size, MODEL_SIZES)
   ratios, epochs = DATASETS[arg.dataset]
 
-  config = config_lib.training_defaults()
-  config.task = "uea"
-  config.seed = arg.seed
-  config.data = dict(
-    dataset=arg.dataset,
-    protocol=arg.protocol,
-    data_dir=arg.data_dir,
-    manual_dir=arg.manual_dir,
-    validation_fraction=0.2,
-    split_seed=0,
+  config = _base.build(
+    "uea",
+    arg.seed,
+    dict(
+      data=dict(
+        dataset=arg.dataset,
+        protocol=arg.protocol,
+        data_dir=arg.data_dir,
+        manual_dir=arg.manual_dir,
+        validation_fraction=0.2,
+        split_seed=0,
+      ),
+      model=dict(
+        **MODEL_SIZES[arg.size],
+        positional="learned",
+        pre_norm=False,
+        norm="batch",
+        pooling="flatten",
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        attention=arg.attention,
+        attention_options={},
+      ),
+      batch_size=16,
+      num_epochs=epochs if arg.epochs < 0 else arg.epochs,
+      eval_every_epochs=1,
+      checkpoint_every_epochs=10,
+      log_every_steps=50,
+      optimizer=dict(name="radam", lr=1e-3),
+      selection=dict(split="validation" if arg.protocol == "clean" else "test", metric="accuracy"),
+    ),
+    RUNLOCAL if arg.runlocal else {},
   )
-  config.model = dict(
-    **MODEL_SIZES[arg.size],
-    positional="learned",
-    pre_norm=False,
-    norm="batch",
-    pooling="flatten",
-    dropout_rate=0.1,
-    attention_dropout_rate=0.0,
-    attention=arg.attention,
-    attention_options={},
-  )
-  config.batch_size = 16
-  config.num_epochs = epochs if arg.epochs < 0 else arg.epochs
-  config.eval_every_epochs = 1
-  config.checkpoint_every_epochs = 10
-  config.log_every_steps = 50
-  config.optimizer.name = "radam"
-  config.optimizer.lr = 1e-3
-  config.selection.split = "validation" if arg.protocol == "clean" else "test"
-  config.selection.metric = "accuracy"
-
-  if arg.runlocal:
-    config.model.update(RUNLOCAL_SIZE)
-    config.num_epochs = 2
-    config.batch_size = 8
-    config.checkpoint_every_epochs = 1
-  config.model.attention_options = registry.model_options(
-    arg.attention, config.model.num_heads, ratios=sh_ratios_for(ratios, config.model.num_heads)
-  )
-  return config_lib.lock(config)
+  return _base.finish(config, ratios=sh_ratios_for(ratios, config.model.num_heads))

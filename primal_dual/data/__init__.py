@@ -6,5 +6,8 @@ Modules are imported on demand (TFDS, grain and JAX are slow to import):
 * ``listops``: the seeded ListOps generator.
 * ``builders``: TFDS builders (array_record, read without TensorFlow) and their sources
   (``uea_sources``, ``uea_info``, ``listops_sources``).
+* ``sources``: the source contract (``Source``, ``BatchSource``) and the shared wrappers
+  (``DecodedSource``, ``SubsetSource``, ``ArraySource``, ``GeneratedSource``).
+* ``generated``: counter-based streams of the generated tasks (``sraven``, ``logic``).
 * ``pipeline``: ``make_loader`` (checkpointable grain iterator) and ``iterate_eval``.
 """

@@ -38,73 +38,9 @@ import tensorflow_datasets as tfds
 
 from primal_dual.data import listops
 from primal_dual.data import uea
+from primal_dual.data.sources import DecodedSource, SubsetSource
 
 FILE_FORMAT = "array_record"
-
-
-# ------------------------------------------------------------------------------------------------
-# Sources
-
-
-@dataclasses.dataclass(frozen=True, repr=False, eq=False)
-class DecodedSource:
-  """A split of a prepared TFDS data set whose records are dicts of NumPy arrays.
-
-  Attributes:
-    source: the TFDS data source (``__len__``, ``__getitem__``, ``__getitems__``).
-    dtypes: NumPy dtype of each field; every field is cast (TFDS gives a Python int for scalars).
-    description: stable text for ``repr``; grain compares ``repr(source)`` when restoring an
-      iterator, so it must not contain memory addresses.
-  """
-
-  source: Any
-  dtypes: Mapping[str, Any]
-  description: str
-
-  def __len__(self) -> int:
-    return len(self.source)
-
-  def _cast(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v, dtype=self.dtypes.get(k)) for k, v in record.items()}
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    return self._cast(self.source[index])
-
-  def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    return [self._cast(r) for r in self.source.__getitems__([int(i) for i in indices])]
-
-  def __repr__(self) -> str:
-    return f"DecodedSource({self.description}, len={len(self)})"
-
-
-@dataclasses.dataclass(frozen=True, repr=False, eq=False)
-class SubsetSource:
-  """The records ``indices`` of ``source``, in that order (e.g. a carved validation split).
-
-  Attributes:
-    source: any random-access source.
-    indices: int ``[n]`` positions in ``source``.
-    description: stable text for ``repr``.
-  """
-
-  source: Any
-  indices: np.ndarray
-  description: str
-
-  def __len__(self) -> int:
-    return len(self.indices)
-
-  def __getitem__(self, index: int) -> Any:
-    return self.source[int(self.indices[index])]
-
-  def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-    positions = [int(self.indices[i]) for i in indices]
-    if hasattr(self.source, "__getitems__"):
-      return list(self.source.__getitems__(positions))
-    return [self.source[p] for p in positions]
-
-  def __repr__(self) -> str:
-    return f"SubsetSource({self.description} of {self.source!r}, len={len(self)})"
 
 
 def _field_dtypes(features: tfds.features.FeaturesDict) -> dict[str, np.dtype]:

@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from PIL import Image
 
+from primal_dual.data.sources import ArraySource
+
 
 @dataclasses.dataclass(frozen=True)
 class _ImageDataset:
@@ -119,31 +121,6 @@ def dataset_info(name: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- sources
-
-
-class ArraySource:
-  """Random-access source over in-memory arrays, ``grain.RandomAccessDataSource``-like.
-
-  Attributes:
-    images: float32 ``[N, H, W, C]``.
-    labels: int32 ``[N]``.
-  """
-
-  def __init__(self, images: np.ndarray, labels: np.ndarray):
-    if len(images) != len(labels):
-      raise ValueError(f"images and labels differ in length: {images.shape} vs {labels.shape}.")
-    self.images = images
-    self.labels = labels
-
-  def __len__(self) -> int:
-    return len(self.labels)
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    """Returns ``{'image': float32 [H, W, C], 'label': int32 []}``."""
-    return {"image": self.images[index], "label": self.labels[index]}
-
-  def __repr__(self) -> str:
-    return f"ArraySource(num_records={len(self)}, image_shape={self.images.shape[1:]})"
 
 
 def digits_sources(

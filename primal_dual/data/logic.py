@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from primal_dual.data import sraven
+from primal_dual.data import generated
+from primal_dual.data import sources
 
 # Term-set tables beyond this size would make the split tables themselves the bottleneck.
 _MAX_TERM_SETS = 2_000_000
@@ -130,22 +131,11 @@ SPLITS: dict[str, _Split] = {
 }
 
 
-def _check_split(split: str) -> _Split:
-  if split not in SPLITS:
-    raise ValueError(f"Unknown logic split {split!r}; choose from {list(SPLITS)}.")
-  return SPLITS[split]
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-  array.flags.writeable = False  # cached tables are shared; nobody may edit them in place
-  return array
-
-
 @functools.lru_cache(maxsize=None)
 def conjunction_table(config: LogicConfig) -> np.ndarray:
   """int32 ``[2^n, n]`` polarities (1: literal ``x_i``, 0: literal ``1 − x_i``), product order."""
   rows = itertools.product([0, 1], repeat=config.num_variables)
-  return _read_only(np.array(list(rows), np.int32))
+  return generated.read_only(np.array(list(rows), np.int32))
 
 
 def heldout_conjunction_ids(config: LogicConfig) -> np.ndarray:
@@ -161,7 +151,7 @@ def heldout_conjunction_ids(config: LogicConfig) -> np.ndarray:
 def term_set_table(config: LogicConfig) -> np.ndarray:
   """int32 ``[T, num_terms]`` conjunction ids per task (row = ``task_id``), combinations order."""
   combos = itertools.combinations(range(config.num_conjunctions), config.num_terms)
-  return _read_only(np.array(list(combos), np.int32).reshape(-1, config.num_terms))
+  return generated.read_only(np.array(list(combos), np.int32).reshape(-1, config.num_terms))
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,15 +167,15 @@ def _task_ids_by_table(config: LogicConfig) -> dict[str, np.ndarray]:
     )
   ood = np.flatnonzero(OOD_TERM_SET_RULES[config.ood_term_sets](held))
   return {
-    "train": _read_only(np.sort(order[num_test:]).astype(np.int32)),
-    "test": _read_only(np.sort(order[:num_test]).astype(np.int32)),
-    "ood": _read_only(ood.astype(np.int32)),
+    "train": generated.read_only(np.sort(order[num_test:]).astype(np.int32)),
+    "test": generated.read_only(np.sort(order[:num_test]).astype(np.int32)),
+    "ood": generated.read_only(ood.astype(np.int32)),
   }
 
 
 def split_task_ids(config: LogicConfig, split: str) -> np.ndarray:
   """Sorted int32 task ids (rows of ``term_set_table``) a split draws from (uniformly)."""
-  return _task_ids_by_table(config)[_check_split(split).tasks]
+  return _task_ids_by_table(config)[STREAMS.split(split).tasks]
 
 
 def evaluate_task(x: jax.Array, polarities: jax.Array) -> jax.Array:
@@ -209,7 +199,7 @@ def _sample_sequence(
   # One flat draw: multi-dimensional or split draws compile several times slower under vmap.
   num_x = config.seq_len * config.num_variables
   words = jax.random.bits(key, (1 + num_x,))
-  task_id = task_pool[sraven.uniform_below(words[0], pool_size)]
+  task_id = task_pool[generated.uniform_below(words[0], pool_size)]
   # 24 high bits -> float32 in [0, 1) exactly representable, like jax.random.uniform's mantissa.
   x = (words[1:] >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
   x = x.reshape(config.seq_len, config.num_variables)
@@ -222,6 +212,24 @@ def _sample_sequence(
   }
 
 
+def _empty_split_message(config: LogicConfig, split: str) -> str:
+  return (
+    f"Split {split!r} has no tasks: raise ood_fraction (now "
+    f"{config.ood_fraction}) so that at least {config.num_terms} conjunctions "
+    "are held out, or use ood_term_sets='any_held_out'."
+  )
+
+
+STREAMS = generated.GeneratedTask(
+  title="logic",
+  splits=SPLITS,
+  sample=_sample_sequence,
+  split_ids=split_task_ids,
+  table_size=lambda config: len(term_set_table(config)),
+  empty_split_message=_empty_split_message,
+)
+
+
 def sample_sequence(
   key: jax.Array, config: LogicConfig, split: str = "train"
 ) -> dict[str, jax.Array]:
@@ -230,52 +238,13 @@ def sample_sequence(
   ``generate_batch(config, seed, [i], split)`` equals this with
   ``key = fold_in(fold_in(jax.random.key(seed), SPLITS[split].stream_id), i)``.
   """
-  pool, pool_size = _padded_pool(config, split)
-  return _sample_sequence(key, config, jnp.asarray(pool), pool_size)
+  return STREAMS.sample_one(key, config, split)
 
 
-@functools.lru_cache(maxsize=None)
-def _batched_generator(config: LogicConfig) -> Callable[..., dict[str, jax.Array]]:
-  """One jitted function per config; seed, split and pool are traced, so they never recompile."""
-
-  def generate_one(seed, stream_id, task_pool, pool_size, index):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream_id), index)
-    return _sample_sequence(key, config, task_pool, pool_size)
-
-  return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
-
-
-def split_stream(
-  config: LogicConfig, split: str
-) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-  """``sraven.device_stream`` of a split's sequences (records as ``generate_batch``'s)."""
-  pool, pool_size = _padded_pool(config, split)
-  return sraven.device_stream(
-    lambda key, p, n: _sample_sequence(key, config, p, n),
-    _check_split(split).stream_id,
-    pool,
-    pool_size,
-  )
-
-
-def _check_usable_split(config, split: str) -> None:
-  """Raise ``ValueError`` for an unknown split or one with no tasks."""
-  _padded_pool(config, split)
-
-
-@functools.lru_cache(maxsize=None)
-def _padded_pool(config: LogicConfig, split: str) -> tuple[np.ndarray, int]:
-  """The split's task ids padded to ``T`` so every split shares one compiled function."""
-  ids = split_task_ids(config, split)
-  if len(ids) == 0:
-    raise ValueError(
-      f"Split {split!r} has no tasks: raise ood_fraction (now "
-      f"{config.ood_fraction}) so that at least {config.num_terms} conjunctions "
-      "are held out, or use ood_term_sets='any_held_out'."
-    )
-  pool = np.zeros(len(term_set_table(config)), np.int32)
-  pool[: len(ids)] = ids
-  return _read_only(pool), len(ids)
+def split_stream(config: LogicConfig, split: str) -> generated.DeviceStream:
+  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of a split's sequences (records
+  as ``generate_batch``'s), for batches made inside a jitted training step."""
+  return STREAMS.split_stream(config, split)
 
 
 def generate_batch(
@@ -293,19 +262,14 @@ def generate_batch(
     NumPy arrays: ``inputs`` float32 ``[B, seq_len, n + 1]`` (last token's ``y`` zeroed),
     ``target`` float32 ``[B]``, ``task_id`` int32 ``[B]`` (row of ``term_set_table``).
   """
-  stream_id = _check_split(split).stream_id
-  pool, pool_size = _padded_pool(config, split)
-  return sraven.call_generator(
-    _batched_generator(config), seed, stream_id, pool, pool_size, indices
-  )
+  return STREAMS.generate_batch(config, seed, indices, split)
 
 
-class LogicSource(sraven.GeneratedSource):
+class LogicSource(sources.GeneratedSource):
   """``size`` fuzzy-logic sequences of one split; records as in ``generate_batch`` without the
   batch axis, a whole batch per jitted call through grain's ``_getitems``."""
 
-  generate_batch = staticmethod(generate_batch)
-  check_split = staticmethod(_check_usable_split)
+  task = STREAMS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +323,7 @@ def task_moments(config: LogicConfig) -> tuple[np.ndarray, np.ndarray]:
       agree = config.num_variables - disagree
       first += sign * _survival_integrals(agree, disagree, power=1)
       second += sign * _survival_integrals(agree, disagree, power=2)
-  return _read_only(first), _read_only(second - first**2)
+  return generated.read_only(first), generated.read_only(second - first**2)
 
 
 def r_squared(predictions: Any, targets: Any, task_variance: Any) -> float:

@@ -39,8 +39,11 @@ from typing import Any, Iterator, Sequence
 import grain
 import numpy as np
 
+from primal_dual.data import sources
+from primal_dual.data.sources import Source
 
-def _check_source(source: Any, batch_size: int) -> int:
+
+def _check_source(source: Source, batch_size: int) -> int:
   if batch_size <= 0:
     raise ValueError(f"batch_size must be positive, got {batch_size}.")
   size = len(source)
@@ -51,14 +54,6 @@ def _check_source(source: Any, batch_size: int) -> int:
 
 # Passes over the data that a `batch_reads` stream with num_epochs=None can index: "forever".
 _ENDLESS_EPOCHS = 10**9
-
-
-def _gather(source: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
-  """A batch of ``source``'s records: its vectorised ``get_batch`` when it has one."""
-  if hasattr(source, "get_batch"):
-    return source.get_batch(indices)
-  records = _read(source, indices.tolist())
-  return {k: np.stack([np.asarray(r[k]) for r in records]) for k in records[0]}
 
 
 class BatchStream:
@@ -72,7 +67,7 @@ class BatchStream:
 
   def __init__(
     self,
-    source: Any,
+    source: Source,
     *,
     batch_size: int,
     seed: int,
@@ -109,7 +104,7 @@ class BatchStream:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     epoch, position = divmod(int(index), self.per_epoch)
     rows = self._order(epoch)[position * self.batch_size : (position + 1) * self.batch_size]
-    return _gather(self.source, self.start + rows)
+    return sources.gather(self.source, self.start + rows)
 
   def __repr__(self) -> str:
     # Stable across restarts: grain checks it when restoring an iterator.
@@ -121,7 +116,7 @@ class BatchStream:
 
 
 def make_loader(
-  source: Any,
+  source: Source,
   *,
   batch_size: int,
   seed: int,
@@ -209,7 +204,7 @@ def make_loader(
 
 
 def _make_batch_loader(
-  source: Any,
+  source: Source,
   size: int,
   *,
   batch_size: int,
@@ -278,14 +273,8 @@ def _process_slice(
   return start, stop, math.ceil(size / process_count)
 
 
-def _read(source: Any, indices: Sequence[int]) -> list[Any]:
-  if hasattr(source, "__getitems__"):
-    return list(source.__getitems__(list(indices)))
-  return [source[i] for i in indices]
-
-
 def iterate_eval(
-  source: Any,
+  source: Source,
   batch_size: int,
   *,
   process_index: int | None = None,
@@ -314,7 +303,7 @@ def iterate_eval(
     raise ValueError("Records already have a 'valid' field; iterate_eval adds its own.")
   for batch_start in range(start, start + largest, batch_size):
     indices = range(batch_start, min(batch_start + batch_size, stop))
-    records = _read(source, indices) if len(indices) else []
+    records = sources.read_records(source, indices) if len(indices) else []
     num_pad = batch_size - len(records)
     records = list(records) + [template] * num_pad
     batch = {k: np.stack([np.asarray(r[k]) for r in records]) for k in template}

@@ -46,16 +46,17 @@ import dataclasses
 import functools
 import itertools
 import math
-import operator
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from primal_dual.data import generated
+from primal_dual.data import sources
+
 GRID_SIZE = 3  # rows and columns of a problem grid
 NUM_PANELS = GRID_SIZE * GRID_SIZE
-_MAX_UINT32 = 2**32 - 1
 # The ambiguity checker enumerates (F!)^2 column alignments; beyond this it is too slow to use.
 _MAX_FEATURES_FOR_SHUFFLED_AMBIGUITY = 5
 
@@ -101,22 +102,6 @@ def distribute_three_row(values: jax.Array, order: jax.Array) -> jax.Array:
 _ORDERS_OF_THREE = np.array(list(itertools.permutations(range(GRID_SIZE))), np.int32)
 
 
-def uniform_below(words: jax.Array, bounds: Any) -> jax.Array:
-  """Map uniform uint32 words to ints in ``[0, bound)`` by remainder.
-
-  The remainder's bias is at most ``bound / 2³²`` in probability: invisible for the bounds used
-  here (feature values, row orderings, pool sizes).
-
-  Args:
-    words: uint32 ``[...]`` uniform random words.
-    bounds: positive ints broadcastable to ``words`` (may be traced).
-
-  Returns:
-    int32 ``[...]``.
-  """
-  return (words % jnp.asarray(bounds, jnp.uint32)).astype(jnp.int32)
-
-
 class RuleDraws(NamedTuple):
   """Uniform integers one feature's rule may use (all int32).
 
@@ -143,7 +128,7 @@ def rule_draws(words: jax.Array, num_values: int) -> RuleDraws:
     + [len(_ORDERS_OF_THREE)] * GRID_SIZE,
     np.uint32,
   )
-  draws = uniform_below(words, bounds)
+  draws = generated.uniform_below(words, bounds)
   split = 2 * GRID_SIZE
   return RuleDraws(
     operands=draws[..., :split].reshape(draws.shape[:-1] + (GRID_SIZE, 2)),
@@ -339,22 +324,13 @@ SPLITS: dict[str, _Split] = {
 }
 
 
-def _check_split(split: str) -> _Split:
-  if split not in SPLITS:
-    raise ValueError(f"Unknown sRAVEN split {split!r}; choose from {list(SPLITS)}.")
-  return SPLITS[split]
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-  array.flags.writeable = False  # cached tables are shared; nobody may edit them in place
-  return array
-
-
 @functools.lru_cache(maxsize=None)
 def latent_table(config: SRavenConfig) -> np.ndarray:
   """All latents: int32 ``[L, F]`` rule ids, ``combinations_with_replacement`` order."""
   combos = itertools.combinations_with_replacement(range(config.num_rules), config.num_features)
-  return _read_only(np.array(list(combos), dtype=np.int32).reshape(-1, config.num_features))
+  return generated.read_only(
+    np.array(list(combos), dtype=np.int32).reshape(-1, config.num_features)
+  )
 
 
 def num_heldout_latents(config: SRavenConfig) -> int:
@@ -369,7 +345,7 @@ def _latent_ids_by_heldout(config: SRavenConfig) -> tuple[np.ndarray, np.ndarray
   num_heldout = num_heldout_latents(config)
   heldout = np.sort(order[:num_heldout]).astype(np.int32)
   in_distribution = np.sort(order[num_heldout:]).astype(np.int32)
-  return _read_only(in_distribution), _read_only(heldout)
+  return generated.read_only(in_distribution), generated.read_only(heldout)
 
 
 def heldout_latent_ids(config: SRavenConfig) -> np.ndarray:
@@ -380,7 +356,7 @@ def heldout_latent_ids(config: SRavenConfig) -> np.ndarray:
 def split_latent_ids(config: SRavenConfig, split: str) -> np.ndarray:
   """Sorted int32 ids of the latents a split draws from (uniformly)."""
   in_distribution, heldout = _latent_ids_by_heldout(config)
-  return heldout if _check_split(split).held_out else in_distribution
+  return heldout if STREAMS.split(split).held_out else in_distribution
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,7 +378,7 @@ def _sample_problem(
   words = jax.random.bits(key, (1 + num_order_words + num_features * WORDS_PER_RULE,))
   latent_words, order_words, rule_words = jnp.split(words, [1, 1 + num_order_words])
 
-  latent_id = latent_pool[uniform_below(latent_words[0], pool_size)]
+  latent_id = latent_pool[generated.uniform_below(latent_words[0], pool_size)]
   multiset = jnp.asarray(latent_table(config))[latent_id]
   # Row 0: which feature gets which rule of the multiset; rows 1-3: slot order of each column.
   orders = jnp.argsort(order_words.reshape(1 + GRID_SIZE, num_features), axis=-1)
@@ -432,6 +408,25 @@ def _sample_problem(
   }
 
 
+def _empty_split_message(config: SRavenConfig, split: str) -> str:
+  return (
+    f"Split {split!r} has no latents: raise ood_fraction "
+    f"(now {config.ood_fraction}) or use fewer features/more rules."
+  )
+
+
+STREAMS = generated.GeneratedTask(
+  title="sRAVEN",
+  splits=SPLITS,
+  sample=_sample_problem,
+  split_ids=split_latent_ids,
+  table_size=lambda config: len(latent_table(config)),
+  empty_split_message=_empty_split_message,
+)
+# experiments/sraven.py and experiments/logic.py read it here.
+replica_stream_seed = generated.replica_stream_seed
+
+
 def sample_problem(
   key: jax.Array, config: SRavenConfig, split: str = "train"
 ) -> dict[str, jax.Array]:
@@ -440,123 +435,13 @@ def sample_problem(
   ``generate_batch(config, seed, [i], split)`` equals this with
   ``key = fold_in(fold_in(jax.random.key(seed), SPLITS[split].stream_id), i)``.
   """
-  pool, pool_size = _padded_pool(config, split)
-  return _sample_problem(key, config, jnp.asarray(pool), pool_size)
+  return STREAMS.sample_one(key, config, split)
 
 
-@functools.lru_cache(maxsize=None)
-def _batched_generator(config: SRavenConfig) -> Callable[..., dict[str, jax.Array]]:
-  """One jitted function per config; seed, split and pool are traced, so they never recompile."""
-
-  def generate_one(seed, stream_id, latent_pool, pool_size, index):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream_id), index)
-    return _sample_problem(key, config, latent_pool, pool_size)
-
-  return jax.jit(jax.vmap(generate_one, in_axes=(None, None, None, None, 0)))
-
-
-def device_stream(
-  sample: Callable[..., dict[str, jax.Array]], stream_id: int, pool: np.ndarray, pool_size: int
-) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of one split's stream.
-
-  ``sample(key, pool, pool_size)`` makes one record; record ``i`` uses the key
-  ``fold_in(fold_in(key(seed), stream_id), i)``, exactly as ``generate_batch``, so a batch made
-  inside a jitted training step (no host work, nothing stored) equals the one the host makes.
-  Shared with ``logic.py``.
-  """
-
-  def generate(seed, indices):
-    stream = jax.random.fold_in(jax.random.key(seed), stream_id)
-    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), jnp.asarray(pool), pool_size))(
-      indices
-    )
-
-  return generate
-
-
-def split_stream(
-  config: SRavenConfig, split: str
-) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-  """``device_stream`` of a split's problems (records as ``generate_batch``'s)."""
-  pool, pool_size = _padded_pool(config, split)
-  return device_stream(
-    lambda key, p, n: _sample_problem(key, config, p, n),
-    _check_split(split).stream_id,
-    pool,
-    pool_size,
-  )
-
-
-def _check_usable_split(config, split: str) -> None:
-  """Raise ``ValueError`` for an unknown split or one with no latents."""
-  _padded_pool(config, split)
-
-
-@functools.lru_cache(maxsize=None)
-def _padded_pool(config: SRavenConfig, split: str) -> tuple[np.ndarray, int]:
-  """The split's latent ids padded to ``L`` so every split shares one compiled function."""
-  ids = split_latent_ids(config, split)
-  if len(ids) == 0:
-    raise ValueError(
-      f"Split {split!r} has no latents: raise ood_fraction "
-      f"(now {config.ood_fraction}) or use fewer features/more rules."
-    )
-  pool = np.zeros(len(latent_table(config)), np.int32)
-  pool[: len(ids)] = ids
-  return _read_only(pool), len(ids)
-
-
-def replica_stream_seed(stream_seed: int, seed: jax.Array | int) -> jax.Array:
-  """uint32 ``[]``: the train-stream seed of run ``seed`` when batches are made on the device, so
-  runs that differ only in ``seed`` see different problems (the host loader shuffles one stream
-  instead). Traceable in ``seed``: replicas trained in one program each pass their own."""
-  return jax.random.bits(jax.random.fold_in(jax.random.key(stream_seed), seed), (), jnp.uint32)
-
-
-def check_seed(seed: int) -> np.uint32:
-  """Validate a stream seed (shared with ``logic.py``); returns it as uint32."""
-  seed = operator.index(seed)
-  if not 0 <= seed <= _MAX_UINT32:
-    raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-  return np.uint32(seed)
-
-
-def _bucket_size(n: int) -> int:
-  """Next power of two >= n: bounds the number of compiled batch shapes to ~log2(max batch)."""
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _check_indices(indices: Sequence[int] | np.ndarray) -> np.ndarray:
-  indices = np.asarray(indices)
-  if indices.ndim != 1:
-    raise ValueError(f"indices must be 1-D, got shape {indices.shape}.")
-  if indices.size and not np.issubdtype(indices.dtype, np.integer):
-    raise ValueError(f"indices must be integers, got dtype {indices.dtype}.")
-  if indices.size and (indices.min() < 0 or indices.max() > _MAX_UINT32):
-    raise ValueError("indices must be in [0, 2**32).")
-  return indices.astype(np.uint32)
-
-
-def call_generator(
-  generator: Callable[..., Mapping[str, jax.Array]],
-  seed: int,
-  stream_id: int,
-  pool: np.ndarray,
-  pool_size: int,
-  indices: Sequence[int] | np.ndarray,
-) -> dict[str, np.ndarray]:
-  """Run a jitted ``(seed, stream_id, pool, pool_size, indices) -> batch`` generator.
-
-  Shared with ``logic.py``. Indices are padded to a power-of-two bucket (one compiled shape per
-  bucket), generated in one call, trimmed and returned as NumPy arrays.
-  """
-  indices = _check_indices(indices)
-  num = len(indices)
-  padded = np.zeros(_bucket_size(num), np.uint32)
-  padded[:num] = indices
-  out = generator(check_seed(seed), np.uint32(stream_id), pool, np.int32(pool_size), padded)
-  return {name: np.asarray(value)[:num] for name, value in out.items()}
+def split_stream(config: SRavenConfig, split: str) -> generated.DeviceStream:
+  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of a split's problems (records
+  as ``generate_batch``'s), for batches made inside a jitted training step."""
+  return STREAMS.split_stream(config, split)
 
 
 def generate_batch(
@@ -576,65 +461,13 @@ def generate_batch(
     ``targets``); ``latent_id`` int32 ``[B]`` (row of ``latent_table``); ``feature_order`` int32
     ``[B, 3, F]`` (column ``c`` slot ``s`` shows underlying feature ``feature_order[c, s]``).
   """
-  stream_id = _check_split(split).stream_id
-  pool, pool_size = _padded_pool(config, split)
-  return call_generator(_batched_generator(config), seed, stream_id, pool, pool_size, indices)
+  return STREAMS.generate_batch(config, seed, indices, split)
 
 
-class GeneratedSource:
-  """Grain random-access source over a deterministic batch generator (base of the task sources).
-
-  Subclasses set ``generate_batch`` (``(config, seed, indices, split) -> dict of [B, ...] arrays``)
-  and ``check_split`` (``(config, split) -> None``, raising ``ValueError`` for an unusable split).
-  Records are dicts of NumPy arrays without the batch axis. ``_getitems`` is grain's batched-read
-  hook (``SupportsBatchedReadRandomAccessDataSource``, used by ``MapDataset.batch`` when batch
-  pushdown is enabled) and makes a whole batch in one jitted call; ``__getitems__`` is the same
-  under the PyTorch-style name. A source holds only its arguments, so it pickles into grain workers.
-  """
-
-  generate_batch: Callable[..., dict[str, np.ndarray]]
-  check_split: Callable[[Any, str], None]
-
-  def __init__(self, config: Any, split: str, seed: int, size: int):
-    type(self).check_split(config, split)  # fail now, not in a worker
-    check_seed(seed)
-    if operator.index(size) < 1:
-      raise ValueError(f"size must be >= 1, got {size}.")
-    self.config, self.split, self.seed, self.size = config, split, seed, int(size)
-
-  def __len__(self) -> int:
-    return self.size
-
-  def _check_index(self, index: int) -> int:
-    index = operator.index(index)
-    if not 0 <= index < self.size:
-      raise IndexError(f"index {index} out of range for a source of size {self.size}.")
-    return index
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    return self._getitems([index])[0]
-
-  def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    indices = [self._check_index(i) for i in indices]
-    batch = type(self).generate_batch(self.config, self.seed, indices, self.split)
-    return [
-      {name: np.array(value[i]) for name, value in batch.items()} for i in range(len(indices))
-    ]
-
-  __getitems__ = _getitems
-
-  def __repr__(self) -> str:
-    return (
-      f"{type(self).__name__}(split={self.split!r}, seed={self.seed}, size={self.size}, "
-      f"config={self.config})"
-    )
-
-
-class SRavenSource(GeneratedSource):
+class SRavenSource(sources.GeneratedSource):
   """``size`` sRAVEN problems of one split: records as in ``generate_batch`` without batch axis."""
 
-  generate_batch = staticmethod(generate_batch)
-  check_split = staticmethod(_check_usable_split)
+  task = STREAMS
 
 
 # ----------------------------------------------------------------------------------------------

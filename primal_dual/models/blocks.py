@@ -88,7 +88,28 @@ class MlpBlock(nn.Module):
     return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
 
-class EncoderBlock(nn.Module):
+class AttentionFields(nn.Module):
+  """Keyword-only fields of every model and of its ``EncoderBlock``: the attention kernel by
+  registry name (``attention``, ``attention_options``), dropout on residual branches
+  (``dropout_rate``) and on the attention weights (``attention_dropout_rate``), ``dtype``."""
+
+  _: dataclasses.KW_ONLY
+  attention: str = "softmax"
+  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Any = None
+
+  def attention_fields(self) -> dict[str, Any]:
+    """These fields' values, to hand on to an ``EncoderBlock``."""
+    return {
+      field.name: getattr(self, field.name)
+      for field in dataclasses.fields(AttentionFields)
+      if field.name not in ("parent", "name")  # Flax's own fields
+    }
+
+
+class EncoderBlock(AttentionFields):
   """Self-attention + MLP with residuals, pre-LN or post-LN.
 
   Attributes:
@@ -103,14 +124,9 @@ class EncoderBlock(nn.Module):
   mlp_dim: int
   qkv_features: int | None = None
   mlp_kernel_init: str = "xavier_uniform"
-  attention: str = "softmax"
-  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   attention_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   norm: str = "layer"
   pre_norm: bool = True
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  dtype: Any = None
 
   @nn.compact
   def __call__(

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from primal_dual.kernels.masks import padding_mask
-from primal_dual.models.blocks import EncoderBlock, PositionEmbedding, apply_norm, make_norm
+from primal_dual.models.blocks import (
+  AttentionFields,
+  EncoderBlock,
+  PositionEmbedding,
+  apply_norm,
+  make_norm,
+)
 
 
 def _pool_cls(x, mask):
@@ -33,7 +38,7 @@ def _pool_flatten(x, mask):
 POOLINGS = {"cls": _pool_cls, "mean": _pool_mean, "flatten": _pool_flatten}
 
 
-class EncoderClassifier(nn.Module):
+class EncoderClassifier(AttentionFields):
   """Encoder-only transformer classifier.
 
   ``inputs`` is ``float [batch, length, channels]`` (``input_kind='dense'``) or
@@ -61,11 +66,7 @@ class EncoderClassifier(nn.Module):
   pre_norm: bool = True
   norm: str = "layer"
   pooling: str = "mean"
-  attention: str = "softmax"
-  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.0
-  dtype: Any = None
+  dropout_rate: float = dataclasses.field(default=0.1, kw_only=True)  # the others' is 0
 
   def _embed_inputs(self, inputs):
     if self.input_kind == "dense":
@@ -105,15 +106,11 @@ class EncoderClassifier(nn.Module):
       x = EncoderBlock(
         num_heads=self.num_heads,
         mlp_dim=self.mlp_dim,
-        attention=self.attention,
-        attention_options=self.attention_options,
         attention_context={"num_prefix_tokens": prefix},
         norm=self.norm,
         pre_norm=self.pre_norm,
-        dropout_rate=self.dropout_rate,
-        attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype,
         name=f"block_{i}",
+        **self.attention_fields(),
       )(x, mask=attention_mask, token_mask=mask, train=train, sow_weights=sow_weights)
     if self.pre_norm:
       x = apply_norm(make_norm(self.norm, self.dtype), x, mask, train)

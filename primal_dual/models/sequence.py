@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from primal_dual.models.blocks import EncoderBlock
+from primal_dual.models.blocks import AttentionFields, EncoderBlock
 
 
 def relative_position_buckets(
@@ -101,7 +100,7 @@ class RelativePositionBias(nn.Module):
     return jnp.transpose(table[buckets], (2, 0, 1))[None]
 
 
-class SequenceTransformer(nn.Module):
+class SequenceTransformer(AttentionFields):
   """Per-position transformer: ``inputs float [batch, length, in]`` → ``[batch, length, num_outputs]``.
 
   Input ``Dense``, ``num_layers`` pre-LN encoder blocks without a causal mask, each with its own
@@ -119,16 +118,11 @@ class SequenceTransformer(nn.Module):
   model_dim: int = 128
   num_heads: int = 16
   mlp_dim: int = 256
-  attention: str = "softmax"
-  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
   qkv_features: int | None = None
   num_buckets: int = 32
   max_distance: int = 64
   position_buckets: str = "bidirectional"
   mlp_kernel_init: str = "xavier_uniform"
-  dtype: Any = None
 
   @nn.compact
   def __call__(self, inputs, mask=None, *, train: bool = False, sow_weights: bool = False):
@@ -151,13 +145,9 @@ class SequenceTransformer(nn.Module):
         mlp_dim=self.mlp_dim,
         qkv_features=self.qkv_features,
         mlp_kernel_init=self.mlp_kernel_init,
-        attention=self.attention,
-        attention_options=self.attention_options,
         pre_norm=True,
-        dropout_rate=self.dropout_rate,
-        attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype,
         name=f"block_{i}",
+        **self.attention_fields(),
       )(x, bias=bias, train=train, sow_weights=sow_weights)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     return nn.Dense(self.num_outputs, dtype=self.dtype, name="readout")(x).astype(jnp.float32)

@@ -6,13 +6,11 @@ model passes ``grid_shape`` and ``num_prefix_tokens=1`` to every kernel that dec
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from primal_dual.models.blocks import EncoderBlock
+from primal_dual.models.blocks import AttentionFields, EncoderBlock
 
 # Sizes of the published DeiT models (Touvron et al. 2021) and a micro size for CPU demos.
 VIT_PRESETS: dict[str, dict[str, int]] = {
@@ -22,7 +20,7 @@ VIT_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-class ViT(nn.Module):
+class ViT(AttentionFields):
   """``images float [batch, height, width, channels]`` → logits ``[batch, num_classes]``.
 
   Attributes:
@@ -38,11 +36,6 @@ class ViT(nn.Module):
   num_layers: int = 12
   num_heads: int = 3
   mlp_dim: int = 768
-  attention: str = "softmax"
-  attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  dtype: Any = None
 
   @nn.compact
   def __call__(self, images, mask=None, *, train: bool = False, sow_weights: bool = False):
@@ -75,14 +68,10 @@ class ViT(nn.Module):
       x = EncoderBlock(
         num_heads=self.num_heads,
         mlp_dim=self.mlp_dim,
-        attention=self.attention,
-        attention_options=self.attention_options,
         attention_context=context,
         pre_norm=True,
-        dropout_rate=self.dropout_rate,
-        attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype,
         name=f"block_{i}",
+        **self.attention_fields(),
       )(x, train=train, sow_weights=sow_weights)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x[:, 0]).astype(jnp.float32)

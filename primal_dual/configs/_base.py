@@ -1,0 +1,61 @@
+"""Presets as data: nested dicts of the values a preset sets, applied to the training defaults.
+
+A preset (or a ``runlocal`` smoke-test variant) lists only the values that differ from what it
+starts from; ``merge`` derives one preset from another and ``apply`` writes one onto a config.
+"""
+
+from typing import Any, Mapping
+
+import ml_collections
+
+from primal_dual import registry
+
+from primal_dual.training import config_lib
+
+# The tiny model and few steps of every ``runlocal`` smoke test (batch sizes divide 8 devices).
+RUNLOCAL_MODEL = dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
+RUNLOCAL_STEPS = dict(
+  batch_size=8,
+  num_train_steps=4,
+  eval_every_steps=2,
+  checkpoint_every_steps=0,  # only after the last step
+  log_every_steps=2,
+)
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+  """``base`` with ``overrides`` applied; nested dicts are merged key by key."""
+  merged = dict(base)
+  for key, value in overrides.items():
+    if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+      value = merge(merged[key], value)
+    merged[key] = value
+  return merged
+
+
+def apply(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
+  """Set ``values`` on ``config``; a dict for an existing sub-config updates it key by key."""
+  for key, value in values.items():
+    if isinstance(value, Mapping) and isinstance(config.get(key), ml_collections.ConfigDict):
+      apply(config[key], value)
+    else:
+      config[key] = value
+
+
+def build(task: str, seed: int, *presets: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The training defaults of ``task`` and ``seed`` with ``presets`` applied in order (unlocked)."""
+  config = config_lib.training_defaults()
+  config.task = task
+  config.seed = seed
+  for values in presets:
+    apply(config, values)
+  return config
+
+
+def finish(config: ml_collections.ConfigDict, **options: Any) -> ml_collections.ConfigDict:
+  """``config`` locked, after giving its attention variant its options for the model's head count
+  (``registry.model_options``; ``options`` such as ``ratios`` go to the variants that take them)."""
+  config.model.attention_options = registry.model_options(
+    config.model.attention, config.model.num_heads, **options
+  )
+  return config_lib.lock(config)
