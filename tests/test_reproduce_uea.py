@@ -1,4 +1,4 @@
-"""scripts/reproduce_uea.py on runlocal configs: two runs, a resume that trains nothing, the
+"""`primal-dual reproduce uea` on runlocal configs (--quick): two runs, a resume that trains nothing, the
 records' schema, the Markdown report, the figures and `eval.py --analyses=redundancy`.
 
 One BasicMotions grid (tiny model, 2 epochs) is run three times in a module fixture: the first
@@ -7,7 +7,6 @@ must reuse the first), the third the same again (must train and analyse nothing)
 """
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -18,20 +17,13 @@ import cli_helpers
 import helpers
 
 from primal_dual.experiments import grid
+from primal_dual.experiments import uea as reproduce_uea
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name, relative_path):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, relative_path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-reproduce_uea = _load(
-  "reproduce_uea", os.path.join("primal_dual", "experiments", "reproduce", "uea.py")
-)
+def _main(argv):
+  return grid.reproduce(reproduce_uea.REPRODUCTION, argv)
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
@@ -56,7 +48,7 @@ def grid_runs(tmp_path_factory):
     "--datasets=BasicMotions",
     "--variants=softmax",
     "--seeds=0",
-    "--runlocal",
+    "--quick",
     f"--root={root}",
     f"--results={results}",
     f"--data_dir={tmp / 'tfds'}",
@@ -76,16 +68,16 @@ def grid_runs(tmp_path_factory):
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(grid, "train_one", counted_train)
     patch.setattr(reproduce_uea, "analyse_workdir", counted_analyse)
-    assert reproduce_uea.main(args + ["--protocols=best_test"]) == 0
+    assert _main(args + ["--protocols=best_test"]) == 0
     after_first = copy.deepcopy(calls)
     # --report_only tabulates the finished run and trains nothing.
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean", "--report_only"]) == 0
+    assert _main(args + ["--protocols=best_test,clean", "--report_only"]) == 0
     after_report = copy.deepcopy(calls)
     with open(results) as f:
       reported = [r["name"] for r in json.load(f)]
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    assert _main(args + ["--protocols=best_test,clean"]) == 0
     after_second, files_second = copy.deepcopy(calls), _snapshot(root)
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    assert _main(args + ["--protocols=best_test,clean"]) == 0
     files_third = _snapshot(root)
   with open(results) as f:
     records = json.load(f)
@@ -207,12 +199,12 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
 
 
 def test_unavailable_or_unknown_inputs_fail_in_one_line(tmp_path, capsys):
-  args = [f"--root={tmp_path}", f"--results={tmp_path / 'r.json'}", "--runlocal"]
-  assert reproduce_uea.main(args + ["--datasets=Heartbeat"]) == 2
+  args = [f"--root={tmp_path}", f"--results={tmp_path / 'r.json'}", "--quick"]
+  assert _main(args + ["--datasets=Heartbeat"]) == 2
   assert "manual_dir" in capsys.readouterr().err
-  assert reproduce_uea.main(args + ["--datasets=NotADataSet"]) == 2
+  assert _main(args + ["--datasets=NotADataSet"]) == 2
   with pytest.raises(SystemExit):
-    reproduce_uea.main(args + ["--variants=softmax,nope"])
+    _main(args + ["--variants=softmax,nope"])
   assert not os.path.exists(tmp_path / "r.json")
 
 
@@ -254,7 +246,7 @@ def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
     shutil.copyfile(os.path.join(REPO_ROOT, "results", name), target)
   committed_json, committed_md = results.read_text(), markdown.read_text()
   assert (
-    reproduce_uea.main(
+    _main(
       ["--report_only", f"--results={results}", f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]
     )
     == 0
