@@ -17,13 +17,13 @@ import cli_helpers
 import helpers
 
 from primal_dual.experiments import grid
-from primal_dual.experiments import uea as reproduce_uea
+from primal_dual.experiments import uea as uea_task
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main(argv):
-  return grid.reproduce(reproduce_uea.REPRODUCTION, argv)
+  return grid.reproduce(uea_task.REPRODUCTION, argv)
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
@@ -55,7 +55,7 @@ def grid_runs(tmp_path_factory):
     "--redundancy_examples=24",
   ]
   calls = {"train": [], "analyse": []}
-  train_one, analyse = grid.train_one, reproduce_uea.analyse_workdir
+  train_one, analyse = grid.train_one, uea_task.analyse_workdir
 
   def counted_train(run, workdir):
     calls["train"].append(run.name)
@@ -67,7 +67,7 @@ def grid_runs(tmp_path_factory):
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(grid, "train_one", counted_train)
-    patch.setattr(reproduce_uea, "analyse_workdir", counted_analyse)
+    patch.setattr(uea_task, "analyse_workdir", counted_analyse)
     assert _main(args + ["--protocols=best_test"]) == 0
     after_first = copy.deepcopy(calls)
     # --report_only tabulates the finished run and trains nothing.
@@ -113,7 +113,7 @@ def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
 def test_records_follow_the_schema_and_the_protocols(grid_runs):
   records = {r["protocol"]: r for r in grid_runs["records"]}
   for record in records.values():
-    reproduce_uea.validate_record(record)
+    uea_task.validate_record(record)
     metrics = record["metrics"]
     assert record["dataset"] == "BasicMotions" and record["attention"] == "softmax"
     assert record["model_size"] == "runlocal" and record["epochs"] == 2 and record["seed"] == 0
@@ -140,9 +140,9 @@ def test_validate_record_names_missing_and_mistyped_fields(grid_runs):
   del record["head_distance"]
   record["seed"] = "0"
   with pytest.raises(ValueError, match=r"head_distance: missing.*|seed: str"):
-    reproduce_uea.validate_record(record)
+    uea_task.validate_record(record)
   with pytest.raises(ValueError, match="protocol"):
-    reproduce_uea.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
+    uea_task.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
 
 
 def test_markdown_and_figures_are_written(grid_runs):
@@ -150,9 +150,9 @@ def test_markdown_and_figures_are_written(grid_runs):
   with open(os.path.join(folder, "uea.md")) as f:
     markdown = f.read()
   assert "## best_test protocol" in markdown and "## clean protocol" in markdown
-  assert reproduce_uea.REFERENCE_HEADER in markdown
+  assert uea_task.REFERENCE_HEADER in markdown
   assert "| BasicMotions | softmax |" in markdown
-  for name in (reproduce_uea.REDUNDANCY_PLOT, reproduce_uea.MAPS_PLOT):
+  for name in (uea_task.REDUNDANCY_PLOT, uea_task.MAPS_PLOT):
     with open(os.path.join(folder, name), "rb") as f:
       assert f.read(4) == b"\x89PNG"
 
@@ -183,7 +183,7 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
     _record("JapaneseVowels", "bn", 0, 0.7),
     _record("JapaneseVowels", "bn", 0, 0.6, "clean"),
   ]
-  markdown = reproduce_uea.markdown_report(records, "cmd")
+  markdown = uea_task.markdown_report(records, "cmd")
   rows = {
     line.split("|")[2].strip(): line
     for line in markdown.splitlines()
@@ -194,7 +194,7 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
   ten = [
     _record(d, "softmax", 0, 0.5 + i / 100) for i, d in enumerate(uea_config.PROTOCOL_DATASETS)
   ]
-  average = reproduce_uea.markdown_report(ten, "cmd")
+  average = uea_task.markdown_report(ten, "cmd")
   assert "| softmax | 54.5 | 71.9 |" in average
 
 
