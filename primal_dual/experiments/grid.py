@@ -435,6 +435,17 @@ def check_variants_and_seeds(
     parser.error("--seeds: give at least one seed")
 
 
+# The fields ``run_grid`` gives every record, besides the run's tags and the task's fields (a task's
+# RECORD_SCHEMA starts with these).
+RUN_RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
+  "name": (str,),
+  "config_file": (str,),
+  "config_arg": (str,),
+  "wall_time_s": (int, float),
+  "metrics": (dict,),
+}
+
+
 def schema_problems(record: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) -> list[str]:
   """Every field of ``schema`` (name → accepted types) missing from ``record`` or of another type
   (a bool is not accepted as an int unless the schema names bool)."""
@@ -561,8 +572,8 @@ class Reproduction:
   """A task's paper grid, declared by its task module as ``REPRODUCTION`` and run by ``reproduce``.
 
   Every grid takes ``--root``, ``--results``, ``--jobs``, ``--quick``, ``--dry_run`` and
-  ``--report_only`` (and ``--variants``/``--seeds`` where ``variants`` is given); ``add_arguments``
-  adds the task's own flags.
+  ``--report_only`` (and ``--variants``/``--seeds`` where ``variants`` is given), plus the task's own
+  ``flags``.
 
   Attributes:
     task: the task's name; the defaults are ``--results=results/<task>.json`` and
@@ -573,7 +584,7 @@ class Reproduction:
     build_runs: ``args -> [GridRun]``.
     record_fn: ``(run, final_metrics, workdir, args) -> the record's task fields``.
     markdown_report: ``(records, command) -> the report`` (``command`` made the records).
-    add_arguments: adds the task's flags to the parser.
+    flags: the task's own flags: flag → ``add_argument`` options.
     check_arguments: completes ``args`` or raises ValueError / FileNotFoundError (one line).
     validate_record: raises ValueError naming what is wrong with a record.
     write_figures: ``(records, args) -> paths of the figures written next to --results``.
@@ -587,13 +598,31 @@ class Reproduction:
   build_runs: Callable[[argparse.Namespace], list[GridRun]]
   record_fn: Callable[..., Mapping[str, Any]]
   markdown_report: Callable[[Sequence[Mapping[str, Any]], str], str]
-  add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+  flags: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   check_arguments: Callable[[argparse.Namespace], None] | None = None
   validate_record: Callable[[Mapping[str, Any]], None] | None = None
   write_figures: Callable[[Sequence[Mapping[str, Any]], argparse.Namespace], list[str]] | None = (
     None
   )
   variants: VariantChoice | None = None
+
+
+# The flags of every grid besides --quick (whose help is the task's): flag → add_argument options.
+SHARED_FLAGS: dict[str, dict[str, Any]] = {
+  "--root": dict(default="", help="parent of the runs' workdirs (default workdirs/<task>_grid)"),
+  "--results": dict(
+    default="",
+    help="records (JSON); the .md and the figures go next to it (default results/<task>.json)",
+  ),
+  "--jobs": dict(
+    type=int, default=1, help="runs trained at once, one process each (e.g. 6 on a GPU)"
+  ),
+  "--dry_run": dict(action="store_true", help="list the runs and whether each is finished"),
+  "--report_only": dict(
+    action="store_true",
+    help="re-render the report from every record of --results; train nothing",
+  ),
+}
 
 
 def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -607,27 +636,9 @@ def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> a
   choice = reproduction.variants
   if choice is not None:
     add_variant_and_seed_arguments(parser, choice.default, choice.quick, choice.seeds)
-  reproduction.add_arguments(parser)
-  parser.add_argument(
-    "--root", default="", help="parent of the runs' workdirs (default workdirs/<task>_grid)"
-  )
-  parser.add_argument(
-    "--results",
-    default="",
-    help="records (JSON); the .md and the figures go next to it (default results/<task>.json)",
-  )
-  parser.add_argument(
-    "--jobs", type=int, default=1, help="runs trained at once, one process each (e.g. 6 on a GPU)"
-  )
+  for flag, options in {**reproduction.flags, **SHARED_FLAGS}.items():
+    parser.add_argument(flag, **options)
   parser.add_argument("--quick", action="store_true", help=f"smoke test: {reproduction.quick}")
-  parser.add_argument(
-    "--dry_run", action="store_true", help="list the runs and whether each is finished"
-  )
-  parser.add_argument(
-    "--report_only",
-    action="store_true",
-    help="re-render the report from every record of --results; train nothing",
-  )
   args = parser.parse_args(argv)
   if choice is not None:
     check_variants_and_seeds(parser, args, choice.default, choice.quick, choice.seeds)

@@ -322,9 +322,7 @@ python scripts/reproduce.py images --dataset=cifar10 --model=tiny --data_dir=$TF
 """
 
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
-  "name": (str,),
-  "config_file": (str,),
-  "config_arg": (str,),
+  **grid.RUN_RECORD_SCHEMA,
   "dataset": (str,),
   "model": (str,),
   "attention": (str,),
@@ -335,8 +333,6 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   "test_accuracy": common.NUMBER,
   "best_test_accuracy": common.NUMBER,
   **common.SIZE_AND_COST_SCHEMA,
-  "wall_time_s": common.NUMBER,
-  "metrics": (dict,),
 }
 
 
@@ -438,16 +434,17 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--dataset", choices=DATASETS, default="digits")
-  parser.add_argument(
-    "--model",
+# The grid's own flags: flag → add_argument options.
+FLAGS: dict[str, dict[str, Any]] = {
+  "--dataset": dict(choices=DATASETS, default="digits"),
+  "--model": dict(
     choices=("", *MODELS),
     default="",
     help="ViT preset; default the data set's (digits: micro, others: tiny)",
-  )
-  parser.add_argument("--epochs", type=int, default=-1, help="-1: the recipe's")
-  parser.add_argument("--data_dir", default="", help="TFDS data folder (cifar10, imagenet2012)")
+  ),
+  "--epochs": dict(type=int, default=-1, help="-1: the recipe's"),
+  "--data_dir": dict(default="", help="TFDS data folder (cifar10, imagenet2012)"),
+}
 
 
 REPRODUCTION = grid.Reproduction(
@@ -458,7 +455,7 @@ REPRODUCTION = grid.Reproduction(
   build_runs=build_runs,
   record_fn=record_fn,
   markdown_report=markdown_report,
-  add_arguments=add_arguments,
+  flags=FLAGS,
   validate_record=validate_record,
   variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
 )

@@ -181,9 +181,7 @@ python scripts/reproduce.py listops --setting=pytorch --preset=full \\
 """
 
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
-  "name": (str,),
-  "config_file": (str,),
-  "config_arg": (str,),
+  **grid.RUN_RECORD_SCHEMA,
   "setting": (str,),
   "preset": (str,),
   "attention": (str,),
@@ -195,8 +193,6 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   "best_validation_accuracy": common.NUMBER,
   "selected_step": (int,),
   **common.SIZE_AND_COST_SCHEMA,
-  "wall_time_s": common.NUMBER,
-  "metrics": (dict,),
 }
 
 
@@ -298,11 +294,13 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--setting", choices=SETTINGS, default="pytorch")
-  parser.add_argument("--preset", choices=PRESETS, default="short")
-  parser.add_argument("--steps", type=int, default=-1, help="-1: the setting's (5000)")
-  parser.add_argument("--data_dir", default="", help="TFDS data folder (default TFDS's)")
+# The grid's own flags: flag → add_argument options.
+FLAGS: dict[str, dict[str, Any]] = {
+  "--setting": dict(choices=SETTINGS, default="pytorch"),
+  "--preset": dict(choices=PRESETS, default="short"),
+  "--steps": dict(type=int, default=-1, help="-1: the setting's (5000)"),
+  "--data_dir": dict(default="", help="TFDS data folder (default TFDS's)"),
+}
 
 
 REPRODUCTION = grid.Reproduction(
@@ -313,7 +311,7 @@ REPRODUCTION = grid.Reproduction(
   build_runs=build_runs,
   record_fn=record_fn,
   markdown_report=markdown_report,
-  add_arguments=add_arguments,
+  flags=FLAGS,
   validate_record=validate_record,
   variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
 )

@@ -361,7 +361,7 @@ REPRODUCTION = grid.Reproduction(
   build_runs=functools.partial(sraven_task.sequence_grid_runs, "logic"),
   record_fn=record_fn,
   markdown_report=markdown_report,
-  add_arguments=sraven_task.add_sequence_grid_arguments,
+  flags=sraven_task.SEQUENCE_GRID_FLAGS,
   write_figures=functools.partial(
     sraven_task.write_curves,
     panels={

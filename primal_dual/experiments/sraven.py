@@ -454,22 +454,20 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
   )
 
 
-def add_sequence_grid_arguments(parser: argparse.ArgumentParser) -> None:
-  """The flags of the sRAVEN and fuzzy-logic grids."""
-  parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
-  parser.add_argument("--steps", type=int, default=-1, help="override the preset's steps")
-  parser.add_argument(
-    "--steps_per_call",
+# The flags of the sRAVEN and fuzzy-logic grids: flag → add_argument options.
+SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
+  "--preset": dict(choices=("cpu", "paper"), default="cpu"),
+  "--steps": dict(type=int, default=-1, help="override the preset's steps"),
+  "--steps_per_call": dict(
     type=int,
     default=1,
     help="optimizer steps per jitted call (> 1: batches made on the device); "
     "must divide the preset's log/eval/checkpoint periods (e.g. 125)",
-  )
-  parser.add_argument(
-    "--seeds_together",
-    action="store_true",
-    help="train each variant's seeds as replicas of one program (config.seeds)",
-  )
+  ),
+  "--seeds_together": dict(
+    action="store_true", help="train each variant's seeds as replicas of one program (config.seeds)"
+  ),
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -711,14 +709,13 @@ def write_curves(
   return [plot_curves(records, panels, path, ylabel, title)]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  add_sequence_grid_arguments(parser)
-  parser.add_argument(
-    "--max_examples",
-    type=int,
-    default=1024,
-    help="OOD problems used by the latent-code analysis",
-  )
+# The grid's own flags: flag → add_argument options.
+FLAGS: dict[str, dict[str, Any]] = {
+  **SEQUENCE_GRID_FLAGS,
+  "--max_examples": dict(
+    type=int, default=1024, help="OOD problems used by the latent-code analysis"
+  ),
+}
 
 
 REPRODUCTION = grid.Reproduction(
@@ -729,7 +726,7 @@ REPRODUCTION = grid.Reproduction(
   build_runs=functools.partial(sequence_grid_runs, "sraven"),
   record_fn=record_fn,
   markdown_report=markdown_report,
-  add_arguments=add_arguments,
+  flags=FLAGS,
   write_figures=functools.partial(
     write_curves,
     panels={

@@ -142,9 +142,7 @@ REFERENCE_HEADER = "reference (published, best-test)"
 # Field → accepted types of every record in results/uea.json.
 _OPTIONAL_NUMBER = (int, float, type(None))
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
-  "name": (str,),
-  "config_file": (str,),
-  "config_arg": (str,),
+  **grid.RUN_RECORD_SCHEMA,
   "dataset": (str,),
   "attention": (str,),
   "protocol": (str,),
@@ -166,8 +164,6 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   "attention_flops": common.NUMBER,
   "attention_flops_per_layer": (list,),
   "attention_flops_relative": common.NUMBER,
-  "wall_time_s": common.NUMBER,
-  "metrics": (dict,),
 }
 
 
@@ -466,24 +462,22 @@ def write_figures(records: Sequence[Mapping[str, Any]], args: argparse.Namespace
   return written
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument(
-    "--datasets",
+# The grid's own flags: flag → add_argument options.
+FLAGS: dict[str, dict[str, Any]] = {
+  "--datasets": dict(
     type=grid.comma_list(),
     default=(),
     help="comma list; default: those available (bundled + --manual_dir)",
-  )
-  parser.add_argument("--protocols", type=grid.comma_list(), default=tuple(PROTOCOLS))
-  parser.add_argument("--epochs", type=int, default=-1, help="-1: the protocol's (100, PEMS 400)")
-  parser.add_argument("--model", choices=sorted(uea_config.MODEL_SIZES), default="reference")
-  parser.add_argument("--manual_dir", default="", help="folder of <Name>/<Name>_{TRAIN,TEST}.ts")
-  parser.add_argument("--data_dir", default="", help="TFDS data folder")
-  parser.add_argument(
-    "--redundancy_examples",
-    type=int,
-    default=512,
-    help="head redundancy on the first N test examples (0 = all)",
-  )
+  ),
+  "--protocols": dict(type=grid.comma_list(), default=tuple(PROTOCOLS)),
+  "--epochs": dict(type=int, default=-1, help="-1: the protocol's (100, PEMS 400)"),
+  "--model": dict(choices=sorted(uea_config.MODEL_SIZES), default="reference"),
+  "--manual_dir": dict(default="", help="folder of <Name>/<Name>_{TRAIN,TEST}.ts"),
+  "--data_dir": dict(default="", help="TFDS data folder"),
+  "--redundancy_examples": dict(
+    type=int, default=512, help="head redundancy on the first N test examples (0 = all)"
+  ),
+}
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -507,7 +501,7 @@ REPRODUCTION = grid.Reproduction(
   build_runs=build_runs,
   record_fn=record_fn,
   markdown_report=markdown_report,
-  add_arguments=add_arguments,
+  flags=FLAGS,
   check_arguments=check_arguments,
   validate_record=validate_record,
   write_figures=write_figures,
