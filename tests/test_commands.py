@@ -122,3 +122,40 @@ def test_every_grid_takes_the_shared_flags(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{task} grid: ") and "to train" in result.stdout
+
+
+TOY_TASK_MODULE = '''
+"""A new task: the synthetic task's data, model and loss under the name 'toy'."""
+from primal_dual.training import tasks
+
+TASK = tasks.register_task(tasks.Task("toy", tasks.build_synthetic_data,
+    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))
+'''
+
+TOY_CONFIG = '''
+from primal_dual.training import config_lib
+
+def get_config(arg=None):
+  config = config_lib.training_defaults()
+  config.task = "toy"
+  config.num_train_steps = 2
+  config.batch_size = 8
+  config.progress_bar = False
+  return config_lib.lock(config)
+'''
+
+
+def test_a_new_task_is_one_module_plus_its_config(monkeypatch, tmp_path):
+  from primal_dual.experiments import grid  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import tasks, trainer  # pylint: disable=g-import-not-at-top
+
+  # The module goes into a folder added to primal_dual.experiments' path, as if written there.
+  (tmp_path / "toy.py").write_text(TOY_TASK_MODULE)
+  (tmp_path / "toy_config.py").write_text(TOY_CONFIG)
+  monkeypatch.setattr(experiments, "__path__", [*experiments.__path__, str(tmp_path)])
+  monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+  monkeypatch.delitem(sys.modules, "primal_dual.experiments.toy", raising=False)
+  assert "toy" in experiments.task_names()
+  config = grid.load_config(str(tmp_path / "toy_config.py"), None)
+  metrics = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert metrics["step"] == 2 and tasks.get_task("toy").name == "toy"
