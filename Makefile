@@ -42,19 +42,19 @@ JOBS ?= 1
 UEA_MODEL_SIZE ?= small
 UEA_EPOCHS ?= 40
 reproduce-uea: $(STAMP)
-	$(PY) scripts/reproduce_uea.py --model_size=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS) --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py uea --model=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS) --jobs=$(JOBS)
 
 reproduce-listops: $(STAMP)
-	$(PY) scripts/reproduce_listops.py --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py listops --jobs=$(JOBS)
 
 reproduce-images: $(STAMP)
-	$(PY) scripts/reproduce_images.py --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py images --jobs=$(JOBS)
 
 reproduce-sraven: $(STAMP)
-	$(PY) scripts/reproduce_sraven.py --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py sraven --jobs=$(JOBS)
 
 reproduce-logic: $(STAMP)
-	$(PY) scripts/reproduce_logic.py --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py logic --jobs=$(JOBS)
 
 clean:
 	rm -rf workdirs .pytest_cache .hypothesis

@@ -12,7 +12,7 @@ import tomllib
 import pytest
 
 from primal_dual import commands
-from primal_dual.commands import reproduce
+from primal_dual import experiments
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,10 @@ def test_help_lists_the_commands(tmp_path):
   "args, pattern",
   [
     (["trian"], r"unknown command 'trian'; choose one of train, eval, reproduce"),
-    (["reproduce", "uae"], r"unknown reproduction 'uae'; choose one of uea, listops, images"),
+    (
+      ["reproduce", "uae"],
+      r"unknown reproduction 'uae'; choose one of images, listops, logic, sraven, uea",
+    ),
     (["train", "--config=uae", "--workdir=w"], r"unknown config 'uae'; packaged configs: default"),
     (
       ["train", "--config=default:runlocal", "--config.optimzer.lr=1", "--workdir=w"],
@@ -90,18 +93,69 @@ def test_train_and_eval_help_list_their_flags(tmp_path):
 def test_reproduce_help_lists_the_tasks_and_each_grid_its_flags(tmp_path):
   result = _run(["reproduce", "--help"], tmp_path)
   assert result.returncode == 0
-  assert all(task in result.stdout for task in reproduce.TASKS)
+  assert all(task in result.stdout for task in experiments.task_names())
   grid_help = _run(["reproduce", "uea", "--help"], tmp_path)
   assert grid_help.returncode == 0
   assert grid_help.stdout.startswith("usage: primal-dual reproduce uea")
   assert "--jobs" in grid_help.stdout
 
 
-@pytest.mark.parametrize("task", reproduce.TASKS)
-def test_scripts_are_thin_wrappers_of_the_packaged_grids(task):
-  path = os.path.join(REPO_ROOT, "scripts", f"reproduce_{task}.py")
-  spec = importlib.util.spec_from_file_location(f"wrapper_{task}", path)
+def test_the_script_is_a_thin_wrapper_of_the_command():
+  path = os.path.join(REPO_ROOT, "scripts", "reproduce.py")
+  spec = importlib.util.spec_from_file_location("reproduce_script", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  packaged = importlib.import_module(f"primal_dual.experiments.reproduce.{task}")
-  assert module.main is packaged.main
+  assert module.reproduce is commands.reproduce
+
+
+@pytest.mark.parametrize("task", experiments.task_names())
+def test_every_task_module_declares_its_grid(task):
+  module = importlib.import_module(f"primal_dual.experiments.{task}")
+  assert module.REPRODUCTION.task == task == module.TASK.name
+
+
+def test_every_grid_takes_the_shared_flags(tmp_path):
+  """The same flag names for every task: a dry run of each quick grid lists its runs."""
+  for task in experiments.task_names():
+    result = _run(
+      ["reproduce", task, "--quick", "--dry_run", "--root=r", "--results=x.json"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{task} grid: ") and "to train" in result.stdout
+
+
+TOY_TASK_MODULE = '''
+"""A new task: the synthetic task's data, model and loss under the name 'toy'."""
+from primal_dual.training import tasks
+
+TASK = tasks.register_task(tasks.Task("toy", tasks.build_synthetic_data,
+    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))
+'''
+
+TOY_CONFIG = '''
+from primal_dual.training import config_lib
+
+def get_config(arg=None):
+  config = config_lib.training_defaults()
+  config.task = "toy"
+  config.num_train_steps = 2
+  config.batch_size = 8
+  config.progress_bar = False
+  return config_lib.lock(config)
+'''
+
+
+def test_a_new_task_is_one_module_plus_its_config(monkeypatch, tmp_path):
+  from primal_dual.experiments import grid  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import tasks, trainer  # pylint: disable=g-import-not-at-top
+
+  # The module goes into a folder added to primal_dual.experiments' path, as if written there.
+  (tmp_path / "toy.py").write_text(TOY_TASK_MODULE)
+  (tmp_path / "toy_config.py").write_text(TOY_CONFIG)
+  monkeypatch.setattr(experiments, "__path__", [*experiments.__path__, str(tmp_path)])
+  monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+  monkeypatch.delitem(sys.modules, "primal_dual.experiments.toy", raising=False)
+  assert "toy" in experiments.task_names()
+  config = grid.load_config(str(tmp_path / "toy_config.py"), None)
+  metrics = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert metrics["step"] == 2 and tasks.get_task("toy").name == "toy"

@@ -181,15 +181,15 @@ def test_replica_runs_give_one_record_per_seed(tmp_path):
 
 
 def test_hyla_grids_group_seeds_into_replica_runs():
-  from primal_dual.experiments.reproduce import sraven as reproduce_sraven  # pylint: disable=g-import-not-at-top
+  from primal_dual.experiments import sraven as sraven_task  # pylint: disable=g-import-not-at-top
 
-  runs = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
-  main, ablations = reproduce_sraven.GRID_VARIANTS["paper"]
+  runs = sraven_task.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
+  main, ablations = sraven_task.GRID_VARIANTS["paper"]
   assert [r.tags["attention"] for r in runs[:3]] == list(main)
   assert all(r.replica_seeds == (0, 1, 2) for r in runs[:3])
   assert [(r.tags["attention"], r.tags["seed"], r.replica_seeds) for r in runs[3:]] == [
     (name, 0, ()) for name in ablations
   ]
   assert all(r.overrides == {"train_data_on_device": True, "steps_per_call": 125} for r in runs)
-  plain = reproduce_sraven.build_runs("sraven", "sraven", "paper", False, -1)
+  plain = sraven_task.build_runs("sraven", "sraven", "paper", False, -1)
   assert len(plain) == 3 * 3 + len(ablations) and not any(r.overrides for r in plain)

@@ -1,7 +1,6 @@
 """The 'images' task: configs, augmented and evaluation sources, the missing-data message, model
 summaries, and the reproduction script end to end on digits (2 runs)."""
 
-import importlib.util
 import json
 import os
 
@@ -145,27 +144,19 @@ def test_model_summary_parameters_and_flops():
   assert tiny["sequence_length"] == 1 + 14 * 14
 
 
-def _load_script(name):
-  spec = importlib.util.spec_from_file_location(
-    name,
-    os.path.join(
-      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"
-    ),
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.slow
 def test_reproduce_quick_trains_evaluates_and_reports(tmp_path):
-  script = _load_script("reproduce_images")
   results = tmp_path / "out" / "images.json"
-  assert script.main(["--quick", f"--root={tmp_path / 'runs'}", f"--results={results}"]) == 0
+  assert (
+    grid.reproduce(
+      images_task.REPRODUCTION, ["--quick", f"--root={tmp_path / 'runs'}", f"--results={results}"]
+    )
+    == 0
+  )
   records = json.loads(results.read_text())
   assert [r["attention"] for r in records] == ["softmax", "sh"]
   for record in records:
-    script.validate_record(record)
+    images_task.validate_record(record)
     metrics = record["metrics"]
     assert metrics["step"] == 4 and record["dataset"] == "digits"
     assert 0.0 <= metrics["test/accuracy"] <= 1.0

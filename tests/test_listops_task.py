@@ -2,7 +2,6 @@
 reproduction script end to end (tiny preset, 2 runs)."""
 
 import functools
-import importlib.util
 import json
 import os
 
@@ -178,21 +177,8 @@ def test_model_summary_parameters_and_flops():
   assert abs(lra["attention_flops_relative"] - attention_cost_ratio(ratios)) < 0.01
 
 
-def _load_script(name):
-  spec = importlib.util.spec_from_file_location(
-    name,
-    os.path.join(
-      REPO, "primal_dual", "experiments", "reproduce", f"{name.removeprefix('reproduce_')}.py"
-    ),
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.slow
 def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
-  script = _load_script("reproduce_listops")
   results = tmp_path / "out" / "listops.json"
   argv = [
     "--quick",
@@ -200,11 +186,11 @@ def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
     f"--results={results}",
     f"--data_dir={tmp_path / 'tfds'}",
   ]
-  assert script.main(argv) == 0
+  assert grid.reproduce(listops_task.REPRODUCTION, argv) == 0
   records = json.loads(results.read_text())
   assert [r["attention"] for r in records] == ["softmax", "sh"]
   for record in records:
-    script.validate_record(record)
+    listops_task.validate_record(record)
     metrics = record["metrics"]
     assert metrics["step"] == 4 and record["steps"] == 4 and record["preset"] == "tiny"
     for key in ("validation/accuracy", "test/accuracy", "selected/test_accuracy"):
@@ -214,9 +200,9 @@ def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
   assert records[1]["attention_flops"] < records[0]["attention_flops"]
   markdown = results.with_suffix(".md").read_text()
   assert "| softmax |" in markdown and "| sh |" in markdown
-  assert script.REFERENCE_HEADER in markdown and "Full-scale commands" in markdown
+  assert listops_task.REFERENCE_HEADER in markdown and "Full-scale commands" in markdown
   assert "37.10" in markdown  # the PyTorch-lineage reference sits in the softmax row
   # A second invocation reuses the finished runs instead of training again.
   capsys.readouterr()
-  assert script.main(argv) == 0
+  assert grid.reproduce(listops_task.REPRODUCTION, argv) == 0
   assert capsys.readouterr().out.count("finished earlier, reusing") == 2

@@ -1,7 +1,6 @@
 """Tests of the 'logic' task (primal_dual/experiments/logic.py), primal_dual/configs/logic.py and
-scripts/reproduce_logic.py (its --quick grid is the task's end-to-end run)."""
+`primal-dual reproduce logic` (its --quick grid is the task's end-to-end run)."""
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -12,20 +11,13 @@ import pytest
 
 from primal_dual.configs import logic as logic_configs
 from primal_dual.data import logic
+from primal_dual.experiments import grid
 from primal_dual.experiments import logic as task
 from primal_dual.layers import ATTENTION_REGISTRY
 from primal_dual.training import trainer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = logic.LogicConfig(num_variables=3, num_terms=2, seq_len=4)
-
-
-def _load_script(name):
-  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _context_inputs(targets, seq_len=3, seed=0):
@@ -146,9 +138,9 @@ def test_configs_build_for_every_preset_and_variant(preset):
 
 def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
   """--jobs=2: both runs train at once in subprocesses; --report_only re-renders the report."""
-  script = _load_script("reproduce_logic")
   root, out = tmp_path / "runs", tmp_path / "out"
-  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2"]) == 0
+  argv = ["--quick", f"--root={root}", f"--results={out / 'logic_quick.json'}", "--jobs=2"]
+  assert grid.reproduce(task.REPRODUCTION, argv) == 0
   records = json.loads((out / "logic_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
@@ -165,8 +157,6 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
   # --report_only trains nothing (the workdirs may be gone) and rewrites the same report.
   (out / "logic_quick.md").unlink()
   shutil.rmtree(root)
-  assert (
-    script.main(["--quick", f"--root={root}", f"--out={out}", "--jobs=2", "--report_only"]) == 0
-  )
+  assert grid.reproduce(task.REPRODUCTION, [*argv, "--report_only"]) == 0
   assert (out / "logic_quick.md").read_text() == markdown
   assert not root.exists()

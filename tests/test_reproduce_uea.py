@@ -1,4 +1,4 @@
-"""scripts/reproduce_uea.py on runlocal configs: two runs, a resume that trains nothing, the
+"""`primal-dual reproduce uea` on runlocal configs (--quick): two runs, a resume that trains nothing, the
 records' schema, the Markdown report, the figures and `eval.py --analyses=redundancy`.
 
 One BasicMotions grid (tiny model, 2 epochs) is run three times in a module fixture: the first
@@ -7,7 +7,6 @@ must reuse the first), the third the same again (must train and analyse nothing)
 """
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -18,20 +17,13 @@ import cli_helpers
 import helpers
 
 from primal_dual.experiments import grid
+from primal_dual.experiments import uea as uea_task
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name, relative_path):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, relative_path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-reproduce_uea = _load(
-  "reproduce_uea", os.path.join("primal_dual", "experiments", "reproduce", "uea.py")
-)
+def _main(argv):
+  return grid.reproduce(uea_task.REPRODUCTION, argv)
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
@@ -56,14 +48,14 @@ def grid_runs(tmp_path_factory):
     "--datasets=BasicMotions",
     "--variants=softmax",
     "--seeds=0",
-    "--runlocal",
+    "--quick",
     f"--root={root}",
     f"--results={results}",
     f"--data_dir={tmp / 'tfds'}",
     "--redundancy_examples=24",
   ]
   calls = {"train": [], "analyse": []}
-  train_one, analyse = grid.train_one, reproduce_uea.analyse_workdir
+  train_one, analyse = grid.train_one, uea_task.analyse_workdir
 
   def counted_train(run, workdir):
     calls["train"].append(run.name)
@@ -75,17 +67,17 @@ def grid_runs(tmp_path_factory):
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(grid, "train_one", counted_train)
-    patch.setattr(reproduce_uea, "analyse_workdir", counted_analyse)
-    assert reproduce_uea.main(args + ["--protocols=best_test"]) == 0
+    patch.setattr(uea_task, "analyse_workdir", counted_analyse)
+    assert _main(args + ["--protocols=best_test"]) == 0
     after_first = copy.deepcopy(calls)
     # --report_only tabulates the finished run and trains nothing.
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean", "--report_only"]) == 0
+    assert _main(args + ["--protocols=best_test,clean", "--report_only"]) == 0
     after_report = copy.deepcopy(calls)
     with open(results) as f:
       reported = [r["name"] for r in json.load(f)]
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    assert _main(args + ["--protocols=best_test,clean"]) == 0
     after_second, files_second = copy.deepcopy(calls), _snapshot(root)
-    assert reproduce_uea.main(args + ["--protocols=best_test,clean"]) == 0
+    assert _main(args + ["--protocols=best_test,clean"]) == 0
     files_third = _snapshot(root)
   with open(results) as f:
     records = json.load(f)
@@ -121,7 +113,7 @@ def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
 def test_records_follow_the_schema_and_the_protocols(grid_runs):
   records = {r["protocol"]: r for r in grid_runs["records"]}
   for record in records.values():
-    reproduce_uea.validate_record(record)
+    uea_task.validate_record(record)
     metrics = record["metrics"]
     assert record["dataset"] == "BasicMotions" and record["attention"] == "softmax"
     assert record["model_size"] == "runlocal" and record["epochs"] == 2 and record["seed"] == 0
@@ -148,9 +140,9 @@ def test_validate_record_names_missing_and_mistyped_fields(grid_runs):
   del record["head_distance"]
   record["seed"] = "0"
   with pytest.raises(ValueError, match=r"head_distance: missing.*|seed: str"):
-    reproduce_uea.validate_record(record)
+    uea_task.validate_record(record)
   with pytest.raises(ValueError, match="protocol"):
-    reproduce_uea.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
+    uea_task.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
 
 
 def test_markdown_and_figures_are_written(grid_runs):
@@ -158,9 +150,9 @@ def test_markdown_and_figures_are_written(grid_runs):
   with open(os.path.join(folder, "uea.md")) as f:
     markdown = f.read()
   assert "## best_test protocol" in markdown and "## clean protocol" in markdown
-  assert reproduce_uea.REFERENCE_HEADER in markdown
+  assert uea_task.REFERENCE_HEADER in markdown
   assert "| BasicMotions | softmax |" in markdown
-  for name in (reproduce_uea.REDUNDANCY_PLOT, reproduce_uea.MAPS_PLOT):
+  for name in (uea_task.REDUNDANCY_PLOT, uea_task.MAPS_PLOT):
     with open(os.path.join(folder, name), "rb") as f:
       assert f.read(4) == b"\x89PNG"
 
@@ -191,7 +183,7 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
     _record("JapaneseVowels", "bn", 0, 0.7),
     _record("JapaneseVowels", "bn", 0, 0.6, "clean"),
   ]
-  markdown = reproduce_uea.markdown_report(records, "cmd")
+  markdown = uea_task.markdown_report(records, "cmd")
   rows = {
     line.split("|")[2].strip(): line
     for line in markdown.splitlines()
@@ -202,17 +194,17 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
   ten = [
     _record(d, "softmax", 0, 0.5 + i / 100) for i, d in enumerate(uea_config.PROTOCOL_DATASETS)
   ]
-  average = reproduce_uea.markdown_report(ten, "cmd")
+  average = uea_task.markdown_report(ten, "cmd")
   assert "| softmax | 54.5 | 71.9 |" in average
 
 
 def test_unavailable_or_unknown_inputs_fail_in_one_line(tmp_path, capsys):
-  args = [f"--root={tmp_path}", f"--results={tmp_path / 'r.json'}", "--runlocal"]
-  assert reproduce_uea.main(args + ["--datasets=Heartbeat"]) == 2
+  args = [f"--root={tmp_path}", f"--results={tmp_path / 'r.json'}", "--quick"]
+  assert _main(args + ["--datasets=Heartbeat"]) == 2
   assert "manual_dir" in capsys.readouterr().err
-  assert reproduce_uea.main(args + ["--datasets=NotADataSet"]) == 2
+  assert _main(args + ["--datasets=NotADataSet"]) == 2
   with pytest.raises(SystemExit):
-    reproduce_uea.main(args + ["--variants=softmax,nope"])
+    _main(args + ["--variants=softmax,nope"])
   assert not os.path.exists(tmp_path / "r.json")
 
 
@@ -254,7 +246,7 @@ def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
     shutil.copyfile(os.path.join(REPO_ROOT, "results", name), target)
   committed_json, committed_md = results.read_text(), markdown.read_text()
   assert (
-    reproduce_uea.main(
+    _main(
       ["--report_only", f"--results={results}", f"--root={tmp_path / 'no_workdirs'}", "--jobs=4"]
     )
     == 0

@@ -1,7 +1,6 @@
 """Tests of the 'sraven' task (primal_dual/experiments/sraven.py), primal_dual/configs/sraven.py and
-scripts/reproduce_sraven.py (its --quick grid is the task's end-to-end run)."""
+`primal-dual reproduce sraven` (its --quick grid is the task's end-to-end run)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -20,14 +19,6 @@ from primal_dual.layers import ATTENTION_REGISTRY
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = sraven.SRavenConfig(num_features=2, num_values=5, rules=("constant", "addition"))
-
-
-def _load_script(name):
-  path = REPO_ROOT / "primal_dual/experiments/reproduce" / f"{name.removeprefix('reproduce_')}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _log_softmax(x):
@@ -193,9 +184,14 @@ def test_cpu_preset_keeps_held_out_rule_combinations():
 
 
 def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
-  script = _load_script("reproduce_sraven")
   root, out = tmp_path / "runs", tmp_path / "out"
-  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--max_examples=32"]) == 0
+  argv = [
+    "--quick",
+    f"--root={root}",
+    f"--results={out / 'sraven_quick.json'}",
+    "--max_examples=32",
+  ]
+  assert grid.reproduce(task.REPRODUCTION, argv) == 0
   records = json.loads((out / "sraven_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
@@ -215,22 +211,21 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
   assert (out / "sraven_quick_curves.png").stat().st_size > 0
 
   # Re-running reuses the finished runs and the cached analyses: same records.
-  assert script.main(["--quick", f"--root={root}", f"--out={out}", "--max_examples=32"]) == 0
+  assert grid.reproduce(task.REPRODUCTION, argv) == 0
   again = json.loads((out / "sraven_quick.json").read_text())
   assert again == records
 
 
 def test_speed_ratio_is_step_time_ratio():
-  script = _load_script("reproduce_sraven")
   records = [
     {"attention": "softmax", "steps_per_second": 10.0},
     {"attention": "softmax", "steps_per_second": 30.0},
     {"attention": "hyla", "steps_per_second": 5.0},
   ]
-  assert script.speed_ratio(records) == pytest.approx(4.0)
-  assert script.speed_ratio(records[:2]) is None
+  assert task.speed_ratio(records) == pytest.approx(4.0)
+  assert task.speed_ratio(records[:2]) is None
   assert math.isclose(
-    script.whole_panel_chance(
+    task.whole_panel_chance(
       os.path.join(REPO_ROOT, "primal_dual", "configs", "sraven.py"), "preset=paper"
     ),
     8.0**-4,

@@ -29,6 +29,7 @@ import cli_helpers
 import helpers
 from jax.sharding import PartitionSpec
 
+from primal_dual import experiments
 from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
@@ -351,16 +352,16 @@ def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
     tasks.register_task(tasks.TASKS['synthetic'])
   # Only these two names exist here, whatever other test modules registered in this process.
   monkeypatch.setattr(tasks, 'TASKS', {'synthetic': tasks.TASKS['synthetic']})
-  monkeypatch.setattr(tasks, 'LAZY_TASK_MODULES', {})
-  (tmp_path / 'lazy_demo_task.py').write_text(
+  # A new task is one module in primal_dual.experiments (here a folder added to its path).
+  monkeypatch.setattr(experiments, '__path__', [*experiments.__path__, str(tmp_path)])
+  (tmp_path / 'lazy_demo.py').write_text(
     'from primal_dual.training import tasks\n'
     'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'
     '    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))\n'
   )
-  monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setitem(tasks.LAZY_TASK_MODULES, 'lazy_demo', 'lazy_demo_task')
   assert tasks.get_task('lazy_demo').name == 'lazy_demo'
-  with pytest.raises(errors.UnknownNameError, match="'missing'; known: lazy_demo, synthetic"):
+  known = 'images, lazy_demo, listops, logic, sraven, synthetic, uea'
+  with pytest.raises(errors.UnknownNameError, match=f"'missing'; known: {known}"):
     tasks.get_task('missing')
 
 

@@ -2,11 +2,11 @@
 
   primal-dual train --config=default:runlocal --workdir=/tmp/run   # the same as python train.py
   primal-dual eval --workdir=/tmp/run                               # the same as python eval.py
-  primal-dual reproduce uea --dry_run                    # python scripts/reproduce_uea.py --dry_run
+  primal-dual reproduce uea --dry_run                    # python scripts/reproduce.py uea --dry_run
 
 `primal-dual <command> --help` lists a command's flags. `train` and `eval` are absl programs
 (`primal_dual/commands/train.py`, `evaluate.py`); `reproduce TASK` runs the grid of
-`primal_dual/experiments/reproduce/<TASK>.py`. A problem the user can fix is one line
+`primal_dual/experiments/<TASK>.py`. A problem the user can fix is one line
 `error: ...` with exit status 2.
 """
 

@@ -44,7 +44,7 @@ Commands::
   # DeiT-tiny on ImageNet (accelerators; prepare imagenet2012 with TFDS first)
   python train.py --config=primal_dual/configs/images.py:dataset=imagenet2012,model=tiny,attention=bn_sh,\
 data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_bn_sh
-  # every variant × 3 seeds on digits, tabulated: python scripts/reproduce_images.py
+  # every variant × 3 seeds on digits, tabulated: python scripts/reproduce.py images
 """
 
 from primal_dual import registry

@@ -47,7 +47,7 @@ Commands::
   # on 2 cores; results/listops.md holds the measured accuracies)
   python train.py --config=primal_dual/configs/listops.py:setting=pytorch,preset=short,attention=bn_sh \
       --workdir=workdirs/listops_short_bn_sh
-  # every variant × 3 seeds, tabulated: python scripts/reproduce_listops.py
+  # every variant × 3 seeds, tabulated: python scripts/reproduce.py listops
 """
 
 import math

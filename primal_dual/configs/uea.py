@@ -42,7 +42,7 @@ Command (one run) and what to expect::
 prints the final metrics, among them ``best/test_accuracy`` (best-test protocol). The published
 reference for this data set and model is 98.7% (docs/maths.md §5, best test accuracy, labelled "reference"
 in results/uea.md); this project's own measurements, over 3 seeds and both protocols, are in
-results/uea.md, produced by ``scripts/reproduce_uea.py`` (see its docstring). A reference-model
+results/uea.md, produced by ``scripts/reproduce.py uea`` (see its ``--help``). A reference-model
 run of JapaneseVowels takes on the order of 10–20 minutes on a 2-core CPU; ``size=small`` a few.
 """
 

@@ -5,8 +5,10 @@ is finished and is not trained again; an unfinished one resumes from its last ch
 trainer does that). After every run the collected records are written to a JSON file, so a grid
 killed half-way loses at most the run in progress.
 
-Used by the reproduction grids in ``primal_dual/experiments/reproduce/`` (``config_file`` is a
-packaged config's short name or a config file's path, ``load_config``)::
+Each task module ``primal_dual/experiments/<task>.py`` declares its paper grid as a
+``Reproduction`` (which runs, what each record holds, how the report reads); ``reproduce`` runs it
+with the flags every grid shares (``primal-dual reproduce <task>``). The pieces underneath
+(``config_file`` is a packaged config's short name or a config file's path, ``load_config``)::
 
   runs = [GridRun(name=f"jv_{a}_s{s}", config_file="uea",
                   config_arg=f"dataset=JapaneseVowels,attention={a},seed={s}",
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -95,6 +98,18 @@ def _write_json(path: str, payload: Any) -> None:
   with open(tmp, "w") as f:
     json.dump(payload, f, indent=1, sort_keys=True)
   os.replace(tmp, path)
+
+
+def cached(path: str, key: Any, compute: Callable[[], Any]) -> Any:
+  """``compute()``, kept in the JSON file ``path`` with ``key`` and read back while ``key`` is the
+  same (a run's analysis in its workdir: a run trained further has another key)."""
+  if os.path.exists(path):
+    stored = _read_json(path)
+    if stored.get("cache_key") == key:
+      return stored["analysis"]
+  value = compute()
+  _write_json(path, {"cache_key": key, "analysis": value})
+  return value
 
 
 def is_finished(workdir: str) -> bool:
@@ -295,6 +310,7 @@ def run_grid(
   record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
   log: Callable[[str], None] = print,
   jobs: int = 1,
+  validate_record: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
   """Runs every unfinished job, then writes one record per run to ``results_json``.
 
@@ -308,6 +324,7 @@ def run_grid(
     jobs: runs trained at the same time, each in its own process (for a machine, typically an
       accelerator, that one small run leaves mostly idle); 1 trains them one after another in
       this process.
+    validate_record: raises on a malformed record, before it is written.
 
   Returns:
     The records: ``{name, config_file, config_arg, **tags, wall_time_s, hardware, metrics,
@@ -354,6 +371,8 @@ def run_grid(
         }
       if record_fn is not None:
         record.update(record_fn(run, metrics, workdir))
+      if validate_record is not None:
+        validate_record(record)
       records.append(record)
     _write_json(results_json, records)
   return records
@@ -414,6 +433,17 @@ def check_variants_and_seeds(
     )
   if not args.seeds:
     parser.error("--seeds: give at least one seed")
+
+
+# The fields ``run_grid`` gives every record, besides the run's tags and the task's fields (a task's
+# RECORD_SCHEMA starts with these).
+RUN_RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
+  "name": (str,),
+  "config_file": (str,),
+  "config_arg": (str,),
+  "wall_time_s": (int, float),
+  "metrics": (dict,),
+}
 
 
 def schema_problems(record: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) -> list[str]:
@@ -519,6 +549,155 @@ def summary_table(
     cells.extend(fn(key) for fn in extra_columns.values())
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# A task's paper grid and the one command line that runs it.
+
+RecordFn = Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantChoice:
+  """The defaults of ``--variants`` and ``--seeds`` (``quick``: ``--quick``'s variants, whose
+  seed is 0; None keeps the default variants)."""
+
+  default: tuple[str, ...]
+  quick: tuple[str, ...] | None = None
+  seeds: tuple[int, ...] = (0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reproduction:
+  """A task's paper grid, declared by its task module as ``REPRODUCTION`` and run by ``reproduce``.
+
+  Every grid takes ``--root``, ``--results``, ``--jobs``, ``--quick``, ``--dry_run`` and
+  ``--report_only`` (and ``--variants``/``--seeds`` where ``variants`` is given), plus the task's own
+  ``flags``.
+
+  Attributes:
+    task: the task's name; the defaults are ``--results=results/<task>.json`` and
+      ``--root=workdirs/<task>_grid`` (``<task>_quick`` for both with ``--quick``).
+    summary: what the grid measures (the first line of ``--help``).
+    commands: the commands for each scale and what they cost (the end of ``--help``).
+    quick: what ``--quick`` runs (its help).
+    build_runs: ``args -> [GridRun]``.
+    record_fn: ``(run, final_metrics, workdir, args) -> the record's task fields``.
+    markdown_report: ``(records, command) -> the report`` (``command`` made the records).
+    flags: the task's own flags: flag → ``add_argument`` options.
+    check_arguments: completes ``args`` or raises ValueError / FileNotFoundError (one line).
+    validate_record: raises ValueError naming what is wrong with a record.
+    write_figures: ``(records, args) -> paths of the figures written next to --results``.
+    variants: the defaults of ``--variants``/``--seeds``; None: the grid has neither flag.
+  """
+
+  task: str
+  summary: str
+  commands: str
+  quick: str
+  build_runs: Callable[[argparse.Namespace], list[GridRun]]
+  record_fn: Callable[..., Mapping[str, Any]]
+  markdown_report: Callable[[Sequence[Mapping[str, Any]], str], str]
+  flags: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  check_arguments: Callable[[argparse.Namespace], None] | None = None
+  validate_record: Callable[[Mapping[str, Any]], None] | None = None
+  write_figures: Callable[[Sequence[Mapping[str, Any]], argparse.Namespace], list[str]] | None = (
+    None
+  )
+  variants: VariantChoice | None = None
+
+
+# The flags of every grid besides --quick (whose help is the task's): flag → add_argument options.
+SHARED_FLAGS: dict[str, dict[str, Any]] = {
+  "--root": dict(default="", help="parent of the runs' workdirs (default workdirs/<task>_grid)"),
+  "--results": dict(
+    default="",
+    help="records (JSON); the .md and the figures go next to it (default results/<task>.json)",
+  ),
+  "--jobs": dict(
+    type=int, default=1, help="runs trained at once, one process each (e.g. 6 on a GPU)"
+  ),
+  "--dry_run": dict(action="store_true", help="list the runs and whether each is finished"),
+  "--report_only": dict(
+    action="store_true",
+    help="re-render the report from every record of --results; train nothing",
+  ),
+}
+
+
+def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> argparse.Namespace:
+  """The grid's flags: those shared by every grid plus the task's; defaults filled in."""
+  parser = argparse.ArgumentParser(
+    prog=f"primal-dual reproduce {reproduction.task}",
+    description=reproduction.summary,
+    epilog=reproduction.commands,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  choice = reproduction.variants
+  if choice is not None:
+    add_variant_and_seed_arguments(parser, choice.default, choice.quick, choice.seeds)
+  for flag, options in {**reproduction.flags, **SHARED_FLAGS}.items():
+    parser.add_argument(flag, **options)
+  parser.add_argument("--quick", action="store_true", help=f"smoke test: {reproduction.quick}")
+  args = parser.parse_args(argv)
+  if choice is not None:
+    check_variants_and_seeds(parser, args, choice.default, choice.quick, choice.seeds)
+  stem = reproduction.task + ("_quick" if args.quick else "")
+  args.root = args.root or os.path.join("workdirs", stem if args.quick else f"{stem}_grid")
+  args.results = args.results or os.path.join("results", f"{stem}.json")
+  return args
+
+
+def _print_dry_run(runs: Sequence[GridRun], root: str) -> None:
+  for run in runs:
+    done = is_finished(os.path.join(root, run.name))
+    print(f"  {'finished' if done else 'to train'}  {run.name}  ({run.config_arg})")
+
+
+def reproduce(reproduction: Reproduction, argv: Sequence[str] | None = None) -> int:
+  """Trains the grid's unfinished runs and writes its records, report and figures.
+
+  Returns the exit status: 0, or 2 after a one-line ``error: ...`` on a bad argument.
+  """
+  args = parse_arguments(reproduction, argv)
+  try:
+    if reproduction.check_arguments is not None:
+      reproduction.check_arguments(args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  runs = reproduction.build_runs(args)
+  print(f"{reproduction.task} grid: {len(runs)} runs under {args.root}")
+  if args.dry_run:
+    _print_dry_run(runs, args.root)
+    return 0
+  # --report_only re-renders every record of the results JSON, whatever workdirs exist here.
+  records = records_for_report(
+    runs,
+    args.root,
+    args.results,
+    report_only=args.report_only,
+    record_fn=functools.partial(reproduction.record_fn, args=args),
+    jobs=args.jobs,
+    validate_record=reproduction.validate_record,
+  )
+  if reproduction.validate_record is not None:
+    for record in records:
+      reproduction.validate_record(record)
+  markdown_path = os.path.splitext(args.results)[0] + ".md"
+  command = report_command(
+    f"scripts/reproduce.py {reproduction.task}",
+    argv,
+    markdown_path,
+    report_only=args.report_only,
+  )
+  with open(markdown_path, "w") as f:
+    f.write(reproduction.markdown_report(records, command))
+  written = [args.results, markdown_path]
+  if reproduction.write_figures is not None:
+    written += reproduction.write_figures(records, args)
+  print("wrote " + ", ".join(written))
+  return 0
 
 
 def _main(argv: Sequence[str]) -> int:

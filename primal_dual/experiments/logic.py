@@ -30,7 +30,9 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import argparse
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,9 @@ import numpy as np
 
 from primal_dual.data import logic
 from primal_dual.data import sraven
-from primal_dual.experiments.common import attention_kwargs, model_kwargs
+from primal_dual.experiments import common
+from primal_dual.experiments import grid
+from primal_dual.experiments import sraven as sraven_task
 from primal_dual.experiments.sraven import SEQUENCE_FIELDS, example_weights, weighted_sum
 from primal_dual.models import SequenceTransformer
 from primal_dual.training import tasks as tasks_lib
@@ -188,11 +192,7 @@ def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
 
 def train_size(config: ml_collections.ConfigDict) -> int:
   """``data.num_train``, or ``num_train_steps × batch_size`` (each sequence seen once) if ≤ 0."""
-  if config.data.get("num_train", 0) > 0:
-    return int(config.data.num_train)
-  if config.num_train_steps <= 0:
-    raise ValueError("set data.num_train > 0 or num_train_steps > 0 to size the logic train stream")
-  return int(config.num_train_steps * config.batch_size)
+  return common.stream_train_size(config, "logic")
 
 
 def build_data(config: ml_collections.ConfigDict):
@@ -242,9 +242,7 @@ def device_train_stream(
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   del metadata
-  return SequenceTransformer(
-    num_outputs=1, **model_kwargs(config.model, SEQUENCE_FIELDS), **attention_kwargs(config.model)
-  )
+  return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, SEQUENCE_FIELDS))
 
 
 TASK = tasks_lib.register_task(
@@ -258,4 +256,119 @@ TASK = tasks_lib.register_task(
     selection_mode="max",
     device_train_stream=device_train_stream,
   )
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reproduction grid (``primal-dual reproduce logic``): sRAVEN's plan, flags and report pieces.
+
+GRID_COMMANDS = r"""
+Runs the grid (``primal_dual/configs/logic.py``, one workdir per run under ``--root``): the preset's
+main variants × seeds 0, 1, 2 and its ablations × seed 0 (``sraven.GRID_VARIANTS``). For
+every run it records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's
+OOD), ``ood`` (held-out conjunctions) and ``validation`` at the checkpoint selected on validation R²
+(both definitions: against each task's variance, and the paper's per-sequence mean), the last
+evaluation's values, the learning curve, the median logged steps/s (first log period, which includes
+compilation, left out) and the wall time; it writes ``--results`` (default results/logic.json), the
+same path with ``.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for
+the reference scale) and with ``_curves.png``.
+
+Commands (from the repository root; ``primal-dual reproduce logic`` where the package is
+installed)::
+
+  # CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
+  # (primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
+  .venv/bin/python scripts/reproduce.py logic
+
+  # The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
+  # accelerator.
+  python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper
+
+  # Smoke test: 2 tiny runs (softmax and hyla, runlocal).
+  .venv/bin/python scripts/reproduce.py logic --quick --root=/tmp/logic_quick \
+      --results=/tmp/logic_quick/logic.json
+
+Re-running the same command resumes (finished runs are reused, unfinished ones continue).
+"""
+CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
+REFERENCE_COMMAND = (
+  "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
+  "--results=results/paper/logic.json"
+)
+REFERENCE_SINGLE_RUN = (
+  "python train.py --config=primal_dual/configs/logic.py:preset=paper,"
+  "attention=hyla,seed=0 --workdir=workdirs/logic_paper_hyla"
+)
+
+
+def record_fn(
+  run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
+) -> dict[str, Any]:
+  """A record's task fields: R² of the selected checkpoint, curve and speed of a run."""
+  del run, args
+  return {
+    "test_r2": float(metrics["selected/test_r2"]),
+    "ood_r2": float(metrics["selected/ood_r2"]),
+    "validation_r2": float(metrics["selected/validation_r2"]),
+    "test_mse": float(metrics["selected/test_mse"]),
+    "test_r2_per_sequence": float(metrics["selected/test_r2_per_sequence"]),
+    "ood_r2_per_sequence": float(metrics["selected/ood_r2_per_sequence"]),
+    "selected_step": int(metrics["selected/step"]),
+    "final_test_r2": float(metrics["test/r2"]),
+    "final_ood_r2": float(metrics["ood/r2"]),
+    "curve": sraven_task.learning_curve(workdir, CURVE_METRICS),
+    "steps_per_second": sraven_task.median_steps_per_second(workdir),
+  }
+
+
+def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
+  columns = {
+    "validation R²": grid.field("validation_r2"),
+    "test R² (unseen combinations)": grid.field("test_r2"),
+    "OOD R² (held-out conjunctions)": grid.field("ood_r2"),
+    "OOD R² last eval": grid.field("final_ood_r2"),
+    "test R² per sequence (paper's R²)": grid.field("test_r2_per_sequence"),
+    "OOD R² per sequence": grid.field("ood_r2_per_sequence"),
+    "steps/s": grid.field("steps_per_second"),
+    "wall time (min)": grid.field("wall_time_s"),
+  }
+  scales = {name: 1.0 for name in columns}
+  scales["wall time (min)"] = 1 / 60
+  presets = sorted({str(r["preset"]) for r in records})
+  lines = [
+    "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
+    sraven_task.environment_line(command, records) + f" Preset: {', '.join(presets)} "
+    "(primal_dual/configs/logic.py). Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
+    "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
+    "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
+    "of the same name; curves: the _curves.png next to it.\n",
+    grid.summary_table(records, ("attention",), columns, scales),
+    "\n" + sraven_task.speed_ratio_line(records) + "\n",
+    "\n## Reference scale (accelerator)\n",
+    "The HYLA paper's setup (model d 128, 8 heads of q/k/v width 16, 2 layers; n = 4 "
+    "variables, 2 terms, sequences of 32, 70% of the term sets held out; 50k steps of batch "
+    "128) is the `paper` preset, meant for an accelerator:\n",
+    f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
+  ]
+  return "\n".join(lines)
+
+
+REPRODUCTION = grid.Reproduction(
+  task="logic",
+  summary="The fuzzy-logic comparison: HYLA against softmax and linear attention (R²).",
+  commands=GRID_COMMANDS,
+  quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
+  build_runs=functools.partial(sraven_task.sequence_grid_runs, "logic"),
+  record_fn=record_fn,
+  markdown_report=markdown_report,
+  flags=sraven_task.SEQUENCE_GRID_FLAGS,
+  write_figures=functools.partial(
+    sraven_task.write_curves,
+    panels={
+      "unseen combinations (test)": CURVE_METRICS[0],
+      "held-out conjunctions (ood)": CURVE_METRICS[1],
+    },
+    ylabel="R²",
+    title="Fuzzy-logic learning curves",
+  ),
 )

@@ -27,9 +27,9 @@ Registering a task::
   register_task(Task(name='uea', build_data=..., build_model=..., loss_and_metrics=
       classification_loss_and_metrics, eval_splits=('validation', 'test')))
 
-Modules that register tasks on import can be listed in `LAZY_TASK_MODULES` (name → module path):
-`get_task` imports the module the first time the name is asked for, so the trainer does not import
-every data set's dependencies.
+A task named `<name>` lives in the module `primal_dual.experiments.<name>`, whose import registers
+it: `get_task` imports that module the first time the name is asked for, so the trainer imports
+only the data dependencies of the task it runs, and names no task itself.
 """
 
 import dataclasses
@@ -75,12 +75,6 @@ class LazySplit:
 
 TASKS: dict[str, Task] = {}
 
-# Task name → module whose import registers it (filled in as task modules are added).
-LAZY_TASK_MODULES: dict[str, str] = {
-  name: f'primal_dual.experiments.{name}'
-  for name in ('uea', 'listops', 'images', 'sraven', 'logic')
-}
-
 
 def register_task(task: Task, *, overwrite: bool = False) -> Task:
   """Adds `task` to `TASKS` under `task.name`; returns it (usable at module level)."""
@@ -91,15 +85,18 @@ def register_task(task: Task, *, overwrite: bool = False) -> Task:
 
 
 def get_task(name: str) -> Task:
-  """The registered task `name`, importing its module from `LAZY_TASK_MODULES` if needed.
+  """The registered task `name`, importing its module `primal_dual.experiments.<name>` if needed.
 
   Raises:
-    errors.UnknownNameError: no such task.
+    errors.UnknownNameError: no such task (the message lists the task modules found).
   """
-  if name not in TASKS and name in LAZY_TASK_MODULES:
-    importlib.import_module(LAZY_TASK_MODULES[name])
+  from primal_dual import experiments  # pylint: disable=g-import-not-at-top
+
+  modules = experiments.task_names()
+  if name not in TASKS and name in modules:
+    importlib.import_module(f'{experiments.__name__}.{name}')
   if name not in TASKS:
-    known = ', '.join(sorted(set(TASKS) | set(LAZY_TASK_MODULES)))
+    known = ', '.join(sorted(set(TASKS) | set(modules)))
     raise errors.UnknownNameError(f'unknown task (config.task) {name!r}; known: {known}')
   return TASKS[name]
 
