@@ -17,7 +17,7 @@ import pytest
 
 from primal_dual.experiments import grid
 from primal_dual.training import config_lib
-from primal_dual.training import trainer
+from primal_dual.training import setup
 from primal_dual.training import workdir as workdir_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def _foreign_workdir(tmp_path, config_file) -> str:
   """A workdir of an earlier version whose config.json has seed 5."""
   workdir = tmp_path / 'foreign'
   workdir.mkdir()
-  config = trainer.resolve_config(grid.load_config(config_file, None))
+  config = setup.resolve_config(grid.load_config(config_file, None))
   as_dict = json.loads(config_lib.to_json(config))
   as_dict['seed'] = 5
   (workdir / 'config.json').write_text(json.dumps(as_dict))

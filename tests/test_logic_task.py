@@ -14,7 +14,7 @@ from primal_dual.data import logic
 from primal_dual.experiments import grid
 from primal_dual.experiments import logic as task
 from primal_dual.layers import ATTENTION_REGISTRY
-from primal_dual.training import trainer
+from primal_dual.training import evaluation
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = logic.LogicConfig(num_variables=3, num_terms=2, seq_len=4)
@@ -70,7 +70,7 @@ def test_r2_through_the_trainer_reduction_equals_r_squared():
     kept.append(
       (predictions[:num_valid], batch["target"][:num_valid], batch["task_variance"][:num_valid])
     )
-  reduced = trainer._reduce_metrics(per_batch)  # the trainer's Σ sums / Σ counts
+  reduced = evaluation.reduce_metrics(per_batch)  # the trainer's Σ sums / Σ counts
   expected = logic.r_squared(*(np.concatenate(parts) for parts in zip(*kept)))
   assert reduced["r2"] == pytest.approx(expected, rel=1e-5)
   assert reduced["r2"] < 1.0

@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from primal_dual import atomic
+
 FINAL_METRICS = "final_metrics.json"
 RUN_INFO = "grid_run.json"
 RUN_LOG = "grid_run.log"
@@ -93,11 +95,7 @@ def _read_json(path: str) -> Any:
 
 
 def _write_json(path: str, payload: Any) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(payload, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+  atomic.write_json(path, payload, indent=1)
 
 
 def cached(path: str, key: Any, compute: Callable[[], Any]) -> Any:

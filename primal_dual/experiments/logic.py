@@ -200,20 +200,20 @@ def build_data(config: ml_collections.ConfigDict):
   data = config.data
   tasks = logic_config(data)
   seed = data.get("stream_seed", 0)
-  splits = {
-    "train": LogicTaskSource(
-      tasks,
-      "train",
-      seed,
-      train_size(config),
-      # Batches made on the device never read the host's train split: nothing to store up front.
-      materialize=(
-        bool(data.get("materialize_train")) and not config.get("train_data_on_device", False)
-      ),
-      chunk_size=data.get("chunk_size", 8192),
-      fields=TRAIN_FIELDS,
-    )
-  }
+  train = functools.partial(
+    LogicTaskSource,
+    tasks,
+    "train",
+    seed,
+    train_size(config),
+    # Batches made on the device never read the host's train split: nothing to store up front.
+    materialize=(
+      bool(data.get("materialize_train")) and not config.get("train_data_on_device", False)
+    ),
+    chunk_size=data.get("chunk_size", 8192),
+    fields=TRAIN_FIELDS,
+  )
+  splits = {"train": tasks_lib.LazySplit(train)}  # built only when training reads it
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
     if size > 0:

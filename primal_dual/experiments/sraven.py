@@ -276,7 +276,8 @@ def build_data(config: ml_collections.ConfigDict):
   materialize = bool(data.get("materialize_train", True)) and not config.get(
     "train_data_on_device", False
   )
-  splits = {"train": TRAIN_SOURCES[materialize](problems, seed, train_size(config), data)}
+  train = functools.partial(TRAIN_SOURCES[materialize], problems, seed, train_size(config), data)
+  splits = {"train": tasks_lib.LazySplit(train)}  # built only when training reads it
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
     if size > 0:
@@ -505,30 +506,6 @@ def median_steps_per_second(workdir: str) -> float | None:
   return float(np.median(speeds[1:] if len(speeds) > 1 else speeds))
 
 
-def restore_for_analysis(workdir: str, checkpoint: str = "selected"):
-  """``(experiment, state)`` of a workdir's checkpoint, without re-generating the train split.
-
-  Same as ``trainer.restore_workdir`` except that the train split is read on the fly instead of
-  generated up front (only its first record is read, for the model's input shape); model,
-  evaluation splits and optimizer state shapes are those of the run.
-  """
-  from primal_dual.training import checkpointing  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
-
-  config = config_lib.read_config(workdir)
-  config.data.materialize_train = False
-  experiment = trainer.build_experiment(trainer.resolve_config(config))
-  directory = (
-    checkpointing.SELECTED_DIR if checkpoint == "selected" else (checkpointing.CHECKPOINT_DIR)
-  )
-  with checkpointing.Checkpointer(
-    os.path.join(workdir, directory), keep=None, async_save=False
-  ) as checkpointer:
-    state, _ = checkpointer.restore(None, experiment.restore_target())
-  return experiment, state
-
-
 def cached_latent_code(
   workdir: str, metrics: Mapping[str, Any], max_examples: int
 ) -> dict[str, Any]:
@@ -542,7 +519,10 @@ def cached_latent_code(
 def _latent_code(workdir: str, max_examples: int) -> dict[str, Any]:
   from primal_dual.analysis import latent_code  # pylint: disable=g-import-not-at-top
 
-  experiment, state = restore_for_analysis(workdir, "selected")
+  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
+
+  # Built for evaluation: the (lazy) train split is never generated.
+  experiment, state = evaluation.restore_workdir(workdir, "selected")
   return latent_code.run(experiment, state, split="ood", max_examples=max_examples, out_dir=workdir)
 
 

@@ -271,9 +271,9 @@ def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[st
   from primal_dual.analysis import attention_maps  # pylint: disable=g-import-not-at-top
   from primal_dual.models import parameter_count  # pylint: disable=g-import-not-at-top
   from primal_dual.analysis import flops  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
 
-  experiment, state = trainer.restore_workdir(workdir, checkpoint)
+  experiment, state = evaluation.restore_workdir(workdir, checkpoint)
   redundancy = attention_maps.run_redundancy(
     experiment, state, split="test", max_examples=max_examples, out_dir=workdir
   )
