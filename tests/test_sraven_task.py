@@ -16,6 +16,7 @@ from primal_dual.data import sraven
 from primal_dual.experiments import grid
 from primal_dual.experiments import sraven as task
 from primal_dual.layers import ATTENTION_REGISTRY
+from primal_dual.training import tasks as tasks_lib
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = sraven.SRavenConfig(num_features=2, num_values=5, rules=("constant", "addition"))
@@ -114,7 +115,8 @@ def test_build_data_splits_and_metadata():
   config = sraven_configs.get_config("runlocal")
   splits, metadata = task.build_data(config)
   assert set(splits) == {"train", "validation", "test", "ood"}
-  assert len(splits["train"]) == config.num_train_steps * config.batch_size
+  assert isinstance(splits["train"], tasks_lib.LazySplit)  # built only when training reads it
+  assert len(splits["train"].build()) == config.num_train_steps * config.batch_size
   assert metadata["num_values"] == config.data.num_values
   assert metadata["num_tokens"] == 9 * config.data.num_features
   heldout = set(sraven.heldout_latent_ids(metadata["problems"]).tolist())

@@ -115,7 +115,7 @@ def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, tas
   indices = np.arange(8, dtype=np.uint32)
   batch = batch_fn(indices, config.seed)
   assert set(batch) == set(task.TRAIN_FIELDS)
-  assert batch["inputs"].shape == (8, *splits["train"][0]["inputs"].shape)
+  assert batch["inputs"].shape == (8, *splits["train"].build()[0]["inputs"].shape)
   other = batch_fn(indices, config.seed + 1)
   assert not np.array_equal(np.asarray(batch["inputs"]), np.asarray(other["inputs"]))
 
