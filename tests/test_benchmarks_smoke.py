@@ -178,7 +178,7 @@ def test_train_throughput_writes_json_and_markdown(outputs):
   records = payload["records"]
   assert {(r["model"], r["variant"], r["num_devices"]) for r in records} == {
     ("uea", "softmax", 2),
-    ("sraven", "softmax", 2),
+    ("listops", "softmax", 2),
   }
   for r in records:
     assert r["status"] == "ok", r
