@@ -266,6 +266,11 @@ def render_markdown_table(columns: Sequence[Column], rows: Iterable[Mapping[str,
   return "\n".join(lines)
 
 
+def timing_columns(time_header: str) -> tuple[Column, Column]:
+  """The columns of a :class:`Timing` record: median time and interquartile range, in ms."""
+  return Column(time_header, "time_s", format_ms), Column("IQR ms", "time_iqr_s", format_ms)
+
+
 def render_metadata(metadata: Mapping[str, Any], keys: Sequence[str]) -> str:
   """A bullet list of selected metadata entries."""
   return "\n".join(f"- {key}: `{metadata.get(key)}`" for key in keys)

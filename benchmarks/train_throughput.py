@@ -17,7 +17,7 @@ Models (the configs' docstrings; docs/maths.md §4):
   8 heads, CLS read-out, batch 32), token ids ``[32, 2000]`` with lengths 500–2000.
 
 Variants: every registered one (``primal_dual.registry``), with the options the config gives it.
-``--quick`` uses the configs' ``runlocal`` models and short sequences.
+``--quick`` uses the configs' ``runlocal`` models (ListOps: its ``tiny`` preset, 40 tokens).
 
 Devices: the step is data-parallel over a ``Mesh`` of the first N devices (batch sharded with
 ``NamedSharding(mesh, P('data'))``, the state replicated). On CPU the N devices are virtual
@@ -66,16 +66,15 @@ class Setup(NamedTuple):
 
   Attributes:
     config_arg: the packaged config's argument, before ``attention=<variant>``.
-    metadata: ``config -> dict``, what ``task.build_model`` needs (``num_classes``, ...).
+    metadata: ``config -> dict``, what ``task.build_model`` needs (``num_classes``, ...) and
+      ``max_length``, the tokens per example.
     make_batch: ``(config, length, rng) -> dict`` of NumPy arrays, the task's training batch
       (data contract in docs/ARCHITECTURE.md) of ``config.batch_size`` examples.
-    length: ``quick -> int``, tokens per example.
   """
 
   config_arg: str
   metadata: Callable[[ml_collections.ConfigDict], dict[str, Any]]
   make_batch: Callable[[ml_collections.ConfigDict, int, np.random.Generator], dict[str, np.ndarray]]
-  length: Callable[[bool], int]
 
 
 def _lengths_and_mask(rng, batch_size: int, min_length: int, length: int):
@@ -84,18 +83,19 @@ def _lengths_and_mask(rng, batch_size: int, min_length: int, length: int):
   return np.arange(length)[None, :] < lengths[:, None]
 
 
-# --- UEA (JapaneseVowels) ------------------------------------------------------------------------
+# --- UEA (JapaneseVowels: 12 channels, 9 classes, 7 to 29 steps) --------------------------------
 
-UEA_CHANNELS, UEA_CLASSES = 12, 9
+UEA_METADATA = {"num_classes": 9, "max_length": 29}
+UEA_CHANNELS, UEA_MIN_LENGTH = 12, 7
 
 
 def uea_batch(config, length, rng):
-  mask = _lengths_and_mask(rng, config.batch_size, min(7, length), length)
+  mask = _lengths_and_mask(rng, config.batch_size, UEA_MIN_LENGTH, length)
   inputs = rng.standard_normal((config.batch_size, length, UEA_CHANNELS)).astype(np.float32)
   return dict(
     inputs=inputs * mask[..., None],
     mask=mask,
-    label=rng.integers(0, UEA_CLASSES, size=config.batch_size).astype(np.int32),
+    label=rng.integers(0, UEA_METADATA["num_classes"], size=config.batch_size).astype(np.int32),
   )
 
 
@@ -105,11 +105,10 @@ def uea_batch(config, length, rng):
 def listops_batch(config, length, rng):
   from primal_dual.data import listops  # pylint: disable=g-import-not-at-top
 
-  # Token ids past the padding and CLS ids; a CLS first when the model reads it out.
+  # Token ids past the padding and CLS ids (the model prepends its own CLS); lengths from a quarter
+  # of the longest up, as the preset's (500 to 2000).
   mask = _lengths_and_mask(rng, config.batch_size, length // 4, length)
   tokens = rng.integers(listops.CLS_ID + 1, listops.VOCAB_SIZE, size=mask.shape)
-  if config.model.pooling == "cls":
-    tokens[:, 0] = listops.CLS_ID
   return dict(
     inputs=np.where(mask, tokens, listops.PAD_ID).astype(np.int32),
     mask=mask,
@@ -124,18 +123,8 @@ def _listops_metadata(config):
 
 
 MODELS: dict[str, Setup] = {
-  "uea": Setup(
-    "dataset=JapaneseVowels",
-    lambda config: {"num_classes": UEA_CLASSES},
-    uea_batch,
-    lambda quick: 12 if quick else 29,
-  ),
-  "listops": Setup(
-    "setting=jax_lra,preset=full",
-    _listops_metadata,
-    listops_batch,
-    lambda quick: 40 if quick else 2000,
-  ),
+  "uea": Setup("dataset=JapaneseVowels", lambda config: UEA_METADATA, uea_batch),
+  "listops": Setup("setting=jax_lra,preset=full", _listops_metadata, listops_batch),
 }
 
 
@@ -157,10 +146,11 @@ def build_step(model_name: str, variant: str, quick: bool) -> Step:
   arg = f"{setup.config_arg},attention={variant}" + (",runlocal" if quick else "")
   config = configs.load(model_name, arg)
   task = tasks_lib.get_task(config.task)
-  model = task.build_model(config, setup.metadata(config))
+  metadata = setup.metadata(config)
+  model = task.build_model(config, metadata)
   tx, _ = optim.make_optimizer(config.optimizer, SCHEDULE_STEPS)
-  length = setup.length(quick)
-  batch = jax.tree.map(jnp.asarray, setup.make_batch(config, length, np.random.default_rng(0)))
+  rng = np.random.default_rng(0)
+  batch = jax.tree.map(jnp.asarray, setup.make_batch(config, metadata["max_length"], rng))
   init_rng, state_rng = jax.random.split(jax.random.PRNGKey(0))
   variables = nn.unbox(
     jax.jit(lambda rng: model.init(rng, batch["inputs"], mask=batch.get("mask"), train=False))(
@@ -376,8 +366,7 @@ DETAIL_COLUMNS = (
   common.Column("devices", "num_devices"),
   common.Column("batch", "batch"),
   common.Column("tokens/step", "tokens_per_step"),
-  common.Column("ms/step", "time_s", common.format_ms),
-  common.Column("IQR ms", "time_iqr_s", common.format_ms),
+  *common.timing_columns("ms/step"),
   common.Column("steps/s", "steps_per_s", lambda v: f"{v:.3g}"),
   common.Column("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
   common.Column("compile s", "compile_s", lambda v: f"{v:.3g}"),
