@@ -47,8 +47,6 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BACKWARD_OVER_FORWARD = 2.0
 FUSED_REFERENCE = "fused_reference"
 SOFTMAX = "softmax"
-# The reference kernel's FLOPs are softmax attention's.
-REFERENCE_FLOPS_OF = SOFTMAX
 
 
 class Shape(NamedTuple):
@@ -109,7 +107,7 @@ def all_cases(
 ) -> list[Case]:
   """The fused reference, then every registered variant's rows (``variants``: only these)."""
   names = list(registry.ATTENTION_REGISTRY) if variants is None else list(variants)
-  cases = [Case(FUSED_REFERENCE, REFERENCE_FLOPS_OF, {})]
+  cases = [Case(FUSED_REFERENCE, SOFTMAX, {})]  # softmax attention, so softmax's FLOPs
   for name in names:
     cases += variant_cases(name, heads, sh_ratios, hyla_block)
   return cases
@@ -121,6 +119,16 @@ def reference_implementation(dtype) -> str:
   return "cudnn" if jax.default_backend() == "gpu" and dtype in cudnn_dtypes else "xla"
 
 
+def initial_kernel_params(variant: str, shape: Shape) -> dict[str, jax.Array]:
+  """The learned parameters the variant's kernel declares (``params``), at their initial value."""
+  params = registry.lookup(variant).params
+  keys = jax.random.split(jax.random.key(2), max(1, len(params)))
+  return {
+    name: param.init(key, param.shape(shape.heads, shape.head_dim), jnp.float32)
+    for (name, param), key in zip(params.items(), keys)
+  }
+
+
 def build_attention(case: Case, shape: Shape, dtype) -> Callable:
   """``fn(q, k, v) -> out``, all ``[B, N, H, D]``, with the case's kernel parameters bound."""
   if case.name == FUSED_REFERENCE:
@@ -128,13 +136,7 @@ def build_attention(case: Case, shape: Shape, dtype) -> Callable:
       q, k, v, implementation=reference_implementation(dtype)
     )
   attention_fn = registry.make_attention_fn(case.variant, case.options)
-  init_keys = jax.random.split(jax.random.key(2), max(1, len(registry.lookup(case.variant).params)))
-  kernel_params = {
-    param_name: param.init(init_key, param.shape(shape.heads, shape.head_dim), jnp.float32)
-    for (param_name, param), init_key in zip(
-      registry.lookup(case.variant).params.items(), init_keys
-    )
-  }
+  kernel_params = initial_kernel_params(case.variant, shape)
   return lambda q, k, v: attention_fn(q, k, v, **kernel_params)
 
 

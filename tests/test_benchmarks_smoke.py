@@ -153,6 +153,7 @@ def test_a_newly_registered_variant_is_benchmarked_without_edits():
     cases = attention.all_cases(heads=2, sh_ratios=(1, 2), hyla_block=4)
     (case,) = [c for c in cases if c.variant == name]
     assert attention.parse_args(["--quick", "--variants", name]).variants == [name]
+    assert name in train_throughput.selected_variants(None)
     limits = attention.RunLimits(repeats=1, budget_s=1.0, time_cap_s=1.0, memory_cap_bytes=2**30)
     shape = attention.Shape(batch=1, length=8, heads=2, head_dim=4)
     record = attention.measure(case, shape, "float32", "forward_backward", limits, None)
