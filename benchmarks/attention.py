@@ -549,9 +549,7 @@ PIVOTS = (
 )
 
 DETAIL_COLUMNS = (
-  common.Column("kernel", "kernel"),
-  common.Column("dtype", "dtype"),
-  common.Column("pass", "pass"),
+  *common.plain_columns("kernel", "dtype", "pass"),
   common.Column("N", "length"),
   *common.timing_columns("time ms"),
   common.Column("/ softmax", "time_vs_softmax", common.format_ratio),
@@ -612,11 +610,7 @@ def render_markdown(payload) -> str:
     "## Cases",
     "",
     common.render_markdown_table(
-      (
-        common.Column("kernel", "kernel"),
-        common.Column("variant", "variant"),
-        common.Column("options", "options"),
-      ),
+      common.plain_columns("kernel", "variant", "options"),
       _case_rows(config),
     ),
     "",
@@ -694,12 +688,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help=f"default {DEFAULT_LENGTHS} ({QUICK_LENGTHS} with --quick)",
   )
   parser.add_argument("--dtypes", type=common.comma_list(choices=DTYPES), default=list(DTYPES))
-  parser.add_argument(
-    "--variants",
-    type=common.comma_list(choices=registry.ATTENTION_REGISTRY),
-    default=None,
-    help="registry variants to measure (default: every registered one)",
-  )
+  common.add_variants_argument(parser)
   parser.add_argument("--passes", type=common.comma_list(choices=PASSES), default=list(PASSES))
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)

@@ -266,6 +266,11 @@ def render_markdown_table(columns: Sequence[Column], rows: Iterable[Mapping[str,
   return "\n".join(lines)
 
 
+def plain_columns(*keys: str) -> tuple[Column, ...]:
+  """Columns headed by their record key, values as they are."""
+  return tuple(Column(key, key) for key in keys)
+
+
 def timing_columns(time_header: str) -> tuple[Column, Column]:
   """The columns of a :class:`Timing` record: median time and interquartile range, in ms."""
   return Column(time_header, "time_s", format_ms), Column("IQR ms", "time_iqr_s", format_ms)
@@ -331,6 +336,21 @@ def comma_list(cast: Callable[[str], Any] = str, choices: Iterable[str] | None =
     return [cast(x) for x in items]
 
   return parse
+
+
+def add_variants_argument(
+  parser: argparse.ArgumentParser, default: Sequence[str] | None = None
+) -> None:
+  """``--variants``: registry names (``primal_dual.registry``); ``default`` None = every one."""
+  from primal_dual import registry  # Local import: the timing helpers do not need the library.
+
+  parser.add_argument(
+    "--variants",
+    type=comma_list(choices=registry.ATTENTION_REGISTRY),
+    default=default,
+    help="registry variants to measure, comma-separated (default: "
+    f"{'every registered one' if default is None else ','.join(default)})",
+  )
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,6 @@ import jax
 import ml_collections
 
 from benchmarks import common
-from primal_dual import registry
 from primal_dual.training import trainer
 
 MODELS = {"sraven": "primal_dual.configs.sraven", "logic": "primal_dual.configs.logic"}
@@ -143,8 +142,7 @@ def projection(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COLUMNS = [
-  common.Column("model", "model"),
-  common.Column("variant", "variant"),
+  *common.plain_columns("model", "variant"),
   common.Column("K", "steps_per_call"),
   common.Column("N seeds", "seeds"),
   common.Column("data", "data"),
@@ -177,11 +175,7 @@ def render_markdown(payload) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", type=common.comma_list(choices=MODELS), default=list(MODELS))
-  parser.add_argument(
-    "--variants",
-    type=common.comma_list(choices=registry.ATTENTION_REGISTRY),
-    default=list(PAPER_CODE_CPU_MS),
-  )
+  common.add_variants_argument(parser, default=list(PAPER_CODE_CPU_MS))
   parser.add_argument("--steps-per-call", type=common.comma_list(int), default=[1, 10])
   parser.add_argument(
     "--seeds-per-program",

@@ -361,8 +361,7 @@ def run_in_subprocesses(args, log=print) -> list[dict[str, Any]]:
 
 
 DETAIL_COLUMNS = (
-  common.Column("model", "model"),
-  common.Column("variant", "variant"),
+  *common.plain_columns("model", "variant"),
   common.Column("devices", "num_devices"),
   common.Column("batch", "batch"),
   common.Column("tokens/step", "tokens_per_step"),
@@ -433,12 +432,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument("--models", type=common.comma_list(choices=MODELS), default=list(MODELS))
-  parser.add_argument(
-    "--variants",
-    type=common.comma_list(choices=registry.ATTENTION_REGISTRY),
-    default=None,
-    help="registry variants to measure (default: every registered one)",
-  )
+  common.add_variants_argument(parser)
   parser.add_argument("--device-counts", type=common.comma_list(int), default=[1, 8])
   parser.add_argument(
     "--repeats", type=int, default=None, help="timed steps (default 10; 2 with --quick)"
