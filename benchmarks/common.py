@@ -21,6 +21,7 @@ Memory and FLOPs come from the compiled executable and are deterministic (no tim
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -265,9 +266,101 @@ def render_markdown_table(columns: Sequence[Column], rows: Iterable[Mapping[str,
   return "\n".join(lines)
 
 
+def plain_columns(*keys: str) -> tuple[Column, ...]:
+  """Columns headed by their record key, values as they are."""
+  return tuple(Column(key, key) for key in keys)
+
+
+def timing_columns(time_header: str) -> tuple[Column, Column]:
+  """The columns of a :class:`Timing` record: median time and interquartile range, in ms."""
+  return Column(time_header, "time_s", format_ms), Column("IQR ms", "time_iqr_s", format_ms)
+
+
 def render_metadata(metadata: Mapping[str, Any], keys: Sequence[str]) -> str:
   """A bullet list of selected metadata entries."""
   return "\n".join(f"- {key}: `{metadata.get(key)}`" for key in keys)
+
+
+# The metadata a report shows under its title.
+REPORT_METADATA_KEYS = (
+  "device_label",
+  "device_kind",
+  "cpu_model",
+  "cpu_count",
+  "jax_version",
+  "flax_version",
+  "date_utc",
+  "command",
+)
+
+
+def report_header(
+  title: str, metadata: Mapping[str, Any], keys: Sequence[str] = REPORT_METADATA_KEYS
+) -> list[str]:
+  """A report's first lines: the title, a blank line and the metadata bullets."""
+  return [f"# {title}", "", render_metadata(metadata, keys)]
+
+
+def write_reports(
+  out_dir: str | os.PathLike,
+  stem: str,
+  device_label: str,
+  payload: Mapping[str, Any],
+  render: Callable[[Mapping[str, Any]], str],
+) -> dict[str, Path]:
+  """Writes ``payload`` as JSON and its rendering as Markdown; returns both paths.
+
+  The Markdown is rendered from the JSON as written (tuples become lists, NaN None), so
+  ``render(json.load(...))`` of a result file gives its Markdown back exactly.
+  """
+  json_path = write_json(result_path(out_dir, stem, "json", device_label), payload)
+  markdown_path = result_path(out_dir, stem, "md", device_label)
+  markdown_path.write_text(render(json.loads(json_path.read_text())))
+  return {"json": json_path, "markdown": markdown_path}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines.
+# ---------------------------------------------------------------------------------------------
+
+
+def comma_list(cast: Callable[[str], Any] = str, choices: Iterable[str] | None = None):
+  """An argparse ``type``: ``'a,b'`` -> ``[cast('a'), cast('b')]``, names checked in ``choices``."""
+  known = None if choices is None else sorted(choices)
+
+  def parse(text: str) -> list[Any]:
+    items = [x for x in text.split(",") if x]
+    unknown = [] if known is None else sorted(set(items) - set(known))
+    if unknown:
+      raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {known}")
+    return [cast(x) for x in items]
+
+  return parse
+
+
+def add_variants_argument(
+  parser: argparse.ArgumentParser, default: Sequence[str] | None = None
+) -> None:
+  """``--variants``: registry names (``primal_dual.registry``); ``default`` None = every one."""
+  from primal_dual import registry  # Local import: the timing helpers do not need the library.
+
+  parser.add_argument(
+    "--variants",
+    type=comma_list(choices=registry.ATTENTION_REGISTRY),
+    default=default,
+    help="registry variants to measure, comma-separated (default: "
+    f"{'every registered one' if default is None else ','.join(default)})",
+  )
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+  """``--out-dir`` and ``--device-label``, the same in every benchmark."""
+  parser.add_argument("--out-dir", default="benchmarks/results")
+  parser.add_argument(
+    "--device-label",
+    default=None,
+    help="name in the file names and report (default: cpu, or platform-kind)",
+  )
 
 
 def format_ms(seconds: float) -> str:

@@ -11,8 +11,9 @@ training (N = 1 rows), evaluations excluded.
 
 Models: the ``paper`` presets of ``primal_dual/configs/sraven.py`` (402,824 parameters, batch 128,
 36 tokens) and ``primal_dual/configs/logic.py`` (151,265 parameters, batch 128, 32 tokens).
-Reference anchors (the paper's own code on this project's 2-core CPU, sRAVEN batch 128, median ms
-per step): softmax 201.6, linear attention 174.8, HYLA 296.6.
+Variants: the paper's three by default (``PAPER_CODE_CPU_MS``), any registered one with
+``--variants``. Reference anchors: the paper's own code on this project's 2-core CPU
+(``PAPER_CODE_CPU_MS``, sRAVEN batch 128, median ms per step), shown beside the sRAVEN rows.
 
   python -m benchmarks.small_models --out-dir benchmarks/results            # CPU: K = 1, 10
   python -m benchmarks.small_models --steps-per-call 1,100 --seeds-per-program 1,3,9 \
@@ -23,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import ml_collections
@@ -34,80 +36,82 @@ from benchmarks import common
 from primal_dual.training import trainer
 
 MODELS = {"sraven": "primal_dual.configs.sraven", "logic": "primal_dual.configs.logic"}
-VARIANTS = ("softmax", "linear_plain", "hyla")
-# The paper's code on this project's CPU (sRAVEN, batch 128): median ms per training step.
+# The paper's code on this project's CPU (sRAVEN, batch 128): median ms per training step of its
+# three variants, which are also this benchmark's default variants.
 PAPER_CODE_CPU_MS = {"softmax": 201.6, "linear_plain": 174.8, "hyla": 296.6}
 PAPER_GRID_RUNS, PAPER_GRID_STEPS = 9, 156_250  # 3 variants × 3 seeds × 156,250 steps
 
 
-def build(
-  model: str,
-  variant: str,
-  steps_per_call: int,
-  device_data: bool,
-  quick: bool = False,
-  num_seeds: int = 1,
-):
-  """The trainer's Experiment of the model's ``paper`` preset (``quick``: its tiny ``runlocal``
-  version, for smoke tests), and an initial state."""
-  arg = f"preset=paper,attention={variant}" + (",runlocal" if quick else "")
-  config = importlib.import_module(MODELS[model]).get_config(arg)
+class Measurement(NamedTuple):
+  """One timed program: ``model``'s ``paper`` preset with ``variant``, K steps per call, N seeds
+  as replicas, batches made on the device or read from the host; ``quick``: the tiny
+  ``runlocal`` model (smoke tests)."""
+
+  model: str
+  variant: str
+  steps_per_call: int
+  device_data: bool
+  quick: bool = False
+  num_seeds: int = 1
+
+
+def build(m: Measurement):
+  """The trainer's Experiment of ``m`` and an initial state."""
+  arg = f"preset=paper,attention={m.variant}" + (",runlocal" if m.quick else "")
+  config = importlib.import_module(MODELS[m.model]).get_config(arg)
   config = ml_collections.ConfigDict(config.to_dict())
   config.update(
     dict(
-      steps_per_call=steps_per_call,
-      train_data_on_device=device_data,
+      steps_per_call=m.steps_per_call,
+      train_data_on_device=m.device_data,
       log_every_steps=0,
       eval_every_steps=0,
       checkpoint_every_steps=0,
       progress_bar=False,
-      seeds=tuple(range(num_seeds)) if num_seeds > 1 else (),
+      seeds=tuple(range(m.num_seeds)) if m.num_seeds > 1 else (),
     )
   )
   experiment = trainer.build_experiment(trainer.resolve_config(config))
   return experiment, experiment.init_state()
 
 
-def time_steps(
-  model: str,
-  variant: str,
-  steps_per_call: int,
-  device_data: bool,
-  repeats: int,
-  quick: bool = False,
-  num_seeds: int = 1,
-) -> dict[str, Any]:
-  experiment, state = build(model, variant, steps_per_call, device_data, quick, num_seeds)
-  iterator = experiment.make_train_iterator()
+def _timed_call(experiment, state, steps_per_call: int, iterator):
+  """``(state, seconds)`` of one ``run_steps`` call, waiting for its losses."""
   start = time.perf_counter()
   state, losses, _ = experiment.run_steps(state, steps_per_call, iterator)
   jax.block_until_ready(losses)
-  first_call_s = time.perf_counter() - start
+  return state, time.perf_counter() - start
+
+
+def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
+  """One row: the first call (compile included), then the median of ``repeats`` warm calls."""
+  experiment, state = build(m)
+  iterator = experiment.make_train_iterator()
+  state, first_call_s = _timed_call(experiment, state, m.steps_per_call, iterator)
   samples = []
   for _ in range(repeats):
-    start = time.perf_counter()
-    state, losses, _ = experiment.run_steps(state, steps_per_call, iterator)
-    jax.block_until_ready(losses)
-    samples.append(time.perf_counter() - start)
+    state, seconds = _timed_call(experiment, state, m.steps_per_call, iterator)
+    samples.append(seconds)
   timing = common.summarize_samples(samples)
   # One model-step: one optimizer step of one model (N seeds in one program make N per step).
-  ms_per_step = 1e3 * timing.median_s / (steps_per_call * num_seeds)
+  model_steps_per_call = m.steps_per_call * m.num_seeds
+  ms_per_step = 1e3 * timing.median_s / model_steps_per_call
   row = dict(
-    model=model,
-    variant=variant,
-    steps_per_call=steps_per_call,
-    seeds=num_seeds,
-    data="device" if device_data else "host",
+    model=m.model,
+    variant=m.variant,
+    steps_per_call=m.steps_per_call,
+    seeds=m.num_seeds,
+    data="device" if m.device_data else "host",
     batch=experiment.config.batch_size,
     first_call_s=first_call_s,
     ms_per_step=ms_per_step,
-    iqr_ms_per_step=1e3 * timing.iqr_s / (steps_per_call * num_seeds),
+    iqr_ms_per_step=1e3 * timing.iqr_s / model_steps_per_call,
     model_steps_per_s=1e3 / ms_per_step,
     repeats=repeats,
   )
-  if model == "sraven" and variant in PAPER_CODE_CPU_MS and not quick:
-    row["paper_code_cpu_ms"] = PAPER_CODE_CPU_MS[variant]
-    row["speedup_vs_paper_code_cpu"] = PAPER_CODE_CPU_MS[variant] / ms_per_step
+  if m.model == "sraven" and m.variant in PAPER_CODE_CPU_MS and not m.quick:
+    row["paper_code_cpu_ms"] = PAPER_CODE_CPU_MS[m.variant]
+    row["speedup_vs_paper_code_cpu"] = PAPER_CODE_CPU_MS[m.variant] / ms_per_step
   return row
 
 
@@ -120,12 +124,12 @@ def projection(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       for r in rows
       if r["model"] == "sraven" and r["steps_per_call"] == k and r["seeds"] == 1
     }
-    if set(per_variant) >= set(VARIANTS):
+    if set(per_variant) >= set(PAPER_CODE_CPU_MS):
       seconds = (
-        sum(per_variant[v] for v in VARIANTS)
+        sum(per_variant[v] for v in PAPER_CODE_CPU_MS)
         / 1e3
         * PAPER_GRID_STEPS
-        * (PAPER_GRID_RUNS // len(VARIANTS))
+        * (PAPER_GRID_RUNS // len(PAPER_CODE_CPU_MS))
       )
       out.append(
         dict(
@@ -138,8 +142,7 @@ def projection(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COLUMNS = [
-  common.Column("model", "model"),
-  common.Column("variant", "variant"),
+  *common.plain_columns("model", "variant"),
   common.Column("K", "steps_per_call"),
   common.Column("N seeds", "seeds"),
   common.Column("data", "data"),
@@ -150,59 +153,14 @@ COLUMNS = [
 ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--models", default="sraven,logic")
-  parser.add_argument("--variants", default=",".join(VARIANTS))
-  parser.add_argument("--steps-per-call", default="1,10")
-  parser.add_argument(
-    "--seeds-per-program",
-    default="1",
-    help="comma list of N: seeds trained as replicas of one program",
-  )
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--host-data", action="store_true")
-  parser.add_argument("--quick", action="store_true", help="tiny runlocal models (smoke test)")
-  parser.add_argument("--device-label", default=None)
-  parser.add_argument("--out-dir", default="benchmarks/results")
-  args = parser.parse_args(argv)
-  label = args.device_label or common.default_device_label()
-  rows = []
-  for model in args.models.split(","):
-    for variant in args.variants.split(","):
-      for k in (int(x) for x in args.steps_per_call.split(",")):
-        for n in (int(x) for x in args.seeds_per_program.split(",")):
-          rows.append(
-            time_steps(model, variant, k, not args.host_data, args.repeats, args.quick, n)
-          )
-          print(
-            f"{model} {variant} K={k} N={n}: {rows[-1]['ms_per_step']:.1f} ms/model-step",
-            flush=True,
-          )
-  payload = dict(
-    metadata=common.run_metadata(label, argv),
-    rows=rows,
-    paper_grid_projection=[] if args.quick else projection(rows),
-  )
-  json_path = common.write_json(
-    common.result_path(args.out_dir, "small_models", "json", label), payload
-  )
+def render_markdown(payload) -> str:
+  keys = [key for key in common.REPORT_METADATA_KEYS if key != "flax_version"]
   lines = [
-    "# Small models: the trainer's own step, K steps per call\n",
-    common.render_metadata(
-      payload["metadata"],
-      (
-        "device_label",
-        "device_kind",
-        "cpu_model",
-        "cpu_count",
-        "jax_version",
-        "date_utc",
-        "command",
-      ),
+    *common.report_header(
+      "Small models: the trainer's own step, K steps per call", payload["metadata"], keys
     ),
     "",
-    common.render_markdown_table(COLUMNS, rows),
+    common.render_markdown_table(COLUMNS, payload["rows"]),
     "",
   ]
   for p in payload["paper_grid_projection"]:
@@ -211,9 +169,40 @@ def main(argv: Sequence[str] | None = None) -> int:
       f" at K = {p['steps_per_call']}: {p['grid_minutes']:.0f} min, "
       f"{p['aggregate_model_steps_per_s']:.0f} model-steps/s."
     )
-  md_path = common.result_path(args.out_dir, "small_models", "md", label)
-  md_path.write_text("\n".join(lines) + "\n")
-  print(f"wrote {json_path} and {md_path}")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", type=common.comma_list(choices=MODELS), default=list(MODELS))
+  common.add_variants_argument(parser, default=list(PAPER_CODE_CPU_MS))
+  parser.add_argument("--steps-per-call", type=common.comma_list(int), default=[1, 10])
+  parser.add_argument(
+    "--seeds-per-program",
+    type=common.comma_list(int),
+    default=[1],
+    help="comma list of N: seeds trained as replicas of one program",
+  )
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--host-data", action="store_true")
+  parser.add_argument("--quick", action="store_true", help="tiny runlocal models (smoke test)")
+  common.add_output_arguments(parser)
+  args = parser.parse_args(argv)
+  label = args.device_label or common.default_device_label()
+  rows = []
+  for model, variant, k, n in itertools.product(
+    args.models, args.variants, args.steps_per_call, args.seeds_per_program
+  ):
+    measurement = Measurement(model, variant, k, not args.host_data, args.quick, n)
+    rows.append(time_steps(measurement, args.repeats))
+    print(f"{model} {variant} K={k} N={n}: {rows[-1]['ms_per_step']:.1f} ms/model-step", flush=True)
+  payload = dict(
+    metadata=common.run_metadata(label, argv),
+    rows=rows,
+    paper_grid_projection=[] if args.quick else projection(rows),
+  )
+  paths = common.write_reports(args.out_dir, "small_models", label, payload, render_markdown)
+  print(f"wrote {paths['json']} and {paths['markdown']}")
   return 0
 
 

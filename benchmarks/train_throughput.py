@@ -1,37 +1,37 @@
-"""Training-step throughput of the reference models, per attention variant, on 1 and 8 devices.
+"""Training-step throughput of the UEA and ListOps models, per attention variant, on 1 and 8 devices.
 
-A training step is forward, backward and optimizer update of the real model
-(``primal_dual.models``), jitted once (compile time reported apart) and warmed; its time is the
-median of warm steps (``benchmarks.common``). Reported: steps/s, tokens/s (batch × sequence length
-per second) and examples/s, with XLA's memory numbers and FLOP count of the compiled step.
+What is timed is the trainer's own step, ``primal_dual.training.trainer.train_step`` on a
+``TrainState``, with the model, optimizer and loss the task builds from its packaged config
+(``primal_dual/configs/<model>.py``, ``task.build_model``, ``optim.make_optimizer``,
+``task.loss_and_metrics``): a change in any of them is what is measured. The batches are synthetic,
+of the task's shapes. The step is jitted once (compile time reported apart) and warmed; its time is
+the median of warm steps (``benchmarks.common``). Reported: steps/s, tokens/s (batch × sequence
+length per second) and examples/s, with XLA's memory numbers and FLOP count of the compiled step.
 
-Models (docs/maths.md §4):
+Models (the configs' docstrings; docs/maths.md §4):
 
-* ``uea``: the UEA reference encoder, ``EncoderClassifier`` with 2 layers, d_model 512, 8 heads,
-  feed-forward 2048, dropout 0.1, learnable positions, BatchNorm instead of LayerNorm after each
-  residual (post-norm) and a flattened, padding-masked read-out as in the UEA protocol
-  (Zerveas et al.), RAdam lr 1e-3; JapaneseVowels-like input ``[16, 29, 12]`` (lengths 7–29, padded,
-  9 classes). Variants: softmax, linear, bn, sh, bn_sh. SH (and BN+SH) use ratios
-  ``(1, 1, 1, 1, 2, 2, 2, 2)``: these series have only 7–29 steps, so a ratio of 2 already leaves
-  4–15 pooled keys per head; the ``(1, 1, 2, 2, 4, 4, 8, 8)`` pattern used for long sequences would
-  leave a ratio-8 head 1–4 keys, too few to fit anything.
-* ``sraven``: the sRAVEN reference ``SequenceTransformer`` (d 128, 16 heads of size 4, 4 layers,
-  MLP 256, pre-LN, relative position bias), AdamW lr 1e-3 with warm-up 1000 and cosine decay to
-  1e-4, weight decay 0.1 on non-vector parameters; input ``[128, 36, 8]``, loss on the last 4
-  positions. Variants: softmax, linear, hyla, hyla_no_relu, hyla_no_norm.
+* ``uea``: ``configs/uea.py`` with ``dataset=JapaneseVowels``, the protocol's reference encoder
+  (2 layers, d_model 512, 8 heads, BatchNorm, flattened read-out, RAdam 1e-3, batch 16), input
+  ``[16, 29, 12]`` with lengths 7–29 (padding mask), 9 classes; SH ratios from the config.
+* ``listops``: ``configs/listops.py`` (``jax_lra`` setting, ``full`` preset: 4 layers, d_model 512,
+  8 heads, CLS read-out, batch 32), token ids ``[32, 2000]`` with lengths 500–2000.
+
+Variants: every registered one (``primal_dual.registry``), with the options the config gives it.
+``--quick`` uses the configs' ``runlocal`` models (ListOps: its ``tiny`` preset, 40 tokens).
 
 Devices: the step is data-parallel over a ``Mesh`` of the first N devices (batch sharded with
-``NamedSharding(mesh, P('data'))``, parameters and optimizer state replicated). On CPU the N devices
-are virtual (``XLA_FLAGS=--xla_force_host_platform_device_count=N``), which must be set before JAX
-starts: by default every device count runs in its own subprocess with that flag set. With
-``--in-process`` the current process runs every requested count it has devices for (set
-``XLA_FLAGS`` yourself). Virtual CPU devices share the same cores, so 8 of them measure the cost of
-partitioning, not a speed-up.
+``NamedSharding(mesh, P('data'))``, the state replicated). On CPU the N devices are virtual
+(``XLA_FLAGS=--xla_force_host_platform_device_count=N``), which must be set before JAX starts: by
+default every device count runs in its own subprocess with that flag set. With ``--in-process``
+the current process runs every requested count it has devices for (set ``XLA_FLAGS`` yourself).
+Virtual CPU devices share the same cores, so 8 of them measure the cost of partitioning, not a
+speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -45,211 +45,143 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import primal_dual.experiments  # noqa: F401  (registers the tasks)
 from benchmarks import common
-from primal_dual.models import EncoderClassifier, SequenceTransformer
+from primal_dual import configs, registry
+from primal_dual.training import optim, trainer
+from primal_dual.training import tasks as tasks_lib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-UEA_SH_RATIOS = (1, 1, 1, 1, 2, 2, 2, 2)
+# The optimizer's schedule length: it shapes the learning rate, not the cost of a step.
+SCHEDULE_STEPS = 10_000
 
 
 class Setup(NamedTuple):
   """One benchmarked model.
 
   Attributes:
-    build_model: ``(attention, attention_options) -> nn.Module``.
-    make_batch: ``np.random.Generator -> dict`` of NumPy arrays (``inputs``, optionally ``mask``,
-      and the labels the loss reads).
-    loss: ``(logits, batch) -> scalar``.
-    optimizer: ``() -> optax.GradientTransformation``.
-    variants: variant name -> ``(registry name, options)``.
-    batch_size, length: the batch's size and sequence length (tokens per example).
+    config_arg: the packaged config's argument, before ``attention=<variant>``.
+    metadata: ``config -> dict``, what ``task.build_model`` needs (``num_classes``, ...) and
+      ``max_length``, the tokens per example.
+    make_batch: ``(config, length, rng) -> dict`` of NumPy arrays, the task's training batch
+      (data contract in docs/ARCHITECTURE.md) of ``config.batch_size`` examples.
   """
 
-  build_model: Callable[[str, Mapping[str, Any]], nn.Module]
-  make_batch: Callable[[np.random.Generator], dict[str, np.ndarray]]
-  loss: Callable[[jax.Array, Mapping[str, jax.Array]], jax.Array]
-  optimizer: Callable[[], optax.GradientTransformation]
-  variants: Mapping[str, tuple[str, Mapping[str, Any]]]
-  batch_size: int
-  length: int
+  config_arg: str
+  metadata: Callable[[ml_collections.ConfigDict], dict[str, Any]]
+  make_batch: Callable[[ml_collections.ConfigDict, int, np.random.Generator], dict[str, np.ndarray]]
 
 
-# --- UEA -----------------------------------------------------------------------------------------
+def _lengths_and_mask(rng, batch_size: int, min_length: int, length: int):
+  """Random lengths in ``[min_length, length]``: bool ``[batch, length]`` mask of valid steps."""
+  lengths = rng.integers(min_length, length + 1, size=batch_size)
+  return np.arange(length)[None, :] < lengths[:, None]
 
 
-def uea_setup(quick: bool) -> Setup:
-  sizes = (
-    dict(num_layers=1, model_dim=32, mlp_dim=64, batch=8, length=12)
-    if quick
-    else dict(num_layers=2, model_dim=512, mlp_dim=2048, batch=16, length=29)
-  )
-  channels, classes, min_length = 12, 9, min(7, sizes["length"])
+# --- UEA (JapaneseVowels: 12 channels, 9 classes, 7 to 29 steps) --------------------------------
 
-  def build_model(attention, options):
-    return EncoderClassifier(
-      num_classes=classes,
-      num_layers=sizes["num_layers"],
-      model_dim=sizes["model_dim"],
-      num_heads=8,
-      mlp_dim=sizes["mlp_dim"],
-      norm="batch",
-      pre_norm=False,
-      pooling="flatten",
-      positional="learned",
-      dropout_rate=0.1,
-      attention=attention,
-      attention_options=options,
-    )
+UEA_METADATA = {"num_classes": 9, "max_length": 29}
+UEA_CHANNELS, UEA_MIN_LENGTH = 12, 7
 
-  def make_batch(rng):
-    lengths = rng.integers(min_length, sizes["length"] + 1, size=sizes["batch"])
-    mask = np.arange(sizes["length"])[None, :] < lengths[:, None]
-    inputs = rng.standard_normal((sizes["batch"], sizes["length"], channels)).astype(np.float32)
-    return dict(
-      inputs=inputs * mask[..., None],
-      mask=mask,
-      label=rng.integers(0, classes, size=sizes["batch"]).astype(np.int32),
-    )
 
-  def loss(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-
-  variants = {
-    "softmax": ("softmax", {}),
-    "linear": ("linear", {}),
-    "bn": ("bn", {}),
-    "sh": ("sh", {"ratios": UEA_SH_RATIOS}),
-    "bn_sh": ("bn_sh", {"ratios": UEA_SH_RATIOS}),
-  }
-  return Setup(
-    build_model,
-    make_batch,
-    loss,
-    lambda: optax.radam(1e-3),
-    variants,
-    sizes["batch"],
-    sizes["length"],
+def uea_batch(config, length, rng):
+  mask = _lengths_and_mask(rng, config.batch_size, UEA_MIN_LENGTH, length)
+  inputs = rng.standard_normal((config.batch_size, length, UEA_CHANNELS)).astype(np.float32)
+  return dict(
+    inputs=inputs * mask[..., None],
+    mask=mask,
+    label=rng.integers(0, UEA_METADATA["num_classes"], size=config.batch_size).astype(np.int32),
   )
 
 
-# --- sRAVEN --------------------------------------------------------------------------------------
+# --- ListOps -------------------------------------------------------------------------------------
 
 
-def _weight_decay_mask(params):
-  """Decay matrices and kernels, not biases, scales or other vectors."""
-  return jax.tree.map(lambda p: p.ndim > 1, params)
+def listops_batch(config, length, rng):
+  from primal_dual.data import listops  # pylint: disable=g-import-not-at-top
 
-
-def sraven_optimizer() -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, 1e-3, warmup_steps=1000, decay_steps=156_000, end_value=1e-4
+  # Token ids past the padding and CLS ids (the model prepends its own CLS); lengths from a quarter
+  # of the longest up, as the preset's (500 to 2000).
+  mask = _lengths_and_mask(rng, config.batch_size, length // 4, length)
+  tokens = rng.integers(listops.CLS_ID + 1, listops.VOCAB_SIZE, size=mask.shape)
+  return dict(
+    inputs=np.where(mask, tokens, listops.PAD_ID).astype(np.int32),
+    mask=mask,
+    label=rng.integers(0, listops.NUM_CLASSES, size=config.batch_size).astype(np.int32),
   )
-  return optax.adamw(schedule, weight_decay=0.1, mask=_weight_decay_mask)
 
 
-def sraven_setup(quick: bool) -> Setup:
-  sizes = (
-    dict(num_layers=1, model_dim=32, num_heads=4, mlp_dim=64, batch=8)
-    if quick
-    else dict(num_layers=4, model_dim=128, num_heads=16, mlp_dim=256, batch=128)
-  )
-  features, values, panels = 4, 8, 8
-  length = panels * features + features  # 8 context panels, then F query tokens: 36.
+def _listops_metadata(config):
+  from primal_dual.experiments import listops  # pylint: disable=g-import-not-at-top
 
-  def build_model(attention, options):
-    return SequenceTransformer(
-      num_outputs=values,
-      num_layers=sizes["num_layers"],
-      model_dim=sizes["model_dim"],
-      num_heads=sizes["num_heads"],
-      mlp_dim=sizes["mlp_dim"],
-      attention=attention,
-      attention_options=options,
-    )
-
-  def make_batch(rng):
-    tokens = rng.integers(0, values, size=(sizes["batch"], panels * features))
-    context = np.eye(values, dtype=np.float32)[tokens]
-    queries = np.zeros((sizes["batch"], features, values), np.float32)
-    return dict(
-      inputs=np.concatenate([context, queries], axis=1),
-      targets=rng.integers(0, values, size=(sizes["batch"], features)).astype(np.int32),
-    )
-
-  def loss(logits, batch):
-    answer_logits = logits[:, -features:]
-    return optax.softmax_cross_entropy_with_integer_labels(answer_logits, batch["targets"]).mean()
-
-  variants = {
-    name: (name, {}) for name in ("softmax", "linear", "hyla", "hyla_no_relu", "hyla_no_norm")
-  }
-  return Setup(build_model, make_batch, loss, sraven_optimizer, variants, sizes["batch"], length)
+  return listops.listops_metadata(config)
 
 
-MODELS: dict[str, Callable[[bool], Setup]] = {"uea": uea_setup, "sraven": sraven_setup}
+MODELS: dict[str, Setup] = {
+  "uea": Setup("dataset=JapaneseVowels", lambda config: UEA_METADATA, uea_batch),
+  "listops": Setup("setting=jax_lra,preset=full", _listops_metadata, listops_batch),
+}
 
 
 # --- The training step ---------------------------------------------------------------------------
 
 
-def init_state(setup: Setup, model: nn.Module, batch) -> dict[str, Any]:
-  """``{'params', 'batch_stats', 'opt_state'}`` (``batch_stats`` empty for models without BN)."""
-  variables = jax.jit(lambda rng: model.init(rng, batch["inputs"], batch.get("mask"), train=False))(
-    jax.random.key(0)
+class Step(NamedTuple):
+  """What the trainer's step of one model needs: the pure step, its initial state, a batch."""
+
+  step: Callable  # (TrainState, batch) -> (TrainState, loss, metrics)
+  state: trainer.TrainState
+  batch: dict[str, jax.Array]
+  config: ml_collections.ConfigDict
+
+
+def build_step(model_name: str, variant: str, quick: bool) -> Step:
+  """The task's model, optimizer and loss from its config, bound into ``trainer.train_step``."""
+  setup = MODELS[model_name]
+  arg = f"{setup.config_arg},attention={variant}" + (",runlocal" if quick else "")
+  config = configs.load(model_name, arg)
+  task = tasks_lib.get_task(config.task)
+  metadata = setup.metadata(config)
+  model = task.build_model(config, metadata)
+  tx, _ = optim.make_optimizer(config.optimizer, SCHEDULE_STEPS)
+  rng = np.random.default_rng(0)
+  batch = jax.tree.map(jnp.asarray, setup.make_batch(config, metadata["max_length"], rng))
+  init_rng, state_rng = jax.random.split(jax.random.PRNGKey(0))
+  variables = nn.unbox(
+    jax.jit(lambda rng: model.init(rng, batch["inputs"], mask=batch.get("mask"), train=False))(
+      init_rng
+    )
   )
-  params = variables["params"]
-  return dict(
-    params=params,
+  state = trainer.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=variables["params"],
     batch_stats=variables.get("batch_stats", {}),
-    opt_state=setup.optimizer().init(params),
+    opt_state=tx.init(variables["params"]),
+    rng=state_rng,
   )
+  step = functools.partial(trainer.train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics)
+  return Step(step, state, batch, config)
 
 
-def make_train_step(setup: Setup, model: nn.Module) -> Callable:
-  """``(state, batch, rng) -> (state, loss)``: forward, backward, optimizer update."""
-  optimizer = setup.optimizer()
-
-  def train_step(state, batch, rng):
-    def loss_fn(params):
-      variables = {"params": params, "batch_stats": state["batch_stats"]}
-      logits, updates = model.apply(
-        variables,
-        batch["inputs"],
-        batch.get("mask"),
-        train=True,
-        rngs={"dropout": rng},
-        mutable=["batch_stats"],
-      )
-      return setup.loss(logits, batch), updates.get("batch_stats", state["batch_stats"])
-
-    (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    return dict(params=params, batch_stats=batch_stats, opt_state=opt_state), loss
-
-  return train_step
-
-
-def data_parallel(step: Callable, state, batch, rng, mesh: Mesh):
-  """Places ``state`` (replicated) and ``batch`` (split on ``data``); returns the jitted step."""
+def data_parallel(built: Step, mesh: Mesh):
+  """Places the state (replicated) and the batch (split on ``data``); returns the jitted step."""
   replicated = NamedSharding(mesh, P())
   split = NamedSharding(mesh, P("data"))
-  state_sharding = jax.tree.map(lambda _: replicated, state)
-  batch_sharding = jax.tree.map(lambda _: split, batch)
+  state_sharding = jax.tree.map(lambda _: replicated, built.state)
+  batch_sharding = jax.tree.map(lambda _: split, built.batch)
   jitted = jax.jit(
-    step,
-    in_shardings=(state_sharding, batch_sharding, replicated),
-    out_shardings=(state_sharding, replicated),
+    built.step,
+    in_shardings=(state_sharding, batch_sharding),
+    out_shardings=(state_sharding, replicated, replicated),
   )
   placed = (
-    jax.device_put(state, state_sharding),
-    jax.device_put(batch, batch_sharding),
-    jax.device_put(rng, replicated),
+    jax.device_put(built.state, state_sharding),
+    jax.device_put(built.batch, batch_sharding),
   )
   return jitted, placed
 
@@ -258,77 +190,80 @@ def _count_params(params) -> int:
   return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
-def measure(
-  model_name: str, variant: str, num_devices: int, *, quick: bool, repeats: int, warmup: int
-) -> dict[str, Any]:
-  """One record: compile the step on ``num_devices`` devices and time warm steps."""
-  setup = MODELS[model_name](quick)
-  attention, options = setup.variants[variant]
-  tokens = setup.batch_size * setup.length
-  record: dict[str, Any] = dict(
-    model=model_name,
-    variant=variant,
-    attention=attention,
-    attention_options=dict(options),
-    num_devices=num_devices,
-    batch=setup.batch_size,
-    length=setup.length,
-    tokens_per_step=tokens,
-    device_kind=jax.devices()[0].device_kind,
-    time_s=None,
-    time_iqr_s=None,
-    repeats=0,
-    steps_per_s=None,
-    tokens_per_s=None,
-    examples_per_s=None,
-    compile_s=None,
-    num_params=None,
-    status="ok",
-    reason="",
-  )
-  if len(jax.devices()) < num_devices:
-    return {
-      **record,
-      "status": "skipped",
-      "reason": f"{num_devices} devices asked, {len(jax.devices())} available",
-    }
-  if setup.batch_size % num_devices:
-    return {
-      **record,
-      "status": "skipped",
-      "reason": f"batch {setup.batch_size} not divisible by {num_devices} devices",
-    }
-  try:
-    model = setup.build_model(attention, options)
-    batch = jax.tree.map(jnp.asarray, setup.make_batch(np.random.default_rng(0)))
-    state = init_state(setup, model, batch)
-    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
-    jitted, args = data_parallel(
-      make_train_step(setup, model), state, batch, jax.random.key(1), mesh
-    )
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    timing = common.time_warm(compiled, *args, repeats=repeats, warmup=warmup)
-  except Exception as error:  # A variant that fails is reported, not fatal.
-    return {**record, "status": "error", "reason": f"{type(error).__name__}: {error}"[:400]}
-  stats = common.compiled_stats(compiled)
+# Filled in by a timed step; None in a skipped or failed record.
+RESULT_FIELDS = (
+  "time_s",
+  "time_iqr_s",
+  "steps_per_s",
+  "tokens_per_s",
+  "examples_per_s",
+  "compile_s",
+  "num_params",
+)
+
+
+def _timed_step(built: Step, num_devices: int, repeats: int, warmup: int) -> dict[str, Any]:
+  """Compiles the step on the first ``num_devices`` devices and times warm steps."""
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+  jitted, args = data_parallel(built, mesh)
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  compile_s = time.perf_counter() - start
+  timing = common.time_warm(compiled, *args, repeats=repeats, warmup=warmup)
   return {
-    **record,
-    **stats._asdict(),
+    **common.compiled_stats(compiled)._asdict(),
     "time_s": timing.median_s,
     "time_iqr_s": timing.iqr_s,
     "repeats": len(timing.samples_s),
-    "steps_per_s": 1.0 / timing.median_s,
-    "tokens_per_s": tokens / timing.median_s,
-    "examples_per_s": setup.batch_size / timing.median_s,
     "compile_s": compile_s,
-    "num_params": _count_params(state["params"]),
+    "num_params": _count_params(built.state.params),
   }
 
 
-def selected_variants(model_name: str, wanted: Sequence[str] | None, quick: bool) -> list[str]:
-  names = list(MODELS[model_name](quick).variants)
+def measure(
+  model_name: str, variant: str, num_devices: int, *, quick: bool, repeats: int, warmup: int
+) -> dict[str, Any]:
+  """One record: the trainer's step of ``model_name`` with ``variant`` on ``num_devices``."""
+  record: dict[str, Any] = {
+    "model": model_name,
+    "variant": variant,
+    "attention": variant,
+    "num_devices": num_devices,
+    "device_kind": jax.devices()[0].device_kind,
+    **dict.fromkeys(RESULT_FIELDS),
+    "repeats": 0,
+    "status": "ok",
+    "reason": "",
+  }
+  try:
+    built = build_step(model_name, variant, quick)
+    batch_size, length = built.batch["inputs"].shape[:2]
+    record.update(
+      attention_options=built.config.model.attention_options.to_dict(),
+      batch=batch_size,
+      length=length,
+      tokens_per_step=batch_size * length,
+    )
+    if len(jax.devices()) < num_devices:
+      reason = f"{num_devices} devices asked, {len(jax.devices())} available"
+      return {**record, "status": "skipped", "reason": reason}
+    if batch_size % num_devices:
+      reason = f"batch {batch_size} not divisible by {num_devices} devices"
+      return {**record, "status": "skipped", "reason": reason}
+    record.update(_timed_step(built, num_devices, repeats, warmup))
+  except Exception as error:  # A variant that fails is reported, not fatal.
+    return {**record, "status": "error", "reason": f"{type(error).__name__}: {error}"[:400]}
+  return {
+    **record,
+    "steps_per_s": 1.0 / record["time_s"],
+    "tokens_per_s": record["tokens_per_step"] / record["time_s"],
+    "examples_per_s": record["batch"] / record["time_s"],
+  }
+
+
+def selected_variants(wanted: Sequence[str] | None) -> list[str]:
+  """Every registered variant, or those of ``wanted``."""
+  names = list(registry.ATTENTION_REGISTRY)
   return names if wanted is None else [v for v in names if v in wanted]
 
 
@@ -337,7 +272,7 @@ def run_in_process(args, log=print) -> list[dict[str, Any]]:
   records = []
   for num_devices in args.device_counts:
     for model_name in args.models:
-      for variant in selected_variants(model_name, args.variants, args.quick):
+      for variant in selected_variants(args.variants):
         record = measure(
           model_name,
           variant,
@@ -358,7 +293,7 @@ def _progress_line(r) -> str:
     else (f"{r['steps_per_s']:8.2f} steps/s {r['tokens_per_s']:10.0f} tokens/s")
   )
   return (
-    f"{r['model']:7s} {r['variant']:13s} devices={r['num_devices']} {speed} "
+    f"{r['model']:7s} {r['variant']:20s} devices={r['num_devices']} {speed} "
     f"{r['status']} {r['reason']}"
   )
 
@@ -426,13 +361,11 @@ def run_in_subprocesses(args, log=print) -> list[dict[str, Any]]:
 
 
 DETAIL_COLUMNS = (
-  common.Column("model", "model"),
-  common.Column("variant", "variant"),
+  *common.plain_columns("model", "variant"),
   common.Column("devices", "num_devices"),
   common.Column("batch", "batch"),
   common.Column("tokens/step", "tokens_per_step"),
-  common.Column("ms/step", "time_s", common.format_ms),
-  common.Column("IQR ms", "time_iqr_s", common.format_ms),
+  *common.timing_columns("ms/step"),
   common.Column("steps/s", "steps_per_s", lambda v: f"{v:.3g}"),
   common.Column("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
   common.Column("compile s", "compile_s", lambda v: f"{v:.3g}"),
@@ -470,21 +403,7 @@ def render_markdown(payload) -> str:
   config = payload["config"]
   return "\n".join(
     [
-      "# Training-step throughput",
-      "",
-      common.render_metadata(
-        payload["metadata"],
-        (
-          "device_label",
-          "device_kind",
-          "cpu_model",
-          "cpu_count",
-          "jax_version",
-          "flax_version",
-          "date_utc",
-          "command",
-        ),
-      ),
+      *common.report_header("Training-step throughput", payload["metadata"]),
       "",
       "Forward + backward + optimizer update of the real model, jitted once, median of "
       f"{config['repeats']} warm steps after {config['warmup']} warm-up steps. Data-parallel over "
@@ -506,34 +425,20 @@ def render_markdown(payload) -> str:
 # --- Command line --------------------------------------------------------------------------------
 
 
-def _list(cast=str):
-  return lambda text: [cast(x) for x in text.split(",") if x]
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.train_throughput",
     description=__doc__.split("\n\n")[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  parser.add_argument("--models", type=_list(), default=list(MODELS))
-  parser.add_argument(
-    "--variants",
-    type=_list(),
-    default=None,
-    help="keep only these variant names (default: every variant of each model)",
-  )
-  parser.add_argument("--device-counts", type=_list(int), default=[1, 8])
+  parser.add_argument("--models", type=common.comma_list(choices=MODELS), default=list(MODELS))
+  common.add_variants_argument(parser)
+  parser.add_argument("--device-counts", type=common.comma_list(int), default=[1, 8])
   parser.add_argument(
     "--repeats", type=int, default=None, help="timed steps (default 10; 2 with --quick)"
   )
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-  parser.add_argument("--out-dir", default="benchmarks/results")
-  parser.add_argument(
-    "--device-label",
-    default=None,
-    help="name in the file names and report (default: cpu, or platform-kind)",
-  )
+  common.add_output_arguments(parser)
   parser.add_argument("--quick", action="store_true", help="tiny models and batches")
   parser.add_argument(
     "--in-process",
@@ -542,9 +447,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   parser.add_argument("--records-out", default=None, help=argparse.SUPPRESS)  # worker output
   args = parser.parse_args(argv)
-  unknown = sorted(set(args.models) - set(MODELS))
-  if unknown:
-    parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
   if args.repeats is None:
     args.repeats = 2 if args.quick else 10
   return args
@@ -561,15 +463,9 @@ def run(args, log=print) -> dict[str, Path]:
     repeats=args.repeats,
     warmup=args.warmup,
     quick=args.quick,
-    uea_sh_ratios=list(UEA_SH_RATIOS),
   )
   payload = dict(metadata=common.run_metadata(label), config=config, records=records)
-  json_path = common.write_json(
-    common.result_path(args.out_dir, "train_throughput", "json", label), payload
-  )
-  md_path = common.result_path(args.out_dir, "train_throughput", "md", label)
-  md_path.write_text(render_markdown(payload))
-  return {"json": json_path, "markdown": md_path}
+  return common.write_reports(args.out_dir, "train_throughput", label, payload, render_markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
