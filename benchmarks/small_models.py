@@ -33,7 +33,7 @@ import jax
 import ml_collections
 
 from benchmarks import common
-from primal_dual.training import trainer
+from primal_dual.training import setup
 
 MODELS = {"sraven": "primal_dual.configs.sraven", "logic": "primal_dual.configs.logic"}
 # The paper's code on this project's CPU (sRAVEN, batch 128): median ms per training step of its
@@ -71,7 +71,7 @@ def build(m: Measurement):
       seeds=tuple(range(m.num_seeds)) if m.num_seeds > 1 else (),
     )
   )
-  experiment = trainer.build_experiment(trainer.resolve_config(config))
+  experiment = setup.build_experiment(setup.resolve_config(config))
   return experiment, experiment.init_state()
 
 

@@ -1,6 +1,6 @@
 """Training-step throughput of the UEA and ListOps models, per attention variant, on 1 and 8 devices.
 
-What is timed is the trainer's own step, ``primal_dual.training.trainer.train_step`` on a
+What is timed is the trainer's own step, ``primal_dual.training.steps.train_step`` on a
 ``TrainState``, with the model, optimizer and loss the task builds from its packaged config
 (``primal_dual/configs/<model>.py``, ``task.build_model``, ``optim.make_optimizer``,
 ``task.loss_and_metrics``): a change in any of them is what is measured. The batches are synthetic,
@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import primal_dual.experiments  # noqa: F401  (registers the tasks)
 from benchmarks import common
 from primal_dual import configs, registry
-from primal_dual.training import optim, trainer
+from primal_dual.training import optim, steps
 from primal_dual.training import tasks as tasks_lib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -135,13 +135,13 @@ class Step(NamedTuple):
   """What the trainer's step of one model needs: the pure step, its initial state, a batch."""
 
   step: Callable  # (TrainState, batch) -> (TrainState, loss, metrics)
-  state: trainer.TrainState
+  state: steps.TrainState
   batch: dict[str, jax.Array]
   config: ml_collections.ConfigDict
 
 
 def build_step(model_name: str, variant: str, quick: bool) -> Step:
-  """The task's model, optimizer and loss from its config, bound into ``trainer.train_step``."""
+  """The task's model, optimizer and loss from its config, bound into ``steps.train_step``."""
   setup = MODELS[model_name]
   arg = f"{setup.config_arg},attention={variant}" + (",runlocal" if quick else "")
   config = configs.load(model_name, arg)
@@ -157,14 +157,14 @@ def build_step(model_name: str, variant: str, quick: bool) -> Step:
       init_rng
     )
   )
-  state = trainer.TrainState(
+  state = steps.TrainState(
     step=jnp.zeros((), jnp.int32),
     params=variables["params"],
     batch_stats=variables.get("batch_stats", {}),
     opt_state=tx.init(variables["params"]),
     rng=state_rng,
   )
-  step = functools.partial(trainer.train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics)
+  step = functools.partial(steps.train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics)
   return Step(step, state, batch, config)
 
 
