@@ -160,7 +160,7 @@ class EncoderBlock(AttentionFields):
 def sinusoidal_positions(length: int, width: int) -> jax.Array:
   """Fixed sinusoidal position table ``[length, width]`` (Vaswani et al.)."""
   position = jnp.arange(length)[:, None]
-  div = jnp.exp(jnp.arange(0, width, 2) * (-jnp.log(10000.0) / width))
+  div = jnp.exp(jnp.arange(0, width, 2) * (-jnp.log(10000.0) / width))[None, :]
   table = jnp.zeros((length, width))
   table = table.at[:, 0::2].set(jnp.sin(position * div))
   return table.at[:, 1::2].set(jnp.cos(position * div)[:, : width // 2])
@@ -171,17 +171,17 @@ class PositionEmbedding(nn.Module):
 
   kind: str = "learned"
 
+  def _learned(self, length: int, width: int) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed"))
+    return self.param("embedding", init, (length, width))
+
+  def _sinusoidal(self, length: int, width: int) -> jax.Array:
+    return sinusoidal_positions(length, width)
+
   @nn.compact
   def __call__(self, x):
-    length, width = x.shape[-2:]
-    if self.kind == "learned":
-      table = self.param(
-        "embedding",
-        nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
-        (length, width),
-      )
-    elif self.kind == "sinusoidal":
-      table = sinusoidal_positions(length, width)
-    else:
+    tables = {"learned": self._learned, "sinusoidal": self._sinusoidal}
+    if self.kind not in tables:
       raise ValueError(f"unknown positional embedding {self.kind!r}; use 'learned' or 'sinusoidal'")
-    return x + table.astype(x.dtype)
+    table = tables[self.kind](*x.shape[-2:]).astype(x.dtype)
+    return x + jnp.reshape(table, (1,) * (x.ndim - 2) + table.shape)  # explicit batch axes
