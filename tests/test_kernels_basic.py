@@ -123,7 +123,7 @@ def causal_pattern(q_len, kv_len, alignment):
 
 def _with_causal(mask, q_len, kv_len, alignment):
   causal = causal_pattern(q_len, kv_len, alignment)
-  return causal if mask is None else mask & causal
+  return causal if mask is None else np.asarray(mask) & np.asarray(causal)  # NumPy broadcasting
 
 
 @PROPERTY_SETTINGS

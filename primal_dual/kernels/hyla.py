@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import hyla_blockwise
+from primal_dual.kernels import driver, hyla_blockwise
 
 RMS_EPS = hyla_blockwise.RMS_EPS  # one constant for the dense and the blockwise paths
 
@@ -157,44 +157,28 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   return out[:, :q_len]
 
 
-def blockwise_supported(
-  *, normalization: str, deterministic: bool, dropout_rate: float, module, return_weights: bool
-) -> bool:
+def blockwise_supported(call: driver.AttentionCall, normalization: str) -> bool:
   """Whether a ``hyla_attention`` call can run blockwise (else the exact dense path runs).
 
   Softmax normalises over keys (it would need running statistics), dropout and returned or sown
   weights need the whole ``[H, q_len, kv_len]`` weights.
   """
-  dropout_active = not deterministic and dropout_rate != 0.0
   return (
     normalization in hyla_blockwise.NORMALIZATIONS
-    and not dropout_active
-    and module is None
-    and not return_weights
+    and not call.dropout_active
+    and call.module is None
+    and not call.return_weights
   )
 
 
+@driver.attention_kernel
 def hyla_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  call: driver.AttentionCall,
   *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
   normalization: str = "rms_head",
   value_network: str = "mlp_relu",
   query_chunk_size: int | None = None,
   scale: float | None = None,
-  return_weights: bool = False,
   block_size: int | None = None,
 ):
   """HYLA attention (docs/maths.md §3.7).
@@ -241,9 +225,10 @@ def hyla_attention(
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
-  shapes = C.validate_qkv(query, key, value)
   C.refuse_grouped_heads(
-    shapes, "hyla_attention", "its value network sums the values over heads with per-head weights"
+    call.shapes,
+    "hyla_attention",
+    "its value network sums the values over heads with per-head weights",
   )
   normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
   network = _lookup(VALUE_NETWORKS, value_network, "value_network")
@@ -255,54 +240,33 @@ def hyla_attention(
     not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
   ):
     raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
-  if block_size is not None and blockwise_supported(
-    normalization=normalization,
-    deterministic=deterministic,
-    dropout_rate=dropout_rate,
-    module=module,
-    return_weights=return_weights,
-  ):
+  if block_size is not None and blockwise_supported(call, normalization):
     return hyla_blockwise.hyla_blockwise_attention(
-      query,
-      key,
-      value,
-      bias,
-      mask,
+      call.query,
+      call.key,
+      call.value,
+      call.bias,
+      call.mask,
       block_size=block_size,
-      is_causal=is_causal,
-      causal_alignment=causal_alignment,
+      is_causal=call.is_causal,
+      causal_alignment=call.causal_alignment,
       normalization=normalization,
       value_network=value_network,
       scale=scale,
-      dtype=dtype,
-      precision=precision,
+      dtype=call.dtype,
+      precision=call.precision,
     )
-  # A bias or mask shared by the examples stays [1, H, q, kv]: the einsums broadcast it.
-  mask, bias = C.prepare_mask_and_bias(
-    mask, bias, shapes, is_causal, causal_alignment, materialize=False
-  )
-  scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (query, key, value))  # batch flattened
+  # A bias or mask shared by the examples or heads keeps size 1 there: the einsums broadcast it.
+  mask, bias = call.mask_and_bias()
+  scale = C.default_scale(call.shapes.d_qk) if scale is None else scale
+  q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (call.query, call.key, call.value))
 
-  weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=precision), mask)
-  dropped = C.apply_dropout(
-    weights,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=broadcast_dropout,
-    deterministic=deterministic,
-  )
-  run_network = functools.partial(network, precision=precision)
+  weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=call.precision), mask)
+  dropped = call.dropout(weights)
+  run_network = functools.partial(network, precision=call.precision)
   if query_chunk_size is None:
     out = run_network(dropped, v)
   else:
     out = _chunked_over_queries(run_network, dropped, v, query_chunk_size)
   out = jnp.swapaxes(out, 1, 2)  # finish takes heads-major; XLA folds the two transposes
-  return C.finish(
-    out,
-    weights,
-    shapes=shapes,
-    dtype=C.output_dtype(query, dtype),
-    module=module,
-    return_weights=return_weights,
-  )
+  return call.finish(out, weights)
