@@ -16,10 +16,15 @@ Memory: the two MLP value networks hold ``u`` of shape ``[B, q_len, kv_len, D_v]
 ``[B, c, kv_len, D_v]`` of it exists at a time (the scores ``a`` of shape ``[B, H, q_len, kv_len]``
 are still computed in full: they are returned, sown and dropped out exactly like softmax weights,
 which keeps chunked and unchunked results identical, dropout included).
-With ``block_size=b`` the call goes to :mod:`hyla_blockwise`, which tiles queries and keys and
-never stores ``u`` nor the scores (forward and backward memory linear in the length); it covers
-rms_head/none × every value network, masks, bias and causal, and the calls it does not cover
-(softmax normalisation, active dropout, returned or sown weights) run the dense path here.
+The blockwise path (:mod:`hyla_blockwise`) tiles queries and keys and never stores ``u`` nor the
+scores (forward and backward memory linear in the length); it covers rms_head/none × every value
+network, masks, bias and causal, but not softmax normalisation, active dropout, or returned or
+sown weights. ``block_size`` picks the path: ``'auto'`` (default) goes blockwise, with tiles of
+``AUTO_BLOCK_SIZE``, when the call allows it and there are at least ``AUTO_BLOCKWISE_MIN_PAIRS``
+query-key pairs per example (``q_len·kv_len``: past it the dense ``[B, q_len, kv_len, D_v]``
+tensor costs more time than the tiles, on CPU as measured), and dense otherwise (sRAVEN's and the
+fuzzy-logic task's short sequences stay dense); an int is blockwise with that tile (ValueError
+when the call does not allow it); None is dense.
 """
 
 from __future__ import annotations
@@ -157,18 +162,51 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   return out[:, :q_len]
 
 
-def blockwise_supported(call: driver.AttentionCall, normalization: str) -> bool:
-  """Whether a ``hyla_attention`` call can run blockwise (else the exact dense path runs).
+# block_size='auto': blockwise from this many query-key pairs per example, with this tile size.
+AUTO_BLOCKWISE_MIN_PAIRS = 128 * 128
+AUTO_BLOCK_SIZE = 64
+
+
+def blockwise_blockers(call: driver.AttentionCall, normalization: str) -> list[str]:
+  """What keeps a ``hyla_attention`` call off the blockwise path (empty: it can run blockwise).
 
   Softmax normalises over keys (it would need running statistics), dropout and returned or sown
   weights need the whole ``[H, q_len, kv_len]`` weights.
   """
-  return (
-    normalization in hyla_blockwise.NORMALIZATIONS
-    and not call.dropout_active
-    and call.module is None
-    and not call.return_weights
-  )
+  return [
+    reason
+    for reason, present in (
+      (f"normalization={normalization!r}", normalization not in hyla_blockwise.NORMALIZATIONS),
+      ("dropout on the weights", call.dropout_active),
+      ("sowing weights (module given)", call.module is not None),
+      ("return_weights=True", call.return_weights),
+    )
+    if present
+  ]
+
+
+def blockwise_tile(call: driver.AttentionCall, normalization: str, block_size) -> int | None:
+  """The tile size of the blockwise path for ``block_size`` (see the module docstring), or None
+  for the dense path.
+
+  Raises:
+    ValueError: ``block_size`` not ``'auto'``, None or a positive int; an int for a call the
+      blockwise path cannot serve.
+  """
+  if block_size is None:
+    return None
+  blockers = blockwise_blockers(call, normalization)
+  if block_size == "auto":
+    pairs = call.shapes.q_len * call.shapes.kv_len
+    return AUTO_BLOCK_SIZE if pairs >= AUTO_BLOCKWISE_MIN_PAIRS and not blockers else None
+  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    raise ValueError(f"block_size must be 'auto', a positive int or None; got {block_size!r}")
+  if blockers:
+    raise ValueError(
+      f"block_size={block_size} runs blockwise, which cannot serve this call "
+      f"({', '.join(blockers)}); use block_size='auto' or None"
+    )
+  return block_size
 
 
 @driver.attention_kernel
@@ -179,7 +217,7 @@ def hyla_attention(
   value_network: str = "mlp_relu",
   query_chunk_size: int | None = None,
   scale: float | None = None,
-  block_size: int | None = None,
+  block_size: int | str | None = "auto",
 ):
   """HYLA attention (docs/maths.md §3.7).
 
@@ -209,19 +247,20 @@ def hyla_attention(
     scale: score scale, default ``1/√d_qk``.
     return_weights: also return ``a`` as float32 ``[batch..., heads, q_len, kv_len]`` (before
       dropout).
-    block_size: if set, compute over (query block × key block) tiles of this size with
-      :func:`hyla_blockwise.hyla_blockwise_attention` (same result to float rounding, no
-      ``[q_len, kv_len]``-sized tensor in the forward or backward pass) whenever
-      :func:`blockwise_supported` says the call allows it; otherwise this option is ignored and
-      the dense path (with ``query_chunk_size`` if given) runs.
+    block_size: ``'auto'`` (default: the blockwise path
+      :func:`hyla_blockwise.hyla_blockwise_attention` over (query block × key block) tiles when
+      the call allows it and ``q_len·kv_len >= AUTO_BLOCKWISE_MIN_PAIRS``, else dense), an int
+      (blockwise with tiles of that size; ValueError for a call it cannot serve, see
+      :func:`blockwise_blockers`) or None (dense). Both paths agree to float rounding; the
+      blockwise one holds no ``[q_len, kv_len]``-sized tensor in the forward or backward pass.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads (fewer than the query heads),
-      unknown ``normalization``/``value_network``, or a ``query_chunk_size`` or ``block_size``
-      below 1.
+      unknown ``normalization``/``value_network``, a ``query_chunk_size`` below 1, a bad
+      ``block_size`` or an int one for a call only the dense path serves.
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
@@ -236,18 +275,15 @@ def hyla_attention(
     not isinstance(query_chunk_size, int) or query_chunk_size < 1
   ):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  if block_size is not None and (
-    not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
-  ):
-    raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
-  if block_size is not None and blockwise_supported(call, normalization):
+  tile = blockwise_tile(call, normalization, block_size)
+  if tile is not None:
     return hyla_blockwise.hyla_blockwise_attention(
       call.query,
       call.key,
       call.value,
       call.bias,
       call.mask,
-      block_size=block_size,
+      block_size=tile,
       is_causal=call.is_causal,
       causal_alignment=call.causal_alignment,
       normalization=normalization,
