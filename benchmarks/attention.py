@@ -214,9 +214,10 @@ KERNELS: dict[str, KernelSpec] = {
     scaled_head_flops,
     "scaled_head_attention(ratios)",
   ),
-  "hyla": KernelSpec(_fixed(hyla_attention), hyla_flops, "hyla_attention, naive"),
+  # block_size=None: the dense paths, not the blockwise default (block_size='auto').
+  "hyla": KernelSpec(_fixed(hyla_attention, block_size=None), hyla_flops, "hyla_attention, naive"),
   "hyla_chunked": KernelSpec(
-    lambda o: functools.partial(hyla_attention, query_chunk_size=o.hyla_chunk),
+    lambda o: functools.partial(hyla_attention, query_chunk_size=o.hyla_chunk, block_size=None),
     hyla_flops,
     "hyla_attention(query_chunk_size)",
   ),

@@ -309,6 +309,13 @@ def contract_values(weights: Array, value: Array, precision=None) -> Array:
   )
 
 
+def lookup(table: dict, name: str, argument: str):
+  """``table[name]`` for a string option; ValueError naming ``argument`` and the choices."""
+  if name not in table:
+    raise ValueError(f"{argument} must be one of {sorted(table)}; got {argument}={name!r}")
+  return table[name]
+
+
 def output_dtype(query: Array, dtype) -> jnp.dtype:
   return jnp.dtype(dtype) if dtype is not None else query.dtype
 

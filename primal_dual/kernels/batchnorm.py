@@ -1,5 +1,11 @@
 """Attention-BN: batch normalisation on the input of the SVR primal (docs/maths.md §3.4).
 
+For one example and head, over the valid keys ``j`` and per channel::
+
+  μ = mean_j k_j,   σ² = mean_j (k_j − μ)²
+  q̂ = (q − βμ)/√(σ² + ε),   k̂ = (k − βμ)/√(σ² + ε)
+  out = kernel(q̂, k̂, bias, mask) · v              (softmax or linear, see KERNELS)
+
 The keys are the SVR's training inputs, so their statistics (over the key axis, per example, head
 and channel, valid keys only) normalise both the keys and the queries (the test inputs) before the
 kernel runs: ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)``. Normalising only the keys
@@ -104,13 +110,6 @@ KERNELS: dict[str, Callable] = {
 }
 
 
-def lookup(table: dict, name: str, argument: str):
-  """``table[name]``; ValueError naming ``argument`` and the choices otherwise."""
-  if name not in table:
-    raise ValueError(f"{argument} must be one of {sorted(table)}; got {argument}={name!r}")
-  return table[name]
-
-
 def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistics: str):
   """``(q̂ [q_len, d], k̂ [kv_len, d])`` float32 of one head: both normalised with the statistics
   named by ``statistics`` (``STATISTICS_SOURCES``), over valid rows only."""
@@ -144,21 +143,10 @@ def batchnorm_attention(
   head's statistics serve every query head of its group.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``: added to the softmax
-      logits, or a factor ``exp(bias)`` on the linear kernel (see ``linear.positional_factor``).
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
-    dtype: output dtype (default ``query.dtype``); statistics and weights are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    bias: added to the softmax logits, or a factor ``exp(bias)`` on the linear kernel (see
+      ``linear.positional_factor``).
     kernel: ``'softmax'`` (``q̂ᵀk̂·scale + bias``) or ``'linear'`` (dual form, ``Φ = elu + 1``).
     eps: ε of the normalisation.
     mean_weight: β, how much of the mean is removed (0 = scale only).
@@ -175,12 +163,12 @@ def batchnorm_attention(
   """
   scale = C.default_scale(call.shapes.d_qk) if scale is None else scale
   kernel_one_head = functools.partial(
-    lookup(KERNELS, kernel, "kernel"),
+    C.lookup(KERNELS, kernel, "kernel"),
     scale=scale,
     linear_eps=linear_eps,
     precision=call.precision,
   )
-  lookup(STATISTICS_SOURCES, statistics, "statistics")
+  C.lookup(STATISTICS_SOURCES, statistics, "statistics")
   normalize = functools.partial(
     normalized_one_head, eps=eps, mean_weight=mean_weight, statistics=statistics
   )

@@ -32,8 +32,27 @@ Array = jax.Array
 class AttentionCall:
   """One kernel call: Flax's ``attention_fn`` arguments (this class declares them, once).
 
-  Fields up to ``mask`` are positional in the generated signatures, the rest keyword-only.
-  ``shapes`` holds the validated sizes (:func:`_common.validate_qkv`).
+  Fields up to ``mask`` are positional in the generated signatures, the rest keyword-only; every
+  kernel documents here what they mean and, in its own docstring, only where it departs.
+
+  Attributes:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
+      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
+    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
+      zeros.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
+      ``broadcast_dropout`` shares one pattern across examples and heads.
+    dtype: output dtype (default ``query.dtype``); statistics and weights are float32 regardless.
+    precision: passed to the einsums.
+    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
+    is_causal: add a causal mask, aligned by ``causal_alignment``.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    shapes: the validated sizes (:func:`_common.validate_qkv`).
   """
 
   query: Array

@@ -141,12 +141,6 @@ VALUE_NETWORKS: dict[str, Callable] = {
 }
 
 
-def _lookup(registry: dict, name: str, argument: str):
-  if name not in registry:
-    raise ValueError(f"{argument} must be one of {sorted(registry)}; got {name!r}")
-  return registry[name]
-
-
 def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   """Runs ``fn(a_block, v) -> [B, c, H, d_v]`` over query blocks of size ``chunk``.
 
@@ -222,22 +216,15 @@ def hyla_attention(
   """HYLA attention (docs/maths.md §3.7).
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``; d_v is shared by all heads (the value network sums
-      over heads).
-    bias: additive score bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Masked scores are 0, so a
-      fully masked query gets a zero output (with finite gradients).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout, applied once to the
-      normalised scores ``a``; the dropped ``a`` is used both in the value network and in the
-      read-out.
-    dtype: output dtype (default ``query.dtype``). Scores and normalisation are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow ``a`` into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    key, value: as many heads as the query (no grouped heads); d_v is shared by all heads (the
+      value network sums over heads).
+    bias, mask: on the scores ``s``; masked scores are 0, so a fully masked query gets a zero
+      output (with finite gradients).
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: applied once to the normalised
+      scores ``a``; the dropped ``a`` is used both in the value network and in the read-out.
+    module, return_weights: sow / return ``a`` (before dropout) as the weights.
     normalization: ``'rms_head'`` (default; ``s / √(mean_h s² + 1e-6)`` across heads),
       ``'softmax'`` (standard masked softmax over keys, per head) or ``'none'`` (``a = s``).
     value_network: ``'mlp_relu'`` (default), ``'mlp_linear'`` (no relu) or ``'linear'``
@@ -245,8 +232,6 @@ def hyla_attention(
     query_chunk_size: if set, run the value network over query blocks of this size (same result,
       ``[B, c, kv_len, d_v]`` peak memory for ``u``); q_len need not be a multiple of it.
     scale: score scale, default ``1/√d_qk``.
-    return_weights: also return ``a`` as float32 ``[batch..., heads, q_len, kv_len]`` (before
-      dropout).
     block_size: ``'auto'`` (default: the blockwise path
       :func:`hyla_blockwise.hyla_blockwise_attention` over (query block × key block) tiles when
       the call allows it and ``q_len·kv_len >= AUTO_BLOCKWISE_MIN_PAIRS``, else dense), an int
@@ -269,8 +254,8 @@ def hyla_attention(
     "hyla_attention",
     "its value network sums the values over heads with per-head weights",
   )
-  normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
-  network = _lookup(VALUE_NETWORKS, value_network, "value_network")
+  normalize = C.lookup(NORMALIZATIONS, normalization, "normalization")
+  network = C.lookup(VALUE_NETWORKS, value_network, "value_network")
   if query_chunk_size is not None and (
     not isinstance(query_chunk_size, int) or query_chunk_size < 1
   ):

@@ -1,5 +1,11 @@
 """Linear attention and positive random features: kernels with a finite feature map (docs/maths.md §2, §3.2).
 
+For one head, with a feature map ``Φ``, positional factor ``f_ij = exp(bias_ij)`` (1 without a
+bias) and mask ``m``::
+
+  dual:    out_i = Σ_j Φ(q_i)·Φ(k_j) f_ij m_ij v_j / (Σ_j Φ(q_i)·Φ(k_j) f_ij m_ij + eps)
+  primal:  S = Σ_j Φ(k_j) v_jᵀ,  z = Σ_j Φ(k_j),  out_i = Φ(q_i)ᵀS / (Φ(q_i)ᵀz + eps)
+
 With a finite feature map ``Φ`` the SVR dual ``Σ_j Φ(q)ᵀΦ(k_j) v_j / h(q)`` can be evaluated in its
 primal form ``Φ(q)ᵀS / Φ(q)ᵀz`` with ``S = Σ_j Φ(k_j) v_jᵀ`` and ``z = Σ_j Φ(k_j)``: O(N) instead of
 O(N²). Two feature maps live here:
@@ -137,8 +143,8 @@ def linear_primal_one_head(
     causal_offset: None, or the prefix-sum causal form (see :func:`feature_primal_one_head`).
 
   Returns:
-    float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, None, mask) @ v`` when ``mask`` is
-    ``key_valid`` on every row, up to float error.
+    float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, None, mask) @ v`` when
+    ``mask`` is ``key_valid`` on every row, up to float error.
   """
   return feature_primal_one_head(
     elu_feature_map(q),
@@ -284,37 +290,22 @@ def linear_attention(call: driver.AttentionCall, *, form: str = "dual", eps: flo
   multiplied by ``exp(b_ij)``.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: logit bias broadcastable like ``mask`` (``dual`` form only): it multiplies the kernel by
-      ``exp(bias)``, as a logit bias does in softmax (e.g. a relative position bias). The
-      ``primal`` form never forms pairwise weights and raises ValueError for a bias.
-    mask: any dtype, broadcastable to ``[batch..., heads, q_len, kv_len]``; nonzero = may attend.
-      The ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
-      ``masks.padding_mask``).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
-      ``dual`` form only, the ``primal`` form raises ValueError when dropout would apply.
-    dtype: output dtype (default ``query.dtype``); features and sums are float32.
-    precision: passed to the einsums.
-    module: Flax module to sow the weights into (``dual`` form; the ``primal`` form never forms
-      weights and sows nothing).
-    is_causal: add a causal mask, aligned by ``causal_alignment``; in the ``primal`` form it uses
-      prefix sums, which hold a ``[batch, heads, kv_len, d_qk, d_v]`` float32 tensor.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``;
-      ``dual`` form only (ValueError in ``primal``, which needs form='dual' for them).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    bias: ``dual`` form only: it multiplies the kernel by ``exp(bias)``, as a logit bias does in
+      softmax (e.g. a relative position bias).
+    The ``primal`` form never forms pairwise weights: it raises ValueError for a bias, dropout
+      on the weights or ``return_weights=True`` (which need form='dual'), sows nothing, needs a
+      key-only mask (size 1 on the q_len axis, as made by ``masks.padding_mask``) and computes
+      ``is_causal`` with prefix sums, which hold a ``[batch, heads, kv_len, d_qk, d_v]`` float32
+      tensor.
     form: ``'dual'`` (N×N weights) or ``'primal'`` (O(N), ``Φ(q)ᵀS / (Φ(q)ᵀz + eps)``).
     eps: added to the denominator.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
-  if form not in LINEAR_FORMS:
-    raise ValueError(f"form must be one of {sorted(LINEAR_FORMS)}; got form={form!r}")
-  return LINEAR_FORMS[form](call, eps=eps)
+  return C.lookup(LINEAR_FORMS, form, "form")(call, eps=eps)
 
 
 @driver.attention_kernel
@@ -328,19 +319,12 @@ def random_feature_attention(
   shrinks like ``1/√m`` and grows with ``‖q‖, ‖k‖``. The same ``ω`` serves every example and head.
 
   Args:
-    query, key, value: as in :func:`linear_attention` (grouped key/value heads allowed).
-    bias: must be None (a logit bias cannot be moved into the features); ValueError otherwise.
-    mask: key-only mask of any dtype, nonzero = may attend (size 1 on the q_len axis, e.g.
-      ``masks.padding_mask``).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: accepted for the Flax contract;
-      ValueError when dropout would apply (the weights are never formed).
-    dtype: output dtype (default ``query.dtype``); features and sums are float32.
-    precision: passed to the einsums.
-    module: accepted for the Flax contract; nothing is sown (no weights are formed).
-    is_causal: causal attention through prefix sums (holds ``[batch, heads, kv_len, m, d_v]``).
-    causal_alignment: ``'top_left'`` (default, as Flax) or ``'bottom_right'``, as in
-      :func:`linear_attention`.
-    return_weights: must be False (ValueError otherwise).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    A primal form, as ``linear_attention(form='primal')``: ValueError for a bias (a logit bias
+      cannot be moved into the features), dropout on the weights or ``return_weights=True``;
+      a key-only mask; nothing sown; ``is_causal`` through prefix sums (holding
+      ``[batch, heads, kv_len, m, d_v]``).
     num_features: ``m``, the number of random features.
     feature_key: a JAX PRNG key drawing ``ω`` (required; reuse it to keep the features fixed).
 

@@ -1,5 +1,14 @@
 """Attention-SH (scaled heads) and Attention-BN+SH (docs/maths.md §3.5, §3.6).
 
+For head ``h`` with ratio ``r_h`` and key windows ``W_w`` of ``r_h`` keys (``r_h × r_h`` on a
+grid), ``w`` running over the ``ceil(N / r_h)`` windows::
+
+  k̃_hw = pool_{j ∈ W_w} k_hj,   ṽ_hw = pool_{j ∈ W_w} v_hj
+  b̃_hiw = mean_{j ∈ W_w seen by i} bias_hij
+  out_hi = Σ_w kernel(q_hi, k̃_h, b̃_hi)_w ṽ_hw
+
+with BN+SH normalising ``q_h`` and ``k̃_h`` first, as Attention-BN does (``batchnorm.py``).
+
 In the SVR view each head is a regression fitted on the keys; Attention-SH fits head ``h`` on fewer
 training points: its keys and values are pooled along the key axis in windows of ``ratios[h]``
 (stride = window), so head ``h`` attends to ``ceil(N / r_h)`` pooled keys. Queries and the output
@@ -250,8 +259,12 @@ def pool_keys_one_head(
 # One head of one ratio group.
 # ---------------------------------------------------------------------------------------------
 
-# statistics option of BN+SH: the keys whose statistics normalise, (pooled, full) -> chosen.
-STATISTICS_SOURCES = ("pooled", "full")
+# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], PooledKeys) -> the keys
+# whose statistics normalise and their validity.
+STATISTICS_SOURCES: dict[str, Callable] = {
+  "pooled": lambda k, key_valid, pooled: (pooled.key, pooled.key_valid),
+  "full": lambda k, key_valid, pooled: (k, key_valid),
+}
 
 
 class BatchNormOptions(NamedTuple):
@@ -290,10 +303,7 @@ def _attention_inputs_one_head(
     )
   if batchnorm is None:
     return q, pooled
-  full = batchnorm.statistics == "full"
-  mean, var = bn_lib.key_statistics(
-    k if full else pooled.key, key_valid if full else pooled.key_valid
-  )
+  mean, var = bn_lib.key_statistics(*STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, pooled))
   q, pooled_key = (
     bn_lib.normalize_with_key_stats(
       x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
@@ -342,28 +352,19 @@ def scaled_head_attention(
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      each query head pools its own copy of the shared key/value head, with its own ratio).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``; pooled by a mean over
-      each window's visible entries, then added to the softmax logits or a factor ``exp(bias)``
-      on the linear kernel (``linear.positional_factor``), as in ``batchnorm_attention``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout on each group's
-      weights. A single group uses ``dropout_rng`` itself (so all-1 ratios reproduce
-      ``softmax_attention`` exactly); several groups use ``fold_in(dropout_rng, ratio)``, and
-      ``broadcast_dropout`` shares a pattern across the examples and heads of one group.
-    dtype: output dtype (default ``query.dtype``); pooling, statistics and softmax are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights tuple into (``intermediates/attention_weights``).
-    is_causal: add a causal mask (applied before pooling; see "Pooled mask"). Decoding with a
-      key/value cache is therefore not a full causal pass: a cached step pools only the keys seen
-      so far, the full pass pools whole windows.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the weights: a tuple of float32 arrays, one per distinct ratio in
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    key, value: with grouped heads each query head pools its own copy of the shared key/value
+      head, with its own ratio.
+    bias: pooled by a mean over each window's visible entries, then added to the softmax logits
+      or a factor ``exp(bias)`` on the linear kernel (``linear.positional_factor``).
+    dropout_rng: a single group uses it itself (so all-1 ratios reproduce ``softmax_attention``
+      exactly); several groups use ``fold_in(dropout_rng, ratio)``, and ``broadcast_dropout``
+      shares a pattern across the examples and heads of one group.
+    is_causal: applied before pooling (see "Pooled mask"). Decoding with a key/value cache is
+      therefore not a full causal pass: a cached step pools only the keys seen so far, the full
+      pass pools whole windows.
+    return_weights, module: the weights are a tuple of float32 arrays, one per distinct ratio in
       increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
       map rows to heads with :func:`head_groups`.
     ratios: one static int >= 1 per head (required).
@@ -391,18 +392,15 @@ def scaled_head_attention(
   """
   shapes = call.shapes
   ratios = validate_ratios(ratios, shapes.heads)
-  pool_fn = bn_lib.lookup(POOLS, pool, "pool")
+  pool_fn = C.lookup(POOLS, pool, "pool")
   scale = C.default_scale(shapes.d_qk) if scale is None else scale
   kernel_one_head = functools.partial(
-    bn_lib.lookup(bn_lib.KERNELS, kernel, "kernel"),
+    C.lookup(bn_lib.KERNELS, kernel, "kernel"),
     scale=scale,
     linear_eps=linear_eps,
     precision=call.precision,
   )
-  if statistics not in STATISTICS_SOURCES:
-    raise ValueError(
-      f"statistics must be one of {STATISTICS_SOURCES}; got statistics={statistics!r}"
-    )
+  C.lookup(STATISTICS_SOURCES, statistics, "statistics")
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
   bn_options = BatchNormOptions(statistics, eps, mean_weight) if batchnorm else None

@@ -43,21 +43,8 @@ def softmax_attention(
   """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
-    dtype: output dtype (default: ``query.dtype``). Softmax statistics are float32 regardless.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
     scale: logits scale, default ``1/√d_qk``.
     implementation: ``'auto'`` (``jax.nn.dot_product_attention`` when the call needs no weights
       and no dropout on them, see ``kernels.fused``), ``'fused'`` (that path or a ValueError) or
