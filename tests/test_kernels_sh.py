@@ -172,6 +172,20 @@ def test_unit_ratios_with_batchnorm_equal_batchnorm_attention(kernel):
   np.testing.assert_allclose(got, want, **TOL)
 
 
+def test_linear_kernel_takes_a_bias_as_batchnorm_attention_does():
+  """BN+SH with unit ratios and the linear kernel is Attention-BN's linear kernel, bias included."""
+  rng = np.random.default_rng(21)
+  q, k, v = random_qkv(rng, (2,), 4, 7, 2)
+  mask = padding_mask(rng, (2,), 7)
+  bias = rng.normal(size=(2, 4, 7)).astype(np.float32)
+  want = bn_jit(q, k, v, bias, mask, kernel="linear")
+  got = sh_jit(q, k, v, bias, mask, ratios=(1, 1), batchnorm=True, kernel="linear")
+  np.testing.assert_allclose(got, want, **TOL)
+  assert not np.allclose(
+    got, sh_jit(q, k, v, None, mask, ratios=(1, 1), batchnorm=True, kernel="linear")
+  )
+
+
 def test_average_pooling_commutes_with_projection():
   """Pooling K/V after their projections = pooling the inputs, then projecting (docs/maths.md §3.5)."""
   rng = np.random.default_rng(3)
