@@ -11,36 +11,6 @@ def _broadcast(x, batch_shape, heads, q_len, kv_len, fill):
   return np.broadcast_to(np.asarray(x), target)
 
 
-def softmax_attention_ref(query, key, value, bias=None, mask=None, scale=None):
-  """out[..., i, h, :] = Σ_j softmax_j(q·k/√D + bias) v_j over valid j; zeros if none valid.
-
-  Returns (out [batch..., q_len, heads, d_v], weights [batch..., heads, q_len, kv_len]).
-  """
-  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
-  batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
-  kv_len, d_v = k.shape[-3], v.shape[-1]
-  scale = 1.0 / np.sqrt(d) if scale is None else scale
-  bias = _broadcast(bias, batch_shape, heads, q_len, kv_len, 0.0).astype(np.float64)
-  mask = _broadcast(mask, batch_shape, heads, q_len, kv_len, True).astype(bool)
-  out = np.zeros((*batch_shape, q_len, heads, d_v))
-  weights = np.zeros((*batch_shape, heads, q_len, kv_len))
-  for b in np.ndindex(*batch_shape):
-    for h in range(heads):
-      for i in range(q_len):
-        valid = [j for j in range(kv_len) if mask[b + (h, i, j)]]
-        if not valid:
-          continue
-        logits = np.array(
-          [q[b + (i, h)] @ k[b + (j, h)] * scale + bias[b + (h, i, j)] for j in valid]
-        )
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        for w, j in zip(p, valid):
-          weights[b + (h, i, j)] = w
-          out[b + (i, h)] += w * v[b + (j, h)]
-  return out, weights
-
-
 def _elu_plus_one(x):
   return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
 
@@ -99,6 +69,17 @@ def _softmax_weights_one_head(q, k, bias, mask, scale):
     p = np.exp(logits - logits.max())
     weights[i, valid] = p / p.sum()
   return weights
+
+
+def softmax_attention_ref(query, key, value, bias=None, mask=None, scale=None):
+  """out[..., i, h, :] = Σ_j softmax_j(q·k/√D + bias) v_j over valid j; zeros if none valid.
+
+  Returns (out [batch..., q_len, heads, d_v], weights [batch..., heads, q_len, kv_len]).
+  """
+  scale = 1.0 / np.sqrt(np.shape(query)[-1]) if scale is None else scale
+  return _loop_heads(
+    query, key, value, bias, mask, lambda q, k, b, m: _softmax_weights_one_head(q, k, b, m, scale)
+  )
 
 
 def linear_attention_ref(query, key, value, mask=None, eps=1e-6, bias=None):

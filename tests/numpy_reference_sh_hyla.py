@@ -69,6 +69,19 @@ def _elu1(x):
   return np.where(x > 0, x + 1.0, np.exp(x))
 
 
+def _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment):
+  """(q, k, v, bias, mask) in float64 with bias and mask broadcast to [batch..., H, q, kv] and the
+  causal constraint added to the mask."""
+  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  batch_shape, (q_len, heads) = q.shape[:-3], q.shape[-3:-1]
+  target = (*batch_shape, heads, q_len, k.shape[-3])
+  bias = _broadcast(bias, target, 0.0).astype(np.float64)
+  mask = _broadcast(mask, target, True).astype(bool)
+  if is_causal:
+    mask = mask & _causal(q_len, k.shape[-3], causal_alignment)
+  return q, k, v, bias, mask
+
+
 def scaled_head_ref(
   query,
   key,
@@ -80,9 +93,9 @@ def scaled_head_ref(
   pool="avg",
   kernel="softmax",
   batchnorm=False,
-  stats="pooled",
-  bn_eps=1e-5,
-  bn_mean_weight=1.0,
+  statistics="pooled",
+  eps=1e-5,
+  mean_weight=1.0,
   grid_shape=None,
   num_prefix_tokens=0,
   is_causal=False,
@@ -94,14 +107,9 @@ def scaled_head_ref(
     (out [batch..., q_len, heads, d_v], weights): weights is a list with one array per head,
     ``[batch..., q_len, n_h]`` where n_h is the number of windows of head h.
   """
-  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  q, k, v, bias, mask = _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment)
   batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
   kv_len, d_v = k.shape[-3], v.shape[-1]
-  target = (*batch_shape, heads, q_len, kv_len)
-  bias = _broadcast(bias, target, 0.0).astype(np.float64)
-  mask = _broadcast(mask, target, True).astype(bool)
-  if is_causal:
-    mask = mask & _causal(q_len, kv_len, causal_alignment)
   out = np.zeros((*batch_shape, q_len, heads, d_v))
   weights = []
   for h in range(heads):
@@ -122,26 +130,26 @@ def scaled_head_ref(
       if batchnorm:
         src = (
           [pk[w] for w in range(n) if pvalid[w]]
-          if stats == "pooled"
+          if statistics == "pooled"
           else [k[b + (j, h)] for j in range(kv_len) if valid[j]]
         )
-        shift, div = _stats_ref(src, bn_eps, bn_mean_weight)
+        shift, div = _stats_ref(src, eps, mean_weight)
         qs = [(x - shift) / div for x in qs]
         pk = [(x - shift) / div for x in pk]
       for i in range(q_len):
         visible = [w for w, win in enumerate(windows) if any(m[i, j] for j in win)]
         if not visible:
           continue
+        pooled_bias = np.array(
+          [np.mean([bias[b + (h, i, j)] for j in windows[w] if m[i, j]]) for w in visible]
+        )
         if kernel == "softmax":
-          logits = []
-          for w in visible:
-            seen = [j for j in windows[w] if m[i, j]]
-            pooled_bias = np.mean([bias[b + (h, i, j)] for j in seen])
-            logits.append(qs[i] @ pk[w] / np.sqrt(d) + pooled_bias)
-          p = np.exp(np.array(logits) - max(logits))
+          logits = np.array([qs[i] @ pk[w] / np.sqrt(d) for w in visible]) + pooled_bias
+          p = np.exp(logits - logits.max())
           p /= p.sum()
-        else:
+        else:  # the bias is a factor exp(b - max b) on the kernel
           s = np.array([_elu1(qs[i]) @ _elu1(pk[w]) for w in visible])
+          s = s * np.exp(pooled_bias - pooled_bias.max())
           p = s / (s.sum() + LINEAR_EPS)
         for pw, w in zip(p, visible):
           w_h[b + (i, w)] = pw
@@ -168,15 +176,10 @@ def hyla_ref(
   causal_alignment="top_left",
 ):
   """HYLA with loops. Returns (out [batch..., q_len, heads, d_v], a [batch..., heads, q, kv])."""
-  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  q, k, v, bias, mask = _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment)
   batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
   kv_len, d_v = k.shape[-3], v.shape[-1]
-  target = (*batch_shape, heads, q_len, kv_len)
-  bias = _broadcast(bias, target, 0.0).astype(np.float64)
-  mask = _broadcast(mask, target, True).astype(bool)
-  if is_causal:
-    mask = mask & _causal(q_len, kv_len, causal_alignment)
-  a = np.zeros(target)
+  a = np.zeros(bias.shape)
   out = np.zeros((*batch_shape, q_len, heads, d_v))
   for b in np.ndindex(*batch_shape):
     s = np.zeros((heads, q_len, kv_len))

@@ -21,6 +21,7 @@ from primal_dual.kernels import (
   random_feature_attention,
   softmax_attention,
 )
+from primal_dual.kernels._common import map_heads
 from primal_dual.kernels.linear import draw_random_features
 
 # rbg keys compile much faster than threefry on CPU (the Flax tests use the default threefry).
@@ -123,7 +124,7 @@ def causal_pattern(q_len, kv_len, alignment):
 
 def _with_causal(mask, q_len, kv_len, alignment):
   causal = causal_pattern(q_len, kv_len, alignment)
-  return causal if mask is None else mask & causal
+  return causal if mask is None else np.asarray(mask) & np.asarray(causal)  # NumPy broadcasting
 
 
 @PROPERTY_SETTINGS
@@ -501,3 +502,12 @@ def test_linear_dual_bias_multiplies_the_kernel():
     atol=1e-5,
   )
   assert not np.allclose(out, linear_attention(query, key, value, mask=mask), atol=1e-3)
+
+
+def test_map_heads_shares_size_one_axes_instead_of_broadcasting():
+  """Per-argument axes: a [1, 1, n] argument reaches every (example, head) as it is."""
+  x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+  shared = np.array([[[1.0, 0.0, 2.0, 3.0]]], np.float32)
+  per_head = np.array([[[1.0], [2.0], [3.0]]], np.float32)  # [1, H, 1]: shared by the examples
+  got = map_heads(lambda a, b, c: a * b + c, x, shared, per_head)
+  np.testing.assert_array_equal(got, x * shared + per_head)

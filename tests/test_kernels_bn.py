@@ -188,6 +188,7 @@ def test_key_statistics_and_normalisation():
   np.testing.assert_array_equal(empty_mean, 0.0)
   np.testing.assert_array_equal(empty_var, 1.0)
   normalized = normalize_with_key_stats(keys, mean, var, eps=0.0, mean_weight=0.5)
+  mean, var = np.asarray(mean), np.asarray(var)  # NumPy broadcasting in the expected value
   np.testing.assert_allclose(normalized, (keys - 0.5 * mean) / np.sqrt(var), atol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """Every kernel as the ``attention_fn`` of Flax's Linen and NNX multi-head attention modules."""
 
 import functools
+import inspect
 
 import flax.linen as nn
 import jax
@@ -11,9 +12,11 @@ from flax import nnx
 
 from primal_dual.kernels import (
   batchnorm_attention,
+  hyla_attention,
   linear_attention,
   padding_mask,
   random_feature_attention,
+  scaled_head_attention,
   softmax_attention,
 )
 
@@ -123,3 +126,51 @@ def test_nnx_sow_weights():
   weights = sown_nnx_weights(softmax_attention)
   assert weights.shape == (2, HEADS, 5, 5)
   np.testing.assert_allclose(weights, sown_nnx_weights(nnx.dot_product_attention), atol=1e-6)
+
+
+FLAX_ARGUMENTS = {
+  "query": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  "key": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  "value": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  "bias": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  "mask": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  **dict.fromkeys(
+    (
+      "broadcast_dropout",
+      "dropout_rng",
+      "dropout_rate",
+      "deterministic",
+      "dtype",
+      "precision",
+      "module",
+      "is_causal",
+      "causal_alignment",
+      "return_weights",
+    ),
+    inspect.Parameter.KEYWORD_ONLY,
+  ),
+}
+
+
+@pytest.mark.parametrize(
+  "kernel,options",
+  [
+    (softmax_attention, ("scale", "implementation")),
+    (linear_attention, ("form", "eps")),
+    (random_feature_attention, ("num_features", "feature_key")),
+    (batchnorm_attention, ("kernel", "eps", "mean_weight", "statistics", "linear_eps")),
+    (scaled_head_attention, ("ratios", "pool", "batchnorm", "statistics", "grid_shape")),
+    (hyla_attention, ("normalization", "value_network", "query_chunk_size", "block_size")),
+  ],
+)
+def test_signatures_list_flax_arguments_and_options(kernel, options):
+  """The driver-built kernels show Flax's contract and their own options to inspect.signature."""
+  parameters = inspect.signature(kernel).parameters
+  assert {name: parameters[name].kind for name in FLAX_ARGUMENTS} == FLAX_ARGUMENTS
+  assert list(parameters)[:5] == ["query", "key", "value", "bias", "mask"]
+  for name in options:
+    assert parameters[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+  assert parameters["return_weights"].default is False
+  assert kernel.__name__.endswith("_attention") and kernel.__doc__
+  with pytest.raises(TypeError, match="unknown_option"):
+    kernel(INPUTS, INPUTS, INPUTS, unknown_option=1)

@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -208,35 +209,63 @@ def test_hyla_attention_block_size_dispatches_to_blockwise():
   assert not _has_loop(hyla.hyla_attention, q, k, v)
 
 
-@pytest.mark.parametrize(
-  "options",
-  [
-    dict(normalization="softmax"),
-    dict(return_weights=True),
-    dict(dropout_rng=jax.random.key(0), dropout_rate=0.2, deterministic=False),
-  ],
-)
-def test_unsupported_calls_run_the_dense_path(options):
+@pytest.fixture
+def auto_blockwise_from_one_pair(monkeypatch):
+  """block_size='auto' picks the blockwise path wherever the call allows it (tiny shapes)."""
+  monkeypatch.setattr(hyla, "AUTO_BLOCKWISE_MIN_PAIRS", 1)
+
+
+UNSUPPORTED_OPTIONS = [
+  dict(normalization="softmax"),
+  dict(return_weights=True),
+  dict(dropout_rng=jax.random.key(0), dropout_rate=0.2, deterministic=False),
+]
+
+
+@pytest.mark.parametrize("options", UNSUPPORTED_OPTIONS)
+def test_unsupported_calls_run_the_dense_path(options, auto_blockwise_from_one_pair):
   rng = np.random.default_rng(17)
   q, k, v = random_qkv(rng, (2,), 5, 5, 2)
-  with_blocks = hyla.hyla_attention(q, k, v, block_size=2, **options)
-  dense = hyla.hyla_attention(q, k, v, **options)
+  with_blocks = hyla.hyla_attention(q, k, v, block_size="auto", **options)
+  dense = hyla.hyla_attention(q, k, v, block_size=None, **options)
   jax.tree.map(np.testing.assert_array_equal, with_blocks, dense)
-  assert not _has_loop(lambda *x: hyla.hyla_attention(*x, block_size=2, **options), q, k, v)
+  assert not _has_loop(lambda *x: hyla.hyla_attention(*x, block_size="auto", **options), q, k, v)
 
 
-def test_module_given_runs_the_dense_path_and_sows_weights():
+@pytest.mark.parametrize("options", UNSUPPORTED_OPTIONS)
+def test_an_int_block_size_refuses_unsupported_calls(options):
+  q, k, v = random_qkv(np.random.default_rng(17), (2,), 5, 5, 2)
+  with pytest.raises(ValueError, match=r"block_size=2 runs blockwise.*block_size='auto' or None"):
+    hyla.hyla_attention(q, k, v, block_size=2, **options)
+
+
+def test_module_given_runs_the_dense_path_and_sows_weights(auto_blockwise_from_one_pair):
   import flax.linen as nn
 
   class Sower(nn.Module):
     @nn.compact
     def __call__(self, q, k, v):
-      return hyla.hyla_attention(q, k, v, module=self, block_size=2)
+      return hyla.hyla_attention(q, k, v, module=self, block_size="auto")
 
   q, k, v = random_qkv(np.random.default_rng(18), (2,), 5, 5, 2)
   out, state = Sower().apply({}, q, k, v, mutable=["intermediates"])
-  np.testing.assert_array_equal(out, hyla.hyla_attention(q, k, v))
+  np.testing.assert_array_equal(out, hyla.hyla_attention(q, k, v, block_size=None))
   assert state["intermediates"]["attention_weights"][0].shape == (2, 2, 5, 5)
+
+
+@pytest.mark.parametrize(
+  "length,blockwise",
+  [(32, False), (36, False), (math.isqrt(hyla.AUTO_BLOCKWISE_MIN_PAIRS), True)],  # logic, sRAVEN
+)
+def test_auto_block_size_picks_blockwise_for_long_sequences_and_agrees_with_dense(
+  length, blockwise
+):
+  q, k, v = random_qkv(np.random.default_rng(19), (1,), length, length, 2, d=4)
+  assert _has_loop(hyla.hyla_attention, q, k, v) == blockwise
+  dense = jax.jit(functools.partial(hyla.hyla_attention, block_size=None))
+  np.testing.assert_allclose(
+    jax.jit(hyla.hyla_attention)(q, k, v), dense(q, k, v), rtol=2e-5, atol=2e-5
+  )
 
 
 @pytest.mark.parametrize(
@@ -275,7 +304,7 @@ def test_backward_never_holds_a_length_squared_buffer():
   n, heads, d, d_v = 512, 2, 4, 4
   q, k, v = random_qkv(np.random.default_rng(20), (1,), n, n, heads, d=d, d_v=d_v)
   block = functools.partial(hyla.hyla_attention, block_size=64, is_causal=True)
-  dense = functools.partial(hyla.hyla_attention, is_causal=True)
+  dense = functools.partial(hyla.hyla_attention, block_size=None, is_causal=True)
   block_text = _grad_program(block, q, k, v).as_text()
   for shape in (f"{n},{n},{d_v}", f"{heads},{n},{n}", f"{n},{n}]"):
     assert shape not in block_text, shape

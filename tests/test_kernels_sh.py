@@ -23,7 +23,7 @@ STATIC = (
   "pool",
   "kernel",
   "batchnorm",
-  "stats",
+  "statistics",
   "grid_shape",
   "num_prefix_tokens",
   "is_causal",
@@ -71,13 +71,15 @@ CASES = [
     (1, 2),
     3,
     12,
-    dict(ratios=(3, 2), grid_shape=(3, 4), pool="max", batchnorm=True, stats="full"),
+    dict(ratios=(3, 2), grid_shape=(3, 4), pool="max", batchnorm=True, statistics="full"),
     False,
   ),
   ((2,), 4, 8, dict(ratios=(3, 1), num_prefix_tokens=2, pool="stride"), True),
   ((2,), 4, 7, dict(ratios=(2, 3), kernel="linear", batchnorm=True, is_causal=True), False),
   ((2,), 4, 7, dict(ratios=(1, 2), is_causal=True, causal_alignment="bottom_right"), True),
   ((2,), 4, 7, dict(ratios=(1, 3, 2), batchnorm=True), True),
+  # The linear kernel takes a bias as a factor exp(bias), as batchnorm_attention's does.
+  ((2,), 4, 7, dict(ratios=(2, 1), kernel="linear"), True),
 ]
 
 
@@ -129,7 +131,7 @@ def test_property_matches_reference(data):
     is_causal=data.draw(st.booleans()),
     batchnorm=data.draw(st.booleans()),
     causal_alignment=data.draw(st.sampled_from(["top_left", "bottom_right"])),
-    stats=data.draw(st.sampled_from(sh.STATS_SOURCES)),
+    statistics=data.draw(st.sampled_from(sorted(sh.STATISTICS_SOURCES))),
   )
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
   q, k, v = random_qkv(rng, batch_shape, q_len, kv_len, len(ratios))
@@ -166,8 +168,22 @@ def test_unit_ratios_with_batchnorm_equal_batchnorm_attention(kernel):
   mask = padding_mask(rng, (2,), 7)
   want = bn_jit(q, k, v, None, mask, kernel=kernel)
   stats = "full" if kernel == "linear" else "pooled"  # both sources, without a 4th compile
-  got = sh_jit(q, k, v, None, mask, ratios=(1, 1), batchnorm=True, kernel=kernel, stats=stats)
+  got = sh_jit(q, k, v, None, mask, ratios=(1, 1), batchnorm=True, kernel=kernel, statistics=stats)
   np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_linear_kernel_takes_a_bias_as_batchnorm_attention_does():
+  """BN+SH with unit ratios and the linear kernel is Attention-BN's linear kernel, bias included."""
+  rng = np.random.default_rng(21)
+  q, k, v = random_qkv(rng, (2,), 4, 7, 2)
+  mask = padding_mask(rng, (2,), 7)
+  bias = rng.normal(size=(2, 4, 7)).astype(np.float32)
+  want = bn_jit(q, k, v, bias, mask, kernel="linear")
+  got = sh_jit(q, k, v, bias, mask, ratios=(1, 1), batchnorm=True, kernel="linear")
+  np.testing.assert_allclose(got, want, **TOL)
+  assert not np.allclose(
+    got, sh_jit(q, k, v, None, mask, ratios=(1, 1), batchnorm=True, kernel="linear")
+  )
 
 
 def test_average_pooling_commutes_with_projection():
@@ -341,11 +357,11 @@ def test_traced_ratios_raise():
   [
     (dict(pool="median"), "pool"),
     (dict(kernel="cosine"), "kernel"),
-    (dict(stats="batch"), "stats"),
+    (dict(statistics="batch"), "statistics"),
     (dict(grid_shape=(2, 2)), "grid_shape"),
     (dict(grid_shape=(2, 2), num_prefix_tokens=1), "grid_shape"),
     (dict(num_prefix_tokens=7), "num_prefix_tokens"),
-    (dict(kernel="linear", bias=np.zeros((2, 6))), "bias"),
+    (dict(kernel="linear", bias=np.zeros((3, 6))), "bias"),
   ],
 )
 def test_bad_options_raise(options, match):

@@ -30,8 +30,10 @@ def learned_temperature_attention(
       ``softmax_attention``.
     log_temperature: ``[heads]``, the learned parameter.
   """
-  # Scaling each head's queries scales that head's logits, bias excluded.
-  temperature = jnp.exp(log_temperature).astype(query.dtype)[:, None]
+  # Scaling each head's queries scales that head's logits, bias excluded. The explicit shape
+  # [1..., heads, 1] broadcasts under jax_numpy_rank_promotion='raise' too.
+  temperature = jnp.exp(log_temperature).astype(query.dtype)
+  temperature = temperature.reshape((1,) * (query.ndim - 2) + (-1, 1))
   return softmax_attention(query * temperature, key, value, bias=bias, mask=mask, **flax_arguments)
 
 

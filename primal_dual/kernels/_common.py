@@ -15,7 +15,8 @@ query ``i`` sees keys ``j <= i``. ``causal_alignment='bottom_right'`` aligns the
 
 Kernels are written for ONE head (``q [q_len, d]``, ``k [kv_len, d]``, ``v [kv_len, d_v]``,
 ``bias/mask [q_len, kv_len]`` or None) and lifted to every head and example by :func:`map_heads`,
-which flattens the batch dimensions and applies ``jax.vmap`` twice (heads, then batch).
+which applies ``jax.vmap`` twice (heads, then the flattened batch), sharing the arguments that
+have size 1 on those axes. ``kernels.driver`` runs a whole call around that one-head maths.
 """
 
 from __future__ import annotations
@@ -121,14 +122,13 @@ def refuse_grouped_heads(shapes: QKVShapes, kernel: str, reason: str) -> None:
     )
 
 
-def broadcast_logits_arg(
-  x: Array | None, name: str, shapes: QKVShapes, *, materialize: bool = True
-) -> Array | None:
-  """Broadcasts a mask or bias to ``[B, heads, q_len, kv_len]`` with the batch flattened.
+def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array | None:
+  """A mask or bias as ``[B | 1, H | 1, q_len, kv_len]`` with the batch flattened.
 
-  With ``materialize=False`` an argument shared by every example (e.g. a relative-position bias
-  ``[1, heads, q, k]``) stays ``[1, ...]`` (4-D, broadcastable) instead of being copied per
-  example; kernels that combine it by broadcasting (HYLA's batched einsums) take that form.
+  The batch and head axes keep size 1 where ``x`` broadcasts along them (a padding mask
+  ``[batch, 1, 1, kv_len]`` becomes ``[B, 1, q_len, kv_len]``, a relative-position bias
+  ``[heads, q, k]`` becomes ``[1, H, q, k]``): :func:`map_heads` and batched einsums share such
+  axes instead of copying them.
 
   Returns None for None. Raises ValueError when ``x`` does not broadcast.
   """
@@ -145,11 +145,18 @@ def broadcast_logits_arg(
       f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, kv_len]"
       f" = {target}"
     )
-  x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
+  x = with_rank(x, len(target))
   batch_axes = len(shapes.batch_shape)
-  if not materialize and all(n == 1 for n in x.shape[:batch_axes]):
-    return x.reshape((1, *x.shape[batch_axes:]))
-  return jnp.broadcast_to(x, target).reshape((-1, *target[-3:]))
+  shared_batch = all(n == 1 for n in x.shape[:batch_axes])
+  batch_shape = (1,) * batch_axes if shared_batch else shapes.batch_shape
+  heads = x.shape[batch_axes]
+  x = jnp.broadcast_to(x, (*batch_shape, heads, shapes.q_len, shapes.kv_len))
+  return x.reshape((-1, heads, shapes.q_len, shapes.kv_len))
+
+
+def with_rank(x: Array, rank: int) -> Array:
+  """``x`` with leading axes of size 1 added up to ``rank`` (explicit NumPy broadcasting)."""
+  return x.reshape((1,) * (rank - x.ndim) + x.shape)
 
 
 # causal_alignment -> offset(q_len, kv_len): query i sees keys j <= i + offset.
@@ -181,7 +188,10 @@ def combine_causal(
   if not is_causal:
     return mask
   causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=offset)
-  return causal if mask is None else jnp.logical_and(mask, causal)
+  if mask is None:
+    return causal
+  rank = max(mask.ndim, causal.ndim)
+  return jnp.logical_and(with_rank(mask, rank), with_rank(causal, rank))
 
 
 def as_bool_mask(mask) -> Array | None:
@@ -201,11 +211,9 @@ def prepare_mask_and_bias(
   shapes: QKVShapes,
   is_causal: bool = False,
   causal_alignment: str = "top_left",
-  *,
-  materialize: bool = True,
 ):
-  """Validated, broadcast ``(mask, bias)`` as ``[B, heads, q_len, kv_len]`` arrays or None
-  (``materialize=False``: see :func:`broadcast_logits_arg`).
+  """Validated ``(mask, bias)`` as ``[B | 1, H | 1, q_len, kv_len]`` arrays or None (see
+  :func:`broadcast_logits_arg`).
 
   ``mask`` may have any dtype (nonzero = may attend); the result is bool.
   """
@@ -213,8 +221,8 @@ def prepare_mask_and_bias(
     as_bool_mask(mask), is_causal, shapes.q_len, shapes.kv_len, causal_alignment
   )
   return (
-    broadcast_logits_arg(mask, "mask", shapes, materialize=materialize),
-    broadcast_logits_arg(bias, "bias", shapes, materialize=materialize),
+    broadcast_logits_arg(mask, "mask", shapes),
+    broadcast_logits_arg(bias, "bias", shapes),
   )
 
 
@@ -230,13 +238,33 @@ def from_heads_major(x: Array, batch_shape: Sequence[int]) -> Array:
   return x.reshape((*batch_shape, *x.shape[1:]))
 
 
+def _head_axes(args: Sequence[Any], size: int) -> tuple[int | None, ...]:
+  """vmap ``in_axes``: 0 for arrays of ``size`` on axis 0, None for None and shared arrays."""
+  return tuple(0 if x is not None and x.shape[0] == size else None for x in args)
+
+
+def _drop_shared_axis(args: Sequence[Any], size: int) -> tuple[Any, ...]:
+  """Arrays shared along axis 0 (size 1 where others have ``size``) without that axis."""
+  return tuple(x if x is None or x.shape[0] == size else x[0] for x in args)
+
+
 def map_heads(per_head: Callable[..., Any], *args: Any) -> Any:
   """Applies a one-head function to every (example, head).
 
-  Each argument is None or an array whose two leading axes are ``[B, H]``; ``per_head`` sees the
-  same arguments without those axes.
+  Each argument is None or an array whose two leading axes are ``[B, H]``, either of which may
+  be 1 where the others have more: that argument is then shared by every example (or head), not
+  broadcast. ``per_head`` sees the arguments without those two axes; the result is ``[B, H, ...]``.
   """
-  return jax.vmap(jax.vmap(per_head))(*args)
+  arrays = [x for x in args if x is not None]
+  batch = max(x.shape[0] for x in arrays)
+  heads = max(x.shape[1] for x in arrays)
+
+  def over_heads(*example_args):
+    return jax.vmap(per_head, in_axes=_head_axes(example_args, heads))(
+      *_drop_shared_axis(example_args, heads)
+    )
+
+  return jax.vmap(over_heads, in_axes=_head_axes(args, batch))(*_drop_shared_axis(args, batch))
 
 
 def masked_softmax(logits: Array, mask: Array | None) -> Array:
@@ -281,48 +309,11 @@ def contract_values(weights: Array, value: Array, precision=None) -> Array:
   )
 
 
-def attend_with_weights(
-  weights_one_head: Callable,
-  q: Array,
-  k: Array,
-  v: Array,
-  bias: Array | None,
-  mask: Array | None,
-  *,
-  shapes: QKVShapes,
-  query: Array,
-  dtype,
-  module,
-  return_weights: bool,
-  dropout_rng,
-  dropout_rate: float,
-  broadcast_dropout: bool,
-  deterministic: bool,
-  precision=None,
-):
-  """The reference path of a kernel defined by its one-head weights.
-
-  ``weights_one_head(q [q_len, d], k [kv_len, d], bias, mask) -> float32 [q_len, kv_len]`` is
-  mapped over heads-major ``q, k, bias, mask`` (``[B, H, ...]``); the weights are dropped out,
-  contracted with ``v [B, H, kv_len, d_v]`` and the output finished as :func:`finish` does.
-  """
-  weights = map_heads(weights_one_head, q, k, bias, mask)
-  dropped = apply_dropout(
-    weights,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=broadcast_dropout,
-    deterministic=deterministic,
-  )
-  out = map_heads(lambda w, v: contract_values(w, v, precision), dropped, v)
-  return finish(
-    out,
-    weights,
-    shapes=shapes,
-    dtype=output_dtype(query, dtype),
-    module=module,
-    return_weights=return_weights,
-  )
+def lookup(table: dict, name: str, argument: str):
+  """``table[name]`` for a string option; ValueError naming ``argument`` and the choices."""
+  if name not in table:
+    raise ValueError(f"{argument} must be one of {sorted(table)}; got {argument}={name!r}")
+  return table[name]
 
 
 def output_dtype(query: Array, dtype) -> jnp.dtype:

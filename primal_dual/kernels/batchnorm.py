@@ -1,5 +1,11 @@
 """Attention-BN: batch normalisation on the input of the SVR primal (docs/maths.md §3.4).
 
+For one example and head, over the valid keys ``j`` and per channel::
+
+  μ = mean_j k_j,   σ² = mean_j (k_j − μ)²
+  q̂ = (q − βμ)/√(σ² + ε),   k̂ = (k − βμ)/√(σ² + ε)
+  out = kernel(q̂, k̂, bias, mask) · v              (softmax or linear, see KERNELS)
+
 The keys are the SVR's training inputs, so their statistics (over the key axis, per example, head
 and channel, valid keys only) normalise both the keys and the queries (the test inputs) before the
 kernel runs: ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)``. Normalising only the keys
@@ -10,12 +16,13 @@ evaluation compute the same thing.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import fused
+from primal_dual.kernels import driver, fused
 from primal_dual.kernels.linear import DEFAULT_EPS as LINEAR_EPS
 from primal_dual.kernels.linear import linear_weights_one_head
 from primal_dual.kernels.softmax import softmax_weights_one_head
@@ -45,7 +52,7 @@ def key_statistics(k, key_valid):
   count = jnp.sum(weights)
   safe_count = jnp.maximum(count, 1.0)
   mean = jnp.einsum("k,kd->d", weights, k) / safe_count
-  var = jnp.einsum("k,kd->d", weights, (k - mean) ** 2) / safe_count
+  var = jnp.einsum("k,kd->d", weights, (k - mean[None]) ** 2) / safe_count
   return mean, jnp.where(count > 0, var, 1.0)
 
 
@@ -54,7 +61,7 @@ def normalize_with_key_stats(x, mean, var, *, eps: float, mean_weight: float):
 
   With ``eps = 0`` a constant channel (``var = 0``) divides by zero; keep ``eps > 0`` in practice.
   """
-  return (x.astype(C.F32) - mean_weight * mean) / jnp.sqrt(var + eps)
+  return (x.astype(C.F32) - mean_weight * mean[None]) / jnp.sqrt(var + eps)[None]
 
 
 def _statistics_of_keys(q, k, mask):
@@ -92,12 +99,12 @@ def _softmax_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
 
 def _linear_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
   del scale  # Φ = elu + 1 has no temperature; a bias multiplies the kernel by exp(bias).
-  return linear_weights_one_head(q, k, mask, bias=bias, eps=linear_eps, precision=precision)
+  return linear_weights_one_head(q, k, bias, mask, eps=linear_eps, precision=precision)
 
 
-# Kernels run on the normalised queries and keys of one head:
-# (q̂, k̂, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
-BN_KERNELS: dict[str, Callable] = {
+# The kernels of Attention-BN and Attention-SH, run on one head's normalised and/or pooled queries
+# and keys: (q, k, bias, mask, *, scale, linear_eps, precision) -> float32 weights [q_len, kv_len].
+KERNELS: dict[str, Callable] = {
   "softmax": _softmax_kernel,
   "linear": _linear_kernel,
 }
@@ -112,61 +119,10 @@ def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistic
   )
 
 
-def batchnorm_weights_one_head(
-  q,
-  k,
-  bias,
-  mask,
-  *,
-  kernel: str = "softmax",
-  eps: float = DEFAULT_EPS,
-  mean_weight: float = 1.0,
-  statistics: str = "keys",
-  scale: float | None = None,
-  linear_eps: float = LINEAR_EPS,
-  precision=None,
-):
-  """Attention-BN weights of one head: normalise q and k with the key statistics, then the kernel.
-
-  Args:
-    q: ``[q_len, d]``. k: ``[kv_len, d]``. bias, mask: ``[q_len, kv_len]`` or None.
-    kernel, eps, mean_weight, statistics, scale, linear_eps, precision: as in
-      :func:`batchnorm_attention`.
-
-  Returns:
-    float32 ``[q_len, kv_len]``.
-  """
-  q_hat, k_hat = normalized_one_head(
-    q, k, mask, eps=eps, mean_weight=mean_weight, statistics=statistics
-  )
-  scale = C.default_scale(q.shape[-1]) if scale is None else scale
-  return BN_KERNELS[kernel](
-    q_hat, k_hat, bias, mask, scale=scale, linear_eps=linear_eps, precision=precision
-  )
-
-
-def _check_choice(name: str, value: str, registry: dict) -> None:
-  if value not in registry:
-    raise ValueError(f"{name} must be one of {sorted(registry)}; got {name}={value!r}")
-
-
+@driver.attention_kernel
 def batchnorm_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  call: driver.AttentionCall,
   *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
-  return_weights: bool = False,
   kernel: str = "softmax",
   eps: float = DEFAULT_EPS,
   mean_weight: float = 1.0,
@@ -187,21 +143,10 @@ def batchnorm_attention(
   head's statistics serve every query head of its group.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``: added to the softmax
-      logits, or a factor ``exp(bias)`` on the linear kernel (see ``linear.positional_factor``).
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
-    dtype: output dtype (default ``query.dtype``); statistics and weights are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    bias: added to the softmax logits, or a factor ``exp(bias)`` on the linear kernel (see
+      ``linear.positional_factor``).
     kernel: ``'softmax'`` (``q̂ᵀk̂·scale + bias``) or ``'linear'`` (dual form, ``Φ = elu + 1``).
     eps: ε of the normalisation.
     mean_weight: β, how much of the mean is removed (0 = scale only).
@@ -216,64 +161,24 @@ def batchnorm_attention(
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
-  _check_choice("kernel", kernel, BN_KERNELS)
-  _check_choice("statistics", statistics, STATISTICS_SOURCES)
-  shapes = C.validate_qkv(query, key, value)
-  key, value = C.repeat_kv_heads(key, value, shapes)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-  if fused.use_fused(
-    implementation,
-    return_weights=return_weights,
-    module=module,
-    dropout_rate=dropout_rate,
-    deterministic=deterministic,
-    same_head_size=shapes.d_qk == shapes.d_v,
-    softmax_kernel=kernel == "softmax",
-  ):
-    q_hat, k_hat = C.map_heads(
-      lambda q, k, mask: normalized_one_head(
-        q, k, mask, eps=eps, mean_weight=mean_weight, statistics=statistics
-      ),
-      q,
-      k,
-      mask,
-    )
-    out = fused.attend(
-      q_hat, k_hat, v, bias, mask, scale=C.default_scale(shapes.d_qk) if scale is None else scale
-    )
-    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
-
-  def weights_fn(q, k, bias, mask):
-    return batchnorm_weights_one_head(
-      q,
-      k,
-      bias,
-      mask,
-      kernel=kernel,
-      eps=eps,
-      mean_weight=mean_weight,
-      statistics=statistics,
-      scale=scale,
-      linear_eps=linear_eps,
-      precision=precision,
-    )
-
-  return C.attend_with_weights(
-    weights_fn,
-    q,
-    k,
-    v,
-    bias,
-    mask,
-    shapes=shapes,
-    query=query,
-    dtype=dtype,
-    module=module,
-    return_weights=return_weights,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=broadcast_dropout,
-    deterministic=deterministic,
-    precision=precision,
+  scale = C.default_scale(call.shapes.d_qk) if scale is None else scale
+  kernel_one_head = functools.partial(
+    C.lookup(KERNELS, kernel, "kernel"),
+    scale=scale,
+    linear_eps=linear_eps,
+    precision=call.precision,
   )
+  C.lookup(STATISTICS_SOURCES, statistics, "statistics")
+  normalize = functools.partial(
+    normalized_one_head, eps=eps, mean_weight=mean_weight, statistics=statistics
+  )
+  if call.takes_fused(implementation, softmax_kernel=kernel == "softmax"):
+    q, k, v = call.heads_major()
+    mask, bias = call.mask_and_bias()
+    q_hat, k_hat = C.map_heads(normalize, q, k, mask)
+    return call.finish(fused.attend(q_hat, k_hat, v, bias, mask, scale=scale))
+
+  def weights_one_head(q, k, bias, mask):
+    return kernel_one_head(*normalize(q, k, mask), bias, mask)
+
+  return call.attend(weights_one_head)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from primal_dual.kernels import _common as C
 
 IMPLEMENTATIONS = ("auto", "fused", "reference")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -109,10 +108,3 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False):
   if mask is not None:
     out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
   return out
-
-
-def finish(out, *, shapes: C.QKVShapes, query, dtype):
-  """``[B, H, q_len, d_v]`` → ``[batch..., q_len, heads, d_v]`` in the output dtype."""
-  return C.finish(
-    out, None, shapes=shapes, dtype=C.output_dtype(query, dtype), module=None, return_weights=False
-  )

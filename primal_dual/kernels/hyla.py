@@ -16,10 +16,15 @@ Memory: the two MLP value networks hold ``u`` of shape ``[B, q_len, kv_len, D_v]
 ``[B, c, kv_len, D_v]`` of it exists at a time (the scores ``a`` of shape ``[B, H, q_len, kv_len]``
 are still computed in full: they are returned, sown and dropped out exactly like softmax weights,
 which keeps chunked and unchunked results identical, dropout included).
-With ``block_size=b`` the call goes to :mod:`hyla_blockwise`, which tiles queries and keys and
-never stores ``u`` nor the scores (forward and backward memory linear in the length); it covers
-rms_head/none × every value network, masks, bias and causal, and the calls it does not cover
-(softmax normalisation, active dropout, returned or sown weights) run the dense path here.
+The blockwise path (:mod:`hyla_blockwise`) tiles queries and keys and never stores ``u`` nor the
+scores (forward and backward memory linear in the length); it covers rms_head/none × every value
+network, masks, bias and causal, but not softmax normalisation, active dropout, or returned or
+sown weights. ``block_size`` picks the path: ``'auto'`` (default) goes blockwise, with tiles of
+``AUTO_BLOCK_SIZE``, when the call allows it and there are at least ``AUTO_BLOCKWISE_MIN_PAIRS``
+query-key pairs per example (``q_len·kv_len``: past it the dense ``[B, q_len, kv_len, D_v]``
+tensor costs more time than the tiles, on CPU as measured), and dense otherwise (sRAVEN's and the
+fuzzy-logic task's short sequences stay dense); an int is blockwise with that tile (ValueError
+when the call does not allow it); None is dense.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import hyla_blockwise
+from primal_dual.kernels import driver, hyla_blockwise
 
 RMS_EPS = hyla_blockwise.RMS_EPS  # one constant for the dense and the blockwise paths
 
@@ -136,12 +141,6 @@ VALUE_NETWORKS: dict[str, Callable] = {
 }
 
 
-def _lookup(registry: dict, name: str, argument: str):
-  if name not in registry:
-    raise ValueError(f"{argument} must be one of {sorted(registry)}; got {name!r}")
-  return registry[name]
-
-
 def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   """Runs ``fn(a_block, v) -> [B, c, H, d_v]`` over query blocks of size ``chunk``.
 
@@ -157,65 +156,75 @@ def _chunked_over_queries(fn: Callable, a, v, chunk: int):
   return out[:, :q_len]
 
 
-def blockwise_supported(
-  *, normalization: str, deterministic: bool, dropout_rate: float, module, return_weights: bool
-) -> bool:
-  """Whether a ``hyla_attention`` call can run blockwise (else the exact dense path runs).
+# block_size='auto': blockwise from this many query-key pairs per example, with this tile size.
+AUTO_BLOCKWISE_MIN_PAIRS = 128 * 128
+AUTO_BLOCK_SIZE = 64
+
+
+def blockwise_blockers(call: driver.AttentionCall, normalization: str) -> list[str]:
+  """What keeps a ``hyla_attention`` call off the blockwise path (empty: it can run blockwise).
 
   Softmax normalises over keys (it would need running statistics), dropout and returned or sown
   weights need the whole ``[H, q_len, kv_len]`` weights.
   """
-  dropout_active = not deterministic and dropout_rate != 0.0
-  return (
-    normalization in hyla_blockwise.NORMALIZATIONS
-    and not dropout_active
-    and module is None
-    and not return_weights
-  )
+  return [
+    reason
+    for reason, present in (
+      (f"normalization={normalization!r}", normalization not in hyla_blockwise.NORMALIZATIONS),
+      ("dropout on the weights", call.dropout_active),
+      ("sowing weights (module given)", call.module is not None),
+      ("return_weights=True", call.return_weights),
+    )
+    if present
+  ]
 
 
+def blockwise_tile(call: driver.AttentionCall, normalization: str, block_size) -> int | None:
+  """The tile size of the blockwise path for ``block_size`` (see the module docstring), or None
+  for the dense path.
+
+  Raises:
+    ValueError: ``block_size`` not ``'auto'``, None or a positive int; an int for a call the
+      blockwise path cannot serve.
+  """
+  if block_size is None:
+    return None
+  blockers = blockwise_blockers(call, normalization)
+  if block_size == "auto":
+    pairs = call.shapes.q_len * call.shapes.kv_len
+    return AUTO_BLOCK_SIZE if pairs >= AUTO_BLOCKWISE_MIN_PAIRS and not blockers else None
+  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    raise ValueError(f"block_size must be 'auto', a positive int or None; got {block_size!r}")
+  if blockers:
+    raise ValueError(
+      f"block_size={block_size} runs blockwise, which cannot serve this call "
+      f"({', '.join(blockers)}); use block_size='auto' or None"
+    )
+  return block_size
+
+
+@driver.attention_kernel
 def hyla_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  call: driver.AttentionCall,
   *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
   normalization: str = "rms_head",
   value_network: str = "mlp_relu",
   query_chunk_size: int | None = None,
   scale: float | None = None,
-  return_weights: bool = False,
-  block_size: int | None = None,
+  block_size: int | str | None = "auto",
 ):
   """HYLA attention (docs/maths.md §3.7).
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, heads, d_qk]``.
-    value: ``[batch..., kv_len, heads, d_v]``; d_v is shared by all heads (the value network sums
-      over heads).
-    bias: additive score bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Masked scores are 0, so a
-      fully masked query gets a zero output (with finite gradients).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout, applied once to the
-      normalised scores ``a``; the dropped ``a`` is used both in the value network and in the
-      read-out.
-    dtype: output dtype (default ``query.dtype``). Scores and normalisation are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow ``a`` into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    key, value: as many heads as the query (no grouped heads); d_v is shared by all heads (the
+      value network sums over heads).
+    bias, mask: on the scores ``s``; masked scores are 0, so a fully masked query gets a zero
+      output (with finite gradients).
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: applied once to the normalised
+      scores ``a``; the dropped ``a`` is used both in the value network and in the read-out.
+    module, return_weights: sow / return ``a`` (before dropout) as the weights.
     normalization: ``'rms_head'`` (default; ``s / √(mean_h s² + 1e-6)`` across heads),
       ``'softmax'`` (standard masked softmax over keys, per head) or ``'none'`` (``a = s``).
     value_network: ``'mlp_relu'`` (default), ``'mlp_linear'`` (no relu) or ``'linear'``
@@ -223,86 +232,62 @@ def hyla_attention(
     query_chunk_size: if set, run the value network over query blocks of this size (same result,
       ``[B, c, kv_len, d_v]`` peak memory for ``u``); q_len need not be a multiple of it.
     scale: score scale, default ``1/√d_qk``.
-    return_weights: also return ``a`` as float32 ``[batch..., heads, q_len, kv_len]`` (before
-      dropout).
-    block_size: if set, compute over (query block × key block) tiles of this size with
-      :func:`hyla_blockwise.hyla_blockwise_attention` (same result to float rounding, no
-      ``[q_len, kv_len]``-sized tensor in the forward or backward pass) whenever
-      :func:`blockwise_supported` says the call allows it; otherwise this option is ignored and
-      the dense path (with ``query_chunk_size`` if given) runs.
+    block_size: ``'auto'`` (default: the blockwise path
+      :func:`hyla_blockwise.hyla_blockwise_attention` over (query block × key block) tiles when
+      the call allows it and ``q_len·kv_len >= AUTO_BLOCKWISE_MIN_PAIRS``, else dense), an int
+      (blockwise with tiles of that size; ValueError for a call it cannot serve, see
+      :func:`blockwise_blockers`) or None (dense). Both paths agree to float rounding; the
+      blockwise one holds no ``[q_len, kv_len]``-sized tensor in the forward or backward pass.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads (fewer than the query heads),
-      unknown ``normalization``/``value_network``, or a ``query_chunk_size`` or ``block_size``
-      below 1.
+      unknown ``normalization``/``value_network``, a ``query_chunk_size`` below 1, a bad
+      ``block_size`` or an int one for a call only the dense path serves.
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
-  shapes = C.validate_qkv(query, key, value)
   C.refuse_grouped_heads(
-    shapes, "hyla_attention", "its value network sums the values over heads with per-head weights"
+    call.shapes,
+    "hyla_attention",
+    "its value network sums the values over heads with per-head weights",
   )
-  normalize = _lookup(NORMALIZATIONS, normalization, "normalization")
-  network = _lookup(VALUE_NETWORKS, value_network, "value_network")
+  normalize = C.lookup(NORMALIZATIONS, normalization, "normalization")
+  network = C.lookup(VALUE_NETWORKS, value_network, "value_network")
   if query_chunk_size is not None and (
     not isinstance(query_chunk_size, int) or query_chunk_size < 1
   ):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  if block_size is not None and (
-    not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
-  ):
-    raise ValueError(f"block_size must be a positive int or None; got {block_size!r}")
-  if block_size is not None and blockwise_supported(
-    normalization=normalization,
-    deterministic=deterministic,
-    dropout_rate=dropout_rate,
-    module=module,
-    return_weights=return_weights,
-  ):
+  tile = blockwise_tile(call, normalization, block_size)
+  if tile is not None:
     return hyla_blockwise.hyla_blockwise_attention(
-      query,
-      key,
-      value,
-      bias,
-      mask,
-      block_size=block_size,
-      is_causal=is_causal,
-      causal_alignment=causal_alignment,
+      call.query,
+      call.key,
+      call.value,
+      call.bias,
+      call.mask,
+      block_size=tile,
+      is_causal=call.is_causal,
+      causal_alignment=call.causal_alignment,
       normalization=normalization,
       value_network=value_network,
       scale=scale,
-      dtype=dtype,
-      precision=precision,
+      dtype=call.dtype,
+      precision=call.precision,
     )
-  # A bias or mask shared by the examples stays [1, H, q, kv]: the einsums broadcast it.
-  mask, bias = C.prepare_mask_and_bias(
-    mask, bias, shapes, is_causal, causal_alignment, materialize=False
-  )
-  scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (query, key, value))  # batch flattened
+  # A bias or mask shared by the examples or heads keeps size 1 there: the einsums broadcast it.
+  mask, bias = call.mask_and_bias()
+  scale = C.default_scale(call.shapes.d_qk) if scale is None else scale
+  q, k, v = (x.reshape((-1, *x.shape[-3:])) for x in (call.query, call.key, call.value))
 
-  weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=precision), mask)
-  dropped = C.apply_dropout(
-    weights,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=broadcast_dropout,
-    deterministic=deterministic,
-  )
-  run_network = functools.partial(network, precision=precision)
+  weights = normalize(hyla_scores(q, k, bias, mask, scale=scale, precision=call.precision), mask)
+  dropped = call.dropout(weights)
+  run_network = functools.partial(network, precision=call.precision)
   if query_chunk_size is None:
     out = run_network(dropped, v)
   else:
     out = _chunked_over_queries(run_network, dropped, v, query_chunk_size)
   out = jnp.swapaxes(out, 1, 2)  # finish takes heads-major; XLA folds the two transposes
-  return C.finish(
-    out,
-    weights,
-    shapes=shapes,
-    dtype=C.output_dtype(query, dtype),
-    module=module,
-    return_weights=return_weights,
-  )
+  return call.finish(out, weights)

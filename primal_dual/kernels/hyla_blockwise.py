@@ -147,7 +147,7 @@ def tile_validity(mask_tile, qi, ki, cfg: Config):
 
 
 class TileState(NamedTuple):
-  """Recomputed quantities of one tile (float32): s, a ``[H, bq, bk]``; r ``[bq, bk]`` or None;
+  """Recomputed quantities of one tile (float32): s, a ``[H, bq, bk]``; r ``[1, bq, bk]`` or None;
   z, u ``[bq, bk, d_v]`` or None (linear value network)."""
 
   s: jax.Array
@@ -174,7 +174,7 @@ def tile_state(qb, kb, vb, bias_tile, valid, cfg: Config) -> TileState:
   r = None
   a = s
   if cfg.normalization == "rms_head":
-    r = jax.lax.rsqrt(jnp.mean(jnp.square(s), axis=0) + RMS_EPS)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(s), axis=0, keepdims=True) + RMS_EPS)
     a = s * r
   if cfg.value_network == "linear":
     return TileState(s, r, a, None, None)
@@ -228,7 +228,7 @@ def tile_gradients(state: TileState, qb, kb, vb, dout, valid, cfg: Config):
     da = da + jnp.einsum("qkd,hkd->hqk", dz, v32, **f32)
     dv = jnp.einsum("hqk,qkd->hkd", state.a, dz, **f32)
   if cfg.normalization == "rms_head":
-    mean_sda = jnp.mean(state.s * da, axis=0)
+    mean_sda = jnp.mean(state.s * da, axis=0, keepdims=True)
     ds = state.r * da - state.s * state.r**3 * mean_sda
   else:
     ds = da

@@ -1,5 +1,11 @@
 """Linear attention and positive random features: kernels with a finite feature map (docs/maths.md §2, §3.2).
 
+For one head, with a feature map ``Φ``, positional factor ``f_ij = exp(bias_ij)`` (1 without a
+bias) and mask ``m``::
+
+  dual:    out_i = Σ_j Φ(q_i)·Φ(k_j) f_ij m_ij v_j / (Σ_j Φ(q_i)·Φ(k_j) f_ij m_ij + eps)
+  primal:  S = Σ_j Φ(k_j) v_jᵀ,  z = Σ_j Φ(k_j),  out_i = Φ(q_i)ᵀS / (Φ(q_i)ᵀz + eps)
+
 With a finite feature map ``Φ`` the SVR dual ``Σ_j Φ(q)ᵀΦ(k_j) v_j / h(q)`` can be evaluated in its
 primal form ``Φ(q)ᵀS / Φ(q)ᵀz`` with ``S = Σ_j Φ(k_j) v_jᵀ`` and ``z = Σ_j Φ(k_j)``: O(N) instead of
 O(N²). Two feature maps live here:
@@ -15,10 +21,13 @@ kernel families.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels import driver
 
 DEFAULT_EPS = 1e-6
 
@@ -45,7 +54,7 @@ def positional_factor(bias):
   return jnp.exp(bias - jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True)))
 
 
-def linear_weights_one_head(q, k, mask, *, bias=None, eps: float = DEFAULT_EPS, precision=None):
+def linear_weights_one_head(q, k, bias, mask, *, eps: float = DEFAULT_EPS, precision=None):
   """Dual-form (N×N) linear attention weights of one head.
 
   ``A_ij = Φ(q_i)ᵀΦ(k_j) f_ij m_ij / (Σ_j' Φ(q_i)ᵀΦ(k_j') f_ij' m_ij' + eps)`` with ``Φ = elu + 1``
@@ -53,8 +62,8 @@ def linear_weights_one_head(q, k, mask, *, bias=None, eps: float = DEFAULT_EPS, 
 
   Args:
     q: ``[q_len, d_qk]``. k: ``[kv_len, d_qk]``, any float dtype.
-    mask: bool ``[q_len, kv_len]`` or None (True = may attend).
     bias: ``[q_len, kv_len]`` logit bias or None; enters multiplicatively as ``exp(bias)``.
+    mask: bool ``[q_len, kv_len]`` or None (True = may attend).
     eps: guards the denominator; a query with no valid key gets a zero row.
     precision: passed to the einsum.
 
@@ -134,8 +143,8 @@ def linear_primal_one_head(
     causal_offset: None, or the prefix-sum causal form (see :func:`feature_primal_one_head`).
 
   Returns:
-    float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, mask) @ v`` when ``mask`` is
-    ``key_valid`` on every row, up to float error.
+    float32 ``[q_len, d_v]``; equals ``linear_weights_one_head(q, k, None, mask) @ v`` when
+    ``mask`` is ``key_valid`` on every row, up to float error.
   """
   return feature_primal_one_head(
     elu_feature_map(q),
@@ -206,9 +215,9 @@ def random_feature_primal_one_head(
 
 
 def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
-  """Per-key validity ``[B, heads, kv_len]`` of a key-only mask (size 1 on the q_len axis), or None.
+  """Per-key validity ``[B | 1, H | 1, kv_len]`` of a key-only mask (size 1 on the q_len axis).
 
-  ``mask`` may have any dtype (nonzero = may attend).
+  ``mask`` may have any dtype (nonzero = may attend); None stays None.
 
   Raises:
     ValueError: if ``mask`` depends on the query or does not broadcast.
@@ -226,21 +235,6 @@ def key_only_validity(mask, shapes: C.QKVShapes, form_hint: str):
   return validity[:, :, 0, :]
 
 
-def primal_causal_offset(is_causal: bool, causal_alignment: str, shapes: C.QKVShapes):
-  """The causal offset of the prefix-sum form, or None when not causal (validates the name)."""
-  offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
-  return offset if is_causal else None
-
-
-def check_no_dropout(*, dropout_rate: float, deterministic: bool, name: str):
-  """Primal forms never form the weights, so they cannot drop them."""
-  if not deterministic and dropout_rate > 0.0:
-    raise ValueError(
-      f"{name} never forms the attention weights, so attention dropout is not available; got "
-      f"dropout_rate={dropout_rate} with deterministic=False"
-    )
-
-
 def check_no_bias(bias, name: str):
   if bias is not None:
     raise ValueError(
@@ -249,68 +243,46 @@ def check_no_bias(bias, name: str):
     )
 
 
+def attend_primal(call: driver.AttentionCall, primal_one_head, *, name: str, mask_hint: str):
+  """A whole call of a primal form (no bias, no weights, a key-only mask).
+
+  ``primal_one_head(q, k, v, key_valid, *, causal_offset, precision) -> float32 [q_len, d_v]``
+  as :func:`feature_primal_one_head`; ``name`` and ``mask_hint`` go into the error messages.
+  """
+  check_no_bias(call.bias, name)
+  call.refuse_weights(name)
+  key_valid = key_only_validity(call.mask, call.shapes, mask_hint)
+  offset = C.causal_offset(call.causal_alignment, call.shapes.q_len, call.shapes.kv_len)
+  one_head = functools.partial(
+    primal_one_head, causal_offset=offset if call.is_causal else None, precision=call.precision
+  )
+  return call.finish(C.map_heads(one_head, *call.heads_major(), key_valid))
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels.
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_dual(
-  query, key, value, bias, mask, *, shapes, eps, precision, is_causal, causal_alignment, dropout
-):
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-
-  def weights_fn(q, k, bias, mask):
-    return linear_weights_one_head(q, k, mask, bias=bias, eps=eps, precision=precision)
-
-  weights = C.map_heads(weights_fn, q, k, bias, mask)
-  out = C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropout(weights), v)
-  return out, weights
+def _linear_dual(call: driver.AttentionCall, *, eps: float):
+  return call.attend(functools.partial(linear_weights_one_head, eps=eps, precision=call.precision))
 
 
-def _linear_primal(
-  query, key, value, bias, mask, *, shapes, eps, precision, is_causal, causal_alignment, dropout
-):
-  del bias, dropout  # Checked by the caller: neither applies here.
-  key_valid = key_only_validity(mask, shapes, "Use form='dual' for query-dependent masks.")
-  offset = primal_causal_offset(is_causal, causal_alignment, shapes)
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-
-  def primal_fn(q, k, v, key_valid):
-    return linear_primal_one_head(
-      q, k, v, key_valid, eps=eps, precision=precision, causal_offset=offset
-    )
-
-  return C.map_heads(primal_fn, q, k, v, key_valid), None
+def _linear_primal(call: driver.AttentionCall, *, eps: float):
+  return attend_primal(
+    call,
+    functools.partial(linear_primal_one_head, eps=eps),
+    name="linear_attention(form='primal')",
+    mask_hint="Use form='dual' for query-dependent masks.",
+  )
 
 
-# form name -> (computation, whether it forms the N×N weights; only then can a bias enter).
-LINEAR_FORMS = {
-  "dual": (_linear_dual, True),
-  "primal": (_linear_primal, False),
-}
+# form name -> the whole call in that form.
+LINEAR_FORMS = {"dual": _linear_dual, "primal": _linear_primal}
 
 
-def linear_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
-  *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
-  return_weights: bool = False,
-  form: str = "dual",
-  eps: float = DEFAULT_EPS,
-):
+@driver.attention_kernel
+def linear_attention(call: driver.AttentionCall, *, form: str = "dual", eps: float = DEFAULT_EPS):
   """Linear attention, ``Φ = elu + 1`` on queries and keys (no 1/√D).
 
   ``out_i = Σ_j Φ(q_i)ᵀΦ(k_j) m_ij v_j / (Σ_j Φ(q_i)ᵀΦ(k_j) m_ij + eps)``; masked keys contribute
@@ -318,102 +290,27 @@ def linear_attention(
   multiplied by ``exp(b_ij)``.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: logit bias broadcastable like ``mask`` (``dual`` form only): it multiplies the kernel by
-      ``exp(bias)``, as a logit bias does in softmax (e.g. a relative position bias). The
-      ``primal`` form never forms pairwise weights and raises ValueError for a bias.
-    mask: any dtype, broadcastable to ``[batch..., heads, q_len, kv_len]``; nonzero = may attend.
-      The ``primal`` form needs a key-only mask (size 1 on the q_len axis, as made by
-      ``masks.padding_mask``).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
-      ``dual`` form only, the ``primal`` form raises ValueError when dropout would apply.
-    dtype: output dtype (default ``query.dtype``); features and sums are float32.
-    precision: passed to the einsums.
-    module: Flax module to sow the weights into (``dual`` form; the ``primal`` form never forms
-      weights and sows nothing).
-    is_causal: add a causal mask, aligned by ``causal_alignment``; in the ``primal`` form it uses
-      prefix sums, which hold a ``[batch, heads, kv_len, d_qk, d_v]`` float32 tensor.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``;
-      ``dual`` form only (ValueError in ``primal``).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    bias: ``dual`` form only: it multiplies the kernel by ``exp(bias)``, as a logit bias does in
+      softmax (e.g. a relative position bias).
+    The ``primal`` form never forms pairwise weights: it raises ValueError for a bias, dropout
+      on the weights or ``return_weights=True`` (which need form='dual'), sows nothing, needs a
+      key-only mask (size 1 on the q_len axis, as made by ``masks.padding_mask``) and computes
+      ``is_causal`` with prefix sums, which hold a ``[batch, heads, kv_len, d_qk, d_v]`` float32
+      tensor.
     form: ``'dual'`` (N×N weights) or ``'primal'`` (O(N), ``Φ(q)ᵀS / (Φ(q)ᵀz + eps)``).
     eps: added to the denominator.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
-  if form not in LINEAR_FORMS:
-    raise ValueError(f"form must be one of {sorted(LINEAR_FORMS)}; got form={form!r}")
-  compute, forms_weights = LINEAR_FORMS[form]
-  shapes = C.validate_qkv(query, key, value)
-  key, value = C.repeat_kv_heads(key, value, shapes)
-  if not forms_weights:
-    check_no_bias(bias, f"linear_attention(form={form!r})")
-    check_no_dropout(
-      dropout_rate=dropout_rate,
-      deterministic=deterministic,
-      name=f"linear_attention(form={form!r})",
-    )
-    if return_weights:
-      raise ValueError(
-        f"return_weights=True needs form='dual'; form={form!r} never forms the weights"
-      )
-
-  def dropout(weights):
-    return C.apply_dropout(
-      weights,
-      dropout_rng=dropout_rng,
-      dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout,
-      deterministic=deterministic,
-    )
-
-  out, weights = compute(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    shapes=shapes,
-    eps=eps,
-    precision=precision,
-    is_causal=is_causal,
-    causal_alignment=causal_alignment,
-    dropout=dropout,
-  )
-  return C.finish(
-    out,
-    weights,
-    shapes=shapes,
-    dtype=C.output_dtype(query, dtype),
-    module=module,
-    return_weights=return_weights,
-  )
+  return C.lookup(LINEAR_FORMS, form, "form")(call, eps=eps)
 
 
+@driver.attention_kernel
 def random_feature_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
-  *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
-  return_weights: bool = False,
-  num_features: int = 256,
-  feature_key=None,
+  call: driver.AttentionCall, *, num_features: int = 256, feature_key=None
 ):
   """Softmax attention approximated in the primal with positive random features (docs/maths.md §2).
 
@@ -422,26 +319,18 @@ def random_feature_attention(
   shrinks like ``1/√m`` and grows with ``‖q‖, ‖k‖``. The same ``ω`` serves every example and head.
 
   Args:
-    query, key, value: as in :func:`linear_attention` (grouped key/value heads allowed).
-    bias: must be None (a logit bias cannot be moved into the features); ValueError otherwise.
-    mask: key-only mask of any dtype, nonzero = may attend (size 1 on the q_len axis, e.g.
-      ``masks.padding_mask``).
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: accepted for the Flax contract;
-      ValueError when dropout would apply (the weights are never formed).
-    dtype: output dtype (default ``query.dtype``); features and sums are float32.
-    precision: passed to the einsums.
-    module: accepted for the Flax contract; nothing is sown (no weights are formed).
-    is_causal: causal attention through prefix sums (holds ``[batch, heads, kv_len, m, d_v]``).
-    causal_alignment: ``'top_left'`` (default, as Flax) or ``'bottom_right'``, as in
-      :func:`linear_attention`.
-    return_weights: must be False (ValueError otherwise).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    A primal form, as ``linear_attention(form='primal')``: ValueError for a bias (a logit bias
+      cannot be moved into the features), dropout on the weights or ``return_weights=True``;
+      a key-only mask; nothing sown; ``is_causal`` through prefix sums (holding
+      ``[batch, heads, kv_len, m, d_v]``).
     num_features: ``m``, the number of random features.
     feature_key: a JAX PRNG key drawing ``ω`` (required; reuse it to keep the features fixed).
 
   Returns:
     ``[batch..., q_len, heads, d_v]``.
   """
-  del broadcast_dropout, dropout_rng  # Only meaningful with dropout, which is refused.
   if feature_key is None:
     raise ValueError(
       "random_feature_attention needs feature_key (a jax PRNG key drawing the "
@@ -449,34 +338,10 @@ def random_feature_attention(
     )
   if num_features < 1:
     raise ValueError(f"num_features must be >= 1; got num_features={num_features}")
-  shapes = C.validate_qkv(query, key, value)
-  key, value = C.repeat_kv_heads(key, value, shapes)
-  check_no_bias(bias, "random_feature_attention")
-  check_no_dropout(
-    dropout_rate=dropout_rate, deterministic=deterministic, name="random_feature_attention"
-  )
-  if return_weights:
-    raise ValueError(
-      "random_feature_attention never forms the weights; return_weights must be False"
-    )
-  key_valid = key_only_validity(
-    mask, shapes, "Random-feature attention is a primal form; use softmax_attention instead."
-  )
-  offset = primal_causal_offset(is_causal, causal_alignment, shapes)
-  omega = draw_random_features(feature_key, num_features, shapes.d_qk)
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-
-  def primal_fn(q, k, v, key_valid):
-    return random_feature_primal_one_head(
-      q, k, v, key_valid, omega=omega, causal_offset=offset, precision=precision
-    )
-
-  out = C.map_heads(primal_fn, q, k, v, key_valid)
-  return C.finish(
-    out,
-    None,
-    shapes=shapes,
-    dtype=C.output_dtype(query, dtype),
-    module=module,
-    return_weights=False,
+  omega = draw_random_features(feature_key, num_features, call.shapes.d_qk)
+  return attend_primal(
+    call,
+    functools.partial(random_feature_primal_one_head, omega=omega),
+    name="random_feature_attention",
+    mask_hint="Random-feature attention is a primal form; use softmax_attention instead.",
   )

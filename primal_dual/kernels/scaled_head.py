@@ -1,5 +1,14 @@
 """Attention-SH (scaled heads) and Attention-BN+SH (docs/maths.md §3.5, §3.6).
 
+For head ``h`` with ratio ``r_h`` and key windows ``W_w`` of ``r_h`` keys (``r_h × r_h`` on a
+grid), ``w`` running over the ``ceil(N / r_h)`` windows::
+
+  k̃_hw = pool_{j ∈ W_w} k_hj,   ṽ_hw = pool_{j ∈ W_w} v_hj
+  b̃_hiw = mean_{j ∈ W_w seen by i} bias_hij
+  out_hi = Σ_w kernel(q_hi, k̃_h, b̃_hi)_w ṽ_hw
+
+with BN+SH normalising ``q_h`` and ``k̃_h`` first, as Attention-BN does (``batchnorm.py``).
+
 In the SVR view each head is a regression fitted on the keys; Attention-SH fits head ``h`` on fewer
 training points: its keys and values are pooled along the key axis in windows of ``ratios[h]``
 (stride = window), so head ``h`` attends to ``ceil(N / r_h)`` pooled keys. Queries and the output
@@ -43,9 +52,8 @@ import numpy as np
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import batchnorm as bn_lib
-from primal_dual.kernels import fused
+from primal_dual.kernels import driver, fused
 from primal_dual.kernels import linear as linear_lib
-from primal_dual.kernels.softmax import softmax_weights_one_head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +243,7 @@ def pool_keys_one_head(
     visible = valid[None]  # [1, n, w]: every query sees every valid key.
     pooled_mask = jnp.broadcast_to(pooled_valid, (q_len, pooled_valid.shape[0]))
   else:
-    visible = mask[:, index] & real  # [q_len, n, w]
+    visible = mask[:, index] & real[None]  # [q_len, n, w]
     pooled_mask = jnp.any(visible, axis=-1)
   pooled_bias = None
   if bias is not None:
@@ -248,30 +256,21 @@ def pool_keys_one_head(
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-head kernels and BN options.
+# One head of one ratio group.
 # ---------------------------------------------------------------------------------------------
 
-
-def _softmax_kernel(q, k, bias, mask, *, scale, precision):
-  return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
-
-
-def _linear_kernel(q, k, bias, mask, *, scale, precision):
-  del bias, scale  # Bias is refused up front; linear attention has no 1/√D.
-  return linear_lib.linear_weights_one_head(q, k, mask, precision=precision)
-
-
-# name -> (one-head weights function, whether it accepts a bias).
-KERNELS: dict[str, tuple[Callable, bool]] = {
-  "softmax": (_softmax_kernel, True),
-  "linear": (_linear_kernel, False),
+# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], PooledKeys) -> the keys
+# whose statistics normalise and their validity.
+STATISTICS_SOURCES: dict[str, Callable] = {
+  "pooled": lambda k, key_valid, pooled: (pooled.key, pooled.key_valid),
+  "full": lambda k, key_valid, pooled: (k, key_valid),
 }
-
-STATS_SOURCES = ("pooled", "full")
 
 
 class BatchNormOptions(NamedTuple):
-  stats: str  # 'pooled' | 'full'
+  """Attention-BN after pooling (``batchnorm_attention``'s names for ε and β)."""
+
+  statistics: str  # 'pooled' | 'full'
   eps: float
   mean_weight: float
 
@@ -290,7 +289,8 @@ def _attention_inputs_one_head(
   """What one head of one group attends with: ``(q [q_len, d], PooledKeys)``.
 
   ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
-  normalised with key statistics of the pooled keys (``stats='pooled'``) or the full-length keys.
+  normalised with key statistics of the pooled keys (``statistics='pooled'``) or the full-length
+  keys.
   """
   q_len, kv_len = q.shape[0], k.shape[0]
   key_valid = C.key_validity(mask, kv_len)
@@ -301,53 +301,28 @@ def _attention_inputs_one_head(
     pooled = pool_keys_one_head(
       k, v, bias, mask, key_valid, windows=windows, pool=pool, q_len=q_len
     )
-  k_used = pooled.key
-  if batchnorm is not None:
-    stats_keys, stats_valid = (
-      (pooled.key, pooled.key_valid) if batchnorm.stats == "pooled" else (k, key_valid)
+  if batchnorm is None:
+    return q, pooled
+  mean, var = bn_lib.key_statistics(*STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, pooled))
+  q, pooled_key = (
+    bn_lib.normalize_with_key_stats(
+      x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
     )
-    mean, var = bn_lib.key_statistics(stats_keys, stats_valid)
-
-    def normalize(x):
-      return bn_lib.normalize_with_key_stats(
-        x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
-      )
-
-    q, k_used = normalize(q), normalize(k_used)
-  return q, pooled._replace(key=k_used)
-
-
-def _one_head(
-  q,
-  k,
-  v,
-  bias,
-  mask,
-  *,
-  windows: KeyWindows | None,
-  pool: Callable,
-  kernel: Callable,
-  batchnorm: BatchNormOptions | None,
-  scale: float,
-  precision,
-):
-  """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group."""
-  q, pooled = _attention_inputs_one_head(
-    q, k, v, bias, mask, windows=windows, pool=pool, batchnorm=batchnorm
+    for x in (q, pooled.key)
   )
-  weights = kernel(q, pooled.key, pooled.bias, pooled.mask, scale=scale, precision=precision)
-  return weights, pooled.value
+  return q, pooled._replace(key=pooled_key)
 
 
-def _lookup(registry, name, argument: str):
-  if name not in registry:
-    raise ValueError(f"{argument} must be one of {sorted(registry)}; got {argument}={name!r}")
-  return registry[name]
+def _one_head(q, k, v, bias, mask, *, inputs: Callable, kernel: Callable):
+  """Weights ``[q_len, n]`` (float32) and values ``[n, d_v]`` of one head of one group."""
+  q, pooled = inputs(q, k, v, bias, mask)
+  return kernel(q, pooled.key, pooled.bias, pooled.mask), pooled.value
 
 
 def _select_heads(x, heads: np.ndarray, num_heads: int):
-  """``x[:, heads]`` for ``[B, H, ...]`` arrays; a no-op when ``heads`` is every head in order."""
-  if x is None or np.array_equal(heads, np.arange(num_heads)):
+  """``x[:, heads]`` for ``[B, H, ...]`` arrays; a no-op for None, arrays shared by the heads
+  (size 1 on that axis) and when ``heads`` is every head in order."""
+  if x is None or x.shape[1] != num_heads or np.array_equal(heads, np.arange(num_heads)):
     return x
   return x[:, heads]
 
@@ -357,71 +332,53 @@ def _select_heads(x, heads: np.ndarray, num_heads: int):
 # ---------------------------------------------------------------------------------------------
 
 
+@driver.attention_kernel
 def scaled_head_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  call: driver.AttentionCall,
   *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
   ratios: Sequence[int] | None = None,
   pool: str = "avg",
   kernel: str = "softmax",
   batchnorm: bool = False,
-  stats: str = "pooled",
-  bn_eps: float = 1e-5,
-  bn_mean_weight: float = 1.0,
+  statistics: str = "pooled",
+  eps: float = bn_lib.DEFAULT_EPS,
+  mean_weight: float = 1.0,
+  linear_eps: float = linear_lib.DEFAULT_EPS,
   grid_shape: tuple[int, int] | None = None,
   num_prefix_tokens: int = 0,
   scale: float | None = None,
-  return_weights: bool = False,
   implementation: str = "auto",
 ):
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      each query head pools its own copy of the shared key/value head, with its own ratio).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``; pooled by a
-      mean over each window's visible entries. Not accepted with ``kernel='linear'``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax dropout on each group's
-      weights. A single group uses ``dropout_rng`` itself (so all-1 ratios reproduce
-      ``softmax_attention`` exactly); several groups use ``fold_in(dropout_rng, ratio)``, and
-      ``broadcast_dropout`` shares a pattern across the examples and heads of one group.
-    dtype: output dtype (default ``query.dtype``); pooling, statistics and softmax are float32.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights tuple into (``intermediates/attention_weights``).
-    is_causal: add a causal mask (applied before pooling; see "Pooled mask"). Decoding with a
-      key/value cache is therefore not a full causal pass: a cached step pools only the keys seen
-      so far, the full pass pools whole windows.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
+    key, value: with grouped heads each query head pools its own copy of the shared key/value
+      head, with its own ratio.
+    bias: pooled by a mean over each window's visible entries, then added to the softmax logits
+      or a factor ``exp(bias)`` on the linear kernel (``linear.positional_factor``).
+    dropout_rng: a single group uses it itself (so all-1 ratios reproduce ``softmax_attention``
+      exactly); several groups use ``fold_in(dropout_rng, ratio)``, and ``broadcast_dropout``
+      shares a pattern across the examples and heads of one group.
+    is_causal: applied before pooling (see "Pooled mask"). Decoding with a key/value cache is
+      therefore not a full causal pass: a cached step pools only the keys seen so far, the full
+      pass pools whole windows.
+    return_weights, module: the weights are a tuple of float32 arrays, one per distinct ratio in
+      increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
+      map rows to heads with :func:`head_groups`.
     ratios: one static int >= 1 per head (required).
     pool: ``'avg'`` (default), ``'max'`` or ``'stride'``.
-    kernel: ``'softmax'`` (default, scaled by ``scale``) or ``'linear'`` (dual form, elu + 1).
+    kernel: ``'softmax'`` (default, scaled by ``scale``) or ``'linear'`` (dual form, elu + 1),
+      the one-head kernels of ``batchnorm.KERNELS``.
     batchnorm: Attention-BN after pooling: q and the pooled keys normalised with key statistics.
-    stats: ``'pooled'`` (statistics of the pooled keys the head uses, default) or ``'full'``
+    statistics: ``'pooled'`` (statistics of the pooled keys the head uses, default) or ``'full'``
       (of the full-length keys), over valid keys only.
-    bn_eps, bn_mean_weight: ε and β of Attention-BN.
+    eps, mean_weight: ε and β of Attention-BN (as in ``batchnorm_attention``).
+    linear_eps: denominator guard of the linear kernel.
     grid_shape: ``(gh, gw)`` to pool the non-prefix keys 2-D over an image patch grid.
     num_prefix_tokens: leading keys (e.g. CLS) kept unpooled.
     scale: softmax logits scale, default ``1/√d_qk``.
-    return_weights: also return the weights: a tuple of float32 arrays, one per distinct ratio in
-      increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
-      map rows to heads with :func:`head_groups`.
     implementation: ``'auto'`` (softmax kernel: each group's pooled keys and values go to
       ``jax.nn.dot_product_attention`` when no weights or dropout are needed, see
       ``kernels.fused``), ``'fused'`` or ``'reference'``.
@@ -431,87 +388,56 @@ def scaled_head_attention(
 
   Raises:
     ValueError: bad ``ratios`` (naming them and the head count), unknown ``pool``/``kernel``/
-      ``stats``, a grid that does not match ``kv_len``, bias with the linear kernel, bad shapes.
+      ``statistics``, a grid that does not match ``kv_len``, bad shapes.
   """
-  shapes = C.validate_qkv(query, key, value)
-  key, value = C.repeat_kv_heads(key, value, shapes)
+  shapes = call.shapes
   ratios = validate_ratios(ratios, shapes.heads)
-  pool_fn = _lookup(POOLS, pool, "pool")
-  kernel_fn, accepts_bias = _lookup(KERNELS, kernel, "kernel")
-  if not accepts_bias:
-    linear_lib.check_no_bias(bias, f"scaled_head_attention(kernel={kernel!r})")
-  if stats not in STATS_SOURCES:
-    raise ValueError(f"stats must be one of {STATS_SOURCES}; got stats={stats!r}")
+  pool_fn = C.lookup(POOLS, pool, "pool")
+  scale = C.default_scale(shapes.d_qk) if scale is None else scale
+  kernel_one_head = functools.partial(
+    C.lookup(bn_lib.KERNELS, kernel, "kernel"),
+    scale=scale,
+    linear_eps=linear_eps,
+    precision=call.precision,
+  )
+  C.lookup(STATISTICS_SOURCES, statistics, "statistics")
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
-  bn_options = BatchNormOptions(stats, bn_eps, bn_mean_weight) if batchnorm else None
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
-  scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
+  bn_options = BatchNormOptions(statistics, eps, mean_weight) if batchnorm else None
+  q, k, v = call.heads_major()
+  mask, bias = call.mask_and_bias()
 
   groups = head_groups(ratios)
-  take_fused = fused.use_fused(
-    implementation,
-    return_weights=return_weights,
-    module=module,
-    dropout_rate=dropout_rate,
-    deterministic=deterministic,
-    same_head_size=shapes.d_qk == shapes.d_v,
-    softmax_kernel=kernel == "softmax",
-  )
+  take_fused = call.takes_fused(implementation, softmax_kernel=kernel == "softmax")
   outputs, weights = [], []
   for ratio, heads in groups:
-    heads = np.asarray(heads)
     windows = (
       None if ratio == 1 else key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
     )
-    group_inputs = [_select_heads(x, heads, shapes.heads) for x in (q, k, v, bias, mask)]
+    inputs_one_head = functools.partial(
+      _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options
+    )
+    group_inputs = [
+      _select_heads(x, np.asarray(heads), shapes.heads) for x in (q, k, v, bias, mask)
+    ]
     if take_fused:
-      group_q, pooled = C.map_heads(
-        functools.partial(
-          _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options
-        ),
-        *group_inputs,
-      )
+      group_q, pooled = C.map_heads(inputs_one_head, *group_inputs)
       outputs.append(
         fused.attend(group_q, pooled.key, pooled.value, pooled.bias, pooled.mask, scale=scale)
       )
       continue
-    one_head = functools.partial(
-      _one_head,
-      windows=windows,
-      pool=pool_fn,
-      kernel=kernel_fn,
-      batchnorm=bn_options,
-      scale=scale,
-      precision=precision,
-    )
-    group_weights, group_values = C.map_heads(one_head, *group_inputs)
-    group_rng = dropout_rng
-    if dropout_rng is not None and len(groups) > 1:
-      group_rng = jax.random.fold_in(dropout_rng, ratio)
-    dropped = C.apply_dropout(
-      group_weights,
+    group_rng = call.dropout_rng
+    if group_rng is not None and len(groups) > 1:
+      group_rng = jax.random.fold_in(group_rng, ratio)
+    group_out, group_weights = call.weigh_values(
+      functools.partial(_one_head, inputs=inputs_one_head, kernel=kernel_one_head),
+      *group_inputs,
       dropout_rng=group_rng,
-      dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout,
-      deterministic=deterministic,
     )
-    outputs.append(
-      C.map_heads(lambda w, v: C.contract_values(w, v, precision), dropped, group_values)
-    )
+    outputs.append(group_out)
     weights.append(group_weights)
 
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
   order = np.concatenate([np.asarray(heads) for _, heads in groups])
   out = _select_heads(jnp.concatenate(outputs, axis=1), np.argsort(order), shapes.heads)
-  if take_fused:
-    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
-  return C.finish(
-    out,
-    tuple(weights),
-    shapes=shapes,
-    dtype=C.output_dtype(query, dtype),
-    module=module,
-    return_weights=return_weights,
-  )
+  return call.finish(out, tuple(weights) if weights else None)

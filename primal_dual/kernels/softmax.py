@@ -1,11 +1,22 @@
-"""Softmax attention: the SVR dual with the exponential kernel ``exp(qᵀk/√D)`` (docs/maths.md §3.1)."""
+"""Softmax attention: the SVR dual with the exponential kernel (docs/maths.md §3.1).
+
+For one head, with queries ``i``, keys ``j`` and scale ``c`` (``1/√D``)::
+
+  a_ij  = softmax_j(c q_i·k_j + bias_ij)         (masked keys excluded; no visible key: a_i = 0)
+  out_i = Σ_j a_ij v_j
+
+Without weights to return, sow or drop out, the product goes to ``jax.nn.dot_product_attention``
+(``kernels.fused``).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import fused
+from primal_dual.kernels import driver, fused
 
 
 def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
@@ -25,45 +36,16 @@ def softmax_weights_one_head(q, k, bias, mask, *, scale: float, precision=None):
   return C.masked_softmax(logits, mask)
 
 
+@driver.attention_kernel
 def softmax_attention(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
-  *,
-  broadcast_dropout: bool = True,
-  dropout_rng=None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = True,
-  dtype=None,
-  precision=None,
-  module=None,
-  is_causal: bool = False,
-  causal_alignment: str = "top_left",
-  scale: float | None = None,
-  return_weights: bool = False,
-  implementation: str = "auto",
+  call: driver.AttentionCall, *, scale: float | None = None, implementation: str = "auto"
 ):
   """Softmax attention, ``out_i = Σ_j softmax_j(q_iᵀk_j/√D + bias_ij) v_j``.
 
   Args:
-    query: ``[batch..., q_len, heads, d_qk]``.
-    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
-      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
-    value: ``[batch..., kv_len, kv_heads, d_v]``.
-    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
-    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
-      zeros.
-    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax).
-    dtype: output dtype (default: ``query.dtype``). Softmax statistics are float32 regardless.
-    precision: passed to the einsums.
-    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
-    is_causal: add a causal mask, aligned by ``causal_alignment``.
-    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
-      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
+      :class:`driver.AttentionCall`.
     scale: logits scale, default ``1/√d_qk``.
-    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
     implementation: ``'auto'`` (``jax.nn.dot_product_attention`` when the call needs no weights
       and no dropout on them, see ``kernels.fused``), ``'fused'`` (that path or a ValueError) or
       ``'reference'`` (this module's own maths).
@@ -71,51 +53,13 @@ def softmax_attention(
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights if requested).
   """
-  shapes = C.validate_qkv(query, key, value)
-  key, value = C.repeat_kv_heads(key, value, shapes)
-  scale = C.default_scale(shapes.d_qk) if scale is None else scale
-  if fused.use_fused(
-    implementation,
-    return_weights=return_weights,
-    module=module,
-    dropout_rate=dropout_rate,
-    deterministic=deterministic,
-    same_head_size=shapes.d_qk == shapes.d_v,
-  ):
-    # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
-    causal_apart = is_causal and mask is None and causal_alignment == "top_left"
-    mask, bias = C.prepare_mask_and_bias(
-      mask, bias, shapes, is_causal and not causal_apart, causal_alignment
+  scale = C.default_scale(call.shapes.d_qk) if scale is None else scale
+  if not call.takes_fused(implementation):
+    return call.attend(
+      functools.partial(softmax_weights_one_head, scale=scale, precision=call.precision)
     )
-    out = fused.attend(
-      *(C.to_heads_major(x) for x in (query, key, value)),
-      bias,
-      mask,
-      scale=scale,
-      is_causal=causal_apart,
-    )
-    return fused.finish(out, shapes=shapes, query=query, dtype=dtype)
-  mask, bias = C.prepare_mask_and_bias(mask, bias, shapes, is_causal, causal_alignment)
-  q, k, v = (C.to_heads_major(x) for x in (query, key, value))
-
-  def weights_fn(q, k, bias, mask):
-    return softmax_weights_one_head(q, k, bias, mask, scale=scale, precision=precision)
-
-  return C.attend_with_weights(
-    weights_fn,
-    q,
-    k,
-    v,
-    bias,
-    mask,
-    shapes=shapes,
-    query=query,
-    dtype=dtype,
-    module=module,
-    return_weights=return_weights,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=broadcast_dropout,
-    deterministic=deterministic,
-    precision=precision,
-  )
+  # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
+  causal_apart = call.is_causal and call.mask is None and call.causal_alignment == "top_left"
+  mask, bias = call.mask_and_bias(with_causal=not causal_apart)
+  out = fused.attend(*call.heads_major(), bias, mask, scale=scale, is_causal=causal_apart)
+  return call.finish(out)

@@ -1,0 +1,207 @@
+"""The one driver of every kernel: Flax's ``attention_fn`` arguments and what every kernel does
+with them (validation, masks, head mapping, dropout, sowing, returned weights, output dtype).
+
+A kernel module writes ``compute(call, *, option=default, ...)`` and decorates it with
+:func:`attention_kernel`; the result is callable exactly as Flax calls an ``attention_fn``::
+
+  kernel(query, key, value, bias=None, mask=None, *, broadcast_dropout=True, dropout_rng=None,
+         dropout_rate=0.0, deterministic=True, dtype=None, precision=None, module=None,
+         is_causal=False, causal_alignment='top_left', return_weights=False, **options)
+
+and ``inspect.signature(kernel)`` lists every one of those parameters and the kernel's options.
+``compute`` receives an :class:`AttentionCall` (the Flax arguments, validated) and typically
+returns ``call.attend(weights_one_head)`` (one-head weights ``[q_len, kv_len]`` from
+``q [q_len, d], k [kv_len, d], bias, mask``) or ``call.finish(out)`` of its own output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+
+from primal_dual.kernels import _common as C
+from primal_dual.kernels import fused
+
+Array = jax.Array
+
+
+@dataclasses.dataclass
+class AttentionCall:
+  """One kernel call: Flax's ``attention_fn`` arguments (this class declares them, once).
+
+  Fields up to ``mask`` are positional in the generated signatures, the rest keyword-only; every
+  kernel documents here what they mean and, in its own docstring, only where it departs.
+
+  Attributes:
+    query: ``[batch..., q_len, heads, d_qk]``.
+    key: ``[batch..., kv_len, kv_heads, d_qk]``; ``kv_heads`` divides ``heads`` (grouped heads:
+      query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
+    value: ``[batch..., kv_len, kv_heads, d_v]``.
+    bias: additive logits bias broadcastable to ``[batch..., heads, q_len, kv_len]``.
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend. Fully masked rows give
+      zeros.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the weights (Flax);
+      ``broadcast_dropout`` shares one pattern across examples and heads.
+    dtype: output dtype (default ``query.dtype``); statistics and weights are float32 regardless.
+    precision: passed to the einsums.
+    module: a Flax module to sow the weights into (``intermediates/attention_weights``).
+    is_causal: add a causal mask, aligned by ``causal_alignment``.
+    causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
+      ``'bottom_right'`` (``j <= i + kv_len - q_len``).
+    return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    shapes: the validated sizes (:func:`_common.validate_qkv`).
+  """
+
+  query: Array
+  key: Array
+  value: Array
+  bias: Array | None = None
+  mask: Array | None = None
+  _: dataclasses.KW_ONLY
+  broadcast_dropout: bool = True
+  dropout_rng: Any = None
+  dropout_rate: float = 0.0
+  deterministic: bool = True
+  dtype: Any = None
+  precision: Any = None
+  module: Any = None
+  is_causal: bool = False
+  causal_alignment: str = "top_left"
+  return_weights: bool = False
+  shapes: C.QKVShapes = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.shapes = C.validate_qkv(self.query, self.key, self.value)
+
+  @property
+  def out_dtype(self):
+    """The output dtype: ``dtype``, or the query's."""
+    return C.output_dtype(self.query, self.dtype)
+
+  @property
+  def dropout_active(self) -> bool:
+    return not self.deterministic and self.dropout_rate != 0.0
+
+  def heads_major(self) -> tuple[Array, Array, Array]:
+    """``q [B, H, q_len, d_qk]``, ``k [B, H, kv_len, d_qk]``, ``v [B, H, kv_len, d_v]`` with
+    grouped key/value heads repeated to one per query head."""
+    key, value = C.repeat_kv_heads(self.key, self.value, self.shapes)
+    return tuple(C.to_heads_major(x) for x in (self.query, key, value))
+
+  def mask_and_bias(self, *, with_causal: bool = True) -> tuple[Array | None, Array | None]:
+    """``(mask, bias)`` as ``[B | 1, H | 1, q_len, kv_len]`` (bool mask, causal constraint
+    included unless ``with_causal=False``), or None; axes the caller shares stay of size 1."""
+    return C.prepare_mask_and_bias(
+      self.mask,
+      self.bias,
+      self.shapes,
+      self.is_causal and with_causal,
+      self.causal_alignment,
+    )
+
+  def dropout(self, weights: Array, dropout_rng=None) -> Array:
+    """Flax dropout on ``weights [B, H, q_len, kv_len]`` (``dropout_rng`` overrides the call's)."""
+    return C.apply_dropout(
+      weights,
+      dropout_rng=self.dropout_rng if dropout_rng is None else dropout_rng,
+      dropout_rate=self.dropout_rate,
+      broadcast_dropout=self.broadcast_dropout,
+      deterministic=self.deterministic,
+    )
+
+  def takes_fused(self, implementation: str, *, softmax_kernel: bool = True) -> bool:
+    """Whether the product goes to ``jax.nn.dot_product_attention`` (see ``kernels.fused``)."""
+    return fused.use_fused(
+      implementation,
+      return_weights=self.return_weights,
+      module=self.module,
+      dropout_rate=self.dropout_rate,
+      deterministic=self.deterministic,
+      same_head_size=self.shapes.d_qk == self.shapes.d_v,
+      softmax_kernel=softmax_kernel,
+    )
+
+  def refuse_weights(self, kernel: str) -> None:
+    """Raises ValueError when a kernel that never forms the weights is asked for them or for
+    dropout on them."""
+    if self.dropout_active:
+      raise ValueError(
+        f"{kernel} never forms the attention weights, so attention dropout is not available; "
+        f"got dropout_rate={self.dropout_rate} with deterministic=False"
+      )
+    if self.return_weights:
+      raise ValueError(f"{kernel} never forms the attention weights; return_weights must be False")
+
+  def weigh_values(self, one_head: Callable, *args, dropout_rng=None) -> tuple[Array, Array]:
+    """Weights and output of every head: ``(out [B, H, q_len, d_v], weights [B, H, q_len, n])``.
+
+    ``one_head(*args of one head) -> (weights [q_len, n] float32, values [n, d_v])`` is mapped
+    with :func:`_common.map_heads`; the weights are dropped out, then contracted with the values.
+    """
+    weights, values = C.map_heads(one_head, *args)
+    dropped = self.dropout(weights, dropout_rng)
+    out = C.map_heads(lambda w, v: C.contract_values(w, v, self.precision), dropped, values)
+    return out, weights
+
+  def attend(self, weights_one_head: Callable) -> Any:
+    """The whole call for a kernel defined by its one-head weights.
+
+    ``weights_one_head(q [q_len, d], k [kv_len, d], bias, mask) -> float32 [q_len, kv_len]``
+    (``bias``/``mask`` ``[q_len, kv_len]`` or None).
+    """
+    q, k, v = self.heads_major()
+    mask, bias = self.mask_and_bias()
+
+    def one_head(q, k, v, bias, mask):
+      return weights_one_head(q, k, bias, mask), v
+
+    return self.finish(*self.weigh_values(one_head, q, k, v, bias, mask))
+
+  def finish(self, out: Array, weights: Any = None) -> Any:
+    """``out [B, H, q_len, d_v]`` as ``[batch..., q_len, heads, d_v]`` in the output dtype;
+    weights (an array or a tuple of them) sown and returned as the call asks."""
+    return C.finish(
+      out,
+      weights,
+      shapes=self.shapes,
+      dtype=self.out_dtype,
+      module=self.module,
+      return_weights=self.return_weights,
+    )
+
+
+def _call_parameters() -> tuple[inspect.Parameter, ...]:
+  parameters = []
+  for field in dataclasses.fields(AttentionCall):
+    if not field.init:
+      continue
+    kind = (
+      inspect.Parameter.KEYWORD_ONLY if field.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )
+    default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+    parameters.append(inspect.Parameter(field.name, kind, default=default))
+  return tuple(parameters)
+
+
+CALL_PARAMETERS = _call_parameters()
+
+
+def attention_kernel(compute: Callable[..., Any]) -> Callable[..., Any]:
+  """Turns ``compute(call, *, **options)`` into a Flax ``attention_fn`` of the same name and
+  docstring whose signature is Flax's arguments followed by ``compute``'s keyword options."""
+  options = tuple(inspect.signature(compute).parameters.values())[1:]
+  signature = inspect.Signature([*CALL_PARAMETERS, *options])
+  call_names = [p.name for p in CALL_PARAMETERS]
+
+  def attention_fn(*args, **kwargs):
+    arguments = signature.bind(*args, **kwargs).arguments
+    call = AttentionCall(**{name: arguments.pop(name) for name in call_names if name in arguments})
+    return compute(call, **arguments)
+
+  attention_fn.__signature__ = signature
+  for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+    setattr(attention_fn, attribute, getattr(compute, attribute))
+  return attention_fn
