@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
+import jax.numpy as jnp
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +166,9 @@ def test_a_newly_registered_variant_is_benchmarked_without_edits():
 
 
 def _scaled_softmax(query, key, value, bias=None, mask=None, *, query_scale, **flax_arguments):
-  scaled = query * query_scale.astype(query.dtype)[:, None]
+  # [heads] → [1..., heads, 1]: explicit axes (no rank promotion) against [batch, q, heads, d].
+  scale = jnp.reshape(query_scale.astype(query.dtype), (1,) * (query.ndim - 2) + (-1, 1))
+  scaled = query * scale
   return kernels.softmax_attention(scaled, key, value, bias=bias, mask=mask, **flax_arguments)
 
 
