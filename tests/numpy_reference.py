@@ -1,11 +1,16 @@
-"""Slow, independent NumPy references for the attention kernels (float64, explicit loops over
-examples and heads). Nothing here imports primal_dual."""
+"""The slow, independent float64 NumPy references of every attention kernel (explicit loops over
+examples, heads, queries and keys): softmax, linear, random features, Attention-BN, Attention-SH,
+BN+SH and HYLA. Nothing here imports primal_dual."""
+
+import math
 
 import numpy as np
 
+RMS_EPS = 1e-6
+LINEAR_EPS = 1e-6
 
-def _broadcast(x, batch_shape, heads, q_len, kv_len, fill):
-  target = (*batch_shape, heads, q_len, kv_len)
+
+def _broadcast(x, target, fill):
   if x is None:
     return np.full(target, fill)
   return np.broadcast_to(np.asarray(x), target)
@@ -20,11 +25,9 @@ def _loop_heads(query, key, value, bias, mask, one_head):
 
   Returns (out [batch..., q_len, heads, d_v], weights [batch..., heads, q_len, kv_len]).
   """
-  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  q, k, v, bias, mask = _float64_inputs(query, key, value, bias, mask, False, "top_left")
   batch_shape, (q_len, heads, _) = q.shape[:-3], q.shape[-3:]
   kv_len, d_v = k.shape[-3], v.shape[-1]
-  bias = _broadcast(bias, batch_shape, heads, q_len, kv_len, 0.0).astype(np.float64)
-  mask = _broadcast(mask, batch_shape, heads, q_len, kv_len, True).astype(bool)
   out = np.zeros((*batch_shape, q_len, heads, d_v))
   weights = np.zeros((*batch_shape, heads, q_len, kv_len))
   for b in np.ndindex(*batch_shape):
@@ -147,3 +150,195 @@ def batchnorm_attention_ref(
     return _linear_weights_one_head(q_hat, k_hat, mask, linear_eps, bias)
 
   return _loop_heads(query, key, value, bias, mask, one_head)
+
+
+def _causal(q_len, kv_len, alignment):
+  """Query i sees key j <= i (top_left) or j <= i + kv_len - q_len (bottom_right)."""
+  offset = {"top_left": 0, "bottom_right": kv_len - q_len}[alignment]
+  return np.array([[j <= i + offset for j in range(kv_len)] for i in range(q_len)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention-SH.
+# ------------------------------------------------------------------------------------------------
+
+
+def sh_windows_ref(kv_len, ratio, grid_shape=None, num_prefix_tokens=0):
+  """Pooling windows as lists of key indices: prefix tokens alone, then 1-D or 2-D windows."""
+  p = num_prefix_tokens
+  windows = [[t] for t in range(p)]
+  if grid_shape is None:
+    rest = kv_len - p
+    for w in range(math.ceil(rest / ratio)):
+      windows.append([p + j for j in range(w * ratio, min((w + 1) * ratio, rest))])
+  else:
+    gh, gw = grid_shape
+    for wr in range(math.ceil(gh / ratio)):
+      for wc in range(math.ceil(gw / ratio)):
+        windows.append(
+          [
+            p + y * gw + x
+            for y in range(wr * ratio, min((wr + 1) * ratio, gh))
+            for x in range(wc * ratio, min((wc + 1) * ratio, gw))
+          ]
+        )
+  return windows
+
+
+def _pool_ref(rows, pool):
+  """rows: list of 1-D arrays (the valid keys of a window, in key order)."""
+  if not rows:
+    return None
+  rows = np.stack(rows)
+  return {"avg": rows.mean(0), "max": rows.max(0), "stride": rows[0]}[pool]
+
+
+def _stats_ref(keys, eps, beta):
+  """(β·mean, √(var + ε)) of a list of key vectors; mean 0 and var 1 if the list is empty."""
+  if not keys:
+    return 0.0, np.sqrt(1.0 + eps)
+  keys = np.stack(keys)
+  mean = keys.mean(0)
+  return beta * mean, np.sqrt(((keys - mean) ** 2).mean(0) + eps)
+
+
+def _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment):
+  """(q, k, v, bias, mask) in float64 with bias and mask broadcast to [batch..., H, q, kv] and the
+  causal constraint added to the mask."""
+  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  batch_shape, (q_len, heads) = q.shape[:-3], q.shape[-3:-1]
+  target = (*batch_shape, heads, q_len, k.shape[-3])
+  bias = _broadcast(bias, target, 0.0).astype(np.float64)
+  mask = _broadcast(mask, target, True).astype(bool)
+  if is_causal:
+    mask = mask & _causal(q_len, k.shape[-3], causal_alignment)
+  return q, k, v, bias, mask
+
+
+def scaled_head_ref(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  ratios,
+  pool="avg",
+  kernel="softmax",
+  batchnorm=False,
+  statistics="pooled",
+  eps=1e-5,
+  mean_weight=1.0,
+  grid_shape=None,
+  num_prefix_tokens=0,
+  is_causal=False,
+  causal_alignment="top_left",
+):
+  """Attention-SH (and BN+SH) with loops.
+
+  Returns:
+    (out [batch..., q_len, heads, d_v], weights): weights is a list with one array per head,
+    ``[batch..., q_len, n_h]`` where n_h is the number of windows of head h.
+  """
+  q, k, v, bias, mask = _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment)
+  batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
+  kv_len, d_v = k.shape[-3], v.shape[-1]
+  out = np.zeros((*batch_shape, q_len, heads, d_v))
+  weights = []
+  for h in range(heads):
+    windows = sh_windows_ref(kv_len, ratios[h], grid_shape, num_prefix_tokens)
+    n = len(windows)
+    w_h = np.zeros((*batch_shape, q_len, n))
+    for b in np.ndindex(*batch_shape):
+      m = mask[b + (h,)]
+      valid = m.any(0)
+      pk, pv, pvalid = [], [], []
+      for win in windows:
+        keys = [k[b + (j, h)] for j in win if valid[j]]
+        vals = [v[b + (j, h)] for j in win if valid[j]]
+        pvalid.append(bool(keys))
+        pk.append(_pool_ref(keys, pool) if keys else np.zeros(d))
+        pv.append(_pool_ref(vals, pool) if vals else np.zeros(d_v))
+      qs = [q[b + (i, h)] for i in range(q_len)]
+      if batchnorm:
+        src = (
+          [pk[w] for w in range(n) if pvalid[w]]
+          if statistics == "pooled"
+          else [k[b + (j, h)] for j in range(kv_len) if valid[j]]
+        )
+        shift, div = _stats_ref(src, eps, mean_weight)
+        qs = [(x - shift) / div for x in qs]
+        pk = [(x - shift) / div for x in pk]
+      for i in range(q_len):
+        visible = [w for w, win in enumerate(windows) if any(m[i, j] for j in win)]
+        if not visible:
+          continue
+        pooled_bias = np.array(
+          [np.mean([bias[b + (h, i, j)] for j in windows[w] if m[i, j]]) for w in visible]
+        )
+        if kernel == "softmax":
+          logits = np.array([qs[i] @ pk[w] / np.sqrt(d) for w in visible]) + pooled_bias
+          p = np.exp(logits - logits.max())
+          p /= p.sum()
+        else:  # the bias is a factor exp(b - max b) on the kernel
+          s = np.array([_elu_plus_one(qs[i]) @ _elu_plus_one(pk[w]) for w in visible])
+          s = s * np.exp(pooled_bias - pooled_bias.max())
+          p = s / (s.sum() + LINEAR_EPS)
+        for pw, w in zip(p, visible):
+          w_h[b + (i, w)] = pw
+          out[b + (i, h)] += pw * pv[w]
+    weights.append(w_h)
+  return out, weights
+
+
+# ------------------------------------------------------------------------------------------------
+# HYLA.
+# ------------------------------------------------------------------------------------------------
+
+
+def hyla_ref(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  normalization="rms_head",
+  value_network="mlp_relu",
+  is_causal=False,
+  causal_alignment="top_left",
+):
+  """HYLA with loops. Returns (out [batch..., q_len, heads, d_v], a [batch..., heads, q, kv])."""
+  q, k, v, bias, mask = _float64_inputs(query, key, value, bias, mask, is_causal, causal_alignment)
+  batch_shape, (q_len, heads, d) = q.shape[:-3], q.shape[-3:]
+  kv_len, d_v = k.shape[-3], v.shape[-1]
+  a = np.zeros(bias.shape)
+  out = np.zeros((*batch_shape, q_len, heads, d_v))
+  for b in np.ndindex(*batch_shape):
+    s = np.zeros((heads, q_len, kv_len))
+    for h in range(heads):
+      for i in range(q_len):
+        for j in range(kv_len):
+          if mask[b + (h, i, j)]:
+            s[h, i, j] = q[b + (i, h)] @ k[b + (j, h)] / np.sqrt(d) + bias[b + (h, i, j)]
+    for i in range(q_len):
+      for j in range(kv_len):
+        if normalization == "rms_head":
+          a[b + (slice(None), i, j)] = s[:, i, j] / np.sqrt(np.mean(s[:, i, j] ** 2) + RMS_EPS)
+        elif normalization == "none":
+          a[b + (slice(None), i, j)] = s[:, i, j]
+    if normalization == "softmax":
+      for h in range(heads):
+        for i in range(q_len):
+          seen = [j for j in range(kv_len) if mask[b + (h, i, j)]]
+          if seen:
+            e = np.exp(s[h, i, seen] - s[h, i, seen].max())
+            a[b + (h, i, seen)] = e / e.sum()
+    for i in range(q_len):
+      for j in range(kv_len):
+        mixed = sum(a[b + (h, i, j)] * v[b + (j, h)] for h in range(heads))
+        u = {"mlp_relu": np.maximum(mixed, 0.0), "mlp_linear": mixed}.get(value_network)
+        for h in range(heads):
+          contribution = u if value_network != "linear" else v[b + (j, h)]
+          out[b + (i, h)] += a[b + (h, i, j)] * contribution
+  return out, a

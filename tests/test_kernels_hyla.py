@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from primal_dual.kernels import hyla
-from numpy_reference_sh_hyla import hyla_ref
+from numpy_reference import hyla_ref
 
 STATIC = (
   "normalization",

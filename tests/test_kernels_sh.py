@@ -16,7 +16,7 @@ from primal_dual.kernels import scaled_head as sh
 from primal_dual.kernels.batchnorm import batchnorm_attention
 from primal_dual.kernels.softmax import softmax_attention
 from numpy_reference import softmax_attention_ref
-from numpy_reference_sh_hyla import scaled_head_ref, sh_windows_ref
+from numpy_reference import scaled_head_ref, sh_windows_ref
 
 STATIC = (
   "ratios",
