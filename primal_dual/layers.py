@@ -43,6 +43,10 @@ __all__ = [
 ]
 
 
+# The layer's attributes that every projection takes as they are.
+_PROJECTION_SETTINGS = ("dtype", "param_dtype", "precision", "use_bias", "kernel_init", "bias_init")
+
+
 class _Projection(nn.Module):
   """``DenseGeneral`` with logically partitioned parameters of Flax's exact shapes.
 
@@ -211,14 +215,7 @@ class MultiHeadAttention(nn.Module):
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     head_dim = _attend.head_dim(qkv_features, self.num_heads)
     kv_heads = _attend.kv_heads(self.num_heads, self.num_kv_heads)
-    dense_kwargs = dict(
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-      precision=self.precision,
-      use_bias=self.use_bias,
-      kernel_init=self.kernel_init,
-      bias_init=self.bias_init,
-    )
+    dense_kwargs = {name: getattr(self, name) for name in _PROJECTION_SETTINGS}
 
     def projection(name, heads):
       return _Projection(
