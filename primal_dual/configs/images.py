@@ -124,14 +124,7 @@ def sh_ratios_for(num_heads: int, grid_side: int) -> tuple[int, ...]:
 
 def get_config(arg=None):
   arg = config_lib.parse_arg(
-    arg,
-    dataset="digits",
-    model="",
-    attention="softmax",
-    seed=0,
-    epochs=-1,
-    data_dir="",
-    runlocal=False,
+    arg, **config_lib.RUN_ARGUMENTS, dataset="digits", model="", epochs=-1, data_dir=""
   )
   if arg.dataset not in RECIPES:
     raise ValueError(f"unknown image data set {arg.dataset!r}; choose one of {sorted(RECIPES)}")

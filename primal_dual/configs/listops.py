@@ -102,14 +102,12 @@ RUNLOCAL_SH_RATIOS = (1, 2)
 def get_config(arg=None):
   arg = config_lib.parse_arg(
     arg,
+    **config_lib.RUN_ARGUMENTS,
     setting="jax_lra",
     preset="full",
-    attention="softmax",
-    seed=0,
     data_seed=0,
     steps=-1,
     data_dir="",
-    runlocal=False,
   )
   if arg.setting not in SETTINGS:
     raise ValueError(f"unknown ListOps setting {arg.setting!r}; choose one of {sorted(SETTINGS)}")

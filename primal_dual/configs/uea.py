@@ -98,15 +98,13 @@ def _check_choice(name: str, value: str, choices) -> None:
 def get_config(arg=None):
   arg = config_lib.parse_arg(
     arg,
+    **config_lib.RUN_ARGUMENTS,
     dataset="JapaneseVowels",
-    attention="softmax",
     protocol="best_test",
     size="reference",
-    seed=0,
     epochs=-1,
     manual_dir="",
     data_dir="",
-    runlocal=False,
   )
   _check_choice("dataset", arg.dataset, DATASETS)
   _check_choice("attention", arg.attention, registry.ATTENTION_REGISTRY)
