@@ -52,7 +52,9 @@ def uniform_below(words: jax.Array, bounds: Any) -> jax.Array:
   Returns:
     int32 ``[...]``.
   """
-  return (words % jnp.asarray(bounds, jnp.uint32)).astype(jnp.int32)
+  # Broadcast explicitly: the bounds are often of lower rank than the words.
+  bounds = jnp.broadcast_to(jnp.asarray(bounds, jnp.uint32), words.shape)
+  return (words % bounds).astype(jnp.int32)
 
 
 def check_seed(seed: int) -> np.uint32:
