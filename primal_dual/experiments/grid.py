@@ -605,6 +605,30 @@ class Reproduction:
   variants: VariantChoice | None = None
 
 
+# Reproduction fields → the module-level names a task module gives them (module_reproduction).
+MODULE_FIELDS = {
+  "commands": "GRID_COMMANDS",
+  "flags": "FLAGS",
+  "build_runs": "build_runs",
+  "record_fn": "record_fn",
+  "markdown_report": "markdown_report",
+  "check_arguments": "check_arguments",
+  "validate_record": "validate_record",
+  "write_figures": "write_figures",
+}
+
+
+def module_reproduction(module_name: str, **fields: Any) -> Reproduction:
+  """The grid of task module ``module_name`` (its ``__name__``, called at its end): ``fields``,
+  and for the others the module's own definitions named as in ``MODULE_FIELDS``, where it has them.
+  """
+  module = sys.modules[module_name]
+  found = {
+    field: getattr(module, name) for field, name in MODULE_FIELDS.items() if hasattr(module, name)
+  }
+  return Reproduction(**{**found, **fields})
+
+
 # The flags of every grid besides --quick (whose help is the task's): flag → add_argument options.
 SHARED_FLAGS: dict[str, dict[str, Any]] = {
   "--root": dict(default="", help="parent of the runs' workdirs (default workdirs/<task>_grid)"),

@@ -42,6 +42,7 @@ from primal_dual.analysis import flops
 from primal_dual.data import images
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
+from primal_dual.experiments import listops as listops_task
 from primal_dual.experiments.listops import count_parameters
 from primal_dual.models import ViT
 from primal_dual.training import errors
@@ -447,15 +448,10 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="images",
   summary="Image classification with softmax, linear, BN, SH and BN+SH attention (ViT/DeiT).",
-  commands=GRID_COMMANDS,
   quick="tiny model, 4 steps, 2 runs by default",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  validate_record=validate_record,
-  variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
+  variants=listops_task.GRID_VARIANTS,
 )

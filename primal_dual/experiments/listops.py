@@ -303,15 +303,12 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
+# --variants: all five attention forms (shared with images.py); by default softmax and SH.
+GRID_VARIANTS = grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh"))
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="listops",
   summary="ListOps (LRA) accuracy and attention cost for softmax, linear, BN, SH and BN+SH.",
-  commands=GRID_COMMANDS,
   quick="tiny preset and model, 4 steps, 2 runs by default",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  validate_record=validate_record,
-  variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
+  variants=GRID_VARIANTS,
 )

@@ -291,6 +291,11 @@ installed)::
 Re-running the same command resumes (finished runs are reused, unfinished ones continue).
 """
 CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
+CURVE_FIGURE = sraven_task.CurveFigure(
+  title="Fuzzy-logic learning curves",
+  ylabel="R²",
+  panel_titles=("unseen combinations (test)", "held-out conjunctions (ood)"),
+)
 REFERENCE_COMMAND = (
   "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
   "--results=results/paper/logic.json"
@@ -353,22 +358,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   return "\n".join(lines)
 
 
-REPRODUCTION = grid.Reproduction(
-  task="logic",
-  summary="The fuzzy-logic comparison: HYLA against softmax and linear attention (R²).",
-  commands=GRID_COMMANDS,
-  quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
-  build_runs=functools.partial(sraven_task.sequence_grid_runs, "logic"),
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=sraven_task.SEQUENCE_GRID_FLAGS,
-  write_figures=functools.partial(
-    sraven_task.write_curves,
-    panels={
-      "unseen combinations (test)": CURVE_METRICS[0],
-      "held-out conjunctions (ood)": CURVE_METRICS[1],
-    },
-    ylabel="R²",
-    title="Fuzzy-logic learning curves",
-  ),
+FLAGS = sraven_task.SEQUENCE_GRID_FLAGS
+REPRODUCTION = sraven_task.sequence_reproduction(
+  __name__, "The fuzzy-logic comparison: HYLA against softmax and linear attention (R²)."
 )

@@ -35,7 +35,8 @@ import argparse
 import functools
 import json
 import os
-from typing import Any, Callable, Mapping, Sequence
+import sys
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -526,10 +527,24 @@ def _latent_code(workdir: str, max_examples: int) -> dict[str, Any]:
   return latent_code.run(experiment, state, split="ood", max_examples=max_examples, out_dir=workdir)
 
 
+class CurveFigure(NamedTuple):
+  """A grid's learning-curves figure: its title, y axis, and the titles of the panels of the
+  first ``CURVE_METRICS`` (one panel each)."""
+
+  title: str
+  ylabel: str
+  panel_titles: tuple[str, ...]
+
+
 CURVE_METRICS = (
   "test/whole_panel_accuracy",
   "ood/whole_panel_accuracy",
   "validation/whole_panel_accuracy",
+)
+CURVE_FIGURE = CurveFigure(
+  title="sRAVEN learning curves",
+  ylabel="whole-panel accuracy",
+  panel_titles=("in-distribution (test)", "held-out rule combinations (ood)"),
 )
 
 
@@ -698,22 +713,27 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
-  task="sraven",
-  summary="sRAVEN: HYLA against softmax and linear attention on held-out rule combinations.",
-  commands=GRID_COMMANDS,
-  quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
-  build_runs=functools.partial(sequence_grid_runs, "sraven"),
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  write_figures=functools.partial(
-    write_curves,
-    panels={
-      "in-distribution (test)": CURVE_METRICS[0],
-      "held-out rule combinations (ood)": CURVE_METRICS[1],
-    },
-    ylabel="whole-panel accuracy",
-    title="sRAVEN learning curves",
-  ),
+def sequence_reproduction(module_name: str, summary: str) -> grid.Reproduction:
+  """The grid of a sequence task (this module's or logic.py's, named by ``module_name``): the
+  shared plan and flags, and the learning-curves figure of the module's ``CURVE_FIGURE``."""
+  task = module_name.rpartition(".")[2]
+  module = sys.modules[module_name]
+  figure = module.CURVE_FIGURE
+  return grid.module_reproduction(
+    module_name,
+    task=task,
+    summary=summary,
+    quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
+    build_runs=functools.partial(sequence_grid_runs, task),
+    write_figures=functools.partial(
+      write_curves,
+      panels=dict(zip(figure.panel_titles, module.CURVE_METRICS)),
+      ylabel=figure.ylabel,
+      title=figure.title,
+    ),
+  )
+
+
+REPRODUCTION = sequence_reproduction(
+  __name__, "sRAVEN: HYLA against softmax and linear attention on held-out rule combinations."
 )

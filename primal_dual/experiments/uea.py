@@ -493,17 +493,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.datasets = tuple(available_datasets(args.manual_dir))
 
 
-REPRODUCTION = grid.Reproduction(
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="uea",
   summary="UEA accuracy and head redundancy of softmax, BN, SH and BN+SH (the time-series claims).",
-  commands=GRID_COMMANDS,
   quick="tiny model, 2 epochs (the config's runlocal)",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  check_arguments=check_arguments,
-  validate_record=validate_record,
-  write_figures=write_figures,
   variants=grid.VariantChoice(("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn")),
 )
