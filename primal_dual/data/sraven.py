@@ -180,16 +180,29 @@ def _rule_distribute_three(draws: RuleDraws, num_values: int) -> jax.Array:
 
 Rule = Callable[[RuleDraws, int], jax.Array]
 
-RULES: dict[str, Rule] = {
-  "constant": _rule_constant,
-  "progression_plus_1": functools.partial(_rule_progression, step=1),
-  "progression_plus_2": functools.partial(_rule_progression, step=2),
-  "progression_minus_1": functools.partial(_rule_progression, step=-1),
-  "progression_minus_2": functools.partial(_rule_progression, step=-2),
-  "addition": _rule_addition,
-  "subtraction": _rule_subtraction,
-  "distribute_three": _rule_distribute_three,
+PROGRESSION_STEPS = {
+  "progression_plus_1": 1,
+  "progression_plus_2": 2,
+  "progression_minus_1": -1,
+  "progression_minus_2": -2,
 }
+
+
+def _rule_table(constant, progression, addition, subtraction, distribute_three) -> dict:
+  """Rule name → the function of its family (``progression`` takes its ``step`` by keyword), in
+  rule-id order; the one list of rule names, shared by ``RULES`` and ``RULE_CHECKS``."""
+  return {
+    "constant": constant,
+    **{name: functools.partial(progression, step=step) for name, step in PROGRESSION_STEPS.items()},
+    "addition": addition,
+    "subtraction": subtraction,
+    "distribute_three": distribute_three,
+  }
+
+
+RULES: dict[str, Rule] = _rule_table(
+  _rule_constant, _rule_progression, _rule_addition, _rule_subtraction, _rule_distribute_three
+)
 DEFAULT_RULES: tuple[str, ...] = tuple(RULES)
 
 # ----------------------------------------------------------------------------------------------
@@ -222,17 +235,9 @@ def _holds_distribute_three(grid: np.ndarray, num_values: int) -> np.ndarray:
   return distinct & same_values
 
 
-RULE_CHECKS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
-  "constant": _holds_constant,
-  "progression_plus_1": functools.partial(_holds_progression, step=1),
-  "progression_plus_2": functools.partial(_holds_progression, step=2),
-  "progression_minus_1": functools.partial(_holds_progression, step=-1),
-  "progression_minus_2": functools.partial(_holds_progression, step=-2),
-  "addition": _holds_addition,
-  "subtraction": _holds_subtraction,
-  "distribute_three": _holds_distribute_three,
-}
-assert RULE_CHECKS.keys() == RULES.keys()
+RULE_CHECKS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = _rule_table(
+  _holds_constant, _holds_progression, _holds_addition, _holds_subtraction, _holds_distribute_three
+)
 
 
 def grid_satisfies(rule: str, grid: np.ndarray, num_values: int) -> np.ndarray:
