@@ -81,6 +81,22 @@ class GridRun:
     return all(is_finished(workdir) for _, workdir in self.workdirs(root))
 
 
+def config_argument(
+  required: Mapping[str, Any], optional: Mapping[str, Any], *, runlocal: bool
+) -> str:
+  """A config's ``key=value,...`` argument: every ``required`` entry, the ``optional`` ones that
+  are set (non-empty strings, numbers above 0), then the ``runlocal`` flag if asked."""
+  given = {key: value for key, value in optional.items() if _is_set(value)}
+  pairs = [f"{key}={value}" for key, value in {**required, **given}.items()]
+  return ",".join(pairs + ["runlocal"] * runlocal)
+
+
+def _is_set(value: Any) -> bool:
+  """An optional grid flag holds a value: a non-empty string or a number above 0 (-1, 0, ''
+  mean the config's default)."""
+  return value > 0 if isinstance(value, (int, float)) else bool(value)
+
+
 def load_config(config_file: str, config_arg: str | None):
   """``get_config(config_arg)`` of a config file, or of a packaged config named by its short name
   (``"uea"``; ``primal_dual.configs.resolve``)."""

@@ -344,35 +344,29 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
-  runs = []
-  for seed in args.seeds:
-    for attention in args.variants:
-      config_arg = f"dataset={args.dataset},attention={attention},seed={seed}"
-      config_arg += f",model={args.model}" if args.model else ""
-      config_arg += f",epochs={args.epochs}" if args.epochs > 0 else ""
-      config_arg += f",data_dir={args.data_dir}" if args.data_dir else ""
-      config_arg += ",runlocal" if args.quick else ""
-      config = grid.load_config(config_file, config_arg)
-      steps = int(config.num_train_steps)
-      model = "runlocal" if args.quick else (args.model or _preset_name(config))
-      runs.append(
-        grid.GridRun(
-          name=f"{args.dataset}-{model}-{attention}-steps{steps}-s{seed}",
-          config_file=config_file,
-          config_arg=config_arg,
-          tags=dict(
-            dataset=args.dataset,
-            model=model,
-            attention=attention,
-            seed=seed,
-            steps=steps,
-            quick=bool(args.quick),
-            eval_split=config.selection.split,
-          ),
-        )
-      )
-  return runs
+
+  def run(attention: str, seed: int) -> grid.GridRun:
+    config_arg = grid.config_argument(
+      dict(dataset=args.dataset, attention=attention, seed=seed),
+      dict(model=args.model, epochs=args.epochs, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    config = grid.load_config(CONFIG_FILE, config_arg)
+    steps = int(config.num_train_steps)
+    model = "runlocal" if args.quick else (args.model or _preset_name(config))
+    labels = dict(dataset=args.dataset, model=model)
+    return common.variant_run(
+      CONFIG_FILE,
+      config_arg,
+      labels,
+      attention,
+      seed,
+      steps,
+      args.quick,
+      eval_split=config.selection.split,
+    )
+
+  return common.seed_major_runs(args, run)
 
 
 def _preset_name(config) -> str:

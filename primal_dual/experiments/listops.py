@@ -203,32 +203,19 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
-  runs = []
-  for seed in args.seeds:
-    for attention in args.variants:
-      config_arg = f"setting={args.setting},preset={args.preset},attention={attention},seed={seed}"
-      config_arg += f",steps={args.steps}" if args.steps > 0 else ""
-      config_arg += f",data_dir={args.data_dir}" if args.data_dir else ""
-      config_arg += ",runlocal" if args.quick else ""
-      steps = int(grid.load_config(config_file, config_arg).num_train_steps)
-      preset = "tiny" if args.quick else args.preset
-      runs.append(
-        grid.GridRun(
-          name=f"{args.setting}-{preset}-{attention}-steps{steps}-s{seed}",
-          config_file=config_file,
-          config_arg=config_arg,
-          tags=dict(
-            setting=args.setting,
-            preset=preset,
-            attention=attention,
-            seed=seed,
-            steps=steps,
-            quick=bool(args.quick),
-          ),
-        )
-      )
-  return runs
+  preset = "tiny" if args.quick else args.preset
+
+  def run(attention: str, seed: int) -> grid.GridRun:
+    config_arg = grid.config_argument(
+      dict(setting=args.setting, preset=args.preset, attention=attention, seed=seed),
+      dict(steps=args.steps, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    steps = int(grid.load_config(CONFIG_FILE, config_arg).num_train_steps)
+    labels = dict(setting=args.setting, preset=preset)
+    return common.variant_run(CONFIG_FILE, config_arg, labels, attention, seed, steps, args.quick)
+
+  return common.seed_major_runs(args, run)
 
 
 def record_fn(

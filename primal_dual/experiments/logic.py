@@ -179,15 +179,7 @@ class LogicTaskSource:
 
 def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
   """The task family named by ``config.data``."""
-  return logic.LogicConfig(
-    num_variables=data.num_variables,
-    num_terms=data.num_terms,
-    seq_len=data.seq_len,
-    ood_fraction=data.ood_fraction,
-    split_seed=data.split_seed,
-    test_fraction=data.test_fraction,
-    ood_term_sets=data.ood_term_sets,
-  )
+  return common.config_dataclass(logic.LogicConfig, data)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:

@@ -241,14 +241,7 @@ class FieldsSource:
 
 def sraven_config(data: ml_collections.ConfigDict) -> sraven.SRavenConfig:
   """The problem family named by ``config.data``."""
-  return sraven.SRavenConfig(
-    num_features=data.num_features,
-    num_values=data.num_values,
-    rules=tuple(data.rules),
-    shuffle_features=data.shuffle_features,
-    ood_fraction=data.ood_fraction,
-    split_seed=data.split_seed,
-  )
+  return common.config_dataclass(sraven.SRavenConfig, data)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -432,9 +425,9 @@ def build_runs(
   for attention, seeds in seeds_by_variant.items():
     groups = [tuple(seeds)] if seeds_together and len(seeds) > 1 else [(s,) for s in seeds]
     for group in groups:
-      config_arg = f"preset={preset},attention={attention},seed={group[0]}"
-      config_arg += f",steps={steps}" if steps > 0 else ""
-      config_arg += ",runlocal" if quick else ""
+      config_arg = grid.config_argument(
+        dict(preset=preset, attention=attention, seed=group[0]), dict(steps=steps), runlocal=quick
+      )
       together = len(group) > 1
       runs.append(
         grid.GridRun(

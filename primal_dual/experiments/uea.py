@@ -232,16 +232,18 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
     for seed in args.seeds:
       for protocol in args.protocols:
         for attention in args.variants:
-          config_arg = (
-            f"dataset={dataset},attention={attention},protocol={protocol},"
-            f"size={args.model},seed={seed},epochs={args.epochs}"
+          config_arg = grid.config_argument(
+            dict(
+              dataset=dataset,
+              attention=attention,
+              protocol=protocol,
+              size=args.model,
+              seed=seed,
+              epochs=args.epochs,
+            ),
+            dict(manual_dir=args.manual_dir, data_dir=args.data_dir),
+            runlocal=args.quick,
           )
-          config_arg += "".join(
-            f",{key}={value}"
-            for key, value in (("manual_dir", args.manual_dir), ("data_dir", args.data_dir))
-            if value
-          )
-          config_arg += ",runlocal" if args.quick else ""
           epochs = int(grid.load_config(config_file, config_arg).num_epochs)
           runs.append(
             grid.GridRun(
