@@ -141,7 +141,7 @@ def get_config(arg=None):
   steps_per_epoch = images_task.train_size(arg.dataset) // batch_size
   config = _base.build(
     "images",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         dataset=arg.dataset,
@@ -156,8 +156,6 @@ def get_config(arg=None):
         patch_size=recipe["patch_size"],
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
         **VIT_PRESETS[model_name],
       ),
       batch_size=batch_size,

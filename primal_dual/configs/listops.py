@@ -118,7 +118,7 @@ def get_config(arg=None):
 
   config = _base.build(
     "listops",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed, data_dir=arg.data_dir
@@ -128,8 +128,6 @@ def get_config(arg=None):
         norm="layer",
         dropout_rate=0.1,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
         **setting["model"],
       ),
       optimizer=setting["optimizer"],

@@ -176,13 +176,10 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
     raise ValueError(f"unknown {title} preset {arg.preset!r}; choose one of {sorted(presets)}")
   config = _base.build(
     task,
-    arg.seed,
+    arg,
     PAPER_TASK,
     presets[arg.preset],
-    dict(
-      model=dict(attention=arg.attention, attention_options={}),
-      selection=dict(metric=selection_metric),
-    ),
+    dict(selection=dict(metric=selection_metric)),
   )
   if arg.steps >= 0:
     config.num_train_steps = arg.steps

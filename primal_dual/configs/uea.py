@@ -114,7 +114,7 @@ def get_config(arg=None):
 
   config = _base.build(
     "uea",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         dataset=arg.dataset,
@@ -132,8 +132,6 @@ def get_config(arg=None):
         pooling="flatten",
         dropout_rate=0.1,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
       ),
       batch_size=16,
       num_epochs=epochs if arg.epochs < 0 else arg.epochs,

@@ -90,6 +90,15 @@ def seed_major_runs(
   return [make_run(attention, seed) for seed in args.seeds for attention in args.variants]
 
 
+# The tags variant_run gives every run besides its labels.
+VARIANT_RUN_SCHEMA: dict[str, tuple[type, ...]] = {
+  "attention": (str,),
+  "seed": (int,),
+  "steps": (int,),
+  "quick": (bool,),
+}
+
+
 def variant_run(
   config_file: str,
   config_arg: str,

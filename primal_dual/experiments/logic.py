@@ -298,23 +298,28 @@ REFERENCE_SINGLE_RUN = (
 )
 
 
+# Record fields holding the metric of the same name at the selected checkpoint (selected/<name>).
+SELECTED_FIELDS = (
+  "test_r2",
+  "ood_r2",
+  "validation_r2",
+  "test_mse",
+  "test_r2_per_sequence",
+  "ood_r2_per_sequence",
+)
+
+
 def record_fn(
   run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
 ) -> dict[str, Any]:
   """A record's task fields: R² of the selected checkpoint, curve and speed of a run."""
   del run, args
   return {
-    "test_r2": float(metrics["selected/test_r2"]),
-    "ood_r2": float(metrics["selected/ood_r2"]),
-    "validation_r2": float(metrics["selected/validation_r2"]),
-    "test_mse": float(metrics["selected/test_mse"]),
-    "test_r2_per_sequence": float(metrics["selected/test_r2_per_sequence"]),
-    "ood_r2_per_sequence": float(metrics["selected/ood_r2_per_sequence"]),
+    **{name: float(metrics[f"selected/{name}"]) for name in SELECTED_FIELDS},
     "selected_step": int(metrics["selected/step"]),
     "final_test_r2": float(metrics["test/r2"]),
     "final_ood_r2": float(metrics["ood/r2"]),
-    "curve": sraven_task.learning_curve(workdir, CURVE_METRICS),
-    "steps_per_second": sraven_task.median_steps_per_second(workdir),
+    **sraven_task.progress_fields(workdir, CURVE_METRICS),
   }
 
 

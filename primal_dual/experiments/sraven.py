@@ -541,6 +541,15 @@ CURVE_FIGURE = CurveFigure(
 )
 
 
+def progress_fields(workdir: str, curve_metrics: Sequence[str]) -> dict[str, Any]:
+  """A run's learning curve of ``curve_metrics`` and its median training speed (shared with
+  logic.py's records)."""
+  return {
+    "curve": learning_curve(workdir, curve_metrics),
+    "steps_per_second": median_steps_per_second(workdir),
+  }
+
+
 def record_fn(
   run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -555,8 +564,7 @@ def record_fn(
     "selected_step": int(metrics["selected/step"]),
     "final_id_whole_panel": float(metrics["test/whole_panel_accuracy"]),
     "final_ood_whole_panel": float(metrics["ood/whole_panel_accuracy"]),
-    "curve": learning_curve(workdir, CURVE_METRICS),
-    "steps_per_second": median_steps_per_second(workdir),
+    **progress_fields(workdir, CURVE_METRICS),
     "latent_decoding": (latent.get("best_layer_accuracy") if latent.get("available") else None),
     "latent_decoding_chance": (
       latent["per_layer"][0]["chance"] if latent.get("available") else None
