@@ -172,13 +172,11 @@ RUNLOCAL = _base.merge(
 def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title: str):
   """The locked config of ``presets[arg.preset]`` for ``task`` (shared with logic.py);
   ``title`` names the task in messages."""
-  if arg.preset not in presets:
-    raise ValueError(f"unknown {title} preset {arg.preset!r}; choose one of {sorted(presets)}")
   config = _base.build(
     task,
     arg,
     PAPER_TASK,
-    presets[arg.preset],
+    config_lib.choice(presets, arg.preset, f"{title} preset"),
     dict(selection=dict(metric=selection_metric)),
   )
   if arg.steps >= 0:

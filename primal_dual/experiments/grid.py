@@ -495,6 +495,11 @@ def field(name: str) -> Callable[[Mapping[str, Any]], Any]:
   return lambda record: record.get(name)
 
 
+def distinct_values(records: Sequence[Mapping[str, Any]], *names: str) -> list[list[Any]]:
+  """For each of ``names``, the sorted distinct values the records hold under it."""
+  return [sorted({record[name] for record in records}) for name in names]
+
+
 def first_by_variant(records: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:
   """``{attention: record[name]}`` from each variant's first record (values equal across seeds)."""
   values = {}

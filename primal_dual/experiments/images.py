@@ -45,6 +45,7 @@ from primal_dual.experiments import grid
 from primal_dual.experiments import listops as listops_task
 from primal_dual.experiments.listops import count_parameters
 from primal_dual.models import ViT
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 VIT_FIELDS = (
@@ -184,8 +185,7 @@ IMAGE_SIDES: dict[str, Callable[[ml_collections.ConfigDict], int]] = {
 def images_metadata(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``num_classes``, ``image_shape`` (H, W, C) and ``eval_split`` from the config alone."""
   dataset = config.data.dataset
-  if dataset not in RAW_SOURCES:
-    raise ValueError(f"unknown image data set {dataset!r}; choose one of {sorted(RAW_SOURCES)}")
+  config_lib.choice(RAW_SOURCES, dataset, "image data set")
   info = images.dataset_info(dataset)
   side = IMAGE_SIDES[dataset](config.data)
   return {
@@ -402,11 +402,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "wall time (min)": grid.field("wall_time_s"),
   }
   extra = common.size_and_cost_columns(records, "image")
-  datasets = sorted({r["dataset"] for r in records})
-  models = sorted({r["model"] for r in records})
-  steps = sorted({r["steps"] for r in records})
-  seeds = sorted({r["seed"] for r in records})
-  lengths = sorted({r["sequence_length"] for r in records})
+  datasets, models, steps, seeds, lengths = grid.distinct_values(
+    records, "dataset", "model", "steps", "seed", "sequence_length"
+  )
   lines = [
     "# Image classification (ViT): accuracy and attention cost per variant\n",
     f"Measured by `{command}` on {grid.describe_hardware(records)}; data set {', '.join(datasets)}, model "

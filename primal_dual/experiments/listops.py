@@ -37,6 +37,7 @@ from primal_dual.data import listops
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
 from primal_dual.models import EncoderClassifier, parameter_count
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 POOLINGS = ("cls", "mean")
@@ -45,13 +46,11 @@ SPLITS = ("train", "validation", "test")
 
 def listops_metadata(config: ml_collections.ConfigDict) -> dict[str, int]:
   """Facts the model needs, from the config alone (no data is read)."""
-  preset = config.data.preset
-  if preset not in listops.PRESETS:
-    raise ValueError(f"unknown ListOps preset {preset!r}; choose one of {sorted(listops.PRESETS)}")
+  preset = config_lib.choice(listops.PRESETS, config.data.preset, "ListOps preset")
   return {
     "num_classes": listops.NUM_CLASSES,
     "vocab_size": listops.VOCAB_SIZE,
-    "max_length": listops.PRESETS[preset]["max_length"],
+    "max_length": preset["max_length"],
   }
 
 
@@ -247,10 +246,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "wall time (min)": grid.field("wall_time_s"),
   }
   extra = {**common.size_and_cost_columns(records, "example"), REFERENCE_HEADER: reference}
-  presets = sorted({r["preset"] for r in records})
-  steps = sorted({r["steps"] for r in records})
-  seeds = sorted({r["seed"] for r in records})
-  lengths = sorted({r["sequence_length"] for r in records})
+  presets, steps, seeds, lengths = grid.distinct_values(
+    records, "preset", "steps", "seed", "sequence_length"
+  )
   lines = [
     "# ListOps (Long Range Arena): accuracy and attention cost per variant\n",
     f"Measured by `{command}` on {grid.describe_hardware(records)}; setting `{setting}`, preset {', '.join(presets)}, "

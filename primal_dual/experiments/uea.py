@@ -26,6 +26,7 @@ from primal_dual.data import builders
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
 from primal_dual.models import EncoderClassifier
+from primal_dual.training import config_lib
 
 PROTOCOL_SPLITS = {
   "best_test": {"train": "train", "test": "test"},
@@ -35,11 +36,7 @@ PROTOCOL_SPLITS = {
 
 def build_data(config: ml_collections.ConfigDict):
   data = config.data
-  if data.protocol not in PROTOCOL_SPLITS:
-    raise ValueError(
-      f"unknown UEA protocol {data.protocol!r}; choose one of {sorted(PROTOCOL_SPLITS)}"
-    )
-  names = PROTOCOL_SPLITS[data.protocol]
+  names = config_lib.choice(PROTOCOL_SPLITS, data.protocol, "UEA protocol")
   sources = builders.uea_sources(
     data.dataset,
     data_dir=data.get("data_dir") or None,

@@ -64,6 +64,13 @@ _PARSERS = {
 }
 
 
+def choice(table: Mapping[str, Any], name: str, what: str) -> Any:
+  """``table[name]``, or ValueError ``unknown <what> <name>; choose one of <sorted names>``."""
+  if name not in table:
+    raise ValueError(f'unknown {what} {name!r}; choose one of {sorted(table)}')
+  return table[name]
+
+
 # The arguments every task config takes (`parse_arg(arg, **RUN_ARGUMENTS, ...)`): the attention
 # variant, the training seed and the `runlocal` smoke-test flag.
 RUN_ARGUMENTS = dict(attention='softmax', seed=0, runlocal=False)
