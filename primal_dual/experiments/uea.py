@@ -15,6 +15,7 @@ Protocols:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from typing import Any, Mapping, Sequence
 
@@ -220,45 +221,28 @@ def run_name(
 
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
-  """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
+  """The grid in seed-major order (within each data set), so a half-finished grid already covers
+  every variant."""
   # --quick (runlocal) replaces the model by a tiny one: record that, not the size it overrides.
   size_label = "runlocal" if args.quick else args.model
-  runs = []
-  for dataset in args.datasets:
-    for seed in args.seeds:
-      for protocol in args.protocols:
-        for attention in args.variants:
-          config_arg = grid.config_argument(
-            dict(
-              dataset=dataset,
-              attention=attention,
-              protocol=protocol,
-              size=args.model,
-              seed=seed,
-              epochs=args.epochs,
-            ),
-            dict(manual_dir=args.manual_dir, data_dir=args.data_dir),
-            runlocal=args.quick,
-          )
-          epochs = int(grid.load_config(config_file, config_arg).num_epochs)
-          runs.append(
-            grid.GridRun(
-              name=run_name(dataset, protocol, attention, size_label, seed, args.epochs),
-              config_file=config_file,
-              config_arg=config_arg,
-              tags=dict(
-                dataset=dataset,
-                attention=attention,
-                protocol=protocol,
-                seed=seed,
-                model_size=size_label,
-                epochs=epochs,
-                runlocal=args.quick,
-              ),
-            )
-          )
-  return runs
+
+  def run(dataset: str, seed: int, protocol: str, attention: str) -> grid.GridRun:
+    point = dict(dataset=dataset, attention=attention, protocol=protocol)
+    config_arg = grid.config_argument(
+      dict(point, size=args.model, seed=seed, epochs=args.epochs),
+      dict(manual_dir=args.manual_dir, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    epochs = int(grid.load_config(CONFIG_FILE, config_arg).num_epochs)
+    return grid.GridRun(
+      name=run_name(dataset, protocol, attention, size_label, seed, args.epochs),
+      config_file=CONFIG_FILE,
+      config_arg=config_arg,
+      tags=dict(point, seed=seed, model_size=size_label, epochs=epochs, runlocal=args.quick),
+    )
+
+  axes = (args.datasets, args.seeds, args.protocols, args.variants)
+  return [run(*values) for values in itertools.product(*axes)]
 
 
 # ------------------------------------------------------------------------------------------------
