@@ -265,23 +265,14 @@ compilation, left out) and the wall time; it writes ``--results`` (default resul
 same path with ``.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for
 the reference scale) and with ``_curves.png``.
 
-Commands (from the repository root; ``primal-dual reproduce logic`` where the package is
-installed)::
-
-  # CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
-  # (primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
-  .venv/bin/python scripts/reproduce.py logic
-
-  # The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
-  # accelerator.
-  python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper
-
-  # Smoke test: 2 tiny runs (softmax and hyla, runlocal).
-  .venv/bin/python scripts/reproduce.py logic --quick --root=/tmp/logic_quick \
-      --results=/tmp/logic_quick/logic.json
-
-Re-running the same command resumes (finished runs are reused, unfinished ones continue).
-"""
+""" + sraven_task.sequence_grid_commands(
+  "logic",
+  cpu="""CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
+(primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).""",
+  paper="""The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
+accelerator.""",
+  resume="Re-running the same command resumes (finished runs are reused, unfinished ones continue).",
+)
 CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
 CURVE_FIGURE = sraven_task.CurveFigure(
   title="Fuzzy-logic learning curves",

@@ -326,6 +326,34 @@ TASK = tasks_lib.register_task(
 # The reproduction grid (``primal-dual reproduce sraven``). The fuzzy-logic grid (logic.py) uses
 # its plan, flags, per-run facts and report pieces.
 
+
+def sequence_grid_commands(
+  task: str, *, cpu: str, paper: str, resume: str, smoke_note: str = ""
+) -> str:
+  """The commands part of a sequence grid's ``--help`` (this module's and logic.py's): the CPU
+  preset, the paper's setup and a smoke test, each under its comment (``cpu``, ``paper``, and
+  ``smoke_note`` closing the smoke test's), then the ``resume`` paragraph."""
+
+  def comment(text: str) -> str:
+    return "\n".join(f"  # {line}" for line in text.splitlines())
+
+  return f"""Commands (from the repository root; ``primal-dual reproduce {task}`` where the package is
+installed)::
+
+{comment(cpu)}
+  .venv/bin/python scripts/reproduce.py {task}
+
+{comment(paper)}
+  python scripts/reproduce.py {task} --preset=paper --root=workdirs/{task}_paper
+
+  # Smoke test: 2 tiny runs (softmax and hyla, runlocal){smoke_note}.
+  .venv/bin/python scripts/reproduce.py {task} --quick --root=/tmp/{task}_quick \\
+      --results=/tmp/{task}_quick/{task}.json
+
+{resume}
+"""
+
+
 GRID_COMMANDS = r"""
 Runs the grid (``primal_dual/configs/sraven.py``, one workdir per run under ``--root``):
 the preset's main variants × seeds 0, 1, 2 and its ablations × seed 0 (``GRID_VARIANTS``: for
@@ -345,25 +373,17 @@ and writes ``--results`` (default results/sraven.json, one record per run), the 
 ``.md`` (mean ± std over seeds, HYLA's step time relative to softmax's, the GPU command for the
 reference scale) and with ``_curves.png``.
 
-Commands (from the repository root; ``primal-dual reproduce sraven`` where the package is
-installed)::
-
-  # CPU preset: 11 runs of 12k steps. At the speeds measured on this 2-core CPU under a load
-  # average of 6-8 (primal_dual/configs/sraven.py): softmax ~12 min, HYLA and its ablations
-  # ~35 min per run; linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.
-  .venv/bin/python scripts/reproduce.py sraven
-
-  # The paper's setup (primal_dual/configs/sraven.py `paper`, 156,250 steps of batch 128): an
-  # accelerator.
-  python scripts/reproduce.py sraven --preset=paper --root=workdirs/sraven_paper
-
-  # Smoke test: 2 tiny runs (softmax and hyla, runlocal), seconds each.
-  .venv/bin/python scripts/reproduce.py sraven --quick --root=/tmp/sraven_quick \
-      --results=/tmp/sraven_quick/sraven.json
-
-Re-running the same command resumes: finished runs are not trained again, an interrupted one
-continues from its last checkpoint, and cached analyses are reused.
-"""
+""" + sequence_grid_commands(
+  "sraven",
+  cpu="""CPU preset: 11 runs of 12k steps. At the speeds measured on this 2-core CPU under a load
+average of 6-8 (primal_dual/configs/sraven.py): softmax ~12 min, HYLA and its ablations
+~35 min per run; linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.""",
+  paper="""The paper's setup (primal_dual/configs/sraven.py `paper`, 156,250 steps of batch 128): an
+accelerator.""",
+  smoke_note=", seconds each",
+  resume="""Re-running the same command resumes: finished runs are not trained again, an interrupted one
+continues from its last checkpoint, and cached analyses are reused.""",
+)
 CONFIG_FILE = "sraven"  # a packaged config (primal_dual/configs/sraven.py)
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
 # the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
