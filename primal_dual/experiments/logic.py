@@ -237,18 +237,7 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
   return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, SEQUENCE_FIELDS))
 
 
-TASK = tasks_lib.register_task(
-  tasks_lib.Task(
-    name="logic",
-    build_data=build_data,
-    build_model=build_model,
-    loss_and_metrics=logic_loss_and_metrics,
-    eval_splits=EVAL_SPLITS,
-    selection_metric="r2",
-    selection_mode="max",
-    device_train_stream=device_train_stream,
-  )
-)
+TASK = sraven_task.register_sequence_task(__name__, logic_loss_and_metrics, "r2")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -308,18 +308,28 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
   )
 
 
-TASK = tasks_lib.register_task(
-  tasks_lib.Task(
-    name="sraven",
-    build_data=build_data,
-    build_model=build_model,
-    loss_and_metrics=sraven_loss_and_metrics,
-    eval_splits=EVAL_SPLITS,
-    selection_metric=SELECTION_METRIC,
-    selection_mode="max",
-    device_train_stream=device_train_stream,
+def register_sequence_task(
+  module_name: str, loss_and_metrics: Callable[..., Any], selection_metric: str
+) -> tasks_lib.Task:
+  """Registers the generated sequence task of module ``module_name`` (this one or logic.py, named
+  by its ``__name__``) from its ``build_data``, ``build_model``, ``EVAL_SPLITS`` and
+  ``device_train_stream``; the checkpoint kept is the one of the largest ``selection_metric``."""
+  module = sys.modules[module_name]
+  return tasks_lib.register_task(
+    tasks_lib.Task(
+      name=module_name.rpartition(".")[2],
+      build_data=module.build_data,
+      build_model=module.build_model,
+      loss_and_metrics=loss_and_metrics,
+      eval_splits=module.EVAL_SPLITS,
+      selection_metric=selection_metric,
+      selection_mode="max",
+      device_train_stream=module.device_train_stream,
+    )
   )
-)
+
+
+TASK = register_sequence_task(__name__, sraven_loss_and_metrics, SELECTION_METRIC)
 
 
 # ------------------------------------------------------------------------------------------------
