@@ -13,13 +13,8 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   """8 steps of the synthetic task on a (data=4, model=2) mesh of the 8 virtual CPU devices."""
   config = config_lib.training_defaults()
   config.task = 'synthetic'
-  config.num_train_steps = 8
-  config.batch_size = 8
-  config.eval_batch_size = 16
-  config.log_every_steps = 2
-  config.eval_every_steps = 4
-  config.checkpoint_every_steps = 4
-  config.progress_bar = False
+  config.update(num_train_steps=8, batch_size=8, eval_batch_size=16, progress_bar=False)
+  config.update(log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=4)
   config.mesh.data = -1
   config.mesh.model = 2
   config.optimizer.update(

@@ -213,14 +213,6 @@ def test_bad_arguments_raise(kwargs):
 
 def test_too_few_distinct_expressions_raises():
   # Only 4 operators x 100 digit pairs = 400 distinct 4-token expressions exist.
+  shortest = dict(min_length=4, max_length=4, max_depth=2, max_args=2)
   with pytest.raises(ValueError, match="distinct"):
-    listops.generate_splits(
-      seed=0,
-      num_train=500,
-      num_validation=0,
-      num_test=0,
-      min_length=4,
-      max_length=4,
-      max_depth=2,
-      max_args=2,
-    )
+    listops.generate_splits(seed=0, num_train=500, num_validation=0, num_test=0, **shortest)

@@ -42,13 +42,17 @@ def apply(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
       config[key] = value
 
 
-def build(task: str, seed: int, *presets: Mapping[str, Any]) -> ml_collections.ConfigDict:
-  """The training defaults of ``task`` and ``seed`` with ``presets`` applied in order (unlocked)."""
+def build(
+  task: str, arg: ml_collections.ConfigDict, *presets: Mapping[str, Any]
+) -> ml_collections.ConfigDict:
+  """The training defaults of ``task`` with ``presets`` applied in order, then the seed and the
+  attention variant of ``arg`` (``config_lib.RUN_ARGUMENTS``); unlocked."""
   config = config_lib.training_defaults()
   config.task = task
-  config.seed = seed
   for values in presets:
     apply(config, values)
+  config.seed = arg.seed
+  apply(config, dict(model=dict(attention=arg.attention, attention_options={})))
   return config
 
 

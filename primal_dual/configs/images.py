@@ -124,22 +124,11 @@ def sh_ratios_for(num_heads: int, grid_side: int) -> tuple[int, ...]:
 
 def get_config(arg=None):
   arg = config_lib.parse_arg(
-    arg,
-    dataset="digits",
-    model="",
-    attention="softmax",
-    seed=0,
-    epochs=-1,
-    data_dir="",
-    runlocal=False,
+    arg, **config_lib.RUN_ARGUMENTS, dataset="digits", model="", epochs=-1, data_dir=""
   )
-  if arg.dataset not in RECIPES:
-    raise ValueError(f"unknown image data set {arg.dataset!r}; choose one of {sorted(RECIPES)}")
+  recipe = config_lib.choice(RECIPES, arg.dataset, "image data set")
   registry.lookup(arg.attention)
-  recipe = RECIPES[arg.dataset]
-  model_name = arg.model or recipe["model"]
-  if model_name not in VIT_PRESETS:
-    raise ValueError(f"unknown ViT preset {model_name!r}; choose one of {sorted(VIT_PRESETS)}")
+  model_sizes = config_lib.choice(VIT_PRESETS, arg.model or recipe["model"], "ViT preset")
   epochs = recipe["epochs"] if arg.epochs < 0 else arg.epochs
   if epochs < 1:
     raise ValueError(f"epochs must be >= 1 (or -1 for the recipe's), got {arg.epochs}")
@@ -148,7 +137,7 @@ def get_config(arg=None):
   steps_per_epoch = images_task.train_size(arg.dataset) // batch_size
   config = _base.build(
     "images",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         dataset=arg.dataset,
@@ -163,9 +152,7 @@ def get_config(arg=None):
         patch_size=recipe["patch_size"],
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
-        **VIT_PRESETS[model_name],
+        **model_sizes,
       ),
       batch_size=batch_size,
       optimizer=dict(

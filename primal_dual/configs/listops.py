@@ -56,16 +56,17 @@ from primal_dual import registry
 from primal_dual.configs import _base
 from primal_dual.training import config_lib
 
+# The optimizer both settings share: AdamW after 1000 warm-up steps.
+ADAMW = dict(name="adamw", warmup_steps=1000)
 SETTINGS = {
   "jax_lra": dict(
     model=dict(
       num_layers=4, model_dim=512, num_heads=8, mlp_dim=1024, pooling="cls", positional="sinusoidal"
     ),
     optimizer=dict(
-      name="adamw",
+      ADAMW,
       lr=0.05 / math.sqrt(1000),
       schedule="rsqrt",
-      warmup_steps=1000,
       weight_decay=0.1,
       b1=0.9,
       b2=0.98,
@@ -77,14 +78,7 @@ SETTINGS = {
     model=dict(
       num_layers=2, model_dim=64, num_heads=2, mlp_dim=128, pooling="mean", positional="learned"
     ),
-    optimizer=dict(
-      name="adamw",
-      lr=1e-4,
-      schedule="warmup_cosine",
-      warmup_steps=1000,
-      weight_decay=0.0,
-      end_lr=0.0,
-    ),
+    optimizer=dict(ADAMW, lr=1e-4, schedule="warmup_cosine", weight_decay=0.0, end_lr=0.0),
     sh_ratios=(1, 2),
   ),
 }
@@ -102,25 +96,21 @@ RUNLOCAL_SH_RATIOS = (1, 2)
 def get_config(arg=None):
   arg = config_lib.parse_arg(
     arg,
+    **config_lib.RUN_ARGUMENTS,
     setting="jax_lra",
     preset="full",
-    attention="softmax",
-    seed=0,
     data_seed=0,
     steps=-1,
     data_dir="",
-    runlocal=False,
   )
-  if arg.setting not in SETTINGS:
-    raise ValueError(f"unknown ListOps setting {arg.setting!r}; choose one of {sorted(SETTINGS)}")
+  setting = config_lib.choice(SETTINGS, arg.setting, "ListOps setting")
   if arg.preset not in PRESETS:
     raise ValueError(f"unknown ListOps preset {arg.preset!r}; choose one of {PRESETS}")
   registry.lookup(arg.attention)
-  setting = SETTINGS[arg.setting]
 
   config = _base.build(
     "listops",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         preset="tiny" if arg.runlocal else arg.preset, seed=arg.data_seed, data_dir=arg.data_dir
@@ -130,8 +120,6 @@ def get_config(arg=None):
         norm="layer",
         dropout_rate=0.1,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
         **setting["model"],
       ),
       optimizer=setting["optimizer"],

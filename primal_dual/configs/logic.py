@@ -42,64 +42,40 @@ width = model width, bidirectional buckets, no attention dropout, xavier MLP).
 """
 
 from primal_dual.configs import _base
-from primal_dual.configs.sraven import paper_model, position_buckets, preset_config
+from primal_dual.configs import sraven as sraven_config
 from primal_dual.training import config_lib
 
 PAPER_DATA = dict(
+  sraven_config.STREAM_DATA,
   num_variables=4,
   num_terms=2,
   seq_len=32,
-  ood_fraction=0.25,
-  split_seed=0,
   test_fraction=0.7,
   ood_term_sets="all_held_out",
-  stream_seed=0,
-  num_train=0,
   materialize_train=False,
-  chunk_size=8192,
-  num_validation=16_000,
-  num_test=16_000,
-  num_ood=16_000,
+  **sraven_config.eval_split_sizes(16_000),
 )
+PAPER_SIZE = dict(num_layers=2, model_dim=128, num_heads=8, qkv_features=16, mlp_dim=256)
 PAPER = dict(
   data=PAPER_DATA,
-  model=paper_model(
-    num_layers=2,
-    model_dim=128,
-    num_heads=8,
-    qkv_features=16,
-    mlp_dim=256,
-    num_tokens=PAPER_DATA["seq_len"],
-  ),
-  batch_size=128,
+  model=sraven_config.paper_model(PAPER_SIZE, PAPER_DATA["seq_len"]),
   eval_batch_size=1000,
-  num_train_steps=50_000,
-  optimizer=dict(warmup_steps=100, cosine_end="total_minus_warmup"),
-  log_every_steps=500,
-  eval_every_steps=2500,
-  checkpoint_every_steps=2500,
+  **sraven_config.paper_schedule(steps=50_000, warmup_steps=100, eval_every=2500),
 )
 CPU_DATA = dict(
   seq_len=16,
   test_fraction=0.5,
   ood_term_sets="any_held_out",
   materialize_train=True,
-  num_validation=2048,
-  num_test=2048,
-  num_ood=2048,
+  **sraven_config.eval_split_sizes(2048),
 )
 CPU = _base.merge(
   PAPER,
   dict(
     data=CPU_DATA,
-    model=dict(model_dim=64, mlp_dim=128, **position_buckets(CPU_DATA["seq_len"])),
-    batch_size=64,
+    model=dict(model_dim=64, mlp_dim=128, **sraven_config.position_buckets(CPU_DATA["seq_len"])),
     eval_batch_size=512,
-    num_train_steps=6000,
-    optimizer=dict(warmup_steps=300, cosine_end="total"),
-    log_every_steps=100,
-    eval_every_steps=500,
-    checkpoint_every_steps=1000,
+    **sraven_config.cpu_schedule(steps=6000, warmup_steps=300),
   ),
 )
 
@@ -107,7 +83,5 @@ PRESETS = {"paper": PAPER, "cpu": CPU}
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(
-    arg, preset="cpu", attention="softmax", seed=0, steps=-1, runlocal=False
-  )
-  return preset_config("logic", PRESETS, arg, selection_metric="r2", title="logic")
+  arg = config_lib.parse_arg(arg, **config_lib.RUN_ARGUMENTS, preset="cpu", steps=-1)
+  return sraven_config.preset_config("logic", PRESETS, arg, selection_metric="r2", title="logic")

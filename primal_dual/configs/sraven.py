@@ -59,33 +59,55 @@ def position_buckets(num_tokens: int) -> dict:
   return dict(position_buckets="unidirectional", num_buckets=num_tokens, max_distance=num_tokens)
 
 
-def paper_model(
-  *,
-  num_layers: int,
-  model_dim: int,
-  num_heads: int,
-  qkv_features: int,
-  mlp_dim: int,
-  num_tokens: int,
-) -> dict:
-  """The HYLA paper's sequence model: q/k/v width set apart from the model width, T5
-  unidirectional relative-position buckets (``position_buckets``), attention-weight dropout 0.1
-  in training, lecun_normal MLP kernels, no residual dropout."""
+# The HYLA paper's sequence model apart from its size: attention-weight dropout 0.1 in training,
+# lecun_normal MLP kernels, no residual dropout.
+PAPER_MODEL_STYLE = dict(
+  dropout_rate=0.0, attention_dropout_rate=0.1, mlp_kernel_init="lecun_normal"
+)
+
+
+def paper_model(size: dict, num_tokens: int) -> dict:
+  """The HYLA paper's sequence model of ``size`` (num_layers, model_dim, num_heads, qkv_features,
+  mlp_dim; q/k/v width set apart from the model width) over ``num_tokens`` tokens, with T5
+  unidirectional relative-position buckets (``position_buckets``)."""
+  return dict(size, **PAPER_MODEL_STYLE, **position_buckets(num_tokens))
+
+
+def paper_schedule(*, steps: int, warmup_steps: int, eval_every: int) -> dict:
+  """The paper presets' schedule (shared with logic.py): batch 128, cosine down to the end of
+  training less warm-up, logs every 500 steps, a checkpoint at every evaluation."""
   return dict(
-    num_layers=num_layers,
-    model_dim=model_dim,
-    num_heads=num_heads,
-    qkv_features=qkv_features,
-    mlp_dim=mlp_dim,
-    dropout_rate=0.0,
-    attention_dropout_rate=0.1,
-    mlp_kernel_init="lecun_normal",
-    **position_buckets(num_tokens),
+    batch_size=128,
+    num_train_steps=steps,
+    optimizer=dict(warmup_steps=warmup_steps, cosine_end="total_minus_warmup"),
+    log_every_steps=500,
+    eval_every_steps=eval_every,
+    checkpoint_every_steps=eval_every,
   )
 
 
-# The HYLA paper's AdamW (both tasks; our cpu presets too): peak and final learning rate, and
-# weight decay on non-vector parameters.
+def cpu_schedule(*, steps: int, warmup_steps: int) -> dict:
+  """The CPU presets' schedule (shared with logic.py): batch 64, cosine down to the last step,
+  logs every 100 steps, evaluations every 500, checkpoints every 1000."""
+  return dict(
+    batch_size=64,
+    num_train_steps=steps,
+    optimizer=dict(warmup_steps=warmup_steps, cosine_end="total"),
+    log_every_steps=100,
+    eval_every_steps=500,
+    checkpoint_every_steps=1000,
+  )
+
+
+def eval_split_sizes(size: int) -> dict:
+  """``size`` examples in each of validation, test and ood."""
+  return dict(num_validation=size, num_test=size, num_ood=size)
+
+
+# The generated streams' data options the presets of both sequence tasks share.
+STREAM_DATA = dict(ood_fraction=0.25, split_seed=0, stream_seed=0, num_train=0, chunk_size=8192)
+
+
 PAPER_OPTIMIZER = dict(lr=1e-3, end_lr=1e-4, weight_decay=0.1)
 # What every preset of the paper's two tasks (sRAVEN, logic) shares.
 PAPER_TASK = dict(
@@ -100,57 +122,33 @@ def num_tokens(data: dict) -> int:
 
 
 PAPER_DATA = dict(
+  STREAM_DATA,
   num_features=4,
   num_values=8,
   rules=sraven.DEFAULT_RULES,
   shuffle_features=True,
-  ood_fraction=0.25,
-  split_seed=0,
-  stream_seed=0,
-  num_train=0,
   num_validation=4096,
   num_test=51_200,
   num_ood=51_200,
   materialize_train=True,
-  chunk_size=8192,
 )
 PAPER = dict(
   data=PAPER_DATA,
   model=paper_model(
-    num_layers=4,
-    model_dim=128,
-    num_heads=16,
-    qkv_features=64,
-    mlp_dim=256,
-    num_tokens=num_tokens(PAPER_DATA),
+    dict(num_layers=4, model_dim=128, num_heads=16, qkv_features=64, mlp_dim=256),
+    num_tokens(PAPER_DATA),
   ),
-  batch_size=128,
   eval_batch_size=512,
-  num_train_steps=156_250,
-  optimizer=dict(warmup_steps=1000, cosine_end="total_minus_warmup"),
-  log_every_steps=500,
-  eval_every_steps=6250,
-  checkpoint_every_steps=6250,
+  **paper_schedule(steps=156_250, warmup_steps=1000, eval_every=6250),
 )
-CPU_DATA = dict(num_features=3, num_validation=1024, num_test=1024, num_ood=1024)
+CPU_DATA = dict(num_features=3, **eval_split_sizes(1024))
+CPU_SIZE = dict(num_layers=2, model_dim=64, num_heads=8, qkv_features=32, mlp_dim=128)
 CPU = _base.merge(
   PAPER,
   dict(
     data=CPU_DATA,
-    model=dict(
-      num_layers=2,
-      model_dim=64,
-      num_heads=8,
-      qkv_features=32,
-      mlp_dim=128,
-      **position_buckets(num_tokens(CPU_DATA)),
-    ),
-    batch_size=64,
-    num_train_steps=12_000,
-    optimizer=dict(warmup_steps=500, cosine_end="total"),
-    log_every_steps=100,
-    eval_every_steps=500,
-    checkpoint_every_steps=1000,
+    model=dict(CPU_SIZE, **position_buckets(num_tokens(CPU_DATA))),
+    **cpu_schedule(steps=12_000, warmup_steps=500),
   ),
 )
 
@@ -162,7 +160,7 @@ RUNLOCAL = _base.merge(
   _base.RUNLOCAL_STEPS,
   dict(
     model=dict(_base.RUNLOCAL_MODEL, num_heads=4, qkv_features=16),
-    data=dict(num_validation=32, num_test=32, num_ood=32, chunk_size=32),
+    data=dict(eval_split_sizes(32), chunk_size=32),
     eval_batch_size=32,
     optimizer=dict(warmup_steps=1),
     checkpoint_every_steps=4,
@@ -174,17 +172,12 @@ RUNLOCAL = _base.merge(
 def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title: str):
   """The locked config of ``presets[arg.preset]`` for ``task`` (shared with logic.py);
   ``title`` names the task in messages."""
-  if arg.preset not in presets:
-    raise ValueError(f"unknown {title} preset {arg.preset!r}; choose one of {sorted(presets)}")
   config = _base.build(
     task,
-    arg.seed,
+    arg,
     PAPER_TASK,
-    presets[arg.preset],
-    dict(
-      model=dict(attention=arg.attention, attention_options={}),
-      selection=dict(metric=selection_metric),
-    ),
+    config_lib.choice(presets, arg.preset, f"{title} preset"),
+    dict(selection=dict(metric=selection_metric)),
   )
   if arg.steps >= 0:
     config.num_train_steps = arg.steps
@@ -194,9 +187,7 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
 
 
 def get_config(arg=None):
-  arg = config_lib.parse_arg(
-    arg, preset="cpu", attention="softmax", seed=0, steps=-1, runlocal=False
-  )
+  arg = config_lib.parse_arg(arg, **config_lib.RUN_ARGUMENTS, preset="cpu", steps=-1)
   return preset_config(
     "sraven", PRESETS, arg, selection_metric="whole_panel_accuracy", title="sRAVEN"
   )

@@ -98,15 +98,13 @@ def _check_choice(name: str, value: str, choices) -> None:
 def get_config(arg=None):
   arg = config_lib.parse_arg(
     arg,
+    **config_lib.RUN_ARGUMENTS,
     dataset="JapaneseVowels",
-    attention="softmax",
     protocol="best_test",
     size="reference",
-    seed=0,
     epochs=-1,
     manual_dir="",
     data_dir="",
-    runlocal=False,
   )
   _check_choice("dataset", arg.dataset, DATASETS)
   _check_choice("attention", arg.attention, registry.ATTENTION_REGISTRY)
@@ -116,7 +114,7 @@ def get_config(arg=None):
 
   config = _base.build(
     "uea",
-    arg.seed,
+    arg,
     dict(
       data=dict(
         dataset=arg.dataset,
@@ -134,8 +132,6 @@ def get_config(arg=None):
         pooling="flatten",
         dropout_rate=0.1,
         attention_dropout_rate=0.0,
-        attention=arg.attention,
-        attention_options={},
       ),
       batch_size=16,
       num_epochs=epochs if arg.epochs < 0 else arg.epochs,

@@ -239,6 +239,15 @@ class ListOpsConfig(tfds.core.BuilderConfig):
   max_depth: int = 10
   max_args: int = 10
 
+  def generator_arguments(self) -> dict[str, int]:
+    """The fields added to ``BuilderConfig``'s: the arguments of ``listops.generate_splits``."""
+    inherited = {field.name for field in dataclasses.fields(tfds.core.BuilderConfig)}
+    return {
+      field.name: getattr(self, field.name)
+      for field in dataclasses.fields(self)
+      if field.name not in inherited
+    }
+
 
 def listops_config(preset: str, seed: int = 0) -> ListOpsConfig:
   """The config of ``preset`` (a key of ``listops.PRESETS``) generated with ``seed``."""
@@ -283,17 +292,7 @@ class ListOps(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
     del dl_manager  # generated, nothing to download
-    c = self.builder_config
-    splits = listops.generate_splits(
-      seed=c.seed,
-      num_train=c.num_train,
-      num_validation=c.num_validation,
-      num_test=c.num_test,
-      min_length=c.min_length,
-      max_length=c.max_length,
-      max_depth=c.max_depth,
-      max_args=c.max_args,
-    )
+    splits = listops.generate_splits(**self.builder_config.generator_arguments())
     return {split: self._generate_examples(examples) for split, examples in splits.items()}
 
   def _generate_examples(

@@ -52,7 +52,9 @@ def uniform_below(words: jax.Array, bounds: Any) -> jax.Array:
   Returns:
     int32 ``[...]``.
   """
-  return (words % jnp.asarray(bounds, jnp.uint32)).astype(jnp.int32)
+  # Broadcast explicitly: the bounds are often of lower rank than the words.
+  bounds = jnp.broadcast_to(jnp.asarray(bounds, jnp.uint32), words.shape)
+  return (words % bounds).astype(jnp.int32)
 
 
 def check_seed(seed: int) -> np.uint32:
@@ -184,15 +186,20 @@ class GeneratedTask:
     self.pool(config, split)
     check_seed(seed)
 
-  def sample_one(self, key: jax.Array, config: Any, split: str) -> Record:
-    """One record of a split from a JAX key (traceable; an unbatched ``generate_batch`` record)."""
+  def sample_one(self, key: jax.Array, config: Any, split: str = "train") -> Record:
+    """One record of a split from a JAX key (traceable; an unbatched ``generate_batch`` record).
+
+    ``generate_batch(config, seed, [i], split)`` equals this with
+    ``key = fold_in(fold_in(jax.random.key(seed), splits[split].stream_id), i)``.
+    """
     pool, pool_size = self.pool(config, split)
     return self.sample(key, config, jnp.asarray(pool), pool_size)
 
   def generate_batch(
-    self, config: Any, seed: int, indices: Sequence[int] | np.ndarray, split: str
+    self, config: Any, seed: int, indices: Sequence[int] | np.ndarray, split: str = "train"
   ) -> dict[str, np.ndarray]:
-    """Records ``indices`` of a split's stream (seed in ``[0, 2**32)``), in one jitted call."""
+    """Records ``indices`` (int ``[B]`` in ``[0, 2**32)``) of a split's stream (seed in
+    ``[0, 2**32)``), in one jitted call; NumPy arrays with a leading batch axis ``B``."""
     stream_id = self.split(split).stream_id
     pool, pool_size = self.pool(config, split)
     generator = _batched_generator(self.sample, config)

@@ -50,7 +50,7 @@ check the generator's labels against it and against a third evaluator.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -183,14 +183,17 @@ class _Level:
   num_children: np.ndarray
 
 
+class _Limits(NamedTuple):
+  """What an expression may be: its inclusive token-count range, node depth and operator arity."""
+
+  min_length: int
+  max_length: int
+  max_depth: int
+  max_args: int
+
+
 def _sample_shapes(
-  rng: np.random.Generator,
-  num_candidates: int,
-  *,
-  min_length: int,
-  max_length: int,
-  max_depth: int,
-  max_args: int,
+  rng: np.random.Generator, num_candidates: int, limits: _Limits
 ) -> tuple[list[_Level], np.ndarray]:
   """Samples tree shapes breadth-first and keeps those whose length is in range.
 
@@ -198,6 +201,7 @@ def _sample_shapes(
     (levels, lengths): the kept trees' levels, renumbered so that tree ids are 0..m-1 in
     candidate order, and int64 ``[m]`` token counts.
   """
+  min_length, max_length, max_depth, max_args = limits
   tree = np.arange(num_candidates)
   parent = np.full(num_candidates, -1)
   alive = np.ones(num_candidates, dtype=bool)
@@ -342,7 +346,7 @@ def _reduce_children(
 # --------------------------------------------------------------------------- public generator
 
 
-def _validate(min_length: int, max_length: int, max_depth: int, max_args: int) -> None:
+def _validated_limits(min_length: int, max_length: int, max_depth: int, max_args: int) -> _Limits:
   if max_args < 2:
     raise ValueError(
       f"max_args must be >= 2 (an operator has 2..max_args arguments), got {max_args}."
@@ -365,6 +369,7 @@ def _validate(min_length: int, max_length: int, max_depth: int, max_args: int) -
       f"min_length={min_length} exceeds the longest possible expression ({longest} tokens) "
       f"for max_depth={max_depth}, max_args={max_args}."
     )
+  return _Limits(min_length, max_length, max_depth, max_args)
 
 
 def _candidates_per_round(max_length: int) -> int:
@@ -373,23 +378,10 @@ def _candidates_per_round(max_length: int) -> int:
 
 
 def _generate_batch(
-  rng: np.random.Generator,
-  num_candidates: int,
-  *,
-  min_length: int,
-  max_length: int,
-  max_depth: int,
-  max_args: int,
+  rng: np.random.Generator, num_candidates: int, limits: _Limits
 ) -> tuple[list[np.ndarray], np.ndarray]:
   """One round of candidates: returns the kept token-id arrays and their labels (maybe none)."""
-  levels, lengths = _sample_shapes(
-    rng,
-    num_candidates,
-    min_length=min_length,
-    max_length=max_length,
-    max_depth=max_depth,
-    max_args=max_args,
-  )
+  levels, lengths = _sample_shapes(rng, num_candidates, limits)
   if lengths.size == 0:
     return [], np.zeros(0, dtype=np.int32)
   buffer, offsets, labels = _fill_tokens_and_values(rng, levels, lengths)
@@ -422,18 +414,11 @@ def generate_expression(
   Returns:
     The expression's token strings, e.g. ``['[MAX', '2', '9', ']']``.
   """
-  _validate(min_length, max_length, max_depth, max_args)
+  limits = _validated_limits(min_length, max_length, max_depth, max_args)
   # Few candidates first (one expression is wanted), more while none is kept.
   num_candidates = 16
   for _ in range(_MAX_EMPTY_ROUNDS):
-    expressions, _ = _generate_batch(
-      rng,
-      num_candidates,
-      min_length=min_length,
-      max_length=max_length,
-      max_depth=max_depth,
-      max_args=max_args,
-    )
+    expressions, _ = _generate_batch(rng, num_candidates, limits)
     if expressions:
       return detokenize(expressions[0])
     num_candidates = min(2 * num_candidates, _candidates_per_round(max_length))
@@ -470,7 +455,7 @@ def generate_splits(
     ``{'train' | 'validation' | 'test': [(ids, label), ...]}`` with ids int32 ``[T]``
     (no CLS, no padding) and label an int in 0..9.
   """
-  _validate(min_length, max_length, max_depth, max_args)
+  limits = _validated_limits(min_length, max_length, max_depth, max_args)
   sizes = dict(train=num_train, validation=num_validation, test=num_test)
   if any(size < 0 for size in sizes.values()):
     raise ValueError(f"Split sizes must be >= 0, got {sizes}.")
@@ -482,14 +467,7 @@ def generate_splits(
   unique: dict[bytes, tuple[np.ndarray, int]] = {}
   rounds_without_new = 0
   while len(unique) < total:
-    expressions, labels = _generate_batch(
-      rng,
-      _candidates_per_round(max_length),
-      min_length=min_length,
-      max_length=max_length,
-      max_depth=max_depth,
-      max_args=max_args,
-    )
+    expressions, labels = _generate_batch(rng, _candidates_per_round(max_length), limits)
     before = len(unique)
     for ids, label in zip(expressions, labels.tolist()):
       unique.setdefault(ids.astype(np.uint8).tobytes(), (ids, label))

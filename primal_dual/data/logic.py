@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,39 +230,15 @@ STREAMS = generated.GeneratedTask(
 )
 
 
-def sample_sequence(
-  key: jax.Array, config: LogicConfig, split: str = "train"
-) -> dict[str, jax.Array]:
-  """One sequence of a split from a JAX key (traceable; unbatched ``generate_batch`` record).
-
-  ``generate_batch(config, seed, [i], split)`` equals this with
-  ``key = fold_in(fold_in(jax.random.key(seed), SPLITS[split].stream_id), i)``.
-  """
-  return STREAMS.sample_one(key, config, split)
-
-
-def split_stream(config: LogicConfig, split: str) -> generated.DeviceStream:
-  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of a split's sequences (records
-  as ``generate_batch``'s), for batches made inside a jitted training step."""
-  return STREAMS.split_stream(config, split)
-
-
-def generate_batch(
-  config: LogicConfig, seed: int, indices: Sequence[int] | np.ndarray, split: str = "train"
-) -> dict[str, np.ndarray]:
-  """Sequences ``indices`` of a split's stream, in one jitted call.
-
-  Args:
-    config: the task family.
-    seed: stream seed in ``[0, 2**32)``.
-    indices: int ``[B]`` record indices in ``[0, 2**32)``.
-    split: a key of ``SPLITS``.
-
-  Returns:
-    NumPy arrays: ``inputs`` float32 ``[B, seq_len, n + 1]`` (last token's ``y`` zeroed),
-    ``target`` float32 ``[B]``, ``task_id`` int32 ``[B]`` (row of ``term_set_table``).
-  """
-  return STREAMS.generate_batch(config, seed, indices, split)
+# The streams (generated.GeneratedTask): ``sample_sequence(key, config, split="train")``, one
+# sequence from a JAX key (traceable); ``split_stream(config, split)``, a traceable
+# ``(seed, indices) -> batch`` for batches made inside a jitted step; and
+# ``generate_batch(config, seed, indices, split="train")``, sequences ``indices`` in one jitted
+# call as NumPy arrays: ``inputs`` float32 ``[B, seq_len, n + 1]`` (last token's ``y`` zeroed),
+# ``target`` float32 ``[B]``, ``task_id`` int32 ``[B]`` (row of ``term_set_table``).
+sample_sequence = STREAMS.sample_one
+split_stream = STREAMS.split_stream
+generate_batch = STREAMS.generate_batch
 
 
 class LogicSource(sources.GeneratedSource):

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -180,16 +180,29 @@ def _rule_distribute_three(draws: RuleDraws, num_values: int) -> jax.Array:
 
 Rule = Callable[[RuleDraws, int], jax.Array]
 
-RULES: dict[str, Rule] = {
-  "constant": _rule_constant,
-  "progression_plus_1": functools.partial(_rule_progression, step=1),
-  "progression_plus_2": functools.partial(_rule_progression, step=2),
-  "progression_minus_1": functools.partial(_rule_progression, step=-1),
-  "progression_minus_2": functools.partial(_rule_progression, step=-2),
-  "addition": _rule_addition,
-  "subtraction": _rule_subtraction,
-  "distribute_three": _rule_distribute_three,
+PROGRESSION_STEPS = {
+  "progression_plus_1": 1,
+  "progression_plus_2": 2,
+  "progression_minus_1": -1,
+  "progression_minus_2": -2,
 }
+
+
+def _rule_table(constant, progression, addition, subtraction, distribute_three) -> dict:
+  """Rule name → the function of its family (``progression`` takes its ``step`` by keyword), in
+  rule-id order; the one list of rule names, shared by ``RULES`` and ``RULE_CHECKS``."""
+  return {
+    "constant": constant,
+    **{name: functools.partial(progression, step=step) for name, step in PROGRESSION_STEPS.items()},
+    "addition": addition,
+    "subtraction": subtraction,
+    "distribute_three": distribute_three,
+  }
+
+
+RULES: dict[str, Rule] = _rule_table(
+  _rule_constant, _rule_progression, _rule_addition, _rule_subtraction, _rule_distribute_three
+)
 DEFAULT_RULES: tuple[str, ...] = tuple(RULES)
 
 # ----------------------------------------------------------------------------------------------
@@ -222,17 +235,9 @@ def _holds_distribute_three(grid: np.ndarray, num_values: int) -> np.ndarray:
   return distinct & same_values
 
 
-RULE_CHECKS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
-  "constant": _holds_constant,
-  "progression_plus_1": functools.partial(_holds_progression, step=1),
-  "progression_plus_2": functools.partial(_holds_progression, step=2),
-  "progression_minus_1": functools.partial(_holds_progression, step=-1),
-  "progression_minus_2": functools.partial(_holds_progression, step=-2),
-  "addition": _holds_addition,
-  "subtraction": _holds_subtraction,
-  "distribute_three": _holds_distribute_three,
-}
-assert RULE_CHECKS.keys() == RULES.keys()
+RULE_CHECKS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = _rule_table(
+  _holds_constant, _holds_progression, _holds_addition, _holds_subtraction, _holds_distribute_three
+)
 
 
 def grid_satisfies(rule: str, grid: np.ndarray, num_values: int) -> np.ndarray:
@@ -427,41 +432,17 @@ STREAMS = generated.GeneratedTask(
 replica_stream_seed = generated.replica_stream_seed
 
 
-def sample_problem(
-  key: jax.Array, config: SRavenConfig, split: str = "train"
-) -> dict[str, jax.Array]:
-  """One problem of a split from a JAX key (traceable; unbatched ``generate_batch`` record).
-
-  ``generate_batch(config, seed, [i], split)`` equals this with
-  ``key = fold_in(fold_in(jax.random.key(seed), SPLITS[split].stream_id), i)``.
-  """
-  return STREAMS.sample_one(key, config, split)
-
-
-def split_stream(config: SRavenConfig, split: str) -> generated.DeviceStream:
-  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of a split's problems (records
-  as ``generate_batch``'s), for batches made inside a jitted training step."""
-  return STREAMS.split_stream(config, split)
-
-
-def generate_batch(
-  config: SRavenConfig, seed: int, indices: Sequence[int] | np.ndarray, split: str = "train"
-) -> dict[str, np.ndarray]:
-  """Problems ``indices`` of a split's stream, in one jitted call.
-
-  Args:
-    config: the problem family.
-    seed: stream seed in ``[0, 2**32)``.
-    indices: int ``[B]`` record indices in ``[0, 2**32)``.
-    split: a key of ``SPLITS``.
-
-  Returns:
-    NumPy arrays: ``inputs`` float32 ``[B, 9F, V]``; ``targets`` int32 ``[B, F]`` (the 9th panel);
-    ``rules`` int32 ``[B, F]`` (rule id of the feature in each answer slot, aligned with
-    ``targets``); ``latent_id`` int32 ``[B]`` (row of ``latent_table``); ``feature_order`` int32
-    ``[B, 3, F]`` (column ``c`` slot ``s`` shows underlying feature ``feature_order[c, s]``).
-  """
-  return STREAMS.generate_batch(config, seed, indices, split)
+# The streams (generated.GeneratedTask): ``sample_problem(key, config, split="train")``, one
+# problem from a JAX key (traceable); ``split_stream(config, split)``, a traceable
+# ``(seed, indices) -> batch`` for batches made inside a jitted step; and
+# ``generate_batch(config, seed, indices, split="train")``, problems ``indices`` in one jitted
+# call as NumPy arrays: ``inputs`` float32 ``[B, 9F, V]``; ``targets`` int32 ``[B, F]`` (the 9th
+# panel); ``rules`` int32 ``[B, F]`` (rule id of the feature in each answer slot, aligned with
+# ``targets``); ``latent_id`` int32 ``[B]`` (row of ``latent_table``); ``feature_order`` int32
+# ``[B, 3, F]`` (column ``c`` slot ``s`` shows underlying feature ``feature_order[c, s]``).
+sample_problem = STREAMS.sample_one
+split_stream = STREAMS.split_stream
+generate_batch = STREAMS.generate_batch
 
 
 class SRavenSource(sources.GeneratedSource):

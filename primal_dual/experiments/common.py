@@ -4,12 +4,16 @@ attention-cost fields of the ListOps and images grids."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import argparse
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import ml_collections
 
 from primal_dual.experiments import grid
 from primal_dual.training import tasks as tasks_lib
+
+DataclassT = TypeVar("DataclassT")
 
 # The EncoderClassifier fields a config's model sets (UEA, ListOps).
 ENCODER_FIELDS = (
@@ -33,6 +37,12 @@ def plain(value: Any) -> Any:
   if isinstance(value, (list, tuple)):
     return tuple(plain(v) for v in value)
   return value
+
+
+def config_dataclass(cls: type[DataclassT], values: ml_collections.ConfigDict) -> DataclassT:
+  """The dataclass ``cls`` from the entries of ``values`` named as its fields, as ``plain`` values
+  (lists made tuples, so the result stays hashable)."""
+  return cls(**{field.name: plain(values[field.name]) for field in dataclasses.fields(cls)})
 
 
 def attention_kwargs(model_config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -69,6 +79,43 @@ def register_classification_task(
       loss_and_metrics=tasks_lib.classification_loss_and_metrics,
       eval_splits=("validation", "test"),
     )
+  )
+
+
+def seed_major_runs(
+  args: argparse.Namespace, make_run: Callable[[str, int], grid.GridRun]
+) -> list[grid.GridRun]:
+  """``make_run(attention, seed)`` for every seed of ``args.seeds`` and within it every variant
+  of ``args.variants``: a half-finished grid already covers every variant."""
+  return [make_run(attention, seed) for seed in args.seeds for attention in args.variants]
+
+
+# The tags variant_run gives every run besides its labels.
+VARIANT_RUN_SCHEMA: dict[str, tuple[type, ...]] = {
+  "attention": (str,),
+  "seed": (int,),
+  "steps": (int,),
+  "quick": (bool,),
+}
+
+
+def variant_run(
+  config_file: str,
+  config_arg: str,
+  labels: Mapping[str, Any],
+  attention: str,
+  seed: int,
+  steps: int,
+  quick: bool,
+  **more_tags: Any,
+) -> grid.GridRun:
+  """A run of ``config_file`` with ``config_arg``, named ``<labels' values>-<attention>-steps<steps>-s<seed>`` and
+  tagged with ``labels``, the variant, seed, steps, ``quick`` and ``more_tags``."""
+  return grid.GridRun(
+    name="-".join([*map(str, labels.values()), attention, f"steps{steps}", f"s{seed}"]),
+    config_file=config_file,
+    config_arg=config_arg,
+    tags=dict(labels, attention=attention, seed=seed, steps=steps, quick=bool(quick), **more_tags),
   )
 
 

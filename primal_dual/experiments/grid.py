@@ -81,6 +81,22 @@ class GridRun:
     return all(is_finished(workdir) for _, workdir in self.workdirs(root))
 
 
+def config_argument(
+  required: Mapping[str, Any], optional: Mapping[str, Any], *, runlocal: bool
+) -> str:
+  """A config's ``key=value,...`` argument: every ``required`` entry, the ``optional`` ones that
+  are set (non-empty strings, numbers above 0), then the ``runlocal`` flag if asked."""
+  given = {key: value for key, value in optional.items() if _is_set(value)}
+  pairs = [f"{key}={value}" for key, value in {**required, **given}.items()]
+  return ",".join(pairs + ["runlocal"] * runlocal)
+
+
+def _is_set(value: Any) -> bool:
+  """An optional grid flag holds a value: a non-empty string or a number above 0 (-1, 0, ''
+  mean the config's default)."""
+  return value > 0 if isinstance(value, (int, float)) else bool(value)
+
+
 def load_config(config_file: str, config_arg: str | None):
   """``get_config(config_arg)`` of a config file, or of a packaged config named by its short name
   (``"uea"``; ``primal_dual.configs.resolve``)."""
@@ -479,6 +495,11 @@ def field(name: str) -> Callable[[Mapping[str, Any]], Any]:
   return lambda record: record.get(name)
 
 
+def distinct_values(records: Sequence[Mapping[str, Any]], *names: str) -> list[list[Any]]:
+  """For each of ``names``, the sorted distinct values the records hold under it."""
+  return [sorted({record[name] for record in records}) for name in names]
+
+
 def first_by_variant(records: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:
   """``{attention: record[name]}`` from each variant's first record (values equal across seeds)."""
   values = {}
@@ -603,6 +624,30 @@ class Reproduction:
     None
   )
   variants: VariantChoice | None = None
+
+
+# Reproduction fields → the module-level names a task module gives them (module_reproduction).
+MODULE_FIELDS = {
+  "commands": "GRID_COMMANDS",
+  "flags": "FLAGS",
+  "build_runs": "build_runs",
+  "record_fn": "record_fn",
+  "markdown_report": "markdown_report",
+  "check_arguments": "check_arguments",
+  "validate_record": "validate_record",
+  "write_figures": "write_figures",
+}
+
+
+def module_reproduction(module_name: str, **fields: Any) -> Reproduction:
+  """The grid of task module ``module_name`` (its ``__name__``, called at its end): ``fields``,
+  and for the others the module's own definitions named as in ``MODULE_FIELDS``, where it has them.
+  """
+  module = sys.modules[module_name]
+  found = {
+    field: getattr(module, name) for field, name in MODULE_FIELDS.items() if hasattr(module, name)
+  }
+  return Reproduction(**{**found, **fields})
 
 
 # The flags of every grid besides --quick (whose help is the task's): flag → add_argument options.

@@ -42,8 +42,10 @@ from primal_dual.analysis import flops
 from primal_dual.data import images
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
+from primal_dual.experiments import listops as listops_task
 from primal_dual.experiments.listops import count_parameters
 from primal_dual.models import ViT
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 VIT_FIELDS = (
@@ -183,8 +185,7 @@ IMAGE_SIDES: dict[str, Callable[[ml_collections.ConfigDict], int]] = {
 def images_metadata(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``num_classes``, ``image_shape`` (H, W, C) and ``eval_split`` from the config alone."""
   dataset = config.data.dataset
-  if dataset not in RAW_SOURCES:
-    raise ValueError(f"unknown image data set {dataset!r}; choose one of {sorted(RAW_SOURCES)}")
+  config_lib.choice(RAW_SOURCES, dataset, "image data set")
   info = images.dataset_info(dataset)
   side = IMAGE_SIDES[dataset](config.data)
   return {
@@ -325,10 +326,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   **grid.RUN_RECORD_SCHEMA,
   "dataset": (str,),
   "model": (str,),
-  "attention": (str,),
-  "seed": (int,),
-  "steps": (int,),
-  "quick": (bool,),
+  **common.VARIANT_RUN_SCHEMA,
   "eval_split": (str,),
   "test_accuracy": common.NUMBER,
   "best_test_accuracy": common.NUMBER,
@@ -343,35 +341,29 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
-  runs = []
-  for seed in args.seeds:
-    for attention in args.variants:
-      config_arg = f"dataset={args.dataset},attention={attention},seed={seed}"
-      config_arg += f",model={args.model}" if args.model else ""
-      config_arg += f",epochs={args.epochs}" if args.epochs > 0 else ""
-      config_arg += f",data_dir={args.data_dir}" if args.data_dir else ""
-      config_arg += ",runlocal" if args.quick else ""
-      config = grid.load_config(config_file, config_arg)
-      steps = int(config.num_train_steps)
-      model = "runlocal" if args.quick else (args.model or _preset_name(config))
-      runs.append(
-        grid.GridRun(
-          name=f"{args.dataset}-{model}-{attention}-steps{steps}-s{seed}",
-          config_file=config_file,
-          config_arg=config_arg,
-          tags=dict(
-            dataset=args.dataset,
-            model=model,
-            attention=attention,
-            seed=seed,
-            steps=steps,
-            quick=bool(args.quick),
-            eval_split=config.selection.split,
-          ),
-        )
-      )
-  return runs
+
+  def run(attention: str, seed: int) -> grid.GridRun:
+    config_arg = grid.config_argument(
+      dict(dataset=args.dataset, attention=attention, seed=seed),
+      dict(model=args.model, epochs=args.epochs, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    config = grid.load_config(CONFIG_FILE, config_arg)
+    steps = int(config.num_train_steps)
+    model = "runlocal" if args.quick else (args.model or _preset_name(config))
+    labels = dict(dataset=args.dataset, model=model)
+    return common.variant_run(
+      CONFIG_FILE,
+      config_arg,
+      labels,
+      attention,
+      seed,
+      steps,
+      args.quick,
+      eval_split=config.selection.split,
+    )
+
+  return common.seed_major_runs(args, run)
 
 
 def _preset_name(config) -> str:
@@ -410,11 +402,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "wall time (min)": grid.field("wall_time_s"),
   }
   extra = common.size_and_cost_columns(records, "image")
-  datasets = sorted({r["dataset"] for r in records})
-  models = sorted({r["model"] for r in records})
-  steps = sorted({r["steps"] for r in records})
-  seeds = sorted({r["seed"] for r in records})
-  lengths = sorted({r["sequence_length"] for r in records})
+  datasets, models, steps, seeds, lengths = grid.distinct_values(
+    records, "dataset", "model", "steps", "seed", "sequence_length"
+  )
   lines = [
     "# Image classification (ViT): accuracy and attention cost per variant\n",
     f"Measured by `{command}` on {grid.describe_hardware(records)}; data set {', '.join(datasets)}, model "
@@ -447,15 +437,10 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="images",
   summary="Image classification with softmax, linear, BN, SH and BN+SH attention (ViT/DeiT).",
-  commands=GRID_COMMANDS,
   quick="tiny model, 4 steps, 2 runs by default",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  validate_record=validate_record,
-  variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
+  variants=listops_task.GRID_VARIANTS,
 )

@@ -37,6 +37,7 @@ from primal_dual.data import listops
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
 from primal_dual.models import EncoderClassifier, parameter_count
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 POOLINGS = ("cls", "mean")
@@ -45,13 +46,11 @@ SPLITS = ("train", "validation", "test")
 
 def listops_metadata(config: ml_collections.ConfigDict) -> dict[str, int]:
   """Facts the model needs, from the config alone (no data is read)."""
-  preset = config.data.preset
-  if preset not in listops.PRESETS:
-    raise ValueError(f"unknown ListOps preset {preset!r}; choose one of {sorted(listops.PRESETS)}")
+  preset = config_lib.choice(listops.PRESETS, config.data.preset, "ListOps preset")
   return {
     "num_classes": listops.NUM_CLASSES,
     "vocab_size": listops.VOCAB_SIZE,
-    "max_length": listops.PRESETS[preset]["max_length"],
+    "max_length": preset["max_length"],
   }
 
 
@@ -184,10 +183,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   **grid.RUN_RECORD_SCHEMA,
   "setting": (str,),
   "preset": (str,),
-  "attention": (str,),
-  "seed": (int,),
-  "steps": (int,),
-  "quick": (bool,),
+  **common.VARIANT_RUN_SCHEMA,
   "test_accuracy": common.NUMBER,
   "selected_test_accuracy": common.NUMBER,
   "best_validation_accuracy": common.NUMBER,
@@ -203,32 +199,19 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
   """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
-  runs = []
-  for seed in args.seeds:
-    for attention in args.variants:
-      config_arg = f"setting={args.setting},preset={args.preset},attention={attention},seed={seed}"
-      config_arg += f",steps={args.steps}" if args.steps > 0 else ""
-      config_arg += f",data_dir={args.data_dir}" if args.data_dir else ""
-      config_arg += ",runlocal" if args.quick else ""
-      steps = int(grid.load_config(config_file, config_arg).num_train_steps)
-      preset = "tiny" if args.quick else args.preset
-      runs.append(
-        grid.GridRun(
-          name=f"{args.setting}-{preset}-{attention}-steps{steps}-s{seed}",
-          config_file=config_file,
-          config_arg=config_arg,
-          tags=dict(
-            setting=args.setting,
-            preset=preset,
-            attention=attention,
-            seed=seed,
-            steps=steps,
-            quick=bool(args.quick),
-          ),
-        )
-      )
-  return runs
+  preset = "tiny" if args.quick else args.preset
+
+  def run(attention: str, seed: int) -> grid.GridRun:
+    config_arg = grid.config_argument(
+      dict(setting=args.setting, preset=args.preset, attention=attention, seed=seed),
+      dict(steps=args.steps, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    steps = int(grid.load_config(CONFIG_FILE, config_arg).num_train_steps)
+    labels = dict(setting=args.setting, preset=preset)
+    return common.variant_run(CONFIG_FILE, config_arg, labels, attention, seed, steps, args.quick)
+
+  return common.seed_major_runs(args, run)
 
 
 def record_fn(
@@ -263,10 +246,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "wall time (min)": grid.field("wall_time_s"),
   }
   extra = {**common.size_and_cost_columns(records, "example"), REFERENCE_HEADER: reference}
-  presets = sorted({r["preset"] for r in records})
-  steps = sorted({r["steps"] for r in records})
-  seeds = sorted({r["seed"] for r in records})
-  lengths = sorted({r["sequence_length"] for r in records})
+  presets, steps, seeds, lengths = grid.distinct_values(
+    records, "preset", "steps", "seed", "sequence_length"
+  )
   lines = [
     "# ListOps (Long Range Arena): accuracy and attention cost per variant\n",
     f"Measured by `{command}` on {grid.describe_hardware(records)}; setting `{setting}`, preset {', '.join(presets)}, "
@@ -303,15 +285,12 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
+# --variants: all five attention forms (shared with images.py); by default softmax and SH.
+GRID_VARIANTS = grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh"))
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="listops",
   summary="ListOps (LRA) accuracy and attention cost for softmax, linear, BN, SH and BN+SH.",
-  commands=GRID_COMMANDS,
   quick="tiny preset and model, 4 steps, 2 runs by default",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  validate_record=validate_record,
-  variants=grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh")),
+  variants=GRID_VARIANTS,
 )

@@ -179,15 +179,7 @@ class LogicTaskSource:
 
 def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
   """The task family named by ``config.data``."""
-  return logic.LogicConfig(
-    num_variables=data.num_variables,
-    num_terms=data.num_terms,
-    seq_len=data.seq_len,
-    ood_fraction=data.ood_fraction,
-    split_seed=data.split_seed,
-    test_fraction=data.test_fraction,
-    ood_term_sets=data.ood_term_sets,
-  )
+  return common.config_dataclass(logic.LogicConfig, data)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -245,18 +237,7 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
   return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, SEQUENCE_FIELDS))
 
 
-TASK = tasks_lib.register_task(
-  tasks_lib.Task(
-    name="logic",
-    build_data=build_data,
-    build_model=build_model,
-    loss_and_metrics=logic_loss_and_metrics,
-    eval_splits=EVAL_SPLITS,
-    selection_metric="r2",
-    selection_mode="max",
-    device_train_stream=device_train_stream,
-  )
-)
+TASK = sraven_task.register_sequence_task(__name__, logic_loss_and_metrics, "r2")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,24 +254,20 @@ compilation, left out) and the wall time; it writes ``--results`` (default resul
 same path with ``.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for
 the reference scale) and with ``_curves.png``.
 
-Commands (from the repository root; ``primal-dual reproduce logic`` where the package is
-installed)::
-
-  # CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
-  # (primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).
-  .venv/bin/python scripts/reproduce.py logic
-
-  # The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
-  # accelerator.
-  python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper
-
-  # Smoke test: 2 tiny runs (softmax and hyla, runlocal).
-  .venv/bin/python scripts/reproduce.py logic --quick --root=/tmp/logic_quick \
-      --results=/tmp/logic_quick/logic.json
-
-Re-running the same command resumes (finished runs are reused, unfinished ones continue).
-"""
+""" + sraven_task.sequence_grid_commands(
+  "logic",
+  cpu="""CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
+(primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).""",
+  paper="""The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
+accelerator.""",
+  resume="Re-running the same command resumes (finished runs are reused, unfinished ones continue).",
+)
 CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
+CURVE_FIGURE = sraven_task.CurveFigure(
+  title="Fuzzy-logic learning curves",
+  ylabel="R²",
+  panel_titles=("unseen combinations (test)", "held-out conjunctions (ood)"),
+)
 REFERENCE_COMMAND = (
   "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
   "--results=results/paper/logic.json"
@@ -301,23 +278,28 @@ REFERENCE_SINGLE_RUN = (
 )
 
 
+# Record fields holding the metric of the same name at the selected checkpoint (selected/<name>).
+SELECTED_FIELDS = (
+  "test_r2",
+  "ood_r2",
+  "validation_r2",
+  "test_mse",
+  "test_r2_per_sequence",
+  "ood_r2_per_sequence",
+)
+
+
 def record_fn(
   run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
 ) -> dict[str, Any]:
   """A record's task fields: R² of the selected checkpoint, curve and speed of a run."""
   del run, args
   return {
-    "test_r2": float(metrics["selected/test_r2"]),
-    "ood_r2": float(metrics["selected/ood_r2"]),
-    "validation_r2": float(metrics["selected/validation_r2"]),
-    "test_mse": float(metrics["selected/test_mse"]),
-    "test_r2_per_sequence": float(metrics["selected/test_r2_per_sequence"]),
-    "ood_r2_per_sequence": float(metrics["selected/ood_r2_per_sequence"]),
+    **{name: float(metrics[f"selected/{name}"]) for name in SELECTED_FIELDS},
     "selected_step": int(metrics["selected/step"]),
     "final_test_r2": float(metrics["test/r2"]),
     "final_ood_r2": float(metrics["ood/r2"]),
-    "curve": sraven_task.learning_curve(workdir, CURVE_METRICS),
-    "steps_per_second": sraven_task.median_steps_per_second(workdir),
+    **sraven_task.progress_fields(workdir, CURVE_METRICS),
   }
 
 
@@ -353,22 +335,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   return "\n".join(lines)
 
 
-REPRODUCTION = grid.Reproduction(
-  task="logic",
-  summary="The fuzzy-logic comparison: HYLA against softmax and linear attention (R²).",
-  commands=GRID_COMMANDS,
-  quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
-  build_runs=functools.partial(sraven_task.sequence_grid_runs, "logic"),
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=sraven_task.SEQUENCE_GRID_FLAGS,
-  write_figures=functools.partial(
-    sraven_task.write_curves,
-    panels={
-      "unseen combinations (test)": CURVE_METRICS[0],
-      "held-out conjunctions (ood)": CURVE_METRICS[1],
-    },
-    ylabel="R²",
-    title="Fuzzy-logic learning curves",
-  ),
+FLAGS = sraven_task.SEQUENCE_GRID_FLAGS
+REPRODUCTION = sraven_task.sequence_reproduction(
+  __name__, "The fuzzy-logic comparison: HYLA against softmax and linear attention (R²)."
 )

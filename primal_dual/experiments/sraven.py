@@ -35,7 +35,8 @@ import argparse
 import functools
 import json
 import os
-from typing import Any, Callable, Mapping, Sequence
+import sys
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -240,14 +241,7 @@ class FieldsSource:
 
 def sraven_config(data: ml_collections.ConfigDict) -> sraven.SRavenConfig:
   """The problem family named by ``config.data``."""
-  return sraven.SRavenConfig(
-    num_features=data.num_features,
-    num_values=data.num_values,
-    rules=tuple(data.rules),
-    shuffle_features=data.shuffle_features,
-    ood_fraction=data.ood_fraction,
-    split_seed=data.split_seed,
-  )
+  return common.config_dataclass(sraven.SRavenConfig, data)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -314,23 +308,61 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTr
   )
 
 
-TASK = tasks_lib.register_task(
-  tasks_lib.Task(
-    name="sraven",
-    build_data=build_data,
-    build_model=build_model,
-    loss_and_metrics=sraven_loss_and_metrics,
-    eval_splits=EVAL_SPLITS,
-    selection_metric=SELECTION_METRIC,
-    selection_mode="max",
-    device_train_stream=device_train_stream,
+def register_sequence_task(
+  module_name: str, loss_and_metrics: Callable[..., Any], selection_metric: str
+) -> tasks_lib.Task:
+  """Registers the generated sequence task of module ``module_name`` (this one or logic.py, named
+  by its ``__name__``) from its ``build_data``, ``build_model``, ``EVAL_SPLITS`` and
+  ``device_train_stream``; the checkpoint kept is the one of the largest ``selection_metric``."""
+  module = sys.modules[module_name]
+  return tasks_lib.register_task(
+    tasks_lib.Task(
+      name=module_name.rpartition(".")[2],
+      build_data=module.build_data,
+      build_model=module.build_model,
+      loss_and_metrics=loss_and_metrics,
+      eval_splits=module.EVAL_SPLITS,
+      selection_metric=selection_metric,
+      selection_mode="max",
+      device_train_stream=module.device_train_stream,
+    )
   )
-)
+
+
+TASK = register_sequence_task(__name__, sraven_loss_and_metrics, SELECTION_METRIC)
 
 
 # ------------------------------------------------------------------------------------------------
 # The reproduction grid (``primal-dual reproduce sraven``). The fuzzy-logic grid (logic.py) uses
 # its plan, flags, per-run facts and report pieces.
+
+
+def sequence_grid_commands(
+  task: str, *, cpu: str, paper: str, resume: str, smoke_note: str = ""
+) -> str:
+  """The commands part of a sequence grid's ``--help`` (this module's and logic.py's): the CPU
+  preset, the paper's setup and a smoke test, each under its comment (``cpu``, ``paper``, and
+  ``smoke_note`` closing the smoke test's), then the ``resume`` paragraph."""
+
+  def comment(text: str) -> str:
+    return "\n".join(f"  # {line}" for line in text.splitlines())
+
+  return f"""Commands (from the repository root; ``primal-dual reproduce {task}`` where the package is
+installed)::
+
+{comment(cpu)}
+  .venv/bin/python scripts/reproduce.py {task}
+
+{comment(paper)}
+  python scripts/reproduce.py {task} --preset=paper --root=workdirs/{task}_paper
+
+  # Smoke test: 2 tiny runs (softmax and hyla, runlocal){smoke_note}.
+  .venv/bin/python scripts/reproduce.py {task} --quick --root=/tmp/{task}_quick \\
+      --results=/tmp/{task}_quick/{task}.json
+
+{resume}
+"""
+
 
 GRID_COMMANDS = r"""
 Runs the grid (``primal_dual/configs/sraven.py``, one workdir per run under ``--root``):
@@ -351,25 +383,17 @@ and writes ``--results`` (default results/sraven.json, one record per run), the 
 ``.md`` (mean ± std over seeds, HYLA's step time relative to softmax's, the GPU command for the
 reference scale) and with ``_curves.png``.
 
-Commands (from the repository root; ``primal-dual reproduce sraven`` where the package is
-installed)::
-
-  # CPU preset: 11 runs of 12k steps. At the speeds measured on this 2-core CPU under a load
-  # average of 6-8 (primal_dual/configs/sraven.py): softmax ~12 min, HYLA and its ablations
-  # ~35 min per run; linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.
-  .venv/bin/python scripts/reproduce.py sraven
-
-  # The paper's setup (primal_dual/configs/sraven.py `paper`, 156,250 steps of batch 128): an
-  # accelerator.
-  python scripts/reproduce.py sraven --preset=paper --root=workdirs/sraven_paper
-
-  # Smoke test: 2 tiny runs (softmax and hyla, runlocal), seconds each.
-  .venv/bin/python scripts/reproduce.py sraven --quick --root=/tmp/sraven_quick \
-      --results=/tmp/sraven_quick/sraven.json
-
-Re-running the same command resumes: finished runs are not trained again, an interrupted one
-continues from its last checkpoint, and cached analyses are reused.
-"""
+""" + sequence_grid_commands(
+  "sraven",
+  cpu="""CPU preset: 11 runs of 12k steps. At the speeds measured on this 2-core CPU under a load
+average of 6-8 (primal_dual/configs/sraven.py): softmax ~12 min, HYLA and its ablations
+~35 min per run; linear ~20 min (estimated from its step time, 76 ms vs softmax's 42 ms): ~4.5 h in all.""",
+  paper="""The paper's setup (primal_dual/configs/sraven.py `paper`, 156,250 steps of batch 128): an
+accelerator.""",
+  smoke_note=", seconds each",
+  resume="""Re-running the same command resumes: finished runs are not trained again, an interrupted one
+continues from its last checkpoint, and cached analyses are reused.""",
+)
 CONFIG_FILE = "sraven"  # a packaged config (primal_dual/configs/sraven.py)
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
 # the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
@@ -431,9 +455,9 @@ def build_runs(
   for attention, seeds in seeds_by_variant.items():
     groups = [tuple(seeds)] if seeds_together and len(seeds) > 1 else [(s,) for s in seeds]
     for group in groups:
-      config_arg = f"preset={preset},attention={attention},seed={group[0]}"
-      config_arg += f",steps={steps}" if steps > 0 else ""
-      config_arg += ",runlocal" if quick else ""
+      config_arg = grid.config_argument(
+        dict(preset=preset, attention=attention, seed=group[0]), dict(steps=steps), runlocal=quick
+      )
       together = len(group) > 1
       runs.append(
         grid.GridRun(
@@ -526,11 +550,34 @@ def _latent_code(workdir: str, max_examples: int) -> dict[str, Any]:
   return latent_code.run(experiment, state, split="ood", max_examples=max_examples, out_dir=workdir)
 
 
+class CurveFigure(NamedTuple):
+  """A grid's learning-curves figure: its title, y axis, and the titles of the panels of the
+  first ``CURVE_METRICS`` (one panel each)."""
+
+  title: str
+  ylabel: str
+  panel_titles: tuple[str, ...]
+
+
 CURVE_METRICS = (
   "test/whole_panel_accuracy",
   "ood/whole_panel_accuracy",
   "validation/whole_panel_accuracy",
 )
+CURVE_FIGURE = CurveFigure(
+  title="sRAVEN learning curves",
+  ylabel="whole-panel accuracy",
+  panel_titles=("in-distribution (test)", "held-out rule combinations (ood)"),
+)
+
+
+def progress_fields(workdir: str, curve_metrics: Sequence[str]) -> dict[str, Any]:
+  """A run's learning curve of ``curve_metrics`` and its median training speed (shared with
+  logic.py's records)."""
+  return {
+    "curve": learning_curve(workdir, curve_metrics),
+    "steps_per_second": median_steps_per_second(workdir),
+  }
 
 
 def record_fn(
@@ -547,8 +594,7 @@ def record_fn(
     "selected_step": int(metrics["selected/step"]),
     "final_id_whole_panel": float(metrics["test/whole_panel_accuracy"]),
     "final_ood_whole_panel": float(metrics["ood/whole_panel_accuracy"]),
-    "curve": learning_curve(workdir, CURVE_METRICS),
-    "steps_per_second": median_steps_per_second(workdir),
+    **progress_fields(workdir, CURVE_METRICS),
     "latent_decoding": (latent.get("best_layer_accuracy") if latent.get("available") else None),
     "latent_decoding_chance": (
       latent["per_layer"][0]["chance"] if latent.get("available") else None
@@ -698,22 +744,27 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-REPRODUCTION = grid.Reproduction(
-  task="sraven",
-  summary="sRAVEN: HYLA against softmax and linear attention on held-out rule combinations.",
-  commands=GRID_COMMANDS,
-  quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
-  build_runs=functools.partial(sequence_grid_runs, "sraven"),
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  write_figures=functools.partial(
-    write_curves,
-    panels={
-      "in-distribution (test)": CURVE_METRICS[0],
-      "held-out rule combinations (ood)": CURVE_METRICS[1],
-    },
-    ylabel="whole-panel accuracy",
-    title="sRAVEN learning curves",
-  ),
+def sequence_reproduction(module_name: str, summary: str) -> grid.Reproduction:
+  """The grid of a sequence task (this module's or logic.py's, named by ``module_name``): the
+  shared plan and flags, and the learning-curves figure of the module's ``CURVE_FIGURE``."""
+  task = module_name.rpartition(".")[2]
+  module = sys.modules[module_name]
+  figure = module.CURVE_FIGURE
+  return grid.module_reproduction(
+    module_name,
+    task=task,
+    summary=summary,
+    quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
+    build_runs=functools.partial(sequence_grid_runs, task),
+    write_figures=functools.partial(
+      write_curves,
+      panels=dict(zip(figure.panel_titles, module.CURVE_METRICS)),
+      ylabel=figure.ylabel,
+      title=figure.title,
+    ),
+  )
+
+
+REPRODUCTION = sequence_reproduction(
+  __name__, "sRAVEN: HYLA against softmax and linear attention on held-out rule combinations."
 )

@@ -15,6 +15,7 @@ Protocols:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +27,7 @@ from primal_dual.data import builders
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
 from primal_dual.models import EncoderClassifier
+from primal_dual.training import config_lib
 
 PROTOCOL_SPLITS = {
   "best_test": {"train": "train", "test": "test"},
@@ -35,11 +37,7 @@ PROTOCOL_SPLITS = {
 
 def build_data(config: ml_collections.ConfigDict):
   data = config.data
-  if data.protocol not in PROTOCOL_SPLITS:
-    raise ValueError(
-      f"unknown UEA protocol {data.protocol!r}; choose one of {sorted(PROTOCOL_SPLITS)}"
-    )
-  names = PROTOCOL_SPLITS[data.protocol]
+  names = config_lib.choice(PROTOCOL_SPLITS, data.protocol, "UEA protocol")
   sources = builders.uea_sources(
     data.dataset,
     data_dir=data.get("data_dir") or None,
@@ -223,43 +221,28 @@ def run_name(
 
 
 def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
-  """The grid in seed-major order, so a half-finished grid already covers every variant."""
-  config_file = CONFIG_FILE
+  """The grid in seed-major order (within each data set), so a half-finished grid already covers
+  every variant."""
   # --quick (runlocal) replaces the model by a tiny one: record that, not the size it overrides.
   size_label = "runlocal" if args.quick else args.model
-  runs = []
-  for dataset in args.datasets:
-    for seed in args.seeds:
-      for protocol in args.protocols:
-        for attention in args.variants:
-          config_arg = (
-            f"dataset={dataset},attention={attention},protocol={protocol},"
-            f"size={args.model},seed={seed},epochs={args.epochs}"
-          )
-          config_arg += "".join(
-            f",{key}={value}"
-            for key, value in (("manual_dir", args.manual_dir), ("data_dir", args.data_dir))
-            if value
-          )
-          config_arg += ",runlocal" if args.quick else ""
-          epochs = int(grid.load_config(config_file, config_arg).num_epochs)
-          runs.append(
-            grid.GridRun(
-              name=run_name(dataset, protocol, attention, size_label, seed, args.epochs),
-              config_file=config_file,
-              config_arg=config_arg,
-              tags=dict(
-                dataset=dataset,
-                attention=attention,
-                protocol=protocol,
-                seed=seed,
-                model_size=size_label,
-                epochs=epochs,
-                runlocal=args.quick,
-              ),
-            )
-          )
-  return runs
+
+  def run(dataset: str, seed: int, protocol: str, attention: str) -> grid.GridRun:
+    point = dict(dataset=dataset, attention=attention, protocol=protocol)
+    config_arg = grid.config_argument(
+      dict(point, size=args.model, seed=seed, epochs=args.epochs),
+      dict(manual_dir=args.manual_dir, data_dir=args.data_dir),
+      runlocal=args.quick,
+    )
+    epochs = int(grid.load_config(CONFIG_FILE, config_arg).num_epochs)
+    return grid.GridRun(
+      name=run_name(dataset, protocol, attention, size_label, seed, args.epochs),
+      config_file=CONFIG_FILE,
+      config_arg=config_arg,
+      tags=dict(point, seed=seed, model_size=size_label, epochs=epochs, runlocal=args.quick),
+    )
+
+  axes = (args.datasets, args.seeds, args.protocols, args.variants)
+  return [run(*values) for values in itertools.product(*axes)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,17 +476,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.datasets = tuple(available_datasets(args.manual_dir))
 
 
-REPRODUCTION = grid.Reproduction(
+REPRODUCTION = grid.module_reproduction(
+  __name__,
   task="uea",
   summary="UEA accuracy and head redundancy of softmax, BN, SH and BN+SH (the time-series claims).",
-  commands=GRID_COMMANDS,
   quick="tiny model, 2 epochs (the config's runlocal)",
-  build_runs=build_runs,
-  record_fn=record_fn,
-  markdown_report=markdown_report,
-  flags=FLAGS,
-  check_arguments=check_arguments,
-  validate_record=validate_record,
-  write_figures=write_figures,
   variants=grid.VariantChoice(("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn")),
 )

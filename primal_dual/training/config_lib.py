@@ -64,6 +64,18 @@ _PARSERS = {
 }
 
 
+def choice(table: Mapping[str, Any], name: str, what: str) -> Any:
+  """``table[name]``, or ValueError ``unknown <what> <name>; choose one of <sorted names>``."""
+  if name not in table:
+    raise ValueError(f'unknown {what} {name!r}; choose one of {sorted(table)}')
+  return table[name]
+
+
+# The arguments every task config takes (`parse_arg(arg, **RUN_ARGUMENTS, ...)`): the attention
+# variant, the training seed and the `runlocal` smoke-test flag.
+RUN_ARGUMENTS = dict(attention='softmax', seed=0, runlocal=False)
+
+
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """Parses a `key=value,key=value,flag` string into a ConfigDict typed by `defaults`.
 
@@ -144,22 +156,13 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Model selection: the 'clean' protocol picks the evaluation with the best `metric` on `split`.
   config.selection = ml_collections.ConfigDict(dict(split='validation', metric='', mode=''))
 
+  # The optimizer: its learning-rate schedule, regularisation, then Adam's and SGD's own options.
+  schedule = dict(lr=1e-3, schedule='constant', warmup_steps=0, end_lr=0.0, cosine_end='total')
+  regularisation = dict(weight_decay=0.0, grad_clip_norm=0.0)
+  adam = dict(b1=0.9, b2=0.999, eps=1e-8)
+  sgd = dict(momentum=0.9, nesterov=False)
   config.optimizer = ml_collections.ConfigDict(
-    dict(
-      name='adamw',
-      lr=1e-3,
-      schedule='constant',
-      warmup_steps=0,
-      end_lr=0.0,
-      cosine_end='total',
-      weight_decay=0.0,
-      grad_clip_norm=0.0,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      momentum=0.9,
-      nesterov=False,
-    )
+    dict(name='adamw', **schedule, **regularisation, **adam, **sgd)
   )
   # Device mesh: -1 = all remaining devices. data * model must equal the device count.
   config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))

@@ -140,47 +140,50 @@ def classification_loss_and_metrics(logits: jax.Array, batch: Batch) -> tuple[ja
 SYNTHETIC_SPLITS = {'train': 0, 'validation': 1, 'test': 2}
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class SyntheticSource:
   """Random-access source of synthetic sequences, deterministic in (seed, split, index).
 
-  Args:
+  Attributes:
     size: number of records.
     seed: data seed.
     split_id: distinct per split so that splits never share examples' random streams.
     seq_len, num_features, num_classes: shapes (num_classes ≤ num_features).
   """
 
-  def __init__(
-    self, size: int, *, seed: int, split_id: int, seq_len: int, num_features: int, num_classes: int
-  ):
-    if num_classes > num_features:
+  size: int
+  _: dataclasses.KW_ONLY
+  seed: int
+  split_id: int
+  seq_len: int
+  num_features: int
+  num_classes: int
+
+  def __post_init__(self):
+    if self.num_classes > self.num_features:
       raise errors.ConfigError(
-        f'synthetic task: num_classes ({num_classes}) must be ≤ num_features ({num_features})'
+        f'synthetic task: num_classes ({self.num_classes}) must be ≤ num_features '
+        f'({self.num_features})'
       )
-    self._size = size
-    self._seed = seed
-    self._split_id = split_id
-    self._seq_len = seq_len
-    self._num_features = num_features
-    self._num_classes = num_classes
 
   def __len__(self) -> int:
-    return self._size
+    return self.size
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     index = int(index)
-    if not 0 <= index < self._size:
+    if not 0 <= index < self.size:
       raise IndexError(index)
-    rng = np.random.default_rng([self._seed, self._split_id, index])
-    length = int(rng.integers(max(1, self._seq_len // 2), self._seq_len + 1))
-    mask = np.arange(self._seq_len) < length
-    inputs = rng.standard_normal((self._seq_len, self._num_features)).astype(np.float32)
+    rng = np.random.default_rng([self.seed, self.split_id, index])
+    length = int(rng.integers(max(1, self.seq_len // 2), self.seq_len + 1))
+    mask = np.arange(self.seq_len) < length
+    inputs = rng.standard_normal((self.seq_len, self.num_features)).astype(np.float32)
     inputs *= mask[:, None]
-    label = np.argmax(inputs[:length, : self._num_classes].mean(axis=0))
+    label = np.argmax(inputs[:length, : self.num_classes].mean(axis=0))
     return {'inputs': inputs, 'mask': mask, 'label': np.int32(label)}
 
   def __repr__(self) -> str:
-    return f'SyntheticSource(size={self._size}, split_id={self._split_id}, seed={self._seed})'
+    # Stable and short: grain compares it when restoring an iterator.
+    return f'SyntheticSource(size={self.size}, split_id={self.split_id}, seed={self.seed})'
 
 
 def _synthetic_data_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
