@@ -39,7 +39,7 @@ def lazy_task():
 
 def test_lazy_splits_build_once_and_only_when_read(lazy_task):
   BUILDS.clear()
-  splits = setup.LazySplits('demo', lazy_task.build_data(tiny_config())[0])
+  splits = setup.LazySplits(lazy_task.build_data(tiny_config())[0])
   assert sorted(splits) == ['test', 'train', 'validation'] and 'test' in splits
   assert BUILDS == {}
   first = splits['test']
@@ -62,3 +62,12 @@ def test_evaluating_a_workdir_never_builds_the_training_split(lazy_task, tmp_pat
   experiment, _ = evaluation.restore_workdir(str(tmp_path), 'latest')
   assert 'train' not in BUILDS and not experiment.splits.is_built('train')
   assert experiment.total_steps == config.num_train_steps
+
+
+def test_evaluating_an_epoch_based_run_with_steps_per_call(tmp_path):
+  """Evaluation computes no action periods: epoch-based ones would come out as 1 step (no
+  training split, so 0 steps per epoch), which steps_per_call=2 would refuse."""
+  config = tiny_config(steps_per_call=2, eval_every_steps=0, eval_every_epochs=1)
+  final = trainer.train_and_evaluate(config, str(tmp_path))
+  report = evaluation.evaluate_workdir(str(tmp_path), ('test',))
+  assert report['results']['test']['accuracy'] == pytest.approx(final['test/accuracy'])

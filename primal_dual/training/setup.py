@@ -249,8 +249,7 @@ class LazySplits(Mapping[str, Any]):
   generates the training split.
   """
 
-  def __init__(self, task_name: str, splits: Mapping[str, Any]):
-    self._task_name = task_name
+  def __init__(self, splits: Mapping[str, Any]):
     self._given = dict(splits)
     self._built: dict[str, Any] = {}
 
@@ -286,7 +285,7 @@ def _build_data(task: tasks_lib.Task, config) -> tuple[LazySplits, dict[str, Any
     raise errors.ConfigError(f'task {task.name!r} data: {e}') from e
   if 'train' not in splits:
     raise errors.ConfigError(f'task {task.name!r} returned no train split (got {sorted(splits)})')
-  return LazySplits(task.name, splits), metadata
+  return LazySplits(splits), metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,8 +388,8 @@ def build_experiment(
     config: a resolved config (`resolve_config`).
     for_training: False builds an experiment for evaluation only: the training split is never
       built (the model is traced on the first evaluation split's first record), and
-      `total_steps`, `steps_per_epoch` and the action periods are those of `config.num_train_steps`
-      alone (0 for an epoch-based run, whose length needs the training split).
+      `total_steps` and `steps_per_epoch` are those of `config.num_train_steps` alone (0 for an
+      epoch-based run, whose length needs the training split), and there are no action periods.
 
   Raises:
     errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
@@ -443,8 +442,9 @@ def build_experiment(
     batch_size=config.batch_size,
     batch_sharding=batch_sharding,
   )
+  single_step = _in_mesh(jit_train, mesh)
   run_steps = StepRunner(
-    _in_mesh(jit_train, mesh),
+    single_step,
     scanned_steps,
     mesh,
     run_shardings=run_shardings,
@@ -478,9 +478,10 @@ def build_experiment(
     state_shardings=state_shardings,
     abstract_state=abstract_state,
     init_state=_in_mesh(init_state, mesh),
-    train_step=_in_mesh(jit_train, mesh),
+    train_step=single_step,
     eval_step=_in_mesh(jit_eval, mesh),
-    action_periods=_action_periods(config, steps_per_epoch),
+    # Evaluation has no periods: epoch-based ones would be computed from 0 steps per epoch.
+    action_periods=_action_periods(config, steps_per_epoch) if for_training else {},
     run_steps=run_steps,
     seeds=seeds,
     run_shardings=run_shardings,
