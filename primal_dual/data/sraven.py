@@ -428,8 +428,6 @@ STREAMS = generated.GeneratedTask(
   table_size=lambda config: len(latent_table(config)),
   empty_split_message=_empty_split_message,
 )
-# experiments/sraven.py and experiments/logic.py read it here.
-replica_stream_seed = generated.replica_stream_seed
 
 
 # The streams (generated.GeneratedTask): ``sample_problem(key, config, split="train")``, one

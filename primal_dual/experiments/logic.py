@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from primal_dual.data import generated
 from primal_dual.data import logic
-from primal_dual.data import sraven
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
 from primal_dual.experiments import sraven as sraven_task
@@ -225,7 +225,7 @@ def device_train_stream(
   variances = np.asarray(logic.task_moments(tasks)[1], np.float32)
 
   def batch(indices, seed):
-    records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
+    records = stream(generated.replica_stream_seed(stream_seed, seed), indices)
     records["task_variance"] = jnp.asarray(variances)[records["task_id"]]
     return {name: records[name] for name in TRAIN_FIELDS}
 

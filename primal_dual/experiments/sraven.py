@@ -44,6 +44,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from primal_dual.data import generated
 from primal_dual.data import sraven
 from primal_dual.experiments import common
 from primal_dual.experiments import grid
@@ -296,7 +297,7 @@ def device_train_stream(
   stream_seed = config.data.get("stream_seed", 0)
 
   def batch(indices, seed):
-    records = stream(sraven.replica_stream_seed(stream_seed, seed), indices)
+    records = stream(generated.replica_stream_seed(stream_seed, seed), indices)
     return {name: records[name] for name in TRAIN_FIELDS}
 
   return batch
