@@ -5,7 +5,7 @@ The command itself (flags, analyses, eval.json) is `primal_dual/commands/evaluat
 """
 
 from primal_dual.commands import evaluate as _command
-from primal_dual.training import cli
+from primal_dual.commands import cli
 
 _command.define_flags()
 main = _command.main

@@ -7,7 +7,7 @@ field. The command itself (flags, errors, resuming) is `primal_dual/commands/tra
 """
 
 from primal_dual.commands import train as _command
-from primal_dual.training import cli
+from primal_dual.commands import cli
 
 _command.define_flags()
 main = _command.main

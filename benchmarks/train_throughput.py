@@ -49,11 +49,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import primal_dual.experiments  # noqa: F401  (registers the tasks)
 from benchmarks import common
 from primal_dual import configs, registry
 from primal_dual.training import optim, steps
-from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import task_registry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -117,7 +116,7 @@ def listops_batch(config, length, rng):
 
 
 def _listops_metadata(config):
-  from primal_dual.experiments import listops  # pylint: disable=g-import-not-at-top
+  from primal_dual.tasks import listops  # pylint: disable=g-import-not-at-top
 
   return listops.listops_metadata(config)
 
@@ -145,7 +144,7 @@ def build_step(model_name: str, variant: str, quick: bool) -> Step:
   setup = MODELS[model_name]
   arg = f"{setup.config_arg},attention={variant}" + (",runlocal" if quick else "")
   config = configs.load(model_name, arg)
-  task = tasks_lib.get_task(config.task)
+  task = task_registry.get_task(config.task)
   metadata = setup.metadata(config)
   model = task.build_model(config, metadata)
   tx, _ = optim.make_optimizer(config.optimizer, SCHEDULE_STEPS)

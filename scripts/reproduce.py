@@ -1,7 +1,7 @@
 """`python scripts/reproduce.py TASK [flags]`, the same as `primal-dual reproduce TASK [flags]`.
 
 The grids, their flags and the commands for each scale: `python scripts/reproduce.py TASK --help`
-(the code: `primal_dual/experiments/<TASK>.py`).
+(the code: `reproduce/<TASK>.py`).
 """
 
 import os

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from primal_dual.experiments import grid
+from reproduce import grid
 from primal_dual.training import config_lib
 from primal_dual.training import setup
 from primal_dual.training import workdir as workdir_lib

@@ -12,7 +12,9 @@ import tomllib
 import pytest
 
 from primal_dual import commands
-from primal_dual import experiments
+import primal_dual.tasks
+import reproduce
+from primal_dual.training import task_registry
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +95,7 @@ def test_train_and_eval_help_list_their_flags(tmp_path):
 def test_reproduce_help_lists_the_tasks_and_each_grid_its_flags(tmp_path):
   result = _run(["reproduce", "--help"], tmp_path)
   assert result.returncode == 0
-  assert all(task in result.stdout for task in experiments.task_names())
+  assert all(study in result.stdout for study in reproduce.study_names())
   grid_help = _run(["reproduce", "uea", "--help"], tmp_path)
   assert grid_help.returncode == 0
   assert grid_help.stdout.startswith("usage: primal-dual reproduce uea")
@@ -108,15 +110,20 @@ def test_the_script_is_a_thin_wrapper_of_the_command():
   assert module.reproduce is commands.reproduce
 
 
-@pytest.mark.parametrize("task", experiments.task_names())
-def test_every_task_module_declares_its_grid(task):
-  module = importlib.import_module(f"primal_dual.experiments.{task}")
-  assert module.REPRODUCTION.task == task == module.TASK.name
+@pytest.mark.parametrize("study", reproduce.study_names())
+def test_every_study_module_declares_the_grid_of_a_task(study):
+  module = importlib.import_module(f"reproduce.{study}")
+  assert module.REPRODUCTION.task == study == task_registry.get_task(study).name
+
+
+def test_studies_and_tasks_pair_up():
+  """Every paper task has its study; the synthetic task (tests, smoke runs) has none."""
+  assert set(task_registry.task_names()) - set(reproduce.study_names()) == {"synthetic"}
 
 
 def test_every_grid_takes_the_shared_flags(tmp_path):
   """The same flag names for every task: a dry run of each quick grid lists its runs."""
-  for task in experiments.task_names():
+  for task in reproduce.study_names():
     result = _run(
       ["reproduce", task, "--quick", "--dry_run", "--root=r", "--results=x.json"], tmp_path
     )
@@ -126,10 +133,11 @@ def test_every_grid_takes_the_shared_flags(tmp_path):
 
 TOY_TASK_MODULE = '''
 """A new task: the synthetic task's data, model and loss under the name 'toy'."""
-from primal_dual.training import tasks
+from primal_dual.tasks import synthetic
+from primal_dual.training import task_registry as tasks
 
-TASK = tasks.register_task(tasks.Task("toy", tasks.build_synthetic_data,
-    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))
+TASK = tasks.register_task(tasks.Task("toy", synthetic.build_data,
+    synthetic.build_model, synthetic._common.classification_loss_and_metrics))
 '''
 
 TOY_CONFIG = '''
@@ -146,16 +154,18 @@ def get_config(arg=None):
 
 
 def test_a_new_task_is_one_module_plus_its_config(monkeypatch, tmp_path):
-  from primal_dual.experiments import grid  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import tasks, trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual import configs
+  from primal_dual.training import trainer
 
-  # The module goes into a folder added to primal_dual.experiments' path, as if written there.
+  # The module goes into a folder added to primal_dual.tasks' path, as if written there; nothing
+  # under reproduce/ is touched.
   (tmp_path / "toy.py").write_text(TOY_TASK_MODULE)
   (tmp_path / "toy_config.py").write_text(TOY_CONFIG)
-  monkeypatch.setattr(experiments, "__path__", [*experiments.__path__, str(tmp_path)])
-  monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
-  monkeypatch.delitem(sys.modules, "primal_dual.experiments.toy", raising=False)
-  assert "toy" in experiments.task_names()
-  config = grid.load_config(str(tmp_path / "toy_config.py"), None)
+  package = primal_dual.tasks
+  monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+  monkeypatch.setattr(task_registry, "TASKS", dict(task_registry.TASKS))
+  monkeypatch.delitem(sys.modules, "primal_dual.tasks.toy", raising=False)
+  assert "toy" in task_registry.task_names() and "toy" not in reproduce.study_names()
+  config = configs.load(str(tmp_path / "toy_config.py"), None)
   metrics = trainer.train_and_evaluate(config, str(tmp_path / "run"))
-  assert metrics["step"] == 2 and tasks.get_task("toy").name == "toy"
+  assert metrics["step"] == 2 and task_registry.get_task("toy").name == "toy"

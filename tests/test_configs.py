@@ -8,8 +8,9 @@ import ml_collections
 import pytest
 
 from primal_dual import configs
-from primal_dual.experiments.grid import load_config
-from primal_dual.training import cli, config_lib, errors
+from reproduce.grid import load_config
+from primal_dual.commands import cli
+from primal_dual.training import config_lib, errors
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "primal_dual", "configs")

@@ -1,4 +1,4 @@
-"""primal_dual/experiments/grid.py: parallel runs, hardware records, report helpers."""
+"""reproduce/grid.py: parallel runs, hardware records, report helpers."""
 
 import argparse
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from primal_dual.experiments import grid
+from reproduce import grid
 
 CPU = {
   "platform": "cpu",
@@ -181,7 +181,7 @@ def test_replica_runs_give_one_record_per_seed(tmp_path):
 
 
 def test_hyla_grids_group_seeds_into_replica_runs():
-  from primal_dual.experiments import sraven as sraven_task  # pylint: disable=g-import-not-at-top
+  from reproduce import hyla_paper as sraven_task
 
   runs = sraven_task.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
   main, ablations = sraven_task.GRID_VARIANTS["paper"]

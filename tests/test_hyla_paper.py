@@ -11,8 +11,8 @@ import pytest
 from primal_dual.configs import logic as logic_configs
 from primal_dual.configs import sraven as sraven_configs
 from primal_dual import registry
-from primal_dual.experiments import logic as logic_task
-from primal_dual.experiments import sraven as sraven_task
+from primal_dual.tasks import logic as logic_task
+from primal_dual.tasks import sraven as sraven_task
 from primal_dual.models import parameter_count
 from primal_dual.models.sequence import unidirectional_position_buckets
 from primal_dual.training import optim

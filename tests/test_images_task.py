@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from primal_dual.data import images as images_data
-from primal_dual.experiments import grid
-from primal_dual.experiments import images as images_task
+from reproduce import grid
+from primal_dual.data import images as image_data
+from primal_dual.tasks import images as images_task
+from reproduce import images as images_study
 from primal_dual.models import VIT_PRESETS
 from primal_dual.training import errors
 from primal_dual.training import trainer
@@ -45,7 +47,7 @@ def test_config_builds_for_dataset_model_and_attention(dataset, model, attention
   assert config.model.patch_size == patch
   metadata = images_task.images_metadata(config)
   assert metadata["image_shape"][:2] == (side, side)
-  steps_per_epoch = images_task.train_size(dataset) // config.batch_size
+  steps_per_epoch = image_data.train_size(dataset) // config.batch_size
   assert config.num_train_steps == config.data.augment_repeats * steps_per_epoch
   assert config.optimizer.schedule == "warmup_cosine" and config.optimizer.weight_decay == 0.05
   if attention == "bn_sh":
@@ -78,8 +80,8 @@ def test_config_errors_say_what_to_do():
 
 
 def test_digits_train_size_matches_the_split(digits_raw):
-  assert images_task.train_size("digits") == len(digits_raw["train"])
-  assert len(digits_raw["train"]) + len(digits_raw["test"]) == images_task.DIGITS_SIZE
+  assert image_data.train_size("digits") == len(digits_raw["train"])
+  assert len(digits_raw["train"]) + len(digits_raw["test"]) == image_data.DIGITS_SIZE
 
 
 def test_augmented_source_is_a_pure_function_of_the_index(digits_raw):
@@ -111,7 +113,7 @@ def test_build_data_splits_and_evaluation_records():
   evaluation = images_data.make_preprocess("digits", train=False, upscale=2)
   raw = images_data.digits_sources(upscale=2, seed=0)["test"]
   np.testing.assert_array_equal(splits["test"][3]["inputs"], evaluation(raw[3])["inputs"])
-  assert len(splits["train"]) == images_task.train_size("digits")  # runlocal: one pass
+  assert len(splits["train"]) == image_data.train_size("digits")  # runlocal: one pass
 
 
 def test_missing_cifar10_says_how_to_prepare(tmp_path):
@@ -130,7 +132,7 @@ def test_patch_size_must_divide_the_image():
 
 def test_model_summary_parameters_and_flops():
   summaries = {
-    a: images_task.model_summary(load(f"dataset=digits,attention={a}"))
+    a: images_study.model_summary(load(f"dataset=digits,attention={a}"))
     for a in ("softmax", "bn", "sh")
   }
   assert summaries["softmax"]["sequence_length"] == 1 + 4 * 4  # CLS + 4×4 patches
@@ -139,7 +141,7 @@ def test_model_summary_parameters_and_flops():
   assert summaries["bn"]["attention_flops"] == summaries["softmax"]["attention_flops"]
   # 2 heads at ratio 1 and 2 at ratio 2 on the 4×4 grid: 17 keys and 1 + 2×2 keys.
   assert np.isclose(summaries["sh"]["attention_flops_relative"], (17 + 17 + 5 + 5) / (4 * 17))
-  tiny = images_task.model_summary(load("dataset=imagenet2012,model=tiny"))
+  tiny = images_study.model_summary(load("dataset=imagenet2012,model=tiny"))
   assert 5.0e6 < tiny["parameters"] < 6.0e6  # DeiT-tiny has 5.7M parameters
   assert tiny["sequence_length"] == 1 + 14 * 14
 
@@ -149,14 +151,14 @@ def test_reproduce_quick_trains_evaluates_and_reports(tmp_path):
   results = tmp_path / "out" / "images.json"
   assert (
     grid.reproduce(
-      images_task.REPRODUCTION, ["--quick", f"--root={tmp_path / 'runs'}", f"--results={results}"]
+      images_study.REPRODUCTION, ["--quick", f"--root={tmp_path / 'runs'}", f"--results={results}"]
     )
     == 0
   )
   records = json.loads(results.read_text())
   assert [r["attention"] for r in records] == ["softmax", "sh"]
   for record in records:
-    images_task.validate_record(record)
+    images_study.validate_record(record)
     metrics = record["metrics"]
     assert metrics["step"] == 4 and record["dataset"] == "digits"
     assert 0.0 <= metrics["test/accuracy"] <= 1.0

@@ -72,3 +72,81 @@ def test_package_has_no_import_cycle():
   graph = import_graph()
   assert "primal_dual.registry" in graph and "primal_dual.data.builders" in graph
   assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# The package's layers, lowest first: a module imports only modules of its own layer or below.
+# The trainer finds a task by name (``importlib``), never by an import statement, so the tasks can
+# sit above it; the command-line code sits on top. The studies of ``reproduce/`` are outside the
+# package and may import any of it.
+LAYERS = (
+  ("primal_dual.atomic", "primal_dual.kernels"),
+  ("primal_dual.registry",),
+  ("primal_dual._attend", "primal_dual._decode"),
+  ("primal_dual.layers", "primal_dual.nnx"),
+  ("primal_dual.models",),
+  ("primal_dual.data",),
+  ("primal_dual.training",),
+  ("primal_dual.analysis",),
+  ("primal_dual.configs",),
+  ("primal_dual.tasks",),
+  ("primal_dual.commands", "primal_dual.__main__"),
+)
+# The package's own __init__ re-exports the library (kernels, layers, nnx) and imports no higher.
+PACKAGE_INIT = "primal_dual"
+
+
+def layer_of(module: str) -> int:
+  for level, prefixes in enumerate(LAYERS):
+    if any(module == p or module.startswith(p + ".") for p in prefixes):
+      return level
+  raise KeyError(f"{module} is in no layer: add it to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+  """``importer -> imported`` for every import of a higher layer."""
+  found = []
+  for module, imports in sorted(graph.items()):
+    if module == PACKAGE_INIT:
+      continue
+    for imported in sorted(imports):
+      if imported != PACKAGE_INIT and layer_of(imported) > layer_of(module):
+        found.append(f"{module} -> {imported}")
+  return found
+
+
+def task_to_task_imports(graph: dict[str, set[str]]) -> list[str]:
+  """Imports between two task modules (what tasks share lives in ``primal_dual.tasks._*``)."""
+  def is_task(name):
+    return name.startswith("primal_dual.tasks.") and not name.rpartition(".")[2].startswith("_")
+
+  return [
+    f"{module} -> {imported}"
+    for module, imports in sorted(graph.items())
+    if is_task(module)
+    for imported in sorted(imports)
+    if is_task(imported)
+  ]
+
+
+def test_the_checks_see_upward_and_task_to_task_imports():
+  graph = {
+    "primal_dual.training.trainer": {"primal_dual.configs.sraven"},
+    "primal_dual.tasks.logic": {"primal_dual.tasks.sraven", "primal_dual.tasks._common"},
+    "primal_dual.tasks.sraven": {"primal_dual.training.trainer"},
+  }
+  assert upward_imports(graph) == ["primal_dual.training.trainer -> primal_dual.configs.sraven"]
+  assert task_to_task_imports(graph) == ["primal_dual.tasks.logic -> primal_dual.tasks.sraven"]
+
+
+def test_every_module_has_a_layer():
+  for module in import_graph():
+    if module != PACKAGE_INIT:
+      layer_of(module)
+
+
+def test_no_module_imports_a_higher_layer():
+  assert upward_imports(import_graph()) == []
+
+
+def test_no_task_imports_another_task():
+  assert task_to_task_imports(import_graph()) == []

@@ -8,7 +8,8 @@ import pytest
 from helpers import tiny_config
 from primal_dual.training import evaluation
 from primal_dual.training import setup
-from primal_dual.training import tasks
+from primal_dual.tasks import synthetic
+from primal_dual.training import task_registry as tasks
 from primal_dual.training import trainer
 
 BUILDS: dict[str, int] = {}
@@ -23,7 +24,7 @@ def _counted(split: str, source):
 
 
 def _lazy_synthetic_data(config):
-  splits, metadata = tasks.build_synthetic_data(config)
+  splits, metadata = synthetic.build_data(config)
   return {name: _counted(name, source) for name, source in splits.items()}, metadata
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from primal_dual.data import listops as listops_data
-from primal_dual.experiments import grid
-from primal_dual.experiments import listops as listops_task
+from reproduce import grid
+from primal_dual.tasks import listops as listops_task
+from reproduce import listops as listops_study
 from primal_dual.kernels.scaled_head import attention_cost_ratio
 from primal_dual.layers import ATTENTION_REGISTRY
 from primal_dual.models import EncoderClassifier
@@ -161,7 +162,7 @@ def test_padded_tokens_do_not_change_logits(index, attention, options):
 
 def test_model_summary_parameters_and_flops():
   summaries = {
-    a: listops_task.model_summary(load(f"setting=pytorch,preset=short,attention={a}"))
+    a: listops_study.model_summary(load(f"setting=pytorch,preset=short,attention={a}"))
     for a in ("softmax", "linear", "bn", "sh")
   }
   assert summaries["softmax"]["sequence_length"] == listops_data.PRESETS["short"]["max_length"]
@@ -170,7 +171,7 @@ def test_model_summary_parameters_and_flops():
   assert summaries["softmax"]["attention_flops_relative"] == 1.0
   assert summaries["sh"]["attention_flops"] < summaries["softmax"]["attention_flops"]
   assert summaries["linear"]["attention_flops"] < summaries["sh"]["attention_flops"]  # primal
-  lra = listops_task.model_summary(load("setting=jax_lra,preset=full,attention=sh"))
+  lra = listops_study.model_summary(load("setting=jax_lra,preset=full,attention=sh"))
   assert lra["sequence_length"] == listops_data.PRESETS["full"]["max_length"] + 1  # CLS
   # The configured ratios reach the count: cost ≈ (1/H) Σ 1/r_h, up to ceil and the CLS key.
   ratios = load("setting=jax_lra,attention=sh").model.attention_options.ratios
@@ -186,11 +187,11 @@ def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
     f"--results={results}",
     f"--data_dir={tmp_path / 'tfds'}",
   ]
-  assert grid.reproduce(listops_task.REPRODUCTION, argv) == 0
+  assert grid.reproduce(listops_study.REPRODUCTION, argv) == 0
   records = json.loads(results.read_text())
   assert [r["attention"] for r in records] == ["softmax", "sh"]
   for record in records:
-    listops_task.validate_record(record)
+    listops_study.validate_record(record)
     metrics = record["metrics"]
     assert metrics["step"] == 4 and record["steps"] == 4 and record["preset"] == "tiny"
     for key in ("validation/accuracy", "test/accuracy", "selected/test_accuracy"):
@@ -200,9 +201,9 @@ def test_reproduce_quick_trains_evaluates_and_reports(tmp_path, capsys):
   assert records[1]["attention_flops"] < records[0]["attention_flops"]
   markdown = results.with_suffix(".md").read_text()
   assert "| softmax |" in markdown and "| sh |" in markdown
-  assert listops_task.REFERENCE_HEADER in markdown and "Full-scale commands" in markdown
+  assert listops_study.REFERENCE_HEADER in markdown and "Full-scale commands" in markdown
   assert "37.10" in markdown  # the PyTorch-lineage reference sits in the softmax row
   # A second invocation reuses the finished runs instead of training again.
   capsys.readouterr()
-  assert grid.reproduce(listops_task.REPRODUCTION, argv) == 0
+  assert grid.reproduce(listops_study.REPRODUCTION, argv) == 0
   assert capsys.readouterr().out.count("finished earlier, reusing") == 2

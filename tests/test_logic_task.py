@@ -1,4 +1,4 @@
-"""Tests of the 'logic' task (primal_dual/experiments/logic.py), primal_dual/configs/logic.py and
+"""Tests of the 'logic' task (primal_dual/tasks/logic.py), primal_dual/configs/logic.py and
 `primal-dual reproduce logic` (its --quick grid is the task's end-to-end run)."""
 
 import json
@@ -11,8 +11,9 @@ import pytest
 
 from primal_dual.configs import logic as logic_configs
 from primal_dual.data import logic
-from primal_dual.experiments import grid
-from primal_dual.experiments import logic as task
+from reproduce import grid
+from primal_dual.tasks import logic as task
+from reproduce import logic as logic_study
 from primal_dual.layers import ATTENTION_REGISTRY
 from primal_dual.training import evaluation
 
@@ -140,7 +141,7 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
   """--jobs=2: both runs train at once in subprocesses; --report_only re-renders the report."""
   root, out = tmp_path / "runs", tmp_path / "out"
   argv = ["--quick", f"--root={root}", f"--results={out / 'logic_quick.json'}", "--jobs=2"]
-  assert grid.reproduce(task.REPRODUCTION, argv) == 0
+  assert grid.reproduce(logic_study.REPRODUCTION, argv) == 0
   records = json.loads((out / "logic_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
@@ -157,6 +158,6 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
   # --report_only trains nothing (the workdirs may be gone) and rewrites the same report.
   (out / "logic_quick.md").unlink()
   shutil.rmtree(root)
-  assert grid.reproduce(task.REPRODUCTION, [*argv, "--report_only"]) == 0
+  assert grid.reproduce(logic_study.REPRODUCTION, [*argv, "--report_only"]) == 0
   assert (out / "logic_quick.md").read_text() == markdown
   assert not root.exists()

@@ -16,14 +16,15 @@ import pytest
 import cli_helpers
 import helpers
 
-from primal_dual.experiments import grid
-from primal_dual.experiments import uea as uea_task
+from reproduce import grid
+from primal_dual.tasks import uea as uea_task
+from reproduce import uea as uea_study
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main(argv):
-  return grid.reproduce(uea_task.REPRODUCTION, argv)
+  return grid.reproduce(uea_study.REPRODUCTION, argv)
 
 
 compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
@@ -55,7 +56,7 @@ def grid_runs(tmp_path_factory):
     "--redundancy_examples=24",
   ]
   calls = {"train": [], "analyse": []}
-  train_one, analyse = grid.train_one, uea_task.analyse_workdir
+  train_one, analyse = grid.train_one, uea_study.analyse_workdir
 
   def counted_train(run, workdir):
     calls["train"].append(run.name)
@@ -113,7 +114,7 @@ def test_resume_trains_and_analyses_only_what_is_missing(grid_runs):
 def test_records_follow_the_schema_and_the_protocols(grid_runs):
   records = {r["protocol"]: r for r in grid_runs["records"]}
   for record in records.values():
-    uea_task.validate_record(record)
+    uea_study.validate_record(record)
     metrics = record["metrics"]
     assert record["dataset"] == "BasicMotions" and record["attention"] == "softmax"
     assert record["model_size"] == "runlocal" and record["epochs"] == 2 and record["seed"] == 0
@@ -140,9 +141,9 @@ def test_validate_record_names_missing_and_mistyped_fields(grid_runs):
   del record["head_distance"]
   record["seed"] = "0"
   with pytest.raises(ValueError, match=r"head_distance: missing.*|seed: str"):
-    uea_task.validate_record(record)
+    uea_study.validate_record(record)
   with pytest.raises(ValueError, match="protocol"):
-    uea_task.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
+    uea_study.validate_record({**grid_runs["records"][0], "protocol": "optimistic"})
 
 
 def test_markdown_and_figures_are_written(grid_runs):
@@ -150,9 +151,9 @@ def test_markdown_and_figures_are_written(grid_runs):
   with open(os.path.join(folder, "uea.md")) as f:
     markdown = f.read()
   assert "## best_test protocol" in markdown and "## clean protocol" in markdown
-  assert uea_task.REFERENCE_HEADER in markdown
+  assert uea_study.REFERENCE_HEADER in markdown
   assert "| BasicMotions | softmax |" in markdown
-  for name in (uea_task.REDUNDANCY_PLOT, uea_task.MAPS_PLOT):
+  for name in (uea_study.REDUNDANCY_PLOT, uea_study.MAPS_PLOT):
     with open(os.path.join(folder, name), "rb") as f:
       assert f.read(4) == b"\x89PNG"
 
@@ -183,7 +184,7 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
     _record("JapaneseVowels", "bn", 0, 0.7),
     _record("JapaneseVowels", "bn", 0, 0.6, "clean"),
   ]
-  markdown = uea_task.markdown_report(records, "cmd")
+  markdown = uea_study.markdown_report(records, "cmd")
   rows = {
     line.split("|")[2].strip(): line
     for line in markdown.splitlines()
@@ -194,7 +195,7 @@ def test_markdown_report_reference_column_and_ten_dataset_average():
   ten = [
     _record(d, "softmax", 0, 0.5 + i / 100) for i, d in enumerate(uea_config.PROTOCOL_DATASETS)
   ]
-  average = uea_task.markdown_report(ten, "cmd")
+  average = uea_study.markdown_report(ten, "cmd")
   assert "| softmax | 54.5 | 71.9 |" in average
 
 

@@ -1,4 +1,4 @@
-"""Tests of the 'sraven' task (primal_dual/experiments/sraven.py), primal_dual/configs/sraven.py and
+"""Tests of the 'sraven' task (primal_dual/tasks/sraven.py), primal_dual/configs/sraven.py and
 `primal-dual reproduce sraven` (its --quick grid is the task's end-to-end run)."""
 
 import json
@@ -13,10 +13,12 @@ import pytest
 
 from primal_dual.configs import sraven as sraven_configs
 from primal_dual.data import sraven
-from primal_dual.experiments import grid
-from primal_dual.experiments import sraven as task
+from reproduce import grid
+from primal_dual.tasks import sraven as task
+from reproduce import hyla_paper
+from reproduce import sraven as sraven_study
 from primal_dual.layers import ATTENTION_REGISTRY
-from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import task_registry
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = sraven.SRavenConfig(num_features=2, num_values=5, rules=("constant", "addition"))
@@ -115,7 +117,7 @@ def test_build_data_splits_and_metadata():
   config = sraven_configs.get_config("runlocal")
   splits, metadata = task.build_data(config)
   assert set(splits) == {"train", "validation", "test", "ood"}
-  assert isinstance(splits["train"], tasks_lib.LazySplit)  # built only when training reads it
+  assert isinstance(splits["train"], task_registry.LazySplit)  # built only when training reads it
   assert len(splits["train"].build()) == config.num_train_steps * config.batch_size
   assert metadata["num_values"] == config.data.num_values
   assert metadata["num_tokens"] == 9 * config.data.num_features
@@ -193,7 +195,7 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
     f"--results={out / 'sraven_quick.json'}",
     "--max_examples=32",
   ]
-  assert grid.reproduce(task.REPRODUCTION, argv) == 0
+  assert grid.reproduce(sraven_study.REPRODUCTION, argv) == 0
   records = json.loads((out / "sraven_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
@@ -213,7 +215,7 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
   assert (out / "sraven_quick_curves.png").stat().st_size > 0
 
   # Re-running reuses the finished runs and the cached analyses: same records.
-  assert grid.reproduce(task.REPRODUCTION, argv) == 0
+  assert grid.reproduce(sraven_study.REPRODUCTION, argv) == 0
   again = json.loads((out / "sraven_quick.json").read_text())
   assert again == records
 
@@ -224,10 +226,10 @@ def test_speed_ratio_is_step_time_ratio():
     {"attention": "softmax", "steps_per_second": 30.0},
     {"attention": "hyla", "steps_per_second": 5.0},
   ]
-  assert task.speed_ratio(records) == pytest.approx(4.0)
-  assert task.speed_ratio(records[:2]) is None
+  assert hyla_paper.speed_ratio(records) == pytest.approx(4.0)
+  assert hyla_paper.speed_ratio(records[:2]) is None
   assert math.isclose(
-    task.whole_panel_chance(
+    sraven_study.whole_panel_chance(
       os.path.join(REPO_ROOT, "primal_dual", "configs", "sraven.py"), "preset=paper"
     ),
     8.0**-4,

@@ -10,8 +10,8 @@ from primal_dual.configs import logic as logic_configs
 from primal_dual.configs import sraven as sraven_configs
 from primal_dual.data import logic
 from primal_dual.data import sraven
-from primal_dual.experiments import logic as logic_task
-from primal_dual.experiments import sraven as sraven_task
+from primal_dual.tasks import logic as logic_task
+from primal_dual.tasks import sraven as sraven_task
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import evaluation

@@ -29,7 +29,7 @@ import cli_helpers
 import helpers
 from jax.sharding import PartitionSpec
 
-from primal_dual import experiments
+import primal_dual.tasks
 from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
@@ -40,7 +40,8 @@ from primal_dual.training import periodic
 from primal_dual.training import selection
 from primal_dual.training import setup
 from primal_dual.training import sharding
-from primal_dual.training import tasks
+from primal_dual.tasks import synthetic
+from primal_dual.training import task_registry as tasks
 from primal_dual.training import trainer
 from primal_dual.training import workdir as workdir_lib
 
@@ -352,12 +353,14 @@ def test_task_registry_and_lazy_registration(monkeypatch, tmp_path):
     tasks.register_task(tasks.TASKS['synthetic'])
   # Only these two names exist here, whatever other test modules registered in this process.
   monkeypatch.setattr(tasks, 'TASKS', {'synthetic': tasks.TASKS['synthetic']})
-  # A new task is one module in primal_dual.experiments (here a folder added to its path).
-  monkeypatch.setattr(experiments, '__path__', [*experiments.__path__, str(tmp_path)])
+  # A new task is one module in primal_dual.tasks (here a folder added to its path).
+  package = primal_dual.tasks
+  monkeypatch.setattr(package, '__path__', [*package.__path__, str(tmp_path)])
   (tmp_path / 'lazy_demo.py').write_text(
-    'from primal_dual.training import tasks\n'
-    'tasks.register_task(tasks.Task("lazy_demo", tasks.build_synthetic_data,\n'
-    '    tasks.build_synthetic_model, tasks.classification_loss_and_metrics))\n'
+    'from primal_dual.tasks import synthetic\n'
+    'from primal_dual.training import task_registry as tasks\n'
+    'tasks.register_task(tasks.Task("lazy_demo", synthetic.build_data,\n'
+    '    synthetic.build_model, synthetic._common.classification_loss_and_metrics))\n'
   )
   assert tasks.get_task('lazy_demo').name == 'lazy_demo'
   known = 'images, lazy_demo, listops, logic, sraven, synthetic, uea'
@@ -382,14 +385,14 @@ def test_data_problems_become_user_errors(monkeypatch):
 
 def test_synthetic_source_is_deterministic_and_labelled_by_its_rule():
   kwargs = dict(seed=0, seq_len=6, num_features=3, num_classes=3)
-  source = tasks.SyntheticSource(5, split_id=0, **kwargs)
+  source = synthetic.SyntheticSource(5, split_id=0, **kwargs)
   record = source[2]
   np.testing.assert_array_equal(record['inputs'], source[2]['inputs'])
   length = int(record['mask'].sum())
   assert record['mask'][:length].all() and not record['mask'][length:].any()
   assert not record['inputs'][length:].any()
   assert record['label'] == np.argmax(record['inputs'][:length].mean(0))
-  other_split = tasks.SyntheticSource(5, split_id=1, **kwargs)
+  other_split = synthetic.SyntheticSource(5, split_id=1, **kwargs)
   assert not np.array_equal(other_split[2]['inputs'], record['inputs'])
   with pytest.raises(IndexError):
     source[5]
@@ -398,7 +401,7 @@ def test_synthetic_source_is_deterministic_and_labelled_by_its_rule():
 def test_classification_metrics_ignore_padding_even_if_nan():
   logits = jnp.array([[2.0, 0.0], [0.0, 2.0], [jnp.nan, jnp.nan]])
   batch = {'label': jnp.array([0, 0, 1]), 'valid': jnp.array([True, True, False])}
-  loss, metrics = tasks.classification_loss_and_metrics(logits, batch)
+  loss, metrics = synthetic._common.classification_loss_and_metrics(logits, batch)
   expected = optax.softmax_cross_entropy_with_integer_labels(logits[:2], batch['label'][:2])
   np.testing.assert_allclose(loss, expected.mean(), rtol=1e-6)
   np.testing.assert_allclose(metrics['accuracy'], (1.0, 2.0))

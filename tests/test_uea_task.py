@@ -2,7 +2,7 @@
 
 import pytest
 
-from primal_dual.experiments.grid import load_config
+from reproduce.grid import load_config
 from primal_dual.training import config_lib
 from primal_dual.training import errors, trainer
 

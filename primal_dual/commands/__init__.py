@@ -5,8 +5,8 @@
   primal-dual reproduce uea --dry_run                    # python scripts/reproduce.py uea --dry_run
 
 `primal-dual <command> --help` lists a command's flags. `train` and `eval` are absl programs
-(`primal_dual/commands/train.py`, `evaluate.py`); `reproduce TASK` runs the grid of
-`primal_dual/experiments/<TASK>.py`. A problem the user can fix is one line
+(`primal_dual/commands/train.py`, `evaluate.py`); `reproduce STUDY` runs the grid of
+the clone's `reproduce/<STUDY>.py`. A problem the user can fix is one line
 `error: ...` with exit status 2.
 """
 
@@ -23,7 +23,7 @@ COMMANDS = (*ABSL_COMMANDS, 'reproduce')
 
 def _run_absl_command(name: str, args: list[str]) -> NoReturn:
   """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status)."""
-  from primal_dual.training import cli  # pylint: disable=g-import-not-at-top
+  from primal_dual.commands import cli  # pylint: disable=g-import-not-at-top
 
   module = importlib.import_module(ABSL_COMMANDS[name])
   sys.argv = [f'{PROG} {name}', *args]  # absl's --help names sys.argv[0] and prints __main__'s doc

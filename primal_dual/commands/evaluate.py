@@ -20,7 +20,7 @@ import os
 from absl import flags
 
 from primal_dual import atomic
-from primal_dual.training import cli
+from primal_dual.commands import cli
 
 FLAGS = flags.FLAGS
 

@@ -13,7 +13,7 @@ Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/tra
 from absl import flags
 from ml_collections import config_flags
 
-from primal_dual.training import cli
+from primal_dual.commands import cli
 
 
 def define_flags() -> None:

@@ -22,8 +22,8 @@ cifar10 and imagenet2012 are read through TFDS (``data_dir=``, array_record form
 not prepared the run stops with one message saying how to prepare them.
 
 Training length and periods are counted in epochs of the real training set and converted to steps
-(``primal_dual.experiments.images.train_size``); the train source holds one augmented pass per
-epoch (``augment_repeats``; see the docstring of ``primal_dual/experiments/images.py``).
+(``primal_dual.data.images.train_size``); the train source holds one augmented pass per
+epoch (``augment_repeats``; see the docstring of ``primal_dual/tasks/images.py``).
 Evaluation on the whole evaluation split ('test'; imagenet2012: 'validation'); reported:
 ``test/accuracy`` (``validation/accuracy`` for imagenet2012) after the last step.
 
@@ -49,7 +49,7 @@ data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_bn_sh
 
 from primal_dual import registry
 from primal_dual.configs import _base
-from primal_dual.experiments import images as images_task
+from primal_dual.data import images as image_data
 from primal_dual.models import VIT_PRESETS
 from primal_dual.training import config_lib
 
@@ -134,7 +134,7 @@ def get_config(arg=None):
     raise ValueError(f"epochs must be >= 1 (or -1 for the recipe's), got {arg.epochs}")
   batch_size = recipe["batch_size"]
 
-  steps_per_epoch = images_task.train_size(arg.dataset) // batch_size
+  steps_per_epoch = image_data.train_size(arg.dataset) // batch_size
   config = _base.build(
     "images",
     arg,
@@ -174,7 +174,9 @@ def get_config(arg=None):
   )
   if arg.runlocal:
     _base.apply(config, RUNLOCAL)
-  side = images_task.IMAGE_SIDES[arg.dataset](config.data)
+  side = image_data.input_side(
+    arg.dataset, upscale=config.data.upscale, image_size=config.data.image_size
+  )
   return _base.finish(
     config, ratios=sh_ratios_for(config.model.num_heads, side // config.model.patch_size)
   )

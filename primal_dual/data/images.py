@@ -27,12 +27,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
 from primal_dual.data.sources import ArraySource
+
+
+DIGITS_SIZE = 1797  # images in scikit-learn's digits
+DEFAULT_IMAGENET_SIZE = 224
+# Training-split sizes of the TFDS data sets (digits: see train_size).
+TFDS_TRAIN_SIZES = {"cifar10": 50_000, "imagenet2012": 1_281_167}
+
+
+def train_size(dataset: str, test_fraction: float = 0.2) -> int:
+  """Images in the train split, without reading the data (configs convert epochs to steps).
+
+  digits: ``1797 − ceil(test_fraction · 1797)`` (scikit-learn's ``train_test_split`` rounding).
+  """
+  if dataset == "digits":
+    return DIGITS_SIZE - math.ceil(test_fraction * DIGITS_SIZE)
+  if dataset not in TFDS_TRAIN_SIZES:
+    raise ValueError(
+      f"unknown image data set {dataset!r}; choose one of {sorted(['digits', *TFDS_TRAIN_SIZES])}"
+    )
+  return TFDS_TRAIN_SIZES[dataset]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +142,15 @@ def dataset_info(name: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- sources
+
+
+def input_side(dataset: str, *, upscale: int = 1, image_size: int = 0) -> int:
+  """Side of the model's square input images: digits' 8 pixels times ``upscale``, cifar10's 32,
+  imagenet2012's crop ``image_size`` (0: ``DEFAULT_IMAGENET_SIZE``)."""
+  if dataset == "imagenet2012":
+    return int(image_size or DEFAULT_IMAGENET_SIZE)
+  side = dataset_info(dataset)["image_shape"][0]
+  return side * int(upscale) if dataset == "digits" else side
 
 
 def digits_sources(

@@ -8,7 +8,7 @@ from typing import Callable, Mapping
 import ml_collections
 
 from primal_dual.training import errors
-from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import task_registry
 
 _MODES: dict[str, Callable[[float, float], bool]] = {'max': operator.gt, 'min': operator.lt}
 
@@ -104,7 +104,7 @@ class EvalTracker:
     self.selected_step = state.get('selected_step')
 
 
-def make_tracker(config: ml_collections.ConfigDict, task: tasks_lib.Task) -> EvalTracker:
+def make_tracker(config: ml_collections.ConfigDict, task: task_registry.Task) -> EvalTracker:
   """The tracker of `config.selection`, with the task's default metric and mode where unset."""
   selection = config.selection
   return EvalTracker(

@@ -26,7 +26,7 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import optim
 from primal_dual.training import sharding
-from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import task_registry
 from primal_dual.training.steps import TrainState, eval_step, train_step, train_steps
 
 
@@ -65,7 +65,7 @@ class Experiment:
   """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
 
   config: ml_collections.FrozenConfigDict
-  task: tasks_lib.Task
+  task: task_registry.Task
   splits: LazySplits
   metadata: dict[str, Any]
   model: nn.Module
@@ -256,7 +256,7 @@ class LazySplits(Mapping[str, Any]):
   def __getitem__(self, name: str) -> Any:
     if name not in self._built:
       given = self._given[name]
-      self._built[name] = given.build() if isinstance(given, tasks_lib.LazySplit) else given
+      self._built[name] = given.build() if isinstance(given, task_registry.LazySplit) else given
     return self._built[name]
 
   def __contains__(self, name: object) -> bool:
@@ -272,7 +272,7 @@ class LazySplits(Mapping[str, Any]):
     return name in self._built
 
 
-def _build_data(task: tasks_lib.Task, config) -> tuple[LazySplits, dict[str, Any]]:
+def _build_data(task: task_registry.Task, config) -> tuple[LazySplits, dict[str, Any]]:
   """`task.build_data(config)`, with data problems (missing or malformed files, bad data
   options: FileNotFoundError / ValueError) turned into one-line user errors."""
   try:
@@ -347,7 +347,7 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
   )
 
 
-def _device_batch(task: tasks_lib.Task, config, metadata, seeds) -> Callable | None:
+def _device_batch(task: task_registry.Task, config, metadata, seeds) -> Callable | None:
   """The task's on-device train stream when `config.train_data_on_device`, else None."""
   if not config.get('train_data_on_device', False):
     if seeds is not None:
@@ -363,7 +363,7 @@ def _device_batch(task: tasks_lib.Task, config, metadata, seeds) -> Callable | N
   return task.device_train_stream(config, metadata)
 
 
-def _eval_splits(config, task: tasks_lib.Task, splits: LazySplits) -> tuple[str, ...]:
+def _eval_splits(config, task: task_registry.Task, splits: LazySplits) -> tuple[str, ...]:
   """The splits evaluated periodically: `config.eval_splits` or the task's, those that exist."""
   unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
   if unknown:
@@ -394,7 +394,7 @@ def build_experiment(
   Raises:
     errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
   """
-  task = tasks_lib.get_task(config.task)
+  task = task_registry.get_task(config.task)
   splits, metadata = _build_data(task, config)
   mesh = sharding.make_mesh(config.mesh)
   data_axis = mesh.shape['data']

@@ -5,9 +5,9 @@ is finished and is not trained again; an unfinished one resumes from its last ch
 trainer does that). After every run the collected records are written to a JSON file, so a grid
 killed half-way loses at most the run in progress.
 
-Each task module ``primal_dual/experiments/<task>.py`` declares its paper grid as a
-``Reproduction`` (which runs, what each record holds, how the report reads); ``reproduce`` runs it
-with the flags every grid shares (``primal-dual reproduce <task>``). The pieces underneath
+Each study module ``reproduce/<task>.py`` declares its paper grid as a ``Reproduction`` (which
+runs, what each record holds, how the report reads); ``reproduce`` runs it with the flags every
+grid shares (``primal-dual reproduce <task>``). The pieces underneath
 (``config_file`` is a packaged config's short name or a config file's path, ``load_config``)::
 
   runs = [GridRun(name=f"jv_{a}_s{s}", config_file="uea",
@@ -275,12 +275,12 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
   os.makedirs(workdir, exist_ok=True)
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
   command = [
     sys.executable,
     "-m",
-    "primal_dual.experiments.grid",
+    "reproduce.grid",
     run.config_file,
     run.config_arg,
     workdir,
@@ -571,6 +571,85 @@ def summary_table(
 
 
 # ------------------------------------------------------------------------------------------------
+# Runs of one variant and seed, and the size and cost fields of a record.
+
+
+def seed_major_runs(
+  args: argparse.Namespace, make_run: Callable[[str, int], GridRun]
+) -> list[GridRun]:
+  """``make_run(attention, seed)`` for every seed of ``args.seeds`` and within it every variant
+  of ``args.variants``: a half-finished grid already covers every variant."""
+  return [make_run(attention, seed) for seed in args.seeds for attention in args.variants]
+
+
+# The tags variant_run gives every run besides its labels.
+VARIANT_RUN_SCHEMA: dict[str, tuple[type, ...]] = {
+  "attention": (str,),
+  "seed": (int,),
+  "steps": (int,),
+  "quick": (bool,),
+}
+
+
+def variant_run(
+  config_file: str,
+  config_arg: str,
+  labels: Mapping[str, Any],
+  attention: str,
+  seed: int,
+  steps: int,
+  quick: bool,
+  **more_tags: Any,
+) -> GridRun:
+  """A run of ``config_file`` with ``config_arg``, named ``<labels' values>-<attention>-steps<steps>-s<seed>`` and
+  tagged with ``labels``, the variant, seed, steps, ``quick`` and ``more_tags``."""
+  return GridRun(
+    name="-".join([*map(str, labels.values()), attention, f"steps{steps}", f"s{seed}"]),
+    config_file=config_file,
+    config_arg=config_arg,
+    tags=dict(labels, attention=attention, seed=seed, steps=steps, quick=bool(quick), **more_tags),
+  )
+
+
+
+NUMBER = (int, float)
+SIZE_AND_COST_SCHEMA: dict[str, tuple[type, ...]] = {
+  "num_params": (int,),
+  "sequence_length": (int,),
+  "attention_flops": NUMBER,
+  "attention_flops_relative": NUMBER,
+}
+
+
+def size_and_cost_fields(
+  model_summary: Callable[[Any], Mapping[str, Any]], run: GridRun
+) -> dict[str, Any]:
+  """The ``SIZE_AND_COST_SCHEMA`` fields of a run, from its config alone."""
+  summary = model_summary(load_config(run.config_file, run.config_arg))
+  return {
+    "num_params": int(summary["parameters"]),
+    "sequence_length": int(summary["sequence_length"]),
+    "attention_flops": float(summary["attention_flops"]),
+    "attention_flops_relative": float(summary["attention_flops_relative"]),
+  }
+
+
+def size_and_cost_columns(
+  records: Sequence[Mapping[str, Any]], per: str
+) -> dict[str, Callable[[tuple], str]]:
+  """``summary_table`` extra columns (rows keyed by attention): parameters, attention MFLOPs per
+  ``per`` (e.g. 'image') and attention FLOPs relative to softmax."""
+  params = first_by_variant(records, "num_params")
+  flops = first_by_variant(records, "attention_flops")
+  relative = first_by_variant(records, "attention_flops_relative")
+  return {
+    "params": lambda key: f"{params[key[0]]:,}",
+    f"attention MFLOPs / {per}": lambda key: f"{flops[key[0]] / 1e6:.4g}",
+    "attention FLOPs / softmax": lambda key: f"{relative[key[0]]:.2f}",
+  }
+
+
+# ------------------------------------------------------------------------------------------------
 # A task's paper grid and the one command line that runs it.
 
 RecordFn = Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]]
@@ -586,9 +665,14 @@ class VariantChoice:
   seeds: tuple[int, ...] = (0, 1, 2)
 
 
+# --variants of the ListOps and images grids: the five attention forms of the SVR view; by default
+# softmax and SH.
+ATTENTION_FORMS = VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Reproduction:
-  """A task's paper grid, declared by its task module as ``REPRODUCTION`` and run by ``reproduce``.
+  """A task's paper grid, declared by its study module as ``REPRODUCTION`` and run by ``reproduce``.
 
   Every grid takes ``--root``, ``--results``, ``--jobs``, ``--quick``, ``--dry_run`` and
   ``--report_only`` (and ``--variants``/``--seeds`` where ``variants`` is given), plus the task's own
@@ -626,7 +710,7 @@ class Reproduction:
   variants: VariantChoice | None = None
 
 
-# Reproduction fields → the module-level names a task module gives them (module_reproduction).
+# Reproduction fields → the module-level names a study module gives them (module_reproduction).
 MODULE_FIELDS = {
   "commands": "GRID_COMMANDS",
   "flags": "FLAGS",
@@ -640,7 +724,7 @@ MODULE_FIELDS = {
 
 
 def module_reproduction(module_name: str, **fields: Any) -> Reproduction:
-  """The grid of task module ``module_name`` (its ``__name__``, called at its end): ``fields``,
+  """The grid of study module ``module_name`` (its ``__name__``, called at its end): ``fields``,
   and for the others the module's own definitions named as in ``MODULE_FIELDS``, where it has them.
   """
   module = sys.modules[module_name]
@@ -744,11 +828,11 @@ def reproduce(reproduction: Reproduction, argv: Sequence[str] | None = None) -> 
 
 
 def _main(argv: Sequence[str]) -> int:
-  """``python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]``: one run;
+  """``python -m reproduce.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]``: one run;
   JSON holds its ``overrides`` and ``replica_seeds``."""
   if len(argv) not in (3, 4):
     print(
-      "usage: python -m primal_dual.experiments.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
+      "usage: python -m reproduce.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
       file=sys.stderr,
     )
     return 2

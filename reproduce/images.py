@@ -31,233 +31,15 @@ periods in steps of real epochs (:func:`train_size`).
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from primal_dual.analysis import flops
-from primal_dual.data import images
-from primal_dual.experiments import common
-from primal_dual.experiments import grid
-from primal_dual.experiments import listops as listops_task
-from primal_dual.experiments.listops import count_parameters
-from primal_dual.models import ViT
-from primal_dual.training import config_lib
-from primal_dual.training import errors
-
-VIT_FIELDS = (
-  "patch_size",
-  "model_dim",
-  "num_layers",
-  "num_heads",
-  "mlp_dim",
-  "dropout_rate",
-  "attention_dropout_rate",
-)
-DIGITS_SIZE = 1797  # images in scikit-learn's digits
-DEFAULT_IMAGENET_SIZE = 224
-# Training-split sizes of the TFDS data sets (digits: see train_size).
-TFDS_TRAIN_SIZES = {"cifar10": 50_000, "imagenet2012": 1_281_167}
-
-
-def train_size(dataset: str, test_fraction: float = 0.2) -> int:
-  """Images in the train split, without reading the data (configs convert epochs to steps).
-
-  digits: ``1797 − ceil(test_fraction · 1797)`` (scikit-learn's ``train_test_split`` rounding).
-  """
-  if dataset == "digits":
-    return DIGITS_SIZE - math.ceil(test_fraction * DIGITS_SIZE)
-  if dataset not in TFDS_TRAIN_SIZES:
-    raise ValueError(
-      f"unknown image data set {dataset!r}; choose one of {sorted(['digits', *TFDS_TRAIN_SIZES])}"
-    )
-  return TFDS_TRAIN_SIZES[dataset]
-
-
-# ------------------------------------------------------------------------------------------------
-# Sources.
-
-
-def _read_many(source: Any, indices: Sequence[int]) -> list[Any]:
-  if hasattr(source, "__getitems__"):
-    return list(source.__getitems__([int(i) for i in indices]))
-  return [source[int(i)] for i in indices]
-
-
-class PreprocessedSource:
-  """Evaluation records: ``preprocess(base[i])`` (deterministic).
-
-  Records: ``{'inputs': float32 [H, W, C], 'label': int32 []}``.
-  """
-
-  def __init__(self, base: Any, preprocess: Callable[..., dict], description: str):
-    self._base = base
-    self._preprocess = preprocess
-    self._description = description
-
-  def __len__(self) -> int:
-    return len(self._base)
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    return self._preprocess(self._base[int(index)])
-
-  def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    return [self._preprocess(record) for record in _read_many(self._base, indices)]
-
-  def __repr__(self) -> str:  # stable: grain compares it when restoring an iterator
-    return f"PreprocessedSource({self._description}, len={len(self)})"
-
-
-class AugmentedSource:
-  """``repeats`` randomly augmented passes over ``base`` (module docstring).
-
-  Record ``i`` is ``preprocess(base[i mod N], rng)`` with ``rng = default_rng([seed, i])``:
-  ``{'inputs': float32 [H, W, C], 'label': int32 []}``.
-  """
-
-  def __init__(
-    self, base: Any, preprocess: Callable[..., dict], *, seed: int, repeats: int, description: str
-  ):
-    if repeats < 1:
-      raise ValueError(f"augment_repeats must be >= 1, got {repeats}")
-    self._base = base
-    self._preprocess = preprocess
-    self._seed = int(seed)
-    self._repeats = int(repeats)
-    self._description = description
-
-  def __len__(self) -> int:
-    return self._repeats * len(self._base)
-
-  def _augment(self, index: int, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return self._preprocess(record, np.random.default_rng([self._seed, index]))
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    index = int(index)
-    if not 0 <= index < len(self):
-      raise IndexError(index)
-    return self._augment(index, self._base[index % len(self._base)])
-
-  def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    indices = [int(i) for i in indices]
-    records = _read_many(self._base, [i % len(self._base) for i in indices])
-    return [self._augment(i, record) for i, record in zip(indices, records)]
-
-  def __repr__(self) -> str:
-    return (
-      f"AugmentedSource({self._description}, repeats={self._repeats}, seed={self._seed}, "
-      f"len={len(self)})"
-    )
-
-
-def _digits_raw(data: ml_collections.ConfigDict) -> dict[str, Any]:
-  return images.digits_sources(
-    upscale=int(data.get("upscale", 1)),
-    seed=int(data.get("split_seed", 0)),
-    test_fraction=float(data.get("test_fraction", 0.2)),
-  )
-
-
-def _tfds_raw(data: ml_collections.ConfigDict) -> dict[str, Any]:
-  return images.tfds_image_sources(data.dataset, data_dir=data.get("data_dir") or None)
-
-
-# Data set → loader of its raw sources ({split: source of {'image', 'label'}}).
-RAW_SOURCES: dict[str, Callable[[ml_collections.ConfigDict], dict[str, Any]]] = {
-  "digits": _digits_raw,
-  "cifar10": _tfds_raw,
-  "imagenet2012": _tfds_raw,
-}
-
-# Data set → side of the model's input images.
-IMAGE_SIDES: dict[str, Callable[[ml_collections.ConfigDict], int]] = {
-  "digits": lambda data: (
-    images.dataset_info("digits")["image_shape"][0] * int(data.get("upscale", 1))
-  ),
-  "cifar10": lambda data: images.dataset_info("cifar10")["image_shape"][0],
-  "imagenet2012": lambda data: int(data.get("image_size", 0) or DEFAULT_IMAGENET_SIZE),
-}
-
-
-def images_metadata(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """``num_classes``, ``image_shape`` (H, W, C) and ``eval_split`` from the config alone."""
-  dataset = config.data.dataset
-  config_lib.choice(RAW_SOURCES, dataset, "image data set")
-  info = images.dataset_info(dataset)
-  side = IMAGE_SIDES[dataset](config.data)
-  return {
-    "num_classes": info["num_classes"],
-    "image_shape": (side, side, info["image_shape"][2]),
-    "eval_split": info["splits"][1],
-  }
-
-
-def build_data(config: ml_collections.ConfigDict):
-  """``({'train', <eval split>} → source, metadata)``; see the module docstring."""
-  metadata = images_metadata(config)
-  data = config.data
-  dataset = data.dataset
-  train_split, eval_split = images.dataset_info(dataset)["splits"]
-  raw = RAW_SOURCES[dataset](data)
-  side = metadata["image_shape"][0]
-  upscale = int(data.get("upscale", 1))
-  train = AugmentedSource(
-    raw[train_split],
-    images.make_preprocess(dataset, train=True, image_size=side, upscale=upscale),
-    seed=config.seed,
-    repeats=int(data.get("augment_repeats", 1)),
-    description=f"{dataset}:{train_split}",
-  )
-  evaluation = PreprocessedSource(
-    raw[eval_split],
-    images.make_preprocess(dataset, train=False, image_size=side, upscale=upscale),
-    description=f"{dataset}:{eval_split}",
-  )
-  return {"train": train, eval_split: evaluation}, metadata
-
-
-def build_model(config: ml_collections.ConfigDict, metadata: Mapping[str, Any]) -> ViT:
-  side = metadata["image_shape"][0]
-  patch = config.model.patch_size
-  if side % patch:
-    raise errors.ConfigError(
-      f"image side {side} of {config.data.dataset!r} is not divisible by "
-      f"config.model.patch_size={patch}; pick a patch size dividing it"
-    )
-  return ViT(
-    num_classes=metadata["num_classes"], **common.model_arguments(config.model, VIT_FIELDS)
-  )
-
-
-TASK = common.register_classification_task("images", build_data, build_model)
-
-
-def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Size and attention cost of an images config (no data is read).
-
-  Returns:
-    ``{'parameters': int, 'attention_flops': float (one image, forward, all layers; see
-    ``primal_dual.analysis.flops``, SH pooling r×r windows of the patch grid),
-    'attention_flops_relative': float (to softmax), 'sequence_length': int (CLS + patches)}``.
-  """
-  metadata = images_metadata(config)
-  model = build_model(config, metadata)
-  parameters = count_parameters(
-    model, jnp.zeros((1, *metadata["image_shape"]), jnp.float32), train=False
-  )
-  side = metadata["image_shape"][0] // config.model.patch_size  # patches per side
-  cost = flops.attention_flops(
-    config.model, seq_len=side * side, grid_shape=(side, side), num_prefix_tokens=1
-  )
-  return {
-    "parameters": parameters,
-    "attention_flops": cost["total"],
-    "attention_flops_relative": cost["relative_to_softmax"],
-    "sequence_length": 1 + side * side,
-  }
+from primal_dual.tasks import images as images_task
+from reproduce import grid
+from primal_dual.models import model_parameter_count
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,11 +108,11 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   **grid.RUN_RECORD_SCHEMA,
   "dataset": (str,),
   "model": (str,),
-  **common.VARIANT_RUN_SCHEMA,
+  **grid.VARIANT_RUN_SCHEMA,
   "eval_split": (str,),
-  "test_accuracy": common.NUMBER,
-  "best_test_accuracy": common.NUMBER,
-  **common.SIZE_AND_COST_SCHEMA,
+  "test_accuracy": grid.NUMBER,
+  "best_test_accuracy": grid.NUMBER,
+  **grid.SIZE_AND_COST_SCHEMA,
 }
 
 
@@ -352,7 +134,7 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
     steps = int(config.num_train_steps)
     model = "runlocal" if args.quick else (args.model or _preset_name(config))
     labels = dict(dataset=args.dataset, model=model)
-    return common.variant_run(
+    return grid.variant_run(
       CONFIG_FILE,
       config_arg,
       labels,
@@ -363,7 +145,7 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
       eval_split=config.selection.split,
     )
 
-  return common.seed_major_runs(args, run)
+  return grid.seed_major_runs(args, run)
 
 
 def _preset_name(config) -> str:
@@ -385,7 +167,7 @@ def record_fn(
   return {
     "test_accuracy": float(metrics[f"{split}/accuracy"]),
     "best_test_accuracy": float(metrics[f"best/{split}_accuracy"]),
-    **common.size_and_cost_fields(model_summary, run),
+    **grid.size_and_cost_fields(model_summary, run),
   }
 
 
@@ -401,7 +183,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     f"{split} acc % (best over evaluations)": grid.field("best_test_accuracy"),
     "wall time (min)": grid.field("wall_time_s"),
   }
-  extra = common.size_and_cost_columns(records, "image")
+  extra = grid.size_and_cost_columns(records, "image")
   datasets, models, steps, seeds, lengths = grid.distinct_values(
     records, "dataset", "model", "steps", "seed", "sequence_length"
   )
@@ -442,5 +224,30 @@ REPRODUCTION = grid.module_reproduction(
   task="images",
   summary="Image classification with softmax, linear, BN, SH and BN+SH attention (ViT/DeiT).",
   quick="tiny model, 4 steps, 2 runs by default",
-  variants=listops_task.GRID_VARIANTS,
+  variants=grid.ATTENTION_FORMS,
 )
+
+
+def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Size and attention cost of an images config (no data is read).
+
+  Returns:
+    ``{'parameters': int, 'attention_flops': float (one image, forward, all layers; see
+    ``primal_dual.analysis.flops``, SH pooling r×r windows of the patch grid),
+    'attention_flops_relative': float (to softmax), 'sequence_length': int (CLS + patches)}``.
+  """
+  metadata = images_task.images_metadata(config)
+  model = images_task.build_model(config, metadata)
+  parameters = model_parameter_count(
+    model, jnp.zeros((1, *metadata["image_shape"]), jnp.float32), train=False
+  )
+  side = metadata["image_shape"][0] // config.model.patch_size  # patches per side
+  cost = flops.attention_flops(
+    config.model, seq_len=side * side, grid_shape=(side, side), num_prefix_tokens=1
+  )
+  return {
+    "parameters": parameters,
+    "attention_flops": cost["total"],
+    "attention_flops_relative": cost["relative_to_softmax"],
+    "sequence_length": 1 + side * side,
+  }

@@ -19,54 +19,10 @@ import itertools
 import os
 from typing import Any, Mapping, Sequence
 
-import ml_collections
 import numpy as np
 
 from primal_dual.configs import uea as uea_config
-from primal_dual.data import builders
-from primal_dual.experiments import common
-from primal_dual.experiments import grid
-from primal_dual.models import EncoderClassifier
-from primal_dual.training import config_lib
-
-PROTOCOL_SPLITS = {
-  "best_test": {"train": "train", "test": "test"},
-  "clean": {"train": "train_fit", "validation": "validation", "test": "test"},
-}
-
-
-def build_data(config: ml_collections.ConfigDict):
-  data = config.data
-  names = config_lib.choice(PROTOCOL_SPLITS, data.protocol, "UEA protocol")
-  sources = builders.uea_sources(
-    data.dataset,
-    data_dir=data.get("data_dir") or None,
-    manual_dir=data.get("manual_dir") or None,
-    splits=tuple(names.values()),
-    validation_fraction=data.get("validation_fraction", 0.2),
-    split_seed=data.get("split_seed", 0),
-  )
-  info = builders.uea_info(
-    data.dataset, data_dir=data.get("data_dir") or None, manual_dir=data.get("manual_dir") or None
-  )
-  splits = {split: sources[source_split] for split, source_split in names.items()}
-  metadata = {
-    "num_classes": info["num_classes"],
-    "num_channels": info["num_channels"],
-    "max_length": info["max_length"],
-  }
-  return splits, metadata
-
-
-def build_model(config: ml_collections.ConfigDict, metadata: dict) -> EncoderClassifier:
-  return EncoderClassifier(
-    num_classes=metadata["num_classes"],
-    input_kind="dense",
-    **common.model_arguments(config.model, common.ENCODER_FIELDS),
-  )
-
-
-TASK = common.register_classification_task("uea", build_data, build_model)
+from reproduce import grid
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,10 +104,10 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   "model_size": (str,),
   "epochs": (int,),
   "runlocal": (bool,),
-  "test_accuracy": common.NUMBER,
-  "best_epoch_accuracy": common.NUMBER,
+  "test_accuracy": grid.NUMBER,
+  "best_epoch_accuracy": grid.NUMBER,
   "best_epoch_step": (int,),
-  "final_test_accuracy": common.NUMBER,
+  "final_test_accuracy": grid.NUMBER,
   "head_distance_per_layer": (list,),
   "head_distance": _OPTIONAL_NUMBER,
   "redundancy_checkpoint": (str,),
@@ -159,9 +115,9 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   "redundancy_examples": (int,),
   "num_params": (int,),
   "padded_length": (int,),
-  "attention_flops": common.NUMBER,
+  "attention_flops": grid.NUMBER,
   "attention_flops_per_layer": (list,),
-  "attention_flops_relative": common.NUMBER,
+  "attention_flops_relative": grid.NUMBER,
 }
 
 

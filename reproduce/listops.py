@@ -28,91 +28,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 
 from primal_dual.analysis import flops
-from primal_dual.data import listops
-from primal_dual.experiments import common
-from primal_dual.experiments import grid
-from primal_dual.models import EncoderClassifier, parameter_count
-from primal_dual.training import config_lib
-from primal_dual.training import errors
-
-POOLINGS = ("cls", "mean")
-SPLITS = ("train", "validation", "test")
-
-
-def listops_metadata(config: ml_collections.ConfigDict) -> dict[str, int]:
-  """Facts the model needs, from the config alone (no data is read)."""
-  preset = config_lib.choice(listops.PRESETS, config.data.preset, "ListOps preset")
-  return {
-    "num_classes": listops.NUM_CLASSES,
-    "vocab_size": listops.VOCAB_SIZE,
-    "max_length": preset["max_length"],
-  }
-
-
-def build_data(config: ml_collections.ConfigDict):
-  """``({'train', 'validation', 'test'} → source, metadata)``; records as in the data contract."""
-  from primal_dual.data import builders  # pylint: disable=g-import-not-at-top (imports TFDS)
-
-  metadata = listops_metadata(config)
-  data = config.data
-  sources = builders.listops_sources(
-    data.preset, seed=data.get("seed", 0), data_dir=data.get("data_dir") or None, splits=SPLITS
-  )
-  return dict(sources), metadata
-
-
-def build_model(
-  config: ml_collections.ConfigDict, metadata: Mapping[str, Any]
-) -> EncoderClassifier:
-  pooling = config.model.get("pooling", "cls")
-  if pooling not in POOLINGS:
-    raise errors.ConfigError(f"ListOps config.model.pooling={pooling!r}; use one of {POOLINGS}")
-  return EncoderClassifier(
-    num_classes=metadata["num_classes"],
-    input_kind="embed",
-    vocab_size=metadata["vocab_size"],
-    **common.model_arguments(config.model, common.ENCODER_FIELDS),
-  )
-
-
-TASK = common.register_classification_task("listops", build_data, build_model)
-
-
-def count_parameters(model, *example_args, **example_kwargs) -> int:
-  """Number of trainable parameters of a Linen model (shapes only; nothing is computed)."""
-
-  def init(rng):
-    return model.init({"params": rng, "dropout": rng}, *example_args, **example_kwargs)
-
-  return parameter_count(jax.eval_shape(init, jax.random.PRNGKey(0))["params"])
-
-
-def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Size and attention cost of a ListOps config (no data is read).
-
-  Returns:
-    ``{'parameters': int, 'attention_flops': float (one example, forward, all layers),
-    'attention_flops_relative': float (to softmax attention), 'sequence_length': int (padded,
-    CLS included)}``.
-  """
-  metadata = listops_metadata(config)
-  model = build_model(config, metadata)
-  length = metadata["max_length"]
-  tokens = jnp.zeros((1, length), jnp.int32)
-  parameters = count_parameters(model, tokens, mask=jnp.ones((1, length), bool), train=False)
-  prefix = 1 if config.model.pooling == "cls" else 0
-  cost = flops.attention_flops(config.model, seq_len=length, num_prefix_tokens=prefix)
-  return {
-    "parameters": parameters,
-    "attention_flops": cost["total"],
-    "attention_flops_relative": cost["relative_to_softmax"],
-    "sequence_length": length + prefix,
-  }
+from primal_dual.tasks import listops as listops_task
+from reproduce import grid
+from primal_dual.models import model_parameter_count
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,12 +105,12 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
   **grid.RUN_RECORD_SCHEMA,
   "setting": (str,),
   "preset": (str,),
-  **common.VARIANT_RUN_SCHEMA,
-  "test_accuracy": common.NUMBER,
-  "selected_test_accuracy": common.NUMBER,
-  "best_validation_accuracy": common.NUMBER,
+  **grid.VARIANT_RUN_SCHEMA,
+  "test_accuracy": grid.NUMBER,
+  "selected_test_accuracy": grid.NUMBER,
+  "best_validation_accuracy": grid.NUMBER,
   "selected_step": (int,),
-  **common.SIZE_AND_COST_SCHEMA,
+  **grid.SIZE_AND_COST_SCHEMA,
 }
 
 
@@ -209,9 +131,9 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
     )
     steps = int(grid.load_config(CONFIG_FILE, config_arg).num_train_steps)
     labels = dict(setting=args.setting, preset=preset)
-    return common.variant_run(CONFIG_FILE, config_arg, labels, attention, seed, steps, args.quick)
+    return grid.variant_run(CONFIG_FILE, config_arg, labels, attention, seed, steps, args.quick)
 
-  return common.seed_major_runs(args, run)
+  return grid.seed_major_runs(args, run)
 
 
 def record_fn(
@@ -224,7 +146,7 @@ def record_fn(
     "selected_test_accuracy": float(metrics["selected/test_accuracy"]),
     "best_validation_accuracy": float(metrics["best/validation_accuracy"]),
     "selected_step": int(metrics["selected/step"]),
-    **common.size_and_cost_fields(model_summary, run),
+    **grid.size_and_cost_fields(model_summary, run),
   }
 
 
@@ -245,7 +167,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "test acc % (validation-selected)": grid.field("selected_test_accuracy"),
     "wall time (min)": grid.field("wall_time_s"),
   }
-  extra = {**common.size_and_cost_columns(records, "example"), REFERENCE_HEADER: reference}
+  extra = {**grid.size_and_cost_columns(records, "example"), REFERENCE_HEADER: reference}
   presets, steps, seeds, lengths = grid.distinct_values(
     records, "preset", "steps", "seed", "sequence_length"
   )
@@ -285,12 +207,33 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
-# --variants: all five attention forms (shared with images.py); by default softmax and SH.
-GRID_VARIANTS = grid.VariantChoice(("softmax", "linear", "bn", "sh", "bn_sh"), ("softmax", "sh"))
 REPRODUCTION = grid.module_reproduction(
   __name__,
   task="listops",
   summary="ListOps (LRA) accuracy and attention cost for softmax, linear, BN, SH and BN+SH.",
   quick="tiny preset and model, 4 steps, 2 runs by default",
-  variants=GRID_VARIANTS,
+  variants=grid.ATTENTION_FORMS,
 )
+
+
+def model_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Size and attention cost of a ListOps config (no data is read).
+
+  Returns:
+    ``{'parameters': int, 'attention_flops': float (one example, forward, all layers),
+    'attention_flops_relative': float (to softmax attention), 'sequence_length': int (padded,
+    CLS included)}``.
+  """
+  metadata = listops_task.listops_metadata(config)
+  model = listops_task.build_model(config, metadata)
+  length = metadata["max_length"]
+  tokens = jnp.zeros((1, length), jnp.int32)
+  parameters = model_parameter_count(model, tokens, mask=jnp.ones((1, length), bool), train=False)
+  prefix = 1 if config.model.pooling == "cls" else 0
+  cost = flops.attention_flops(config.model, seq_len=length, num_prefix_tokens=prefix)
+  return {
+    "parameters": parameters,
+    "attention_flops": cost["total"],
+    "attention_flops_relative": cost["relative_to_softmax"],
+    "sequence_length": length + prefix,
+  }

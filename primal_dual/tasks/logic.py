@@ -30,9 +30,8 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 
 from __future__ import annotations
 
-import argparse
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +40,9 @@ import numpy as np
 
 from primal_dual.data import generated
 from primal_dual.data import logic
-from primal_dual.experiments import common
-from primal_dual.experiments import grid
-from primal_dual.experiments import sraven as sraven_task
-from primal_dual.experiments.sraven import SEQUENCE_FIELDS, example_weights, weighted_sum
+from primal_dual.tasks import _common as common
 from primal_dual.models import SequenceTransformer
-from primal_dual.training import tasks as tasks_lib
+from primal_dual.training import task_registry
 
 EVAL_SPLITS = ("validation", "test", "ood")
 TRAIN_FIELDS = ("inputs", "target", "task_variance")
@@ -77,10 +73,10 @@ def logic_loss_and_metrics(
   predictions = outputs[:, -1, 0].astype(jnp.float32)
   targets = batch["target"].astype(jnp.float32)
   variance = batch["task_variance"].astype(jnp.float32)
-  weights = example_weights(batch, targets.shape[0])
+  weights = common.example_weights(batch, targets.shape[0])
   squared_error = jnp.square(predictions - targets)
   count = weights.sum()
-  sse = weighted_sum(squared_error, weights)
+  sse = common.weighted_sum(squared_error, weights)
   sequence_variance = sequence_target_variance(batch["inputs"], targets)
   sequence_r2 = jnp.where(
     sequence_variance > 0,
@@ -90,8 +86,8 @@ def logic_loss_and_metrics(
   return sse / jnp.maximum(count, 1.0), {
     "loss": (sse, count),
     "mse": (sse, count),
-    "r2": (weighted_sum(variance - squared_error, weights), weighted_sum(variance, weights)),
-    "r2_per_sequence": (weighted_sum(sequence_r2, weights), count),
+    "r2": (common.weighted_sum(variance - squared_error, weights), common.weighted_sum(variance, weights)),
+    "r2_per_sequence": (common.weighted_sum(sequence_r2, weights), count),
   }
 
 
@@ -205,7 +201,7 @@ def build_data(config: ml_collections.ConfigDict):
     chunk_size=data.get("chunk_size", 8192),
     fields=TRAIN_FIELDS,
   )
-  splits = {"train": tasks_lib.LazySplit(train)}  # built only when training reads it
+  splits = {"train": task_registry.LazySplit(train)}  # built only when training reads it
   for split in EVAL_SPLITS:
     size = data.get(f"num_{split}", 0)
     if size > 0:
@@ -234,108 +230,7 @@ def device_train_stream(
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   del metadata
-  return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, SEQUENCE_FIELDS))
+  return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, common.SEQUENCE_FIELDS))
 
 
-TASK = sraven_task.register_sequence_task(__name__, logic_loss_and_metrics, "r2")
-
-
-# ------------------------------------------------------------------------------------------------
-# The reproduction grid (``primal-dual reproduce logic``): sRAVEN's plan, flags and report pieces.
-
-GRID_COMMANDS = r"""
-Runs the grid (``primal_dual/configs/logic.py``, one workdir per run under ``--root``): the preset's
-main variants × seeds 0, 1, 2 and its ablations × seed 0 (``sraven.GRID_VARIANTS``). For
-every run it records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's
-OOD), ``ood`` (held-out conjunctions) and ``validation`` at the checkpoint selected on validation R²
-(both definitions: against each task's variance, and the paper's per-sequence mean), the last
-evaluation's values, the learning curve, the median logged steps/s (first log period, which includes
-compilation, left out) and the wall time; it writes ``--results`` (default results/logic.json), the
-same path with ``.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for
-the reference scale) and with ``_curves.png``.
-
-""" + sraven_task.sequence_grid_commands(
-  "logic",
-  cpu="""CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
-(primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).""",
-  paper="""The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
-accelerator.""",
-  resume="Re-running the same command resumes (finished runs are reused, unfinished ones continue).",
-)
-CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
-CURVE_FIGURE = sraven_task.CurveFigure(
-  title="Fuzzy-logic learning curves",
-  ylabel="R²",
-  panel_titles=("unseen combinations (test)", "held-out conjunctions (ood)"),
-)
-REFERENCE_COMMAND = (
-  "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
-  "--results=results/paper/logic.json"
-)
-REFERENCE_SINGLE_RUN = (
-  "python train.py --config=primal_dual/configs/logic.py:preset=paper,"
-  "attention=hyla,seed=0 --workdir=workdirs/logic_paper_hyla"
-)
-
-
-# Record fields holding the metric of the same name at the selected checkpoint (selected/<name>).
-SELECTED_FIELDS = (
-  "test_r2",
-  "ood_r2",
-  "validation_r2",
-  "test_mse",
-  "test_r2_per_sequence",
-  "ood_r2_per_sequence",
-)
-
-
-def record_fn(
-  run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
-) -> dict[str, Any]:
-  """A record's task fields: R² of the selected checkpoint, curve and speed of a run."""
-  del run, args
-  return {
-    **{name: float(metrics[f"selected/{name}"]) for name in SELECTED_FIELDS},
-    "selected_step": int(metrics["selected/step"]),
-    "final_test_r2": float(metrics["test/r2"]),
-    "final_ood_r2": float(metrics["ood/r2"]),
-    **sraven_task.progress_fields(workdir, CURVE_METRICS),
-  }
-
-
-def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
-  columns = {
-    "validation R²": grid.field("validation_r2"),
-    "test R² (unseen combinations)": grid.field("test_r2"),
-    "OOD R² (held-out conjunctions)": grid.field("ood_r2"),
-    "OOD R² last eval": grid.field("final_ood_r2"),
-    "test R² per sequence (paper's R²)": grid.field("test_r2_per_sequence"),
-    "OOD R² per sequence": grid.field("ood_r2_per_sequence"),
-    "steps/s": grid.field("steps_per_second"),
-    "wall time (min)": grid.field("wall_time_s"),
-  }
-  scales = {name: 1.0 for name in columns}
-  scales["wall time (min)"] = 1 / 60
-  presets = sorted({str(r["preset"]) for r in records})
-  lines = [
-    "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
-    sraven_task.environment_line(command, records) + f" Preset: {', '.join(presets)} "
-    "(primal_dual/configs/logic.py). Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
-    "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
-    "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
-    "of the same name; curves: the _curves.png next to it.\n",
-    grid.summary_table(records, ("attention",), columns, scales),
-    "\n" + sraven_task.speed_ratio_line(records) + "\n",
-    "\n## Reference scale (accelerator)\n",
-    "The HYLA paper's setup (model d 128, 8 heads of q/k/v width 16, 2 layers; n = 4 "
-    "variables, 2 terms, sequences of 32, 70% of the term sets held out; 50k steps of batch "
-    "128) is the `paper` preset, meant for an accelerator:\n",
-    f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
-  ]
-  return "\n".join(lines)
-
-
-FLAGS = sraven_task.SEQUENCE_GRID_FLAGS
-REPRODUCTION = sraven_task.sequence_reproduction(
-  __name__, "The fuzzy-logic comparison: HYLA against softmax and linear attention (R²)."
-)
+TASK = common.register_sequence_task(__name__, logic_loss_and_metrics, "r2")

@@ -1,0 +1,139 @@
+"""The 'logic' task: in-context regression of fuzzy-logic functions (docs/maths.md §4).
+
+Data (``primal_dual.data.logic``). Splits:
+
+  * ``train``: sequences of the train term sets (``data.num_train`` of them, default
+    ``num_train_steps × batch_size``: no sequence repeats);
+  * ``validation``: the same term sets, fresh sequences from their own stream: model selection;
+  * ``test``: **held-out combinations**: term sets never trained on, made of seen conjunctions
+    (what the HYLA paper calls OOD);
+  * ``ood``: **held-out conjunctions**: term sets of held-out conjunctions (``data.ood_term_sets``:
+    only held-out ones, as the paper's code, or any).
+
+Every record gets ``task_variance`` float32 ``[]``: the exact variance of ``y`` for its task
+(``logic.task_moments``), which the metric needs.
+
+Model: ``SequenceTransformer`` with one output; the last position's output predicts the zeroed
+``y`` of the query token.
+
+Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targets ``y_b``:
+
+  * ``loss`` / ``mse``: squared error ``(p_b − y_b)²`` averaged over real examples;
+  * ``r2``: the pair ``(Σ_b (Var_b − (p_b − y_b)²), Σ_b Var_b)``. The trainer adds sums and counts
+    over batches and divides once, so the value it reports is
+    ``1 − Σ_b (p_b − y_b)² / Σ_b Var_b``: exactly ``logic.r_squared`` over the whole split;
+  * ``r2_per_sequence``: the HYLA paper's R², ``mean_b (1 − (p_b − y_b)² / var_b)`` with ``var_b``
+    the (population) variance of sequence b's ``seq_len`` targets, query included
+    (``sequence_target_variance``); a sequence whose targets are all equal (variance 0, which
+    continuous inputs make a null event) counts 0 instead of dividing by zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping, Sequence
+
+
+from reproduce import grid
+from reproduce import hyla_paper
+
+
+# ------------------------------------------------------------------------------------------------
+# The reproduction grid (``primal-dual reproduce logic``): sRAVEN's plan, flags and report pieces.
+
+GRID_COMMANDS = r"""
+Runs the grid (``primal_dual/configs/logic.py``, one workdir per run under ``--root``): the preset's
+main variants × seeds 0, 1, 2 and its ablations × seed 0 (``sraven.GRID_VARIANTS``). For
+every run it records R² on ``test`` (held-out combinations of seen conjunctions: the HYLA paper's
+OOD), ``ood`` (held-out conjunctions) and ``validation`` at the checkpoint selected on validation R²
+(both definitions: against each task's variance, and the paper's per-sequence mean), the last
+evaluation's values, the learning curve, the median logged steps/s (first log period, which includes
+compilation, left out) and the wall time; it writes ``--results`` (default results/logic.json), the
+same path with ``.md`` (mean ± std over seeds, HYLA/softmax step-time ratio, the GPU command for
+the reference scale) and with ``_curves.png``.
+
+""" + hyla_paper.sequence_grid_commands(
+  "logic",
+  cpu="""CPU preset: 11 runs of 6000 steps; softmax ~7 min per run at the speed measured under load
+(primal_dual/configs/logic.py), HYLA ~3× that: ~2.5-3 h in all (estimated from those speeds).""",
+  paper="""The paper's setup (primal_dual/configs/logic.py `paper`: 50k steps of batch 128), for an
+accelerator.""",
+  resume="Re-running the same command resumes (finished runs are reused, unfinished ones continue).",
+)
+CURVE_METRICS = ("test/r2", "ood/r2", "validation/r2")
+CURVE_FIGURE = hyla_paper.CurveFigure(
+  title="Fuzzy-logic learning curves",
+  ylabel="R²",
+  panel_titles=("unseen combinations (test)", "held-out conjunctions (ood)"),
+)
+REFERENCE_COMMAND = (
+  "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
+  "--results=results/paper/logic.json"
+)
+REFERENCE_SINGLE_RUN = (
+  "python train.py --config=primal_dual/configs/logic.py:preset=paper,"
+  "attention=hyla,seed=0 --workdir=workdirs/logic_paper_hyla"
+)
+
+
+# Record fields holding the metric of the same name at the selected checkpoint (selected/<name>).
+SELECTED_FIELDS = (
+  "test_r2",
+  "ood_r2",
+  "validation_r2",
+  "test_mse",
+  "test_r2_per_sequence",
+  "ood_r2_per_sequence",
+)
+
+
+def record_fn(
+  run: grid.GridRun, metrics: Mapping[str, Any], workdir: str, args: argparse.Namespace
+) -> dict[str, Any]:
+  """A record's task fields: R² of the selected checkpoint, curve and speed of a run."""
+  del run, args
+  return {
+    **{name: float(metrics[f"selected/{name}"]) for name in SELECTED_FIELDS},
+    "selected_step": int(metrics["selected/step"]),
+    "final_test_r2": float(metrics["test/r2"]),
+    "final_ood_r2": float(metrics["ood/r2"]),
+    **hyla_paper.progress_fields(workdir, CURVE_METRICS),
+  }
+
+
+def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
+  columns = {
+    "validation R²": grid.field("validation_r2"),
+    "test R² (unseen combinations)": grid.field("test_r2"),
+    "OOD R² (held-out conjunctions)": grid.field("ood_r2"),
+    "OOD R² last eval": grid.field("final_ood_r2"),
+    "test R² per sequence (paper's R²)": grid.field("test_r2_per_sequence"),
+    "OOD R² per sequence": grid.field("ood_r2_per_sequence"),
+    "steps/s": grid.field("steps_per_second"),
+    "wall time (min)": grid.field("wall_time_s"),
+  }
+  scales = {name: 1.0 for name in columns}
+  scales["wall time (min)"] = 1 / 60
+  presets = sorted({str(r["preset"]) for r in records})
+  lines = [
+    "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
+    hyla_paper.environment_line(command, records) + f" Preset: {', '.join(presets)} "
+    "(primal_dual/configs/logic.py). Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
+    "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
+    "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
+    "of the same name; curves: the _curves.png next to it.\n",
+    grid.summary_table(records, ("attention",), columns, scales),
+    "\n" + hyla_paper.speed_ratio_line(records) + "\n",
+    "\n## Reference scale (accelerator)\n",
+    "The HYLA paper's setup (model d 128, 8 heads of q/k/v width 16, 2 layers; n = 4 "
+    "variables, 2 terms, sequences of 32, 70% of the term sets held out; 50k steps of batch "
+    "128) is the `paper` preset, meant for an accelerator:\n",
+    f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
+  ]
+  return "\n".join(lines)
+
+
+FLAGS = hyla_paper.SEQUENCE_GRID_FLAGS
+REPRODUCTION = hyla_paper.sequence_reproduction(
+  __name__, "The fuzzy-logic comparison: HYLA against softmax and linear attention (R²)."
+)
