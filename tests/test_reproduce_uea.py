@@ -17,7 +17,6 @@ import cli_helpers
 import helpers
 
 from reproduce import grid
-from primal_dual.tasks import uea as uea_task
 from reproduce import uea as uea_study
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +67,7 @@ def grid_runs(tmp_path_factory):
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(grid, "train_one", counted_train)
-    patch.setattr(uea_task, "analyse_workdir", counted_analyse)
+    patch.setattr(uea_study, "analyse_workdir", counted_analyse)
     assert _main(args + ["--protocols=best_test"]) == 0
     after_first = copy.deepcopy(calls)
     # --report_only tabulates the finished run and trains nothing.
