@@ -1,21 +1,50 @@
-"""Files written whole or not at all: a crash or a full disk never leaves half a file behind
-(the text goes to `<path>.tmp`, which then replaces `path` in one rename)."""
+"""Files written whole or not at all: a crash or a full disk never leaves half a file behind.
 
+Each writer fills a temporary file of a unique name beside the target, then replaces the target
+in one rename (two processes writing the same path never share a temporary file).
+"""
+
+import contextlib
 import json
 import os
-from typing import Any
+import tempfile
+from typing import Any, Callable, Iterator
 
 
-def write_text(path: str, text: str) -> str:
-  """Writes `text` to `path` atomically, creating the parent folder; returns `path`."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
+@contextlib.contextmanager
+def replacing(path: str) -> Iterator[str]:
+  """Yields a temporary path beside ``path`` to write; on success it replaces ``path``, on error
+  it is removed and ``path`` is left as it was. Creates the parent folder."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+  os.close(fd)
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
+
+
+def write_with(path: str, write: Callable[[str], Any]) -> str:
+  """``write(tmp_path)`` (e.g. a figure's ``savefig``) made atomic for ``path``; returns ``path``."""
+  with replacing(path) as tmp:
+    write(tmp)
   return path
 
 
+def write_text(path: str, text: str) -> str:
+  """Writes ``text`` to ``path`` atomically, creating the parent folder; returns ``path``."""
+
+  def write(tmp: str) -> None:
+    with open(tmp, "w") as f:
+      f.write(text)
+
+  return write_with(path, write)
+
+
 def write_json(path: str, payload: Any, *, indent: int = 2) -> str:
-  """`payload` as JSON (sorted keys, `indent`) written atomically to `path`; returns `path`."""
+  """``payload`` as JSON (sorted keys, ``indent``) written atomically to ``path``; returns it."""
   return write_text(path, json.dumps(payload, indent=indent, sort_keys=True))

@@ -818,8 +818,7 @@ def reproduce(reproduction: Reproduction, argv: Sequence[str] | None = None) -> 
     markdown_path,
     report_only=args.report_only,
   )
-  with open(markdown_path, "w") as f:
-    f.write(reproduction.markdown_report(records, command))
+  atomic.write_text(markdown_path, reproduction.markdown_report(records, command))
   written = [args.results, markdown_path]
   if reproduction.write_figures is not None:
     written += reproduction.write_figures(records, args)

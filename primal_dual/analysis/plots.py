@@ -10,6 +10,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from primal_dual import atomic
+
 
 def pyplot():
   """``matplotlib.pyplot`` on the non-interactive Agg backend (imported on first use)."""
@@ -22,9 +24,15 @@ def pyplot():
 
 
 def save_figure(fig, path, *, dpi: int = 110, tight_bbox: bool = True) -> str:
-  """Writes ``fig`` to ``path`` (creating its folder), closes it and returns ``path``."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=dpi, bbox_inches="tight" if tight_bbox else None)
+  """Writes ``fig`` to ``path`` atomically (creating its folder), closes it and returns ``path``;
+  the format follows ``path``'s extension."""
+  file_format = os.path.splitext(path)[1].lstrip(".") or "png"
+  atomic.write_with(
+    path,
+    lambda tmp: fig.savefig(
+      tmp, format=file_format, dpi=dpi, bbox_inches="tight" if tight_bbox else None
+    ),
+  )
   pyplot().close(fig)
   return path
 
