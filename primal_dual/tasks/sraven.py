@@ -22,11 +22,10 @@ Loss and metrics (``sraven_loss_and_metrics``), for logits ``[B, F, V]`` and tar
   * ``feature_accuracy``: share of correct features (the mean over ``F`` per problem, then over
     problems).
 
-Training problems are generated on the fly (one jitted call per record: 0.27 ms on this 2-core
-CPU) or, with ``data.materialize_train``, generated up front in batches of ``data.chunk_size``
-(8192 problems in about 0.06 s) and stored compactly (tokens as int8): reading a record is then
-14 µs. The stored problems are exactly those of the stream, so the two modes train on the same
-data. (grain's own overhead, about 0.3 ms per record here, remains either way.)
+Training problems are generated on the fly (one jitted call per record), on the device inside the
+training step (``config.train_data_on_device``), or, with ``data.materialize_train``, up front in
+batches of ``data.chunk_size`` and stored compactly (tokens as int8), so that reading a record is a
+slice. The stored problems are exactly those of the stream, so every mode trains on the same data.
 """
 
 from __future__ import annotations
