@@ -262,6 +262,12 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     state = (
       states[0] if experiment.seeds is None else _stack_states(states, experiment.run_shardings)
     )
+    if jax.process_index() == 0:
+      print(
+        f'resuming from step {start_step} (checkpoint in '
+        f'{os.path.join(runs[0].workdir, checkpointing.CHECKPOINT_DIR)})',
+        flush=True,
+      )
   for run in runs:
     # Only now, with the checkpoint restored or the state initialised, is the config known to
     # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
@@ -274,7 +280,10 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     for manager in (run.checkpointer, run.selected_checkpointer):
       if manager is not None:
         manager.delete_after(start_step)
-    run.writer = metrics_logging.MetricWriter(run.workdir)
+    # TensorBoard hides what the crashed run logged after the checkpoint (written again).
+    run.writer = metrics_logging.MetricWriter(
+      run.workdir, purge_step=start_step + 1 if start_step else None
+    )
 
   progress = metrics_logging.ProgressBar(
     experiment.total_steps, min(start_step, experiment.total_steps), enabled=config.progress_bar
