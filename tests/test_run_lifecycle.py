@@ -3,12 +3,20 @@ evaluating a workdir while it trains, changing the optimizer of a stopped run, a
 selection settings that cannot work."""
 
 import os
+import shutil
+import threading
+import time
 
+import jax
 import numpy as np
 import pytest
 
 import helpers
+from primal_dual.training import checkpointing
+from primal_dual.training import errors
+from primal_dual.training import evaluation
 from primal_dual.training import metrics_logging
+from primal_dual.training import setup
 from primal_dual.training import sharding
 from primal_dual.training import trainer
 
@@ -67,3 +75,85 @@ def test_a_new_run_says_nothing_about_resuming(tmp_path, capsys):
   trainer.train_and_evaluate(tiny_config(num_train_steps=2), str(tmp_path))
   assert 'resuming' not in capsys.readouterr().out
   assert np.isfinite(metrics_logging.read_metrics(str(tmp_path))[-1]['train/loss'])
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluating a workdir that is training.
+
+
+def test_evaluation_leaves_unfinished_checkpoints_alone(tmp_path):
+  """An unfinished save (a `*.orbax-checkpoint-tmp*` folder) may belong to a run training right
+  now: evaluation (and any read-only restore) neither removes it nor writes checkpoints."""
+  workdir = str(tmp_path)
+  trainer.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  checkpoints = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+  in_flight = os.path.join(checkpoints, '8.orbax-checkpoint-tmp-1700000000')
+  os.makedirs(os.path.join(in_flight, 'state'))
+  before = sorted(os.listdir(checkpoints))
+  report = evaluation.evaluate_workdir(workdir)
+  assert report['step'] == 4
+  assert sorted(os.listdir(checkpoints)) == before
+  assert os.path.isdir(os.path.join(in_flight, 'state'))
+  with checkpointing.Checkpointer(checkpoints, read_only=True) as checkpointer:
+    with pytest.raises(RuntimeError, match='read-only'):
+      checkpointer.delete_after(0)
+  assert sorted(os.listdir(checkpoints)) == before
+
+
+def _final_params(workdir: str, config):
+  experiment = setup.build_experiment(setup.resolve_config(config), for_training=False)
+  with checkpointing.Checkpointer(
+    os.path.join(workdir, checkpointing.CHECKPOINT_DIR), read_only=True
+  ) as checkpointer:
+    state, _ = checkpointer.restore(None, experiment.restore_target())
+  return jax.device_get(state.params)
+
+
+def test_evaluating_while_training_leaves_the_run_as_it_would_have_been(tmp_path):
+  config = tiny_config(num_train_steps=12, checkpoint_every_steps=1, async_checkpointing=True)
+  reference = trainer.train_and_evaluate(config, str(tmp_path / 'reference'))
+  workdir = str(tmp_path / 'watched')
+  outcome = {}
+
+  def train():
+    try:
+      outcome['final'] = trainer.train_and_evaluate(config, workdir)
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome['error'] = e
+
+  thread = threading.Thread(target=train)
+  thread.start()
+  evaluations = 0
+  while thread.is_alive():
+    try:
+      evaluation.evaluate_workdir(workdir, splits=('test',))
+      evaluations += 1
+    except errors.CheckpointNotFoundError:
+      time.sleep(0.05)  # no config.json or no checkpoint yet
+  thread.join()
+  assert 'error' not in outcome, outcome.get('error')
+  assert evaluations > 0
+
+  def without_timing(metrics):
+    return {k: v for k, v in metrics.items() if 'steps_per_second' not in k}
+
+  assert without_timing(outcome['final']) == without_timing(reference)
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    _final_params(str(tmp_path / 'reference'), config),
+    _final_params(workdir, config),
+  )
+
+
+def test_evaluating_a_multi_seed_workdir_names_its_seed_folders(tmp_path):
+  """The layout `config.seeds` leaves: a workdir per seed, `seed_<s>`, and none at the top."""
+  workdir = str(tmp_path)
+  trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, 'seed_0'))
+  shutil.copytree(os.path.join(workdir, 'seed_0'), os.path.join(workdir, 'seed_3'))
+  with pytest.raises(errors.WorkdirError) as info:
+    evaluation.evaluate_workdir(workdir)
+  assert str(info.value) == (
+    f'workdir {workdir} holds one run per seed (seed_0, seed_3); evaluate one of them, '
+    f'e.g. --workdir={workdir}/seed_0'
+  )
+  assert evaluation.evaluate_workdir(os.path.join(workdir, 'seed_3'))['step'] == 2

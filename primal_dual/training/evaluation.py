@@ -110,6 +110,27 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
   raise errors.ConfigError(f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
 
 
+def _refuse_multi_seed_workdir(workdir: str) -> None:
+  """A workdir of `config.seeds` holds one workdir per seed (`seed_<s>/`) and no config of its
+  own: say which folders to evaluate instead of "config.json not found".
+
+  Raises:
+    errors.WorkdirError: `workdir` has no config.json but `seed_<s>` sub-workdirs.
+  """
+  if os.path.exists(os.path.join(workdir, 'config.json')) or not os.path.isdir(workdir):
+    return
+  seeds = sorted(
+    name
+    for name in os.listdir(workdir)
+    if name.startswith('seed_') and os.path.exists(os.path.join(workdir, name, 'config.json'))
+  )
+  if seeds:
+    raise errors.WorkdirError(
+      f'workdir {workdir} holds one run per seed ({", ".join(seeds)}); evaluate one of them, '
+      f'e.g. --workdir={os.path.join(workdir, seeds[0])}'
+    )
+
+
 def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
   """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
 
@@ -123,13 +144,16 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
     errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
+    errors.WorkdirError: `workdir` holds one sub-workdir per seed (`seed_<s>`) instead.
   """
   directory, step = _checkpoint_location(checkpoint)
   workdir = os.path.abspath(workdir)
+  _refuse_multi_seed_workdir(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   experiment = build_experiment(config, for_training=False)
+  # Read-only: the workdir may be training right now, and its unfinished saves must stay.
   with checkpointing.Checkpointer(
-    os.path.join(workdir, directory), keep=None, async_save=False
+    os.path.join(workdir, directory), keep=None, async_save=False, read_only=True
   ) as checkpointer:
     state, _ = checkpointer.restore(step, experiment.restore_target())
   return experiment, state
