@@ -16,8 +16,10 @@ from primal_dual.training import checkpointing
 from primal_dual.training import errors
 from primal_dual.training import evaluation
 from primal_dual.training import metrics_logging
+from primal_dual.training import selection
 from primal_dual.training import setup
 from primal_dual.training import sharding
+from primal_dual.training import tasks
 from primal_dual.training import trainer
 
 tiny_config = helpers.tiny_config
@@ -157,3 +159,30 @@ def test_evaluating_a_multi_seed_workdir_names_its_seed_folders(tmp_path):
     f'e.g. --workdir={workdir}/seed_0'
   )
   assert evaluation.evaluate_workdir(os.path.join(workdir, 'seed_3'))['step'] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Model selection settings.
+
+
+def test_selection_on_the_loss_selects_the_lowest_loss(tmp_path):
+  config = tiny_config(**{'selection.metric': 'loss'})
+  task = tasks.get_task('synthetic')
+  assert selection.make_tracker(setup.resolve_config(config), task).mode == 'min'
+  final = trainer.train_and_evaluate(config, str(tmp_path))
+  losses = {
+    r['step']: r['validation/loss']
+    for r in metrics_logging.read_metrics(str(tmp_path))
+    if 'validation/loss' in r
+  }
+  assert len(set(losses.values())) > 1  # otherwise any rule would pick the same value
+  assert final['selected/validation_loss'] == min(losses.values())
+  assert final['selected/step'] == min(losses, key=losses.get)
+  assert final['selected/rule'].startswith('min validation loss')
+
+
+def test_a_selection_metric_the_task_lacks_is_refused_before_anything_is_written(tmp_path):
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(errors.ConfigError, match=r"'f1' is not a metric .* reports accuracy, loss$"):
+    trainer.train_and_evaluate(tiny_config(**{'selection.metric': 'f1'}), workdir)
+  assert os.listdir(workdir) == []

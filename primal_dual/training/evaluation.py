@@ -2,6 +2,7 @@
 reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved workdir
 (`restore_workdir`, `evaluate_workdir`), which never builds the training split."""
 
+import functools
 import os
 from typing import Any, Mapping
 
@@ -13,6 +14,7 @@ from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import sharding
+from primal_dual.training import steps
 from primal_dual.training.setup import Experiment, build_experiment, resolve_config
 from primal_dual.training.steps import TrainState
 
@@ -83,6 +85,17 @@ def evaluate(
     split → metric name → mean over the split's examples.
   """
   return evaluate_runs(experiment, state, split_names)[0]
+
+
+def reported_metrics(experiment: Experiment) -> frozenset[str]:
+  """The metric names an evaluation of `experiment` reports (per split), found by tracing the
+  eval step on one batch of the first evaluation split (nothing is compiled or run)."""
+  splits = experiment.eval_splits or (experiment.config.selection.split,)
+  batch = next(iter(experiment.eval_batches(splits[0])))
+  evaluate_one = functools.partial(
+    steps.eval_step, model=experiment.model, loss_fn=experiment.task.loss_and_metrics
+  )
+  return frozenset(jax.eval_shape(evaluate_one, experiment.abstract_state, batch))
 
 
 def flatten_results(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

@@ -213,6 +213,11 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
       f'attention={config.model.get("attention", "-")})',
       flush=True,
     )
+  # Checked before anything is written: a selection metric the task does not report would
+  # silently leave out every best/ and selected/ number.
+  selection.selection_metric_and_mode(
+    config, experiment.task, evaluation.reported_metrics(experiment)
+  )
   runs = _runs_of(config, workdir, experiment.seeds)
   try:
     return _train_runs(experiment, runs, num_parameters)
