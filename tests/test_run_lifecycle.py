@@ -2,6 +2,7 @@
 evaluating a workdir while it trains, changing the optimizer of a stopped run, and model
 selection settings that cannot work."""
 
+import json
 import os
 import shutil
 import threading
@@ -21,6 +22,7 @@ from primal_dual.training import setup
 from primal_dual.training import sharding
 from primal_dual.training import tasks
 from primal_dual.training import trainer
+from primal_dual.training import workdir as workdir_lib
 
 tiny_config = helpers.tiny_config
 
@@ -186,3 +188,84 @@ def test_a_selection_metric_the_task_lacks_is_refused_before_anything_is_written
   with pytest.raises(errors.ConfigError, match=r"'f1' is not a metric .* reports accuracy, loss$"):
     trainer.train_and_evaluate(tiny_config(**{'selection.metric': 'f1'}), workdir)
   assert os.listdir(workdir) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Continuing with changed optimizer settings.
+
+
+def test_a_run_continues_with_a_changed_learning_rate_only_when_asked(tmp_path, capsys):
+  workdir = str(tmp_path)
+  trainer.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  lower = {'num_train_steps': 8, 'optimizer.lr': 0.01, 'optimizer.schedule': 'constant'}
+  with pytest.raises(errors.WorkdirError) as info:
+    trainer.train_and_evaluate(tiny_config(**lower), workdir)
+  message = str(info.value)
+  assert '\n' not in message
+  assert "optimizer.lr 0.05 != 0.01; optimizer.schedule 'warmup_cosine' != 'constant'" in message
+  assert message.endswith('add --config.resume_with_changed_optimizer=True')
+
+  capsys.readouterr()
+  final = trainer.train_and_evaluate(
+    tiny_config(**lower, resume_with_changed_optimizer=True), workdir
+  )
+  assert final['step'] == 8 and final['train/learning_rate'] == pytest.approx(0.01)
+  assert capsys.readouterr().out.count('with changed optimizer settings: optimizer.lr 0.05') == 1
+  with open(os.path.join(workdir, 'experiment.json')) as f:
+    stored = json.load(f)
+  assert stored['definition']['optimizer.lr'] == 0.01
+  assert stored['history'] == [
+    {
+      'step': 4,
+      'changed': {
+        'optimizer.lr': [0.05, 0.01],
+        'optimizer.schedule': ['warmup_cosine', 'constant'],
+      },
+    }
+  ]
+  learning_rates = {
+    r['step']: r['train/learning_rate'] for r in metrics_logging.read_metrics(workdir)
+  }
+  assert learning_rates[6] == pytest.approx(0.01) and learning_rates[2] != pytest.approx(0.01)
+
+
+def test_changes_that_reshape_the_optimizer_state_are_refused_even_when_asked(tmp_path):
+  workdir = str(tmp_path)
+  trainer.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  with pytest.raises(errors.WorkdirError, match=r'optimizer.grad_clip_norm cannot change'):
+    trainer.train_and_evaluate(
+      tiny_config(
+        num_train_steps=8, resume_with_changed_optimizer=True, **{'optimizer.grad_clip_norm': 0.0}
+      ),
+      workdir,
+    )
+  # Another clipping norm keeps the state's structure.
+  final = trainer.train_and_evaluate(
+    tiny_config(
+      num_train_steps=8, resume_with_changed_optimizer=True, **{'optimizer.grad_clip_norm': 0.5}
+    ),
+    workdir,
+  )
+  assert final['step'] == 8
+
+
+def test_the_non_finite_loss_advice_names_a_flag_the_workdir_accepts(tmp_path):
+  """The parameters a diverging run checkpoints are often past saving already; what matters here
+  is that the advice names the flag and that the workdir accepts a lower learning rate with it."""
+  workdir = str(tmp_path)
+  diverging = {
+    'optimizer.lr': 1e30,
+    'checkpoint_every_steps': 1,
+    'log_every_steps': 0,
+    'eval_every_steps': 0,
+    'model.use_batch_norm': False,
+  }
+  with pytest.raises(errors.NonFiniteLossError) as info:
+    trainer.train_and_evaluate(tiny_config(**diverging), workdir)
+  assert '--config.resume_with_changed_optimizer=True' in str(info.value)
+  calmer = dict(diverging, **{'optimizer.lr': 1e-3})
+  with pytest.raises(errors.WorkdirError, match='resume_with_changed_optimizer=True$'):
+    workdir_lib.check_same_experiment(workdir, setup.resolve_config(tiny_config(**calmer)))
+  workdir_lib.check_same_experiment(
+    workdir, setup.resolve_config(tiny_config(**calmer, resume_with_changed_optimizer=True))
+  )

@@ -150,6 +150,9 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.
   config.async_checkpointing = True
+  # Continue a workdir's checkpoint with other `optimizer.*` values (e.g. a lower lr after a
+  # non-finite loss); the change is recorded in experiment.json's `history`.
+  config.resume_with_changed_optimizer = False
   config.progress_bar = True
   # Splits evaluated periodically and at the end; empty: the task's `eval_splits`.
   config.eval_splits = ()  # e.g. ('validation', 'test')

@@ -278,7 +278,14 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
     if jax.process_index() == 0:
       os.makedirs(run.workdir, exist_ok=True)
-      workdir_lib.write_definition(run.workdir, run.config)
+      changes = workdir_lib.write_definition(run.workdir, run.config, start_step)
+      if changes:
+        described = '; '.join(f'{name} {old!r} -> {new!r}' for name, (old, new) in changes.items())
+        print(
+          f'continuing {run.workdir} from step {start_step} with changed optimizer settings: '
+          f'{described} (recorded in {workdir_lib.EXPERIMENT_FILE})',
+          flush=True,
+        )
       config_lib.write_config(run.config, run.workdir)
     # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
     metrics_logging.truncate_metrics_after(run.workdir, start_step)

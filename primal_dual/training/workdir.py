@@ -6,6 +6,9 @@ long they run, how often they log, evaluate or checkpoint, and where their files
 of a workdir stores these fields in `experiment.json`; a later run whose fields differ is refused
 (`check_same_experiment`) before it writes anything, naming the differing fields. Workdirs written
 before `experiment.json` existed are judged by the definition read from their `config.json`.
+The one exception is explicit: `config.resume_with_changed_optimizer` continues a checkpoint with
+other `optimizer.*` values (e.g. a lower learning rate after a non-finite loss), and each such
+change is appended to `experiment.json`'s `history` with the step it took effect at.
 
 Lock. While a run trains, it holds an OS file lock (`filelock`) on `workdir/.lock`, whose content
 `{"pid": ..., "host": ...}` names the holder. A second run on the same workdir is refused; a lock
@@ -121,26 +124,88 @@ def stored_definition(workdir: str) -> dict[str, Any] | None:
   return None
 
 
+# Optimizer fields that decide the structure of the saved optimizer state: a checkpoint cannot be
+# continued with another value (`optimizer.grad_clip_norm` and `weight_decay` add a transformation
+# to the chain only when > 0).
+_STATE_SHAPING = {
+  'optimizer.name': lambda value: value,
+  'optimizer.grad_clip_norm': lambda value: value > 0,
+  'optimizer.weight_decay': lambda value: value > 0,
+}
+
+CHANGED_OPTIMIZER_FLAG = '--config.resume_with_changed_optimizer=True'
+
+
+def optimizer_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, list]:
+  """`{name: [stored, current]}` of the `optimizer.*` fields that differ."""
+  return {
+    name: [stored[name], current.get(name, _UNSET)]
+    for name in sorted(stored)
+    if name.startswith('optimizer.') and stored[name] != current.get(name, _UNSET)
+  }
+
+
 def check_same_experiment(workdir: str, config) -> None:
   """Refuses a config that defines another experiment than the one `workdir` holds.
 
+  With `config.resume_with_changed_optimizer`, differing `optimizer.*` fields are accepted
+  (`write_definition` records them) unless they change the saved optimizer state's structure.
+
   Raises:
-    errors.WorkdirError: the definitions differ; the message names every differing field.
+    errors.WorkdirError: the definitions differ; the message names every differing field, and
+      the flag that continues with other optimizer settings when only those differ.
   """
   stored = stored_definition(workdir)
   if stored is None:
     return
-  diff = differences(stored, definition(config))
-  if diff:
+  current = definition(config)
+  diff = differences(stored, current)
+  if not diff:
+    return
+  changes = optimizer_changes(stored, current)
+  only_optimizer = len(changes) == len(diff)
+  if only_optimizer and config.get('resume_with_changed_optimizer', False):
+    shaping = [
+      name
+      for name, (old, new) in changes.items()
+      if name in _STATE_SHAPING and _STATE_SHAPING[name](old) != _STATE_SHAPING[name](new)
+    ]
+    if not shaping:
+      return
     raise errors.WorkdirError(
-      f'workdir {workdir} holds another experiment: {"; ".join(diff)}; use a new --workdir'
+      f'workdir {workdir}: {", ".join(shaping)} cannot change for a saved run (the optimizer '
+      'state has another structure); use a new --workdir'
     )
+  hint = (
+    f'; to continue its checkpoint with these optimizer settings, add {CHANGED_OPTIMIZER_FLAG}'
+    if only_optimizer
+    else '; use a new --workdir'
+  )
+  raise errors.WorkdirError(f'workdir {workdir} holds another experiment: {"; ".join(diff)}{hint}')
 
 
-def write_definition(workdir: str, config) -> None:
-  """Writes `experiment.json` (atomically): the defining fields and their list."""
+def write_definition(workdir: str, config, step: int = 0) -> dict[str, list]:
+  """Writes `experiment.json` (atomically): the defining fields, their list, and the `history`
+  of accepted optimizer changes, with this run's appended when it continues at `step` with other
+  optimizer settings (`check_same_experiment` accepted them).
+
+  Returns:
+    This run's changes, `{name: [old, new]}` (empty when there are none).
+  """
   path = os.path.join(workdir, EXPERIMENT_FILE)
-  atomic.write_json(path, {'fields': list(DEFINING_FIELDS), 'definition': definition(config)})
+  history = []
+  if os.path.exists(path):
+    with open(path) as f:
+      history = json.load(f).get('history', [])
+  stored, current = stored_definition(workdir), definition(config)
+  changes = {} if stored is None else optimizer_changes(stored, current)
+  if changes:
+    history.append({'step': step, 'changed': changes})
+  payload = {'fields': list(DEFINING_FIELDS), 'definition': current}
+  if history:
+    payload['history'] = history
+  atomic.write_json(path, payload)
+  return changes
 
 
 # ------------------------------------------------------------------------------------------------
