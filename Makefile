@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean
+.PHONY: install lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,5 +56,12 @@ reproduce-sraven: $(STAMP)
 reproduce-logic: $(STAMP)
 	$(PY) scripts/reproduce.py logic --jobs=$(JOBS)
 
+# Prepared data sets (TFDS array_record) live in $TFDS_DATA_DIR or ~/tensorflow_datasets and are
+# shared by every checkout and environment: `clean` keeps them, `clean-data` removes ours.
+TFDS_DATA ?= $(or $(TFDS_DATA_DIR),$(HOME)/tensorflow_datasets)
 clean:
 	rm -rf workdirs .pytest_cache .hypothesis
+	@echo "prepared data sets in $(TFDS_DATA) kept; 'make clean-data' removes them (no job may be using them)"
+
+clean-data:
+	rm -rf $(TFDS_DATA)/uea_multivariate $(TFDS_DATA)/listops

@@ -71,12 +71,15 @@ def _foreign_workdir(tmp_path, config_file) -> str:
   return str(workdir)
 
 
+# Workdir locks this test process holds (an OS lock lasts as long as its holder).
+_HELD_LOCKS = []
+
+
 def _busy_workdir(tmp_path) -> str:
   workdir = tmp_path / 'busy'
-  workdir.mkdir()
-  (workdir / workdir_lib.LOCK_FILE).write_text(
-    json.dumps({'pid': os.getpid(), 'host': socket.gethostname()})
-  )
+  lock = workdir_lib.WorkdirLock(str(workdir))
+  lock.acquire()
+  _HELD_LOCKS.append(lock)
   return str(workdir)
 
 
@@ -164,6 +167,27 @@ CASES = {
     'train.py',
     lambda c, t: [f'--config={c}', f'--workdir={_busy_workdir(t)}'],
     rf'workdir .*busy is in use by process {os.getpid()} on {re.escape(socket.gethostname())}',
+  ),
+  'selection metric the task lacks': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.selection.metric=f1', f'--workdir={t}/run'],
+    r"config\.selection\.metric='f1' is not a metric of task 'synthetic'; it reports accuracy, "
+    r'loss',
+  ),
+  'selection mode typo': (
+    'train.py',
+    lambda c, t: [f'--config={c}', '--config.selection.mode=maximum', f'--workdir={t}/run'],
+    r"config\.selection\.mode='maximum' must be 'max', 'min' or ''",
+  ),
+  'highest loss selected': (
+    'train.py',
+    lambda c, t: [
+      f'--config={c}',
+      '--config.selection.metric=loss',
+      '--config.selection.mode=max',
+      f'--workdir={t}/run',
+    ],
+    r"config\.selection\.mode='max' with metric 'loss' selects the worst checkpoint",
   ),
   'eval of a bad checkpoint name': (
     'eval.py',

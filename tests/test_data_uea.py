@@ -258,3 +258,38 @@ def test_prepared_data_follow_their_source_files(tmp_path):
   assert train_labels(other) == [2, 1, 0]  # another manual_dir: its own files
   with pytest.raises(FileNotFoundError, match="manual_dir .*missing does not exist"):
     builders.uea_sources("JapaneseVowels", data_dir=tfds_dir, manual_dir=tmp_path / "missing")
+
+
+def test_identical_source_files_elsewhere_share_the_prepared_data(tmp_path, monkeypatch):
+  """Two environments (e.g. two virtualenvs with aeon's bundled files) have the same bytes at
+  different paths: the second uses the first one's preparation as it is."""
+  tfds_dir = tmp_path / "tfds"
+  rows = ["1,2,3:10,20,30:10", "3,4,5:30,40,50:9"]
+  for env in ("env_a", "env_b"):
+    _write_ts(tmp_path / env / "Heartbeat" / "Heartbeat_TRAIN.ts", rows)
+    _write_ts(tmp_path / env / "Heartbeat" / "Heartbeat_TEST.ts", ["1,2,3,4,5:10,20:10"])
+  first = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=tmp_path / "env_a")
+  assert _stack(first["train"])["label"].tolist() == [1, 0]
+
+  def no_preparation(*args, **kwargs):
+    raise AssertionError("prepared again")
+
+  monkeypatch.setattr(builders.UeaMultivariate, "download_and_prepare", no_preparation)
+  second = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=tmp_path / "env_b")
+  assert _stack(second["train"])["label"].tolist() == [1, 0]
+
+
+def test_changed_source_files_never_replace_data_a_reader_holds(tmp_path):
+  tfds_dir, manual = tmp_path / "tfds", tmp_path / "manual"
+  rows = ["1,2,3:10,20,30:10", "3,4,5:30,40,50:9"]
+  _write_ts(manual / "Heartbeat" / "Heartbeat_TRAIN.ts", rows)
+  _write_ts(manual / "Heartbeat" / "Heartbeat_TEST.ts", ["1,2,3,4,5:10,20:10"])
+  reader = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual)
+  _write_ts(manual / "Heartbeat" / "Heartbeat_TRAIN.ts", rows[:1] + ["3,4,5:30,40,50:11"])
+  with pytest.raises(ValueError, match="a running job reads them; prepare again once") as info:
+    builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual)
+  assert "\n" not in str(info.value)
+  assert _stack(reader["train"])["label"].tolist() == [1, 0]  # the old data, still readable
+  del reader  # the job ended: now the data are prepared again from the new files
+  again = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual)
+  assert _stack(again["train"])["label"].tolist() == [0, 1]

@@ -5,6 +5,7 @@ End-to-end runs use the registered 'synthetic' task with tiny shapes. Compilatio
 that build the same programs (the uninterrupted, crashed and resumed runs) compile once.
 """
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -764,6 +765,7 @@ def test_workdir_of_an_earlier_version_is_judged_by_its_config_json(uninterrupte
 
 
 def _write_lock(workdir, pid, host):
+  """A lock file as a killed run leaves it: content naming `pid`, but no OS lock held."""
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, workdir_lib.LOCK_FILE), 'w') as f:
     json.dump({'pid': pid, 'host': host}, f)
@@ -775,20 +777,47 @@ def _dead_pid() -> int:
   return process.pid
 
 
+@contextlib.contextmanager
+def _lock_held_by_child(workdir):
+  """Holds `workdir`'s lock in a child process for the duration; yields the child's pid."""
+  code = (
+    'import sys\n'
+    'from primal_dual.training import workdir as w\n'
+    f'lock = w.WorkdirLock({workdir!r}); lock.acquire()\n'
+    'print("held", flush=True); sys.stdin.read()\n'
+  )
+  child = subprocess.Popen(
+    [sys.executable, '-c', code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+  )
+  try:
+    assert child.stdout.readline().strip() == 'held'
+    yield child.pid
+  finally:
+    child.stdin.close()
+    child.wait()
+
+
 def test_a_live_lock_refuses_a_second_run(tmp_path):
   workdir = str(tmp_path)
   host = socket.gethostname()
-  _write_lock(workdir, os.getppid(), host)
-  with pytest.raises(errors.WorkdirError) as info:
-    trainer.train_and_evaluate(tiny_config(), workdir)
-  assert str(info.value).startswith(
-    f'workdir {workdir} is in use by process {os.getppid()} on {host}; '
-  )
-  assert sorted(os.listdir(workdir)) == [workdir_lib.LOCK_FILE]  # nothing else was written
-  # A lock held on another host cannot be checked, so it is respected too.
-  _write_lock(workdir, _dead_pid(), 'another-host')
-  with pytest.raises(errors.WorkdirError, match='in use by process .* on another-host'):
-    workdir_lib.WorkdirLock(workdir).acquire()
+  with _lock_held_by_child(workdir) as pid:
+    with pytest.raises(errors.WorkdirError) as info:
+      trainer.train_and_evaluate(tiny_config(), workdir)
+    assert str(info.value).startswith(f'workdir {workdir} is in use by process {pid} on {host}; ')
+    assert sorted(os.listdir(workdir)) == [workdir_lib.LOCK_FILE]  # nothing else was written
+  # The holder ended: its lock went with it.
+  with workdir_lib.WorkdirLock(workdir):
+    pass
+
+
+def test_a_lock_file_naming_a_live_pid_without_a_lock_is_taken_over(tmp_path):
+  """The pid a killed run left in its lock file may belong to a new, unrelated process."""
+  workdir = str(tmp_path)
+  _write_lock(workdir, os.getppid(), socket.gethostname())  # alive, but holds no lock
+  with workdir_lib.WorkdirLock(workdir):
+    with open(os.path.join(workdir, workdir_lib.LOCK_FILE)) as f:
+      assert json.load(f)['pid'] == os.getpid()
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
 
 
 def test_a_stale_lock_is_taken_over_and_released_on_errors(tmp_path):

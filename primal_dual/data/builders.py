@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -57,10 +58,12 @@ def decoded_sources(
     raise ValueError(
       f"{builder.info.full_name} has no split(s) {missing}; it has {sorted(available)}."
     )
+  pin = _ReaderPin(_readers_path(builder))
   raw = builder.as_data_source(split=list(splits))
   dtypes = _field_dtypes(builder.info.features)
   return {
-    s: DecodedSource(r, dtypes, f"{builder.info.full_name}, split={s}") for s, r in zip(splits, raw)
+    s: DecodedSource(r, dtypes, f"{builder.info.full_name}, split={s}", pin)
+    for s, r in zip(splits, raw)
   }
 
 
@@ -68,7 +71,9 @@ SOURCE_FINGERPRINT_FILE = "source_fingerprint.json"
 
 
 def file_fingerprint(paths: Mapping[str, os.PathLike[str] | str]) -> dict[str, dict[str, Any]]:
-  """``{name: {'path', 'size', 'sha256'}}`` of source files (resolved paths, content hashes)."""
+  """``{name: {'file', 'size', 'sha256'}}`` of source files: their content and file name, never
+  their folder, so identical files in two environments (e.g. aeon's bundled copy in two
+  virtualenvs) share one preparation."""
   out = {}
   for name, path in sorted(paths.items()):
     digest = hashlib.sha256()
@@ -76,11 +81,43 @@ def file_fingerprint(paths: Mapping[str, os.PathLike[str] | str]) -> dict[str, d
       for chunk in iter(lambda: f.read(1 << 20), b""):
         digest.update(chunk)
     out[name] = {
-      "path": os.path.realpath(path),
+      "file": os.path.basename(path),
       "size": os.path.getsize(path),
       "sha256": digest.hexdigest(),
     }
   return out
+
+
+def _content(fingerprint: dict | None) -> dict | None:
+  """What two fingerprints are compared on: size and hash (older ones also stored a path)."""
+  if fingerprint is None:
+    return None
+  return {name: (e.get("size"), e.get("sha256")) for name, e in fingerprint.items()}
+
+
+class _ReaderPin:
+  """A shared file lock on a prepared data set, held while sources read it: a preparation that
+  would replace the files refuses while any process holds one. Pickled copies (loader workers)
+  hold nothing; the parent's pin covers them."""
+
+  def __init__(self, path: str):
+    self._file = open(path, "a")
+    fcntl.flock(self._file, fcntl.LOCK_SH)  # waits for a preparation in progress
+
+  def __getstate__(self):
+    return {}
+
+  def __setstate__(self, state):
+    self._file = None
+
+  def __del__(self):
+    if getattr(self, "_file", None) is not None:
+      self._file.close()
+
+
+def _readers_path(builder) -> str:
+  folder, version = os.path.split(builder.data_dir)
+  return os.path.join(folder, f".{version}.readers")
 
 
 def _stored_fingerprint(builder) -> dict | None:
@@ -94,7 +131,7 @@ def _stored_fingerprint(builder) -> dict | None:
 def _is_current(builder, fingerprint: dict | None) -> bool:
   """Prepared from these sources (``fingerprint`` None: sources unknown, any preparation is)."""
   return builder.is_prepared() and (
-    fingerprint is None or _stored_fingerprint(builder) == fingerprint
+    fingerprint is None or _content(_stored_fingerprint(builder)) == _content(fingerprint)
   )
 
 
@@ -115,7 +152,8 @@ def prepared_builder(
   ``source_fingerprint()`` describes the files a preparation reads (``file_fingerprint``; None when
   they cannot be found, e.g. deleted after preparing). It is stored beside the prepared data; a
   data set prepared from other files (edited, or another ``manual_dir``), or prepared before
-  fingerprints were kept, is prepared again.
+  fingerprints were kept, is prepared again, but never under a process that reads it (its
+  sources hold a shared lock, `_ReaderPin`): that is refused with a ValueError saying what to do.
   """
 
   def open_builder():
@@ -136,16 +174,31 @@ def prepared_builder(
     # Reopened: a builder made before another process finished has no prepared metadata.
     builder = open_builder()
     if not _is_current(builder, fingerprint):
-      if builder.is_prepared():  # prepared from other source files: prepare again
-        shutil.rmtree(builder.data_dir)
-        builder = open_builder()
-      download_config = tfds.download.DownloadConfig(
-        manual_dir=None if manual_dir is None else os.fspath(manual_dir)
-      )
-      builder.download_and_prepare(download_config=download_config)
-      if fingerprint is not None:
-        with open(os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE), "w") as f:
-          json.dump(fingerprint, f, indent=1, sort_keys=True)
+      with open(_readers_path(builder), "a") as readers:
+        if builder.is_prepared():  # prepared from other source files: prepare again
+          try:  # only when no process reads the old files (their sources hold shared locks)
+            fcntl.flock(readers, fcntl.LOCK_EX | fcntl.LOCK_NB)
+          except BlockingIOError:
+            raise ValueError(
+              f"the prepared data in {builder.data_dir} came from other source files and a "
+              "running job reads them; prepare again once it has finished, or set another "
+              "data.data_dir"
+            ) from None
+          shutil.rmtree(builder.data_dir)
+          builder = open_builder()
+        download_config = tfds.download.DownloadConfig(
+          manual_dir=None if manual_dir is None else os.fspath(manual_dir)
+        )
+        print(
+          f"preparing {builder.info.full_name} into {builder.data_dir} (once; later runs reuse "
+          "it; `make clean-data` removes prepared data)",
+          file=sys.stderr,
+          flush=True,
+        )
+        builder.download_and_prepare(download_config=download_config)
+        if fingerprint is not None:
+          with open(os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE), "w") as f:
+            json.dump(fingerprint, f, indent=1, sort_keys=True)
   return builder
 
 

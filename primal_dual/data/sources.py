@@ -63,6 +63,8 @@ class DecodedSource:
   source: Any
   dtypes: Mapping[str, Any]
   description: str
+  # Keeps the prepared files from being rebuilt while this source may read them (builders.py).
+  pin: Any = dataclasses.field(default=None, compare=False)
 
   def __len__(self) -> int:
     return len(self.source)

@@ -48,15 +48,30 @@ class Checkpointer:
     keep: how many of the most recent checkpoints to keep (None: all).
     async_save: write in a background thread. Arrays are copied to host memory before `save`
       returns, so the caller may donate or overwrite the state right away.
+    read_only: only restore (evaluation, analysis): nothing is created, saved or deleted. In
+      particular the unfinished (`*.orbax-checkpoint-tmp*`) folders are left alone: they may be
+      the saves of a run that is training in this workdir right now. Only the trainer, which holds
+      the workdir's lock, removes those its crashed predecessors left.
   """
 
-  def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep: int | None = 3,
+    async_save: bool = True,
+    read_only: bool = False,
+  ):
     self.directory = os.path.abspath(directory)
+    self.read_only = read_only
+    writable = not read_only
     options = ocp.CheckpointManagerOptions(
-      create=True,
+      create=writable,
+      read_only=read_only,
+      save_interval_steps=1 if writable else 0,
       enable_async_checkpointing=async_save,
-      preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
-      cleanup_tmp_directories=True,
+      preservation_policy=ocp.checkpoint_managers.LatestN(n=keep) if writable else None,
+      cleanup_tmp_directories=writable,
       # Orbax names its cross-process barriers by step alone ("async_write_complete.<step>"), so
       # two managers saving the same step at once (the latest and the selected checkpoint) would
       # join the same barrier and hang a multi-process run; the folder name keeps them apart.
@@ -86,6 +101,7 @@ class Checkpointer:
       meta: JSON-serialisable dict (e.g. the evaluation tracker).
       data_iterator: a grain iterator (`get_state`/`set_state`), or None to skip the data item.
     """
+    self._check_writable()
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     if data_iterator is not None:
       grain_save, _ = _grain_args()
@@ -124,8 +140,13 @@ class Checkpointer:
 
   def delete_after(self, step: int) -> None:
     """Deletes checkpoints later than `step` (left by a run that crashed and is now resumed)."""
+    self._check_writable()
     for later in [s for s in self.all_steps() if s > step]:
       self._manager.delete(later)
+
+  def _check_writable(self) -> None:
+    if self.read_only:
+      raise RuntimeError(f'checkpoints in {self.directory} were opened read-only')
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are on disk."""

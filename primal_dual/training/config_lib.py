@@ -150,6 +150,9 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.
   config.async_checkpointing = True
+  # Continue a workdir's checkpoint with other `optimizer.*` values (e.g. a lower lr after a
+  # non-finite loss); the change is recorded in experiment.json's `history`.
+  config.resume_with_changed_optimizer = False
   config.progress_bar = True
   # Splits evaluated periodically and at the end; empty: the task's `eval_splits`.
   config.eval_splits = ()  # e.g. ('validation', 'test')
@@ -192,8 +195,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Checks model sizes and dropout rates, which otherwise fail deep inside a trace (or not at all).
 
   Raises:
-    errors.ConfigError: a field of `POSITIVE_MODEL_FIELDS` that is not an integer > 0, or a
-      `config.model.*dropout_rate` outside [0, 1).
+    errors.ConfigError: a field of `POSITIVE_MODEL_FIELDS` that is not an integer > 0, a
+      `config.model.*dropout_rate` outside [0, 1), or an unknown `config.selection.mode`.
   """
   model = config.get('model') or {}
   for name in POSITIVE_MODEL_FIELDS:
@@ -205,6 +208,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
       continue
     if not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 <= value < 1):
       raise errors.ConfigError(f'config.model.{name}={value!r} must be in [0, 1)')
+  # Checked here, before anything is built: a run that failed later left Orbax threads behind.
+  mode = (config.get('selection') or {}).get('mode', '')
+  if mode not in ('', 'max', 'min'):
+    raise errors.ConfigError(
+      f"config.selection.mode={mode!r} must be 'max', 'min' or '' (the metric's own: 'min' for "
+      'losses)'
+    )
 
 
 def with_fields(

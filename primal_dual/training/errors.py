@@ -42,8 +42,10 @@ class NonFiniteLossError(UserError):
     )
     super().__init__(
       f'training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. '
-      'Lower the learning rate, enable gradient clipping (optimizer.grad_clip_norm) or '
-      'check the inputs for NaN.'
+      'Check the inputs for NaN, or continue from that checkpoint with a lower optimizer.lr or '
+      'another optimizer.grad_clip_norm by re-running with '
+      '--config.resume_with_changed_optimizer=True (turning clipping on or off needs a new '
+      '--workdir).'
     )
     self.step = step
     self.loss = loss

@@ -2,6 +2,7 @@
 reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved workdir
 (`restore_workdir`, `evaluate_workdir`), which never builds the training split."""
 
+import functools
 import os
 from typing import Any, Mapping
 
@@ -13,6 +14,7 @@ from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import sharding
+from primal_dual.training import steps
 from primal_dual.training.setup import Experiment, build_experiment, resolve_config
 from primal_dual.training.steps import TrainState
 
@@ -85,6 +87,17 @@ def evaluate(
   return evaluate_runs(experiment, state, split_names)[0]
 
 
+def reported_metrics(experiment: Experiment) -> frozenset[str]:
+  """The metric names an evaluation of `experiment` reports (per split), found by tracing the
+  eval step on one batch of the first evaluation split (nothing is compiled or run)."""
+  splits = experiment.eval_splits or (experiment.config.selection.split,)
+  batch = next(iter(experiment.eval_batches(splits[0])))
+  evaluate_one = functools.partial(
+    steps.eval_step, model=experiment.model, loss_fn=experiment.task.loss_and_metrics
+  )
+  return frozenset(jax.eval_shape(evaluate_one, experiment.abstract_state, batch))
+
+
 def flatten_results(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
   """split → metric → value as `{'split/metric': value}`."""
   return {
@@ -110,6 +123,27 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
   raise errors.ConfigError(f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
 
 
+def _refuse_multi_seed_workdir(workdir: str) -> None:
+  """A workdir of `config.seeds` holds one workdir per seed (`seed_<s>/`) and no config of its
+  own: say which folders to evaluate instead of "config.json not found".
+
+  Raises:
+    errors.WorkdirError: `workdir` has no config.json but `seed_<s>` sub-workdirs.
+  """
+  if os.path.exists(os.path.join(workdir, 'config.json')) or not os.path.isdir(workdir):
+    return
+  seeds = sorted(
+    name
+    for name in os.listdir(workdir)
+    if name.startswith('seed_') and os.path.exists(os.path.join(workdir, name, 'config.json'))
+  )
+  if seeds:
+    raise errors.WorkdirError(
+      f'workdir {workdir} holds one run per seed ({", ".join(seeds)}); evaluate one of them, '
+      f'e.g. --workdir={os.path.join(workdir, seeds[0])}'
+    )
+
+
 def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
   """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
 
@@ -123,13 +157,16 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
     errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
+    errors.WorkdirError: `workdir` holds one sub-workdir per seed (`seed_<s>`) instead.
   """
   directory, step = _checkpoint_location(checkpoint)
   workdir = os.path.abspath(workdir)
+  _refuse_multi_seed_workdir(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   experiment = build_experiment(config, for_training=False)
+  # Read-only: the workdir may be training right now, and its unfinished saves must stay.
   with checkpointing.Checkpointer(
-    os.path.join(workdir, directory), keep=None, async_save=False
+    os.path.join(workdir, directory), keep=None, async_save=False, read_only=True
   ) as checkpointer:
     state, _ = checkpointer.restore(step, experiment.restore_target())
   return experiment, state

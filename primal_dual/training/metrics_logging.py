@@ -10,8 +10,9 @@ Names are split-prefixed: `train/loss`, `train/learning_rate`, `validation/accur
 callers need no `if jax.process_index() == 0`.
 
 On resume the trainer drops `metrics.jsonl` records later than the restored checkpoint (they are
-written again). TensorBoard event files cannot be edited: a resumed run starts a new event file,
-and TensorBoard shows both versions of the repeated steps.
+written again). TensorBoard event files cannot be edited: a resumed run starts a new event file
+that begins with a purge marker (`purge_step`, the first step it writes again), from which
+TensorBoard drops the earlier files' events at that step or later, so each step shows once.
 """
 
 import json
@@ -68,9 +69,11 @@ class MetricWriter:
   Args:
     workdir: the run directory (created if missing).
     tensorboard: also write TensorBoard event files.
+    purge_step: for a resumed run, the first step it writes again (restored step + 1): TensorBoard
+      hides the events of the earlier files at this step or later. None for a new run.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, purge_step: int | None = None):
     self._active = jax.process_index() == 0
     self._jsonl = None
     self._tensorboard = None
@@ -83,7 +86,7 @@ class MetricWriter:
       import tensorboardX  # pylint: disable=g-import-not-at-top
 
       self._tensorboard = tensorboardX.SummaryWriter(
-        logdir=os.path.join(workdir, TENSORBOARD_DIR), flush_secs=30
+        logdir=os.path.join(workdir, TENSORBOARD_DIR), flush_secs=30, purge_step=purge_step
       )
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

@@ -3,7 +3,7 @@ selection split (`EvalTracker`, checkpointed with the run)."""
 
 import math
 import operator
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import ml_collections
 
@@ -104,11 +104,54 @@ class EvalTracker:
     self.selected_step = state.get('selected_step')
 
 
-def make_tracker(config: ml_collections.ConfigDict, task: task_registry.Task) -> EvalTracker:
-  """The tracker of `config.selection`, with the task's default metric and mode where unset."""
+# Metrics for which lower is better (by name ending): 'loss', 'nll_loss', 'error', 'perplexity'.
+_LOWER_IS_BETTER = ('loss', 'error', 'perplexity')
+
+
+def selection_metric_and_mode(
+  config: ml_collections.ConfigDict,
+  task: task_registry.Task,
+  reported: Collection[str] | None = None,
+) -> tuple[str, str]:
+  """`config.selection`'s metric and mode, the task's defaults where unset, checked.
+
+  An unset mode is the task's for the task's own metric, else 'min' for loss-like metrics
+  (`_LOWER_IS_BETTER`) and 'max' for the others.
+
+  Args:
+    config: the resolved config.
+    task: the config's task.
+    reported: the metric names the task's evaluation reports; None skips that check.
+
+  Raises:
+    errors.ConfigError: a metric the task does not report (no `best/`, `selected/` would ever
+      be written), or mode 'max' for a loss-like metric (it would select the worst checkpoint).
+  """
   selection = config.selection
-  return EvalTracker(
-    metric=selection.metric or task.selection_metric,
-    mode=selection.mode or task.selection_mode,
-    selection_split=selection.split,
-  )
+  metric = selection.metric or task.selection_metric
+  if reported is not None and metric not in reported:
+    raise errors.ConfigError(
+      f'config.selection.metric={metric!r} is not a metric of task {task.name!r}; it reports '
+      f'{", ".join(sorted(reported))}'
+    )
+  lower_is_better = metric.endswith(_LOWER_IS_BETTER)
+  if selection.mode:
+    if selection.mode == 'max' and lower_is_better:
+      raise errors.ConfigError(
+        f"config.selection.mode='max' with metric {metric!r} selects the worst checkpoint; "
+        "set config.selection.mode='min' (or leave it unset)"
+      )
+    return metric, selection.mode
+  if metric == task.selection_metric:
+    return metric, task.selection_mode
+  return metric, 'min' if lower_is_better else 'max'
+
+
+def make_tracker(
+  config: ml_collections.ConfigDict,
+  task: task_registry.Task,
+  reported: Collection[str] | None = None,
+) -> EvalTracker:
+  """The tracker of `config.selection` (`selection_metric_and_mode`)."""
+  metric, mode = selection_metric_and_mode(config, task, reported)
+  return EvalTracker(metric=metric, mode=mode, selection_split=config.selection.split)

@@ -213,6 +213,11 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
       f'attention={config.model.get("attention", "-")})',
       flush=True,
     )
+  # Checked before anything is written: a selection metric the task does not report would
+  # silently leave out every best/ and selected/ number.
+  selection.selection_metric_and_mode(
+    config, experiment.task, evaluation.reported_metrics(experiment)
+  )
   runs = _runs_of(config, workdir, experiment.seeds)
   try:
     return _train_runs(experiment, runs, num_parameters)
@@ -262,19 +267,35 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     state = (
       states[0] if experiment.seeds is None else _stack_states(states, experiment.run_shardings)
     )
+    if jax.process_index() == 0:
+      print(
+        f'resuming from step {start_step} (checkpoint in '
+        f'{os.path.join(runs[0].workdir, checkpointing.CHECKPOINT_DIR)})',
+        flush=True,
+      )
   for run in runs:
     # Only now, with the checkpoint restored or the state initialised, is the config known to
     # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
     if jax.process_index() == 0:
       os.makedirs(run.workdir, exist_ok=True)
-      workdir_lib.write_definition(run.workdir, run.config)
+      changes = workdir_lib.write_definition(run.workdir, run.config, start_step)
+      if changes:
+        described = '; '.join(f'{name} {old!r} -> {new!r}' for name, (old, new) in changes.items())
+        print(
+          f'continuing {run.workdir} from step {start_step} with changed optimizer settings: '
+          f'{described} (recorded in {workdir_lib.EXPERIMENT_FILE})',
+          flush=True,
+        )
       config_lib.write_config(run.config, run.workdir)
     # Whatever a crashed run wrote after its last checkpoint will be redone: drop it.
     metrics_logging.truncate_metrics_after(run.workdir, start_step)
     for manager in (run.checkpointer, run.selected_checkpointer):
       if manager is not None:
         manager.delete_after(start_step)
-    run.writer = metrics_logging.MetricWriter(run.workdir)
+    # TensorBoard hides what the crashed run logged after the checkpoint (written again).
+    run.writer = metrics_logging.MetricWriter(
+      run.workdir, purge_step=start_step + 1 if start_step else None
+    )
 
   progress = metrics_logging.ProgressBar(
     experiment.total_steps, min(start_step, experiment.total_steps), enabled=config.progress_bar

@@ -6,19 +6,22 @@ long they run, how often they log, evaluate or checkpoint, and where their files
 of a workdir stores these fields in `experiment.json`; a later run whose fields differ is refused
 (`check_same_experiment`) before it writes anything, naming the differing fields. Workdirs written
 before `experiment.json` existed are judged by the definition read from their `config.json`.
+The one exception is explicit: `config.resume_with_changed_optimizer` continues a checkpoint with
+other `optimizer.*` values (e.g. a lower learning rate after a non-finite loss), and each such
+change is appended to `experiment.json`'s `history` with the step it took effect at.
 
-Lock. While a run trains, `workdir/.lock` holds `{"pid": ..., "host": ...}`, created with O_EXCL
-so only one process can hold it. A second run on the same workdir is refused; a lock left by a
-process that is no longer alive on this host (killed, machine rebooted) is taken over.
+Lock. While a run trains, it holds an OS file lock (`filelock`) on `workdir/.lock`, whose content
+`{"pid": ..., "host": ...}` names the holder. A second run on the same workdir is refused; a lock
+file left by a process that is gone (killed, machine rebooted) holds no OS lock and is taken over.
 """
 
 import errno
 import json
 import os
 import socket
-import time
 from typing import Any, Mapping
 
+import filelock
 import ml_collections
 
 from primal_dual import atomic
@@ -121,44 +124,96 @@ def stored_definition(workdir: str) -> dict[str, Any] | None:
   return None
 
 
+# Optimizer fields that decide the structure of the saved optimizer state: a checkpoint cannot be
+# continued with another value (`optimizer.grad_clip_norm` and `weight_decay` add a transformation
+# to the chain only when > 0).
+_STATE_SHAPING = {
+  'optimizer.name': lambda value: value,
+  'optimizer.grad_clip_norm': lambda value: value > 0,
+  'optimizer.weight_decay': lambda value: value > 0,
+}
+
+CHANGED_OPTIMIZER_FLAG = '--config.resume_with_changed_optimizer=True'
+
+
+def optimizer_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, list]:
+  """`{name: [stored, current]}` of the `optimizer.*` fields that differ."""
+  return {
+    name: [stored[name], current.get(name, _UNSET)]
+    for name in sorted(stored)
+    if name.startswith('optimizer.') and stored[name] != current.get(name, _UNSET)
+  }
+
+
 def check_same_experiment(workdir: str, config) -> None:
   """Refuses a config that defines another experiment than the one `workdir` holds.
 
+  With `config.resume_with_changed_optimizer`, differing `optimizer.*` fields are accepted
+  (`write_definition` records them) unless they change the saved optimizer state's structure.
+
   Raises:
-    errors.WorkdirError: the definitions differ; the message names every differing field.
+    errors.WorkdirError: the definitions differ; the message names every differing field, and
+      the flag that continues with other optimizer settings when only those differ.
   """
   stored = stored_definition(workdir)
   if stored is None:
     return
-  diff = differences(stored, definition(config))
-  if diff:
+  current = definition(config)
+  diff = differences(stored, current)
+  if not diff:
+    return
+  changes = optimizer_changes(stored, current)
+  only_optimizer = len(changes) == len(diff)
+  if only_optimizer and config.get('resume_with_changed_optimizer', False):
+    shaping = [
+      name
+      for name, (old, new) in changes.items()
+      if name in _STATE_SHAPING and _STATE_SHAPING[name](old) != _STATE_SHAPING[name](new)
+    ]
+    if not shaping:
+      return
     raise errors.WorkdirError(
-      f'workdir {workdir} holds another experiment: {"; ".join(diff)}; use a new --workdir'
+      f'workdir {workdir}: {", ".join(shaping)} cannot change for a saved run (the optimizer '
+      'state has another structure); use a new --workdir'
     )
+  hint = (
+    f'; to continue its checkpoint with these optimizer settings, add {CHANGED_OPTIMIZER_FLAG}'
+    if only_optimizer
+    else '; use a new --workdir'
+  )
+  raise errors.WorkdirError(f'workdir {workdir} holds another experiment: {"; ".join(diff)}{hint}')
 
 
-def write_definition(workdir: str, config) -> None:
-  """Writes `experiment.json` (atomically): the defining fields and their list."""
+def write_definition(workdir: str, config, step: int = 0) -> dict[str, list]:
+  """Writes `experiment.json` (atomically): the defining fields, their list, and the `history`
+  of accepted optimizer changes, with this run's appended when it continues at `step` with other
+  optimizer settings (`check_same_experiment` accepted them).
+
+  Returns:
+    This run's changes, `{name: [old, new]}` (empty when there are none).
+  """
   path = os.path.join(workdir, EXPERIMENT_FILE)
-  atomic.write_json(path, {'fields': list(DEFINING_FIELDS), 'definition': definition(config)})
+  history = []
+  if os.path.exists(path):
+    with open(path) as f:
+      history = json.load(f).get('history', [])
+  stored, current = stored_definition(workdir), definition(config)
+  changes = {} if stored is None else optimizer_changes(stored, current)
+  if changes:
+    history.append({'step': step, 'changed': changes})
+  payload = {'fields': list(DEFINING_FIELDS), 'definition': current}
+  if history:
+    payload['history'] = history
+  atomic.write_json(path, payload)
+  return changes
 
 
 # ------------------------------------------------------------------------------------------------
 # Lock.
 
 
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)  # signal 0: only checks that the process exists
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # exists, owned by someone else
-  return True
-
-
 def _read_holder(path: str) -> dict | None:
-  """The lock file's {'pid', 'host'}, or None if it is gone or unreadable."""
+  """The lock file's {'pid', 'host'}, or None if it is gone, empty or unreadable."""
   try:
     with open(path) as f:
       holder = json.load(f)
@@ -167,29 +222,19 @@ def _read_holder(path: str) -> dict | None:
   return holder if isinstance(holder, dict) else None
 
 
-# A lock file is created empty and then written; one that stays unreadable this long was left by
-# a process killed in between.
-_UNREADABLE_LOCK_GRACE_S = 10.0
-
-
-def _is_stale(path: str, holder: dict | None) -> bool:
-  """Whether the lock at `path` (content `holder`) was left by a process that is gone.
-
-  Only a process on this host can be checked; a lock from another host is never stale.
-  """
-  if holder is None:
-    try:
-      return time.time() - os.path.getmtime(path) > _UNREADABLE_LOCK_GRACE_S
-    except OSError:
-      return True  # removed meanwhile
-  pid = holder.get('pid')
-  if not isinstance(pid, int) or pid <= 0:
-    return True  # not a lock this module wrote
-  return holder.get('host') == socket.gethostname() and not _pid_alive(pid)
+def _write_holder(fd: int) -> None:
+  """Writes who holds the lock into the lock file (for the message a second run gets)."""
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}).encode(), 0)
 
 
 class WorkdirLock:
   """Exclusive use of a workdir by one process; a context manager.
+
+  The lock is an OS file lock (`filelock`) on `workdir/.lock`: the OS drops it when its process
+  ends, however it ends, so a lock file left by a killed run never blocks the next one, and a
+  reused PID never looks like a live holder. The file's content (pid, host) only names the
+  holder in the message a second run gets.
 
   Args:
     workdir: the folder to lock (created if missing).
@@ -198,56 +243,40 @@ class WorkdirLock:
   def __init__(self, workdir: str):
     self.workdir = workdir
     self.path = os.path.join(workdir, LOCK_FILE)
-    self._held = False
+    self._lock = filelock.FileLock(self.path, timeout=0, on_acquired=_write_holder)
 
   def acquire(self) -> None:
-    """Takes the lock, taking over a stale one.
+    """Takes the lock (at once or not at all).
 
     Raises:
       errors.WorkdirError: another live process holds the lock, or the workdir cannot be made or
         written.
     """
     make_workdir(self.workdir)
-    for _ in range(2):  # the second try follows the removal of a stale lock
-      if self._try_create():
-        self._held = True
-        return
-      holder = _read_holder(self.path)
-      if not _is_stale(self.path, holder):
-        raise errors.WorkdirError(self._in_use_message(holder))
-      # Another process taking over the same stale lock at this moment fails its retry.
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
-    raise errors.WorkdirError(self._in_use_message(_read_holder(self.path)))
-
-  def _try_create(self) -> bool:
     try:
-      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
+      self._lock.acquire()
+    except filelock.Timeout:
+      raise errors.WorkdirError(self._in_use_message(_read_holder(self.path))) from None
     except OSError as e:
       raise errors.WorkdirError(f'cannot write to workdir {self.workdir}: {e.strerror}') from e
-    with os.fdopen(fd, 'w') as f:
-      json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, f)
-    return True
 
   def _in_use_message(self, holder: dict | None) -> str:
     who = f'process {holder.get("pid")} on {holder.get("host")}' if holder else 'another process'
     return (
-      f'workdir {self.workdir} is in use by {who}; wait for it to finish or use another '
-      f'--workdir (if that process is gone, delete {self.path})'
+      f'workdir {self.workdir} is in use by {who}; wait for it to finish or use another --workdir'
     )
 
   def release(self) -> None:
-    """Removes the lock file if this process holds it."""
-    if not self._held:
+    """Removes the lock file and releases the lock, if this process holds it."""
+    if not self._lock.is_locked:
       return
-    self._held = False
-    holder = _read_holder(self.path)
-    if holder and holder.get('pid') == os.getpid() and holder.get('host') == socket.gethostname():
+    # Removed while still locked: a process that opened the file meanwhile finds it unlinked once
+    # it gets the lock and tries again (filelock checks), so two holders never coexist.
+    try:
       os.remove(self.path)
+    except FileNotFoundError:
+      pass
+    self._lock.release()
 
   def __enter__(self):
     self.acquire()
