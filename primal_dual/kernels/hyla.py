@@ -25,6 +25,21 @@ query-key pairs per example (``q_len·kv_len``: past it the dense ``[B, q_len, k
 tensor costs more time than the tiles, on CPU as measured), and dense otherwise (sRAVEN's and the
 fuzzy-logic task's short sequences stay dense); an int is blockwise with that tile (ValueError
 when the call does not allow it); None is dense.
+
+``implementation`` picks how tiles run: ``'auto'`` (default) runs the fused Pallas kernel
+(:mod:`hyla_pallas`: forward, dq and dk/dv Triton kernels, tiles of
+``hyla_pallas.DEFAULT_BLOCK_SIZE``) where ``block_size='auto'`` goes tiled and the default backend
+is a GPU, and the XLA blockwise path otherwise (so on CPU ``'auto'`` behaves exactly as before);
+``'xla'`` never uses Pallas; ``'pallas'`` always does (tiles of an int ``block_size``, Pallas
+interpret mode off GPU; ValueError for a call the tiled paths cannot serve). The Pallas kernel
+computes the blockwise function, with the same memory (nothing ``[q_len, kv_len]``-sized).
+
+Numerics: scores, normalisation, value-network activations and accumulators are float32; the
+value network's operands are rounded to the value dtype. On CPU, narrower einsum operands are
+upcast to float32 after that rounding (XLA:CPU has no bfloat16 × bfloat16 -> float32 dot), which
+gives the same products. ``precision`` goes to every einsum of the dense and blockwise paths and
+to every matrix product of the Pallas kernel (whose MLP value network uses exact float32
+elementwise products instead, see :mod:`hyla_pallas`).
 """
 
 from __future__ import annotations
@@ -36,9 +51,18 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import driver, hyla_blockwise
+from primal_dual.kernels import driver, hyla_blockwise, hyla_pallas
 
 RMS_EPS = hyla_blockwise.RMS_EPS  # one constant for the dense and the blockwise paths
+
+
+def _operands(*xs):
+  """The einsum operands, upcast to float32 on CPU when narrower (XLA:CPU has no bfloat16 dot
+  with a float32 result; the products of the rounded values are exact in float32, so the result
+  is that of a bfloat16 × bfloat16 -> float32 dot). Unchanged on other backends."""
+  if jax.default_backend() != "cpu" or all(x.dtype == C.F32 for x in xs):
+    return xs
+  return tuple(x.astype(C.F32) for x in xs)
 
 
 def hyla_scores(q, k, bias, mask, *, scale: float, precision=None):
@@ -53,6 +77,7 @@ def hyla_scores(q, k, bias, mask, *, scale: float, precision=None):
   Returns:
     float32 ``[B, H, q_len, kv_len]``.
   """
+  q, k = _operands(q, k)
   scores = (
     jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=C.F32) * scale
   )
@@ -101,20 +126,14 @@ NORMALIZATIONS: dict[str, Callable] = {
 
 def _mix_heads(a, v, precision):
   """``Σ_h a_hij v_hj`` -> ``[B, q, kv, d_v]`` float32."""
-  return jnp.einsum(
-    "bhqk,bkhd->bqkd", a.astype(v.dtype), v, precision=precision, preferred_element_type=C.F32
-  )
+  a, v = _operands(a.astype(v.dtype), v)
+  return jnp.einsum("bhqk,bkhd->bqkd", a, v, precision=precision, preferred_element_type=C.F32)
 
 
 def _read_out(a, u, dtype, precision):
   """``out_hi = Σ_j a_hij u_ij`` -> ``[B, q, H, d_v]`` float32."""
-  return jnp.einsum(
-    "bhqk,bqkd->bqhd",
-    a.astype(dtype),
-    u.astype(dtype),
-    precision=precision,
-    preferred_element_type=C.F32,
-  )
+  a, u = _operands(a.astype(dtype), u.astype(dtype))
+  return jnp.einsum("bhqk,bqkd->bqhd", a, u, precision=precision, preferred_element_type=C.F32)
 
 
 def mlp_relu_value_network(a, v, precision=None):
@@ -129,9 +148,8 @@ def mlp_linear_value_network(a, v, precision=None):
 
 def linear_value_network(a, v, precision=None):
   """``out_hi = Σ_j a_hij v_hj``: plain per-head attention with weights ``a``."""
-  return jnp.einsum(
-    "bhqk,bkhd->bqhd", a.astype(v.dtype), v, precision=precision, preferred_element_type=C.F32
-  )
+  a, v = _operands(a.astype(v.dtype), v)
+  return jnp.einsum("bhqk,bkhd->bqhd", a, v, precision=precision, preferred_element_type=C.F32)
 
 
 VALUE_NETWORKS: dict[str, Callable] = {
@@ -203,6 +221,44 @@ def blockwise_tile(call: driver.AttentionCall, normalization: str, block_size) -
   return block_size
 
 
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def select_path(
+  call: driver.AttentionCall, normalization: str, block_size, implementation: str
+) -> tuple[str, int | None]:
+  """``(path, tile)`` of a call: ``('dense', None)``, ``('blockwise', tile)`` or
+  ``('pallas', tile)`` (module docstring).
+
+  Raises:
+    ValueError: an unknown ``implementation``, ``block_size`` errors of :func:`blockwise_tile`,
+      ``implementation='pallas'`` with ``block_size=None`` or for a call it cannot serve.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+      f"implementation must be one of {list(IMPLEMENTATIONS)}; got implementation="
+      f"{implementation!r}"
+    )
+  if implementation == "pallas":
+    blockers = blockwise_blockers(call, normalization)
+    if block_size is None:
+      raise ValueError("implementation='pallas' is tiled: block_size must be 'auto' or an int")
+    if blockers:
+      raise ValueError(
+        f"implementation='pallas' cannot serve this call ({', '.join(blockers)}); use "
+        "implementation='auto' or 'xla'"
+      )
+    if block_size == "auto":
+      return "pallas", hyla_pallas.DEFAULT_BLOCK_SIZE
+    return "pallas", blockwise_tile(call, normalization, block_size)
+  tile = blockwise_tile(call, normalization, block_size)
+  if tile is None:
+    return "dense", None
+  if implementation == "auto" and block_size == "auto" and jax.default_backend() == "gpu":
+    return "pallas", hyla_pallas.DEFAULT_BLOCK_SIZE
+  return "blockwise", tile
+
+
 @driver.attention_kernel
 def hyla_attention(
   call: driver.AttentionCall,
@@ -212,6 +268,7 @@ def hyla_attention(
   query_chunk_size: int | None = None,
   scale: float | None = None,
   block_size: int | str | None = "auto",
+  implementation: str = "auto",
 ):
   """HYLA attention (docs/maths.md §3.7).
 
@@ -238,14 +295,20 @@ def hyla_attention(
       (blockwise with tiles of that size; ValueError for a call it cannot serve, see
       :func:`blockwise_blockers`) or None (dense). Both paths agree to float rounding; the
       blockwise one holds no ``[q_len, kv_len]``-sized tensor in the forward or backward pass.
+    implementation: ``'auto'`` (default: where ``block_size='auto'`` chooses tiles, the fused
+      Pallas kernel :func:`hyla_pallas.hyla_pallas_attention` on a GPU backend, the XLA blockwise
+      path elsewhere), ``'xla'`` (never Pallas) or ``'pallas'`` (the Pallas kernel, with tiles of
+      ``block_size``, ``hyla_pallas.DEFAULT_BLOCK_SIZE`` for ``'auto'``; Pallas interpret mode
+      off GPU; ValueError for a call it cannot serve or ``block_size=None``).
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads (fewer than the query heads),
-      unknown ``normalization``/``value_network``, a ``query_chunk_size`` below 1, a bad
-      ``block_size`` or an int one for a call only the dense path serves.
+      unknown ``normalization``/``value_network``/``implementation``, a ``query_chunk_size``
+      below 1, a bad ``block_size`` or an int one (or ``implementation='pallas'``) for a call
+      only the dense path serves.
   """
   # Flax's value layout [..., kv_len, heads, d_v] gives every head the same d_v, which the
   # head sum of the value network needs; validate_qkv rejects any other head split of value.
@@ -260,9 +323,13 @@ def hyla_attention(
     not isinstance(query_chunk_size, int) or query_chunk_size < 1
   ):
     raise ValueError(f"query_chunk_size must be a positive int or None; got {query_chunk_size!r}")
-  tile = blockwise_tile(call, normalization, block_size)
-  if tile is not None:
-    return hyla_blockwise.hyla_blockwise_attention(
+  path, tile = select_path(call, normalization, block_size, implementation)
+  if path != "dense":
+    tiled = {
+      "blockwise": hyla_blockwise.hyla_blockwise_attention,
+      "pallas": hyla_pallas.hyla_pallas_attention,
+    }[path]
+    return tiled(
       call.query,
       call.key,
       call.value,
