@@ -169,9 +169,11 @@ def test_paper_preset_is_the_spec_setup_and_steps_override():
     optimizer.lr,
     optimizer.warmup_steps,
     optimizer.end_lr,
+    optimizer.end_lr_factor,
     optimizer.weight_decay,
     optimizer.schedule,
-  ) == ("adamw", 1e-3, 1000, 1e-4, 0.1, "warmup_cosine")
+  ) == ("adamw", 1e-3, 1000, None, 0.1, 0.1, "warmup_cosine")
+  assert config.data.split_seed == sraven.SPLIT_SEED_OF_RUN  # a held-out set per seed
   assert sraven_configs.get_config("preset=cpu,steps=123").num_train_steps == 123
   with pytest.raises(ValueError, match="unknown sRAVEN preset"):
     sraven_configs.get_config("preset=huge")
