@@ -201,7 +201,13 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
   records = json.loads((out / "sraven_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
-    for name in ("id_whole_panel", "ood_whole_panel", "id_feature", "ood_feature"):
+    for name in (
+      "id_whole_panel",
+      "ood_whole_panel",
+      "id_feature",
+      "ood_feature",
+      "validation_whole_panel",
+    ):
       assert 0.0 <= record[name] <= 1.0
     assert record["curve"]["step"] and len(record["curve"]["step"]) == len(
       record["curve"]["ood/whole_panel_accuracy"]
