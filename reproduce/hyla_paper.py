@@ -19,7 +19,6 @@ import numpy as np
 from reproduce import grid
 
 
-
 # ------------------------------------------------------------------------------------------------
 # The reproduction grid (``primal-dual reproduce sraven``). The fuzzy-logic grid (logic.py) uses
 # its plan, flags, per-run facts and report pieces.
@@ -50,6 +49,8 @@ installed)::
 
 {resume}
 """
+
+
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
 # the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
 GRID_VARIANTS = {
@@ -81,12 +82,14 @@ def build_runs(
   steps: int,
   steps_per_call: int = 1,
   seeds_together: bool = False,
+  held_out: str = "",
 ) -> list[grid.GridRun]:
   """The grid's ``GridRun``s; ``quick`` uses the configs' ``runlocal``.
 
   One run per (attention, seed); with ``seeds_together``, one run per attention trains its seeds
   as replicas in one program (batches made on the device). ``steps_per_call > 1`` (or
   ``seeds_together``) trains on device-made batches, that many steps per jitted call.
+  ``held_out`` names the config's held-out rule ('' = the preset's; see ``--held_out``).
   """
   label = "quick" if quick else preset
   overrides = (
@@ -102,7 +105,9 @@ def build_runs(
     groups = [tuple(seeds)] if seeds_together and len(seeds) > 1 else [(s,) for s in seeds]
     for group in groups:
       config_arg = grid.config_argument(
-        dict(preset=preset, attention=attention, seed=group[0]), dict(steps=steps), runlocal=quick
+        dict(preset=preset, attention=attention, seed=group[0]),
+        dict(steps=steps, held_out=held_out),
+        runlocal=quick,
       )
       together = len(group) > 1
       runs.append(
@@ -119,10 +124,289 @@ def build_runs(
 
 
 def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun]:
-  """``build_runs`` of the task's packaged config with the flags of ``add_sequence_grid_arguments``."""
+  """``build_runs`` (or with ``--protocol=paper_sweep`` ``build_sweep_runs``) of the task's
+  packaged config with the flags of ``SEQUENCE_GRID_FLAGS``."""
+  if args.protocol == "paper_sweep":
+    return build_sweep_runs(
+      task,
+      task,
+      args.preset,
+      args.quick,
+      args.steps,
+      sweep_variants(args),
+      args.steps_per_call,
+      args.held_out,
+    )
   return build_runs(
-    task, task, args.preset, args.quick, args.steps, args.steps_per_call, args.seeds_together
+    task,
+    task,
+    args.preset,
+    args.quick,
+    args.steps,
+    args.steps_per_call,
+    args.seeds_together,
+    args.held_out,
   )
+
+
+# ------------------------------------------------------------------------------------------------
+# The paper's protocol (``--protocol=paper_sweep``): every variant trained at each point of the
+# official sweep (``sweeps/raven.yaml``, ``raven_ablation.yaml``, ``logic.yaml``,
+# ``logic_ablation.yaml`` of smonsays/hypernetwork-attention) over seeds 0, 1, 2; per variant the
+# setting with the best mean validation metric is reported (docs/reproduction.md).
+
+
+class SweepSetting(NamedTuple):
+  """One hyperparameter point of a sweep; ``warmup_steps`` None keeps the preset's."""
+
+  lr: float
+  weight_decay: float
+  warmup_steps: int | None = None
+
+  @property
+  def label(self) -> str:
+    """``lr0.001_wd0.1`` (``_wu3000`` when the point sets the warm-up)."""
+    warmup = "" if self.warmup_steps is None else f"_wu{self.warmup_steps}"
+    return f"lr{self.lr:g}_wd{self.weight_decay:g}{warmup}"
+
+  def overrides(self) -> dict[str, Any]:
+    """The config fields the point sets (dotted names, for ``GridRun.overrides``)."""
+    fields = {"optimizer.lr": self.lr, "optimizer.weight_decay": self.weight_decay}
+    if self.warmup_steps is not None:
+      fields["optimizer.warmup_steps"] = self.warmup_steps
+    return fields
+
+
+class Sweep(NamedTuple):
+  """A task's official sweep: lr × weight decay, and the warm-ups of the variants that sweep it."""
+
+  lrs: tuple[float, ...]
+  weight_decays: tuple[float, ...]
+  warmups: Mapping[str, tuple[int, ...]]
+
+
+PAPER_SWEEPS = {
+  # raven_ablation.yaml (HYLA, linear attention and the ablations): lr × wd, warm-up 1000;
+  # raven.yaml (the softmax transformer): lr × wd × warm-up {1000, 3000}.
+  "sraven": Sweep((1e-3, 3e-4), (0.1, 0.3), {"softmax": (1000, 3000)}),
+  # logic.yaml and logic_ablation.yaml: lr × wd for every model, warm-up the config's 100.
+  "logic": Sweep((1e-3, 3e-3), (0.1, 0.03), {}),
+}
+
+
+def sweep_settings(task: str, attention: str) -> list[SweepSetting]:
+  """The official sweep's points for ``attention`` on ``task``, in the sweep files' order."""
+  sweep = PAPER_SWEEPS[task]
+  warmups = sweep.warmups.get(attention, (None,))
+  return [
+    SweepSetting(lr, weight_decay, warmup)
+    for lr in sweep.lrs
+    for weight_decay in sweep.weight_decays
+    for warmup in warmups
+  ]
+
+
+def sweep_points(
+  task: str, variants: Sequence[str], seeds: Sequence[int] = SEEDS
+) -> list[tuple[str, SweepSetting, int]]:
+  """(variant, setting, seed) of every run of the paper's protocol, variant by variant, each
+  setting's seeds together (a later change can train one variant's points as the replicas of one
+  program)."""
+  return [
+    (attention, setting, seed)
+    for attention in variants
+    for setting in sweep_settings(task, attention)
+    for seed in seeds
+  ]
+
+
+def sweep_variants(args: argparse.Namespace) -> tuple[str, ...]:
+  """``--sweep_variants``, by default ``--quick``'s two or every variant of the preset."""
+  if args.sweep_variants:
+    return tuple(args.sweep_variants)
+  if args.quick:
+    return QUICK_VARIANTS
+  main, ablations = GRID_VARIANTS[args.preset]
+  return main + ablations
+
+
+def build_sweep_runs(
+  config_file: str,
+  task: str,
+  preset: str,
+  quick: bool,
+  steps: int,
+  variants: Sequence[str],
+  steps_per_call: int = 1,
+  held_out: str = "",
+) -> list[grid.GridRun]:
+  """One ``GridRun`` per point of ``sweep_points``: the preset with the point's optimizer fields
+  and the end rate relative to the peak (``end_lr=relative``, as the official code, so each lr
+  keeps the schedule's shape). Tags: attention, preset, seed, protocol, setting (its label), lr,
+  weight_decay, warmup_steps (the run's) and preset_setting (the point is the preset's own lr,
+  weight decay and warm-up: the fixed-setting protocol's run)."""
+  label = "quick" if quick else preset
+  device = {"train_data_on_device": True, "steps_per_call": steps_per_call}
+  defaults: dict[str, Any] = {}
+  runs = []
+  for attention, setting, seed in sweep_points(task, variants):
+    config_arg = grid.config_argument(
+      dict(preset=preset, attention=attention, seed=seed, end_lr="relative"),
+      dict(steps=steps, held_out=held_out),
+      runlocal=quick,
+    )
+    if attention not in defaults:  # the preset's own point (any seed's config has it)
+      opt = grid.load_config(config_file, config_arg).optimizer
+      defaults[attention] = (opt.lr, opt.weight_decay, opt.warmup_steps)
+    warmup = defaults[attention][2] if setting.warmup_steps is None else setting.warmup_steps
+    runs.append(
+      grid.GridRun(
+        name=f"{task}_{label}_sweep_{attention}_{setting.label}_s{seed}",
+        config_file=config_file,
+        config_arg=config_arg,
+        tags=dict(
+          attention=attention,
+          preset=label,
+          seed=seed,
+          protocol="paper_sweep",
+          setting=setting.label,
+          lr=setting.lr,
+          weight_decay=setting.weight_decay,
+          warmup_steps=warmup,
+          preset_setting=(setting.lr, setting.weight_decay, warmup) == defaults[attention],
+        ),
+        overrides={**setting.overrides(), **(device if steps_per_call > 1 else {})},
+      )
+    )
+  return runs
+
+
+def sweep_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """The records of ``--protocol=paper_sweep`` runs."""
+  return [r for r in records if r.get("protocol") == "paper_sweep"]
+
+
+def fixed_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """The records of the fixed-setting grid (``--protocol=fixed``, and records made before the
+  protocol was a tag)."""
+  return [r for r in records if r.get("protocol", "fixed") == "fixed"]
+
+
+def mean_standard_error(values: Sequence[float]) -> tuple[float, float, int]:
+  """Mean, standard error of the mean (sample std / √n; 0 for one value) and count; NaN and None
+  left out."""
+  mean, std, count = grid.mean_std(values)
+  return mean, (std / np.sqrt(count) if count > 1 else 0.0), count
+
+
+def format_mean_se(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> str:
+  mean, se, count = mean_standard_error(values)
+  if count == 0:
+    return "–"
+  if count == 1:
+    return f"{mean * scale:.{digits}f}"
+  return f"{mean * scale:.{digits}f} ± {se * scale:.{digits}f}"
+
+
+class Selection(NamedTuple):
+  """A variant's selected setting: its label, mean validation metric and its seeds' records."""
+
+  setting: str
+  validation: float
+  records: list[Mapping[str, Any]]
+
+
+def select_settings(
+  records: Sequence[Mapping[str, Any]], validation_field: str
+) -> dict[str, Selection]:
+  """Per variant, the sweep setting with the highest mean of ``validation_field`` over its seeds.
+
+  Only the validation metric decides (test and OOD fields are never read); a tie keeps the first
+  setting in record order. Settings whose validation values are all missing are skipped.
+  """
+  by_setting = grid.group_records(sweep_records(records), ("attention", "setting"))
+  chosen: dict[str, Selection] = {}
+  for (attention, setting), group in by_setting.items():
+    mean, _, count = grid.mean_std(r.get(validation_field) for r in group)
+    if count == 0:
+      continue
+    if attention not in chosen or mean > chosen[attention].validation:
+      chosen[attention] = Selection(setting, mean, list(group))
+  return chosen
+
+
+def sweep_report(
+  records: Sequence[Mapping[str, Any]],
+  *,
+  validation_field: str,
+  columns: Mapping[str, str],
+  references: Mapping[str, str],
+  reference_column: str,
+  scale: float = 100.0,
+) -> str:
+  """The ``--protocol=paper_sweep`` part of a report: per variant the selected setting's mean ±
+  s.e. over seeds beside the preset's own point (the fixed setting) and the published reference,
+  then every setting's row.
+
+  Args:
+    records: the grid's records (those of other protocols are left out).
+    validation_field: the record field that selects (mean over seeds, highest wins).
+    columns: header → record field, reported for the selected and the fixed setting.
+    references: attention → the published number (as printed), under ``reference_column``.
+    scale: display multiplier (100: percentages).
+  """
+  sweep = sweep_records(records)
+  if not sweep:
+    return ""
+  chosen = select_settings(sweep, validation_field)
+  first, *_ = columns
+  lines = [
+    "\n## The paper's protocol (`--protocol=paper_sweep`)\n",
+    "Every variant at each point of the official sweep (lr × weight decay, × warm-up where the "
+    "official sweep has it; end rate 0.1 × lr) × seeds 0, 1, 2. Per variant, the setting with the "
+    f"best mean validation metric (`{validation_field}`) is selected; test and OOD values never "
+    "select. Cells: mean ± standard error over seeds; *fixed setting* = the preset's own lr, "
+    "weight decay and warm-up (the fixed-setting protocol); *reference* = the paper, as "
+    "published.\n",
+  ]
+  header = ["attention", "selected setting", "n", "validation"]
+  header += [f"{title} (selected)" for title in columns]
+  header += [f"{first} (fixed setting)", f"{reference_column} (reference)"]
+  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  variants = list(dict.fromkeys(r["attention"] for r in sweep))
+  for attention in variants:
+    fixed = [r for r in sweep if r["attention"] == attention and r.get("preset_setting")]
+    fixed_cell = format_mean_se([r.get(columns[first]) for r in fixed], scale)
+    if attention not in chosen:
+      cells = [attention, "–", "0", "–"] + ["–"] * len(columns)
+    else:
+      selection = chosen[attention]
+      group = selection.records
+      cells = [
+        attention,
+        selection.setting,
+        str(len(group)),
+        format_mean_se([r.get(validation_field) for r in group], scale),
+      ]
+      cells += [format_mean_se([r.get(name) for r in group], scale) for name in columns.values()]
+    cells += [fixed_cell, references.get(attention, "–")]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["\nEvery setting:\n"]
+  header = ["attention", "setting", "n", "validation", *columns, "selected"]
+  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for (attention, setting), group in grid.group_records(sweep, ("attention", "setting")).items():
+    picked = attention in chosen and chosen[attention].setting == setting
+    fixed = " (fixed setting)" if any(r.get("preset_setting") for r in group) else ""
+    cells = [
+      attention,
+      setting + fixed,
+      str(len(group)),
+      format_mean_se([r.get(validation_field) for r in group], scale),
+    ]
+    cells += [format_mean_se([r.get(name) for r in group], scale) for name in columns.values()]
+    cells.append("✓" if picked else "")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 # The flags of the sRAVEN and fuzzy-logic grids: flag → add_argument options.
@@ -138,7 +422,41 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
   "--seeds_together": dict(
     action="store_true", help="train each variant's seeds as replicas of one program (config.seeds)"
   ),
+  "--protocol": dict(
+    choices=("fixed", "paper_sweep"),
+    default="fixed",
+    help="fixed: the preset's one setting (main variants × seeds 0, 1, 2, ablations × seed 0); "
+    "paper_sweep: every variant × the official lr × weight-decay (× warm-up) sweep × seeds 0, 1, "
+    "2, the best mean validation setting reported per variant",
+  ),
+  "--held_out": dict(
+    choices=("", "per_seed", "fixed"),
+    default="",
+    help="the held-out split rule (config argument held_out): per_seed (the paper's code; the "
+    "paper preset's), fixed (split seed 0 for every seed; the cpu preset's); '' = the preset's",
+  ),
+  "--sweep_variants": dict(
+    type=grid.comma_list(),
+    default=(),
+    help="with --protocol=paper_sweep: the variants swept (default: all of the preset's; "
+    "--quick: softmax, hyla)",
+  ),
 }
+
+
+def check_sequence_arguments(args: argparse.Namespace) -> None:
+  """ValueError for flags that do not go together."""
+  if args.protocol == "paper_sweep" and args.seeds_together:
+    raise ValueError("--protocol=paper_sweep trains one run per point; drop --seeds_together")
+  per_seed = args.held_out == "per_seed" or (not args.held_out and args.preset == "paper")
+  if args.seeds_together and per_seed:
+    # Replicas of one program share its data, so one held-out set: not the per-seed rule.
+    raise ValueError(
+      "--seeds_together trains seeds on one shared held-out split: it needs --held_out=fixed "
+      "(the paper preset draws a held-out split per seed)"
+    )
+  if args.sweep_variants and args.protocol != "paper_sweep":
+    raise ValueError("--sweep_variants needs --protocol=paper_sweep")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,6 +611,7 @@ def sequence_reproduction(module_name: str, summary: str) -> grid.Reproduction:
     summary=summary,
     quick="2 tiny runs (softmax, hyla; the configs' runlocal)",
     build_runs=functools.partial(sequence_grid_runs, task),
+    check_arguments=check_sequence_arguments,
     write_figures=functools.partial(
       write_curves,
       panels=dict(zip(figure.panel_titles, module.CURVE_METRICS)),

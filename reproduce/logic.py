@@ -101,7 +101,31 @@ def record_fn(
   }
 
 
+# The paper's Table A1 (test R² per sequence on held-out combinations, %, mean ± s.e. over 3
+# seeds), for the report's reference column.
+REFERENCES = {"hyla": "81.13 ± 7.77", "softmax": "63.28 ± 2.31", "linear_plain": "59.89 ± 5.22"}
+# The --protocol=paper_sweep table's columns: header → record field.
+SWEEP_COLUMNS = {
+  "test R² per sequence %": "test_r2_per_sequence",
+  "test R² %": "test_r2",
+  "OOD R² %": "ood_r2",
+}
+
+
+def sweep_section(records: Sequence[Mapping[str, Any]]) -> str:
+  """The ``--protocol=paper_sweep`` part of the report (empty without sweep records)."""
+  return hyla_paper.sweep_report(
+    records,
+    validation_field="validation_r2",
+    columns=SWEEP_COLUMNS,
+    references=REFERENCES,
+    reference_column="test R² per sequence % (Table A1)",
+  )
+
+
 def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
+  sweep = sweep_section(records)
+  fixed = hyla_paper.fixed_records(records)
   columns = {
     "validation R²": grid.field("validation_r2"),
     "test R² (unseen combinations)": grid.field("test_r2"),
@@ -122,13 +146,16 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
     "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
     "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
     "of the same name; curves: the _curves.png next to it.\n",
-    grid.summary_table(records, ("attention",), columns, scales),
+    grid.summary_table(fixed, ("attention",), columns, scales)
+    if fixed
+    else "(No fixed-setting runs: see the paper's protocol below.)\n",
     "\n" + hyla_paper.speed_ratio_line(records) + "\n",
     "\n## Reference scale (accelerator)\n",
     "The HYLA paper's setup (model d 128, 8 heads of q/k/v width 16, 2 layers; n = 4 "
     "variables, 2 terms, sequences of 32, 70% of the term sets held out; 50k steps of batch "
     "128) is the `paper` preset, meant for an accelerator:\n",
     f"```\n{REFERENCE_COMMAND}\n# or a single run:\n{REFERENCE_SINGLE_RUN}\n```\n",
+    sweep,
   ]
   return "\n".join(lines)
 

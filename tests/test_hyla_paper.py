@@ -10,11 +10,15 @@ import pytest
 
 from primal_dual.configs import logic as logic_configs
 from primal_dual.configs import sraven as sraven_configs
+from primal_dual.data import logic as logic_data
+from primal_dual.data import sraven as sraven_data
 from primal_dual import registry
 from primal_dual.tasks import logic as logic_task
 from primal_dual.tasks import sraven as sraven_task
 from primal_dual.models import parameter_count
 from primal_dual.models.sequence import unidirectional_position_buckets
+from primal_dual.training import config_lib
+from primal_dual.training import errors
 from primal_dual.training import optim
 
 
@@ -144,8 +148,76 @@ def test_logic_paper_preset_protocol():
   assert (data.seq_len, data.test_fraction, data.ood_term_sets) == (32, 0.7, "all_held_out")
   assert config.num_train_steps == 50_000 and config.batch_size == 128
   assert (config.optimizer.warmup_steps, config.optimizer.cosine_end) == (100, "total_minus_warmup")
-  tasks = logic_task.logic_config(data)
+  tasks = logic_task.task_family(config)
   from primal_dual.data import logic  # pylint: disable=g-import-not-at-top
 
   assert len(logic.split_task_ids(tasks, "ood")) == 6  # C(4, 2): held-out conjunctions only
   assert len(logic.split_task_ids(tasks, "test")) == 46  # 70% of the 66 seen term sets
+
+
+# -- where the paper's code and this library's earlier presets differ: named rules ----------------
+
+SEQUENCE_CONFIGS = {"sraven": sraven_configs, "logic": logic_configs}
+
+
+def _end_rate(config_arg, module=sraven_configs, **optimizer_fields):
+  """The schedule's value after the cosine ended (held to the last step)."""
+  config = module.get_config(config_arg)
+  opt = ml_collections.ConfigDict(dict(config.optimizer.to_dict(), **optimizer_fields))
+  return float(optim.make_schedule(opt, config.num_train_steps)(config.num_train_steps - 1))
+
+
+@pytest.mark.parametrize("task", ["sraven", "logic"])
+def test_paper_preset_end_rate_is_relative_to_the_peak(task):
+  module = SEQUENCE_CONFIGS[task]
+  # The paper's code: end_value = 0.1 × lr, so the sweep's lr 3e-4 ends at 3e-5.
+  assert _end_rate("preset=paper", module) == pytest.approx(1e-4, rel=1e-5)
+  assert _end_rate("preset=paper", module, lr=3e-4) == pytest.approx(3e-5, rel=1e-5)
+  # The earlier absolute rule, kept as end_lr=absolute: 1e-4 whatever lr.
+  assert _end_rate("preset=paper,end_lr=absolute", module, lr=3e-4) == pytest.approx(1e-4, rel=1e-5)
+  # The CPU preset keeps the absolute rule (its numbers are unchanged).
+  cpu = module.get_config("preset=cpu").optimizer
+  assert (cpu.end_lr, cpu.end_lr_factor) == (1e-4, None)
+  assert _end_rate("preset=cpu,end_lr=relative", module, lr=3e-4) == pytest.approx(3e-5, rel=1e-5)
+
+
+def test_end_rate_refuses_both_an_absolute_and_a_relative_end():
+  config = sraven_configs.get_config("preset=paper")
+  both = ml_collections.ConfigDict(dict(config.optimizer.to_dict(), end_lr=1e-4))
+  with pytest.raises(errors.ConfigError, match="end_lr must be None"):
+    optim.make_schedule(both, 100)
+  with pytest.raises(ValueError, match="unknown sRAVEN end_lr rule"):
+    sraven_configs.get_config("preset=paper,end_lr=linear")
+
+
+def _held_out(task, config_arg):
+  """The held-out latents of a config: sRAVEN rule multisets (ood), logic term sets (test)."""
+  if task == "sraven":
+    config = sraven_configs.get_config(config_arg)
+    return sraven_data.heldout_latent_ids(sraven_task.problem_family(config))
+  config = logic_configs.get_config(config_arg)
+  return logic_data.split_task_ids(logic_task.task_family(config), "test")
+
+
+@pytest.mark.parametrize("task", ["sraven", "logic"])
+def test_paper_preset_draws_a_held_out_set_per_seed(task):
+  seed0, seed1, seed2 = (_held_out(task, f"preset=paper,seed={s}") for s in (0, 1, 2))
+  assert len(seed0) == len(seed1) == len(seed2)
+  assert not np.array_equal(seed0, seed1) and not np.array_equal(seed1, seed2)
+  # held_out=fixed: split seed 0 for every seed, the earlier rule (and the CPU preset's).
+  fixed = [_held_out(task, f"preset=paper,held_out=fixed,seed={s}") for s in (0, 1)]
+  np.testing.assert_array_equal(fixed[0], fixed[1])
+  np.testing.assert_array_equal(fixed[0], seed0)  # seed 0 draws split 0 either way
+  cpu = [_held_out(task, f"preset=cpu,seed={s}") for s in (0, 2)]
+  np.testing.assert_array_equal(cpu[0], cpu[1])
+
+
+@pytest.mark.parametrize("task", ["sraven", "logic"])
+def test_per_seed_held_out_set_refuses_replica_seeds(task):
+  module = {"sraven": sraven_task, "logic": logic_task}[task]
+  config = SEQUENCE_CONFIGS[task].get_config("preset=paper,seed=1,runlocal")
+  family = getattr(module, "problem_family" if task == "sraven" else "task_family")
+  one = config_lib.with_fields(config, {"seeds": (2,)})
+  assert family(one).split_seed == 2  # a single replica seed is the run's seed
+  with pytest.raises(ValueError, match="cannot train the seeds"):
+    module.build_data(config_lib.with_fields(config, {"seeds": (0, 1)}))

@@ -169,9 +169,11 @@ def test_paper_preset_is_the_spec_setup_and_steps_override():
     optimizer.lr,
     optimizer.warmup_steps,
     optimizer.end_lr,
+    optimizer.end_lr_factor,
     optimizer.weight_decay,
     optimizer.schedule,
-  ) == ("adamw", 1e-3, 1000, 1e-4, 0.1, "warmup_cosine")
+  ) == ("adamw", 1e-3, 1000, None, 0.1, 0.1, "warmup_cosine")
+  assert config.data.split_seed == sraven.SPLIT_SEED_OF_RUN  # a held-out set per seed
   assert sraven_configs.get_config("preset=cpu,steps=123").num_train_steps == 123
   with pytest.raises(ValueError, match="unknown sRAVEN preset"):
     sraven_configs.get_config("preset=huge")
@@ -199,7 +201,13 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
   records = json.loads((out / "sraven_quick.json").read_text())
   assert [r["attention"] for r in records] == ["softmax", "hyla"]
   for record in records:
-    for name in ("id_whole_panel", "ood_whole_panel", "id_feature", "ood_feature"):
+    for name in (
+      "id_whole_panel",
+      "ood_whole_panel",
+      "id_feature",
+      "ood_feature",
+      "validation_whole_panel",
+    ):
       assert 0.0 <= record[name] <= 1.0
     assert record["curve"]["step"] and len(record["curve"]["step"]) == len(
       record["curve"]["ood/whole_panel_accuracy"]

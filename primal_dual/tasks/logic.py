@@ -30,6 +30,7 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Mapping
 
@@ -40,6 +41,7 @@ import numpy as np
 
 from primal_dual.data import generated
 from primal_dual.data import logic
+from primal_dual.data import sraven as split_rule  # run_split_seed, shared by both tasks
 from primal_dual.tasks import _common as common
 from primal_dual.models import SequenceTransformer
 from primal_dual.training import task_registry
@@ -86,7 +88,10 @@ def logic_loss_and_metrics(
   return sse / jnp.maximum(count, 1.0), {
     "loss": (sse, count),
     "mse": (sse, count),
-    "r2": (common.weighted_sum(variance - squared_error, weights), common.weighted_sum(variance, weights)),
+    "r2": (
+      common.weighted_sum(variance - squared_error, weights),
+      common.weighted_sum(variance, weights),
+    ),
     "r2_per_sequence": (common.weighted_sum(sequence_r2, weights), count),
   }
 
@@ -173,9 +178,28 @@ class LogicTaskSource:
     )
 
 
-def logic_config(data: ml_collections.ConfigDict) -> logic.LogicConfig:
-  """The task family named by ``config.data``."""
-  return common.config_dataclass(logic.LogicConfig, data)
+def logic_config(
+  data: ml_collections.ConfigDict, split_seed: int | None = None
+) -> logic.LogicConfig:
+  """The task family named by ``config.data``, with ``split_seed`` if given (the resolved
+  ``run_split_seed`` of a run; ``task_family``)."""
+  values = {
+    field.name: common.plain(data[field.name]) for field in dataclasses.fields(logic.LogicConfig)
+  }
+  if split_seed is not None:
+    values["split_seed"] = split_seed
+  return logic.LogicConfig(**values)
+
+
+def task_family(config: ml_collections.ConfigDict) -> logic.LogicConfig:
+  """The run's task family: ``config.data`` with its held-out split seed resolved
+  (``data.split_seed = SPLIT_SEED_OF_RUN``: the run's ``config.seed``)."""
+  return logic_config(
+    config.data,
+    split_rule.run_split_seed(
+      config.data.split_seed, config.seed, tuple(config.get("seeds") or ())
+    ),
+  )
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -186,7 +210,7 @@ def train_size(config: ml_collections.ConfigDict) -> int:
 def build_data(config: ml_collections.ConfigDict):
   """Splits train / validation / test / ood and the metadata the model needs."""
   data = config.data
-  tasks = logic_config(data)
+  tasks = task_family(config)
   seed = data.get("stream_seed", 0)
   train = functools.partial(
     LogicTaskSource,
@@ -230,7 +254,9 @@ def device_train_stream(
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   del metadata
-  return SequenceTransformer(num_outputs=1, **common.model_arguments(config.model, common.SEQUENCE_FIELDS))
+  return SequenceTransformer(
+    num_outputs=1, **common.model_arguments(config.model, common.SEQUENCE_FIELDS)
+  )
 
 
 TASK = common.register_sequence_task(__name__, logic_loss_and_metrics, "r2")

@@ -30,6 +30,7 @@ slice. The stored problems are exactly those of the stream, so every mode trains
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
@@ -50,10 +51,6 @@ SELECTION_METRIC = "whole_panel_accuracy"
 # Fields of a record the training loop needs; the others (rules, latent ids, slot orders) serve
 # analysis and are kept only in the evaluation splits.
 TRAIN_FIELDS = ("inputs", "targets")
-
-
-
-
 
 
 def answer_logits(outputs: jax.Array, num_features: int) -> jax.Array:
@@ -212,9 +209,26 @@ class FieldsSource:
 # Task definition.
 
 
-def sraven_config(data: ml_collections.ConfigDict) -> sraven.SRavenConfig:
-  """The problem family named by ``config.data``."""
-  return common.config_dataclass(sraven.SRavenConfig, data)
+def sraven_config(
+  data: ml_collections.ConfigDict, split_seed: int | None = None
+) -> sraven.SRavenConfig:
+  """The problem family named by ``config.data``, with ``split_seed`` if given (the resolved
+  ``run_split_seed`` of a run; ``problem_family``)."""
+  values = {
+    field.name: common.plain(data[field.name]) for field in dataclasses.fields(sraven.SRavenConfig)
+  }
+  if split_seed is not None:
+    values["split_seed"] = split_seed
+  return sraven.SRavenConfig(**values)
+
+
+def problem_family(config: ml_collections.ConfigDict) -> sraven.SRavenConfig:
+  """The run's problem family: ``config.data`` with its held-out split seed resolved
+  (``data.split_seed = sraven.SPLIT_SEED_OF_RUN``: the run's ``config.seed``)."""
+  return sraven_config(
+    config.data,
+    sraven.run_split_seed(config.data.split_seed, config.seed, tuple(config.get("seeds") or ())),
+  )
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
@@ -237,7 +251,7 @@ TRAIN_SOURCES: dict[bool, TrainSourceBuilder] = {
 def build_data(config: ml_collections.ConfigDict):
   """Splits train / validation / test / ood and the metadata the model needs."""
   data = config.data
-  problems = sraven_config(data)
+  problems = problem_family(config)
   seed = data.get("stream_seed", 0)
   # Batches made on the device never read the host's train split: nothing to store up front.
   materialize = bool(data.get("materialize_train", True)) and not config.get(
@@ -277,10 +291,9 @@ def device_train_stream(
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:
   return SequenceTransformer(
-    num_outputs=metadata["num_values"], **common.model_arguments(config.model, common.SEQUENCE_FIELDS)
+    num_outputs=metadata["num_values"],
+    **common.model_arguments(config.model, common.SEQUENCE_FIELDS),
   )
-
-
 
 
 TASK = common.register_sequence_task(__name__, sraven_loss_and_metrics, SELECTION_METRIC)

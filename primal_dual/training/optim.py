@@ -15,9 +15,14 @@ shrinking them toward zero changes what the layer computes rather than its capac
 
 Config fields (`config.optimizer`): name ('adamw' | 'radam' | 'sgd'), lr, b1, b2, eps (adam
 family), momentum, nesterov (sgd; momentum 0 = plain SGD), weight_decay, grad_clip_norm,
-schedule ('constant' | 'warmup_cosine' | 'rsqrt'), warmup_steps, end_lr, cosine_end (where the
-cosine reaches `end_lr`: 'total' = the last step, or 'total_minus_warmup' = `warmup_steps` before
-it, then held: optax's `decay_steps = total − warm-up`, as the HYLA paper's code sets it).
+schedule ('constant' | 'warmup_cosine' | 'rsqrt'), warmup_steps, end_lr, end_lr_factor,
+cosine_end (where the cosine reaches the end rate: 'total' = the last step, or 'total_minus_warmup'
+= `warmup_steps` before it, then held: optax's `decay_steps = total − warm-up`, as the HYLA paper's
+code sets it).
+
+The end rate of 'warmup_cosine' and 'rsqrt' is `end_lr` (absolute), or, when `end_lr_factor` is set
+(not None, and then `end_lr` must be None), `end_lr_factor × lr`: relative to the peak, so a sweep
+over `lr` keeps the schedule's shape (the HYLA paper's code ends at `0.1 × lr`).
 """
 
 from typing import Any, Callable
@@ -49,7 +54,23 @@ def _constant(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
   )
 
 
-# Step at which the cosine reaches `end_lr` (optax's `decay_steps`, warm-up included).
+def end_rate(opt: ml_collections.ConfigDict) -> float:
+  """The schedule's end rate: `end_lr_factor × lr` if `end_lr_factor` is set, else `end_lr`."""
+  factor = opt.get('end_lr_factor')
+  if factor is None:
+    return opt.end_lr
+  if opt.get('end_lr') is not None:
+    # Both set would leave one silently unused.
+    raise errors.ConfigError(
+      f'optimizer.end_lr_factor ({factor}) is set, so optimizer.end_lr must be None '
+      f'(got {opt.end_lr}): one end rate, absolute or relative to lr'
+    )
+  if factor < 0:
+    raise errors.ConfigError(f'optimizer.end_lr_factor must be ≥ 0, got {factor}')
+  return factor * opt.lr
+
+
+# Step at which the cosine reaches the end rate (optax's `decay_steps`, warm-up included).
 COSINE_ENDS: dict[str, Callable[[int, int], int]] = {
   'total': lambda total_steps, warmup_steps: total_steps,
   'total_minus_warmup': lambda total_steps, warmup_steps: total_steps - warmup_steps,
@@ -57,7 +78,7 @@ COSINE_ENDS: dict[str, Callable[[int, int], int]] = {
 
 
 def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Warm-up, then half a cosine from `lr` to `end_lr` at the `cosine_end` step, then held."""
+  """Warm-up, then half a cosine from `lr` to the end rate (`end_rate`) at the `cosine_end` step, then held."""
   cosine_end = errors.lookup(COSINE_ENDS, opt.get('cosine_end', 'total'), 'cosine_end')
   end_step = cosine_end(total_steps, max(opt.warmup_steps, 0))
   return optax.warmup_cosine_decay_schedule(
@@ -65,19 +86,20 @@ def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Sc
     peak_value=opt.lr,
     warmup_steps=max(opt.warmup_steps, 0),
     decay_steps=max(end_step, opt.warmup_steps + 1),
-    end_value=opt.end_lr,
+    end_value=end_rate(opt),
   )
 
 
 def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Warm-up, then `lr·sqrt(warmup/step)` (inverse square root), floored at `end_lr`."""
+  """Warm-up, then `lr·sqrt(warmup/step)` (inverse square root), floored at the end rate."""
   del total_steps
   pivot = max(opt.warmup_steps, 1)
+  floor = end_rate(opt)
 
   def decay(step):
     step = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)
     value = opt.lr * jnp.sqrt(pivot / jnp.maximum(step, pivot))
-    return jnp.maximum(value, opt.end_lr)
+    return jnp.maximum(value, floor)
 
   if opt.warmup_steps <= 0:
     return decay

@@ -1,0 +1,175 @@
+"""The paper's protocol of the sRAVEN and logic grids (``--protocol=paper_sweep``): the points it
+runs, selection on validation only, and the report."""
+
+import itertools
+
+import pytest
+
+from reproduce import grid
+from reproduce import hyla_paper
+from reproduce import logic as logic_study
+from reproduce import sraven as sraven_study
+
+SEEDS = (0, 1, 2)
+
+
+def _args(study, *argv):
+  return grid.parse_arguments(study.REPRODUCTION, ["--protocol=paper_sweep", *argv])
+
+
+def _points(runs):
+  return {
+    (
+      r.tags["attention"],
+      r.tags["lr"],
+      r.tags["weight_decay"],
+      r.tags["warmup_steps"],
+      r.tags["seed"],
+    )
+    for r in runs
+  }
+
+
+def test_sraven_quick_sweep_lists_exactly_the_official_points(capsys):
+  runs = sraven_study.REPRODUCTION.build_runs(_args(sraven_study, "--quick"))
+  # raven.yaml (softmax): lr × wd × warm-up; raven_ablation.yaml (HYLA): lr × wd, warm-up 1000
+  # (the quick runs' preset, cpu, has warm-up 500 and runlocal 1: not swept for HYLA, kept).
+  softmax = itertools.product(["softmax"], (1e-3, 3e-4), (0.1, 0.3), (1000, 3000), SEEDS)
+  hyla = itertools.product(["hyla"], (1e-3, 3e-4), (0.1, 0.3), (1,), SEEDS)
+  assert _points(runs) == set(softmax) | set(hyla)
+  assert len(runs) == 24 + 12 == len({r.name for r in runs})
+  for run in runs[:3] + runs[-3:]:
+    config = run.config()
+    assert config.optimizer.lr == run.tags["lr"] and config.seed == run.tags["seed"]
+    assert config.optimizer.weight_decay == run.tags["weight_decay"]
+    assert config.optimizer.warmup_steps == run.tags["warmup_steps"]
+    # The official end rate, 0.1 × lr, whatever the preset's rule.
+    assert (config.optimizer.end_lr, config.optimizer.end_lr_factor) == (None, 0.1)
+  assert (
+    grid.reproduce(
+      sraven_study.REPRODUCTION,
+      ["--quick", "--protocol=paper_sweep", "--dry_run", "--root=/nonexistent"],
+    )
+    == 0
+  )
+  listed = [line for line in capsys.readouterr().out.splitlines() if "to train" in line]
+  assert len(listed) == 36
+
+
+def test_paper_preset_sweeps_every_variant_and_marks_the_presets_own_point():
+  runs = logic_study.REPRODUCTION.build_runs(_args(logic_study, "--preset=paper"))
+  main, ablations = hyla_paper.GRID_VARIANTS["paper"]
+  expected = itertools.product(main + ablations, (1e-3, 3e-3), (0.1, 0.03), (100,), SEEDS)
+  assert _points(runs) == set(expected)
+  fixed = {(r.tags["attention"], r.tags["setting"]) for r in runs if r.tags["preset_setting"]}
+  assert fixed == {(v, "lr0.001_wd0.1") for v in main + ablations}
+  chosen = sraven_study.REPRODUCTION.build_runs(
+    _args(sraven_study, "--preset=paper", "--sweep_variants=hyla,softmax")
+  )
+  assert len(chosen) == 12 + 24
+  assert {r.tags["setting"] for r in chosen if r.tags["preset_setting"]} == {
+    "lr0.001_wd0.1",
+    "lr0.001_wd0.1_wu1000",
+  }
+  assert hyla_paper.sweep_points("sraven", ["hyla"])[:3] == [
+    ("hyla", hyla_paper.SweepSetting(1e-3, 0.1), s) for s in SEEDS
+  ]
+
+
+def test_sweep_refuses_flags_that_do_not_go_together():
+  for argv in (["--protocol=paper_sweep", "--seeds_together"], ["--sweep_variants=hyla"]):
+    assert grid.reproduce(sraven_study.REPRODUCTION, [*argv, "--dry_run"]) == 2
+  # --seeds_together shares one held-out split: refused under the paper preset's per-seed rule.
+  assert (
+    grid.reproduce(sraven_study.REPRODUCTION, ["--preset=paper", "--seeds_together", "--dry_run"])
+    == 2
+  )
+  assert (
+    grid.reproduce(
+      sraven_study.REPRODUCTION,
+      ["--preset=paper", "--seeds_together", "--held_out=fixed", "--dry_run"],
+    )
+    == 0
+  )
+
+
+def _record(attention, setting, seed, validation, ood, preset_setting=False):
+  return {
+    "attention": attention,
+    "setting": setting,
+    "seed": seed,
+    "protocol": "paper_sweep",
+    "preset_setting": preset_setting,
+    "validation_whole_panel": validation,
+    "ood_whole_panel": ood,
+    "id_whole_panel": 0.9,
+    "final_ood_whole_panel": ood,
+  }
+
+
+# HYLA: setting B has the best mean validation, setting C the best OOD (and the best single
+# validation seed): B must be selected. Softmax: one setting only.
+FAKE = [
+  _record("hyla", "A", 0, 0.50, 0.40, preset_setting=True),
+  _record("hyla", "A", 1, 0.52, 0.42, preset_setting=True),
+  _record("hyla", "B", 0, 0.80, 0.50),
+  _record("hyla", "B", 1, 0.82, 0.54),
+  _record("hyla", "C", 0, 0.95, 0.90),
+  _record("hyla", "C", 1, 0.30, 0.92),
+  _record("softmax", "A", 0, 0.60, 0.55, preset_setting=True),
+  {"attention": "softmax", "seed": 0, "ood_whole_panel": 0.99, "validation_whole_panel": 0.99},
+]
+
+
+def test_selection_is_on_mean_validation_never_ood():
+  chosen = hyla_paper.select_settings(FAKE, "validation_whole_panel")
+  assert chosen["hyla"].setting == "B"  # C: best OOD and best single seed, worse mean validation
+  assert chosen["hyla"].validation == pytest.approx(0.81)
+  assert chosen["softmax"].setting == "A"  # the fixed-protocol record takes no part
+  # Swap the fields: the choice follows whatever field selects.
+  assert hyla_paper.select_settings(FAKE, "ood_whole_panel")["hyla"].setting == "C"
+
+
+def test_sweep_report_gives_selected_fixed_and_reference_with_standard_errors():
+  report = sraven_study.sweep_section(FAKE)
+  selected = next(line for line in report.splitlines() if line.startswith("| hyla | B | 2"))
+  # OOD of B: mean 52.00, s.e. = std(50, 54)/√2 = 2.83/1.41 = 2.00; fixed setting A: 41.00 ± 1.00.
+  assert "52.00 ± 2.00" in selected and "41.00 ± 1.00" in selected and "69.13 ± 1.90" in selected
+  per_setting = [line for line in report.splitlines() if line.startswith("| hyla | ")][1:]
+  assert len(per_setting) == 3 and per_setting[1].endswith("| ✓ |")
+  assert "A (fixed setting)" in per_setting[0] and not per_setting[2].endswith("✓ |")
+  assert "91.00 ± 1.00" in per_setting[2]  # C's OOD is listed, not selected
+  assert (
+    "(reference)" in report
+    and hyla_paper.sweep_report(
+      [], validation_field="x", columns={"a": "b"}, references={}, reference_column="r"
+    )
+    == ""
+  )
+
+
+def test_logic_sweep_report_selects_on_validation_r2():
+  records = [
+    {
+      **_record("hyla", "lr0.001_wd0.1", s, 0, 0),
+      "validation_r2": v,
+      "test_r2_per_sequence": t,
+      "test_r2": t,
+      "ood_r2": t,
+    }
+    for s, (v, t) in enumerate([(0.9, 0.5), (0.9, 0.5)])
+  ] + [
+    {
+      **_record("hyla", "lr0.003_wd0.1", s, 0, 0),
+      "validation_r2": v,
+      "test_r2_per_sequence": t,
+      "test_r2": t,
+      "ood_r2": t,
+    }
+    for s, (v, t) in enumerate([(0.8, 0.9), (0.8, 0.9)])
+  ]
+  report = logic_study.sweep_section(records)
+  assert (
+    "| hyla | lr0.001_wd0.1 | 2 | 90.00 ± 0.00 | 50.00 ± 0.00" in report
+    and "81.13 ± 7.77" in report
+  )
