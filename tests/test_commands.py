@@ -102,12 +102,31 @@ def test_reproduce_help_lists_the_tasks_and_each_grid_its_flags(tmp_path):
   assert "--jobs" in grid_help.stdout
 
 
-def test_the_script_is_a_thin_wrapper_of_the_command():
+def test_the_script_is_a_thin_wrapper_of_the_command(tmp_path):
   path = os.path.join(REPO_ROOT, "scripts", "reproduce.py")
   spec = importlib.util.spec_from_file_location("reproduce_script", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  assert module.reproduce is commands.reproduce
+  assert module.reproduce_command is commands.reproduce
+  # Run as a script from another folder, it finds the studies, not itself (its folder comes
+  # first on Python's path, where a file named reproduce.py would shadow the package).
+  result = subprocess.run(
+    [sys.executable, path, "--help"],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr
+  assert all(study in result.stdout for study in reproduce.study_names())
+
+
+def test_reproduce_outside_a_clone_says_where_the_grids_live(monkeypatch, tmp_path, capsys):
+  monkeypatch.setattr(commands.reproduce, "_clone_roots", lambda: [str(tmp_path)])
+  assert commands.reproduce.main(["uea", "--dry_run"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "reproduce/ folder" in err[0] and "clone" in err[0]
 
 
 @pytest.mark.parametrize("study", reproduce.study_names())
