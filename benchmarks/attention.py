@@ -110,7 +110,7 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
 def _serves(name: str, options: dict[str, Any], heads: int) -> bool:
   """Whether variant ``name`` runs with ``options`` at all (e.g. the blockwise HYLA path refuses
   the ablations it cannot compute), tried on a tiny input."""
-  x = jnp.ones((1, 4, heads, 2), jnp.float32)
+  x = jnp.ones((1, 16, heads, 2), jnp.float32)  # long enough for the default SH ratios
   try:
     registry.make_attention_fn(name, options)(x, x, x)
   except ValueError:

@@ -79,11 +79,14 @@ def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
     raise ValueError(f"q, k, v batch dims must match; got {shapes}")
   kv_heads = key.shape[-2]
   if kv_heads != value.shape[-2]:
-    raise ValueError(f"k, v num_heads must match; got {shapes}")
+    raise ValueError(
+      f"k, v num_heads must match (key and value must have the same number of heads); got {shapes}"
+    )
   if kv_heads < 1 or query.shape[-2] % kv_heads:
     raise ValueError(
       f"query heads ({query.shape[-2]}) must be multiple of key/value heads ({kv_heads}) "
-      f"(grouped heads: the query head count must be a multiple of it); got {shapes}"
+      "(grouped heads: the key/value heads must divide the number of query heads, which must "
+      f"be a multiple of them); got {shapes}"
     )
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"q, k depths must match (feature size d_qk, axis -1); got {shapes}")
