@@ -19,7 +19,10 @@ XLA's memory numbers of the compiled executable (``benchmarks.common``), the reg
 achieved FLOP/s as a fraction of a large matmul's (the "roofline"). A combination whose
 ``peak_bytes`` exceeds ``--memory-cap-gib`` is compiled (memory and XLA FLOPs are recorded) but not
 run: status ``skipped_memory``; one whose predicted time per call (the previous length's time
-scaled quadratically) exceeds ``--time-cap-s`` likewise: ``skipped_time``. Run
+scaled quadratically) exceeds ``--time-cap-s`` likewise: ``skipped_time``. One whose largest
+intermediate buffer (read from the jaxpr, before any compilation: a dense kernel's
+``[B, H, N, N]`` float32 logits) exceeds ``--buffer-cap-gib`` is not even compiled (on a GPU XLA
+autotunes such programs for minutes): status ``skipped_buffer``, no memory or XLA FLOPs. Run
 ``python -m benchmarks.attention --help``; the targets are in benchmarks/README.md.
 """
 
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from benchmarks import common
@@ -106,7 +110,7 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
 def _serves(name: str, options: dict[str, Any], heads: int) -> bool:
   """Whether variant ``name`` runs with ``options`` at all (e.g. the blockwise HYLA path refuses
   the ablations it cannot compute), tried on a tiny input."""
-  x = jnp.ones((1, 4, heads, 2), jnp.float32)
+  x = jnp.ones((1, 16, heads, 2), jnp.float32)  # long enough for the default SH ratios
   try:
     registry.make_attention_fn(name, options)(x, x, x)
   except ValueError:
@@ -189,6 +193,25 @@ class RunLimits(NamedTuple):
   budget_s: float
   time_cap_s: float
   memory_cap_bytes: float
+  buffer_cap_bytes: float = float("inf")
+
+
+def _jaxpr_buffers(jaxpr):
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      aval = var.aval
+      if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+        yield aval.size * aval.dtype.itemsize
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _jaxpr_buffers(sub)
+
+
+def largest_buffer_bytes(fn: Callable, *inputs) -> int:
+  """Bytes of the largest value ``fn`` computes, from its jaxpr (tracing only: no compilation,
+  no autotuning). Dense attention shows its ``[B, H, N, N]`` logits here; fused cuDNN calls are
+  opaque custom calls and show none."""
+  jaxpr = jax.make_jaxpr(fn)(*inputs).jaxpr
+  return max(_jaxpr_buffers(jaxpr), default=0)
 
 
 def make_inputs(shape: Shape, dtype, seed: int = 0):
@@ -246,8 +269,21 @@ def measure(
   if case.name == FUSED_REFERENCE:
     record["options"] = {"implementation": reference_implementation(dtype)}
   inputs = make_inputs(shape, dtype)
+  function = transform(build_attention(case, shape, dtype))
   try:
-    compiled = common.compile_for(transform(build_attention(case, shape, dtype)), *inputs)
+    largest = largest_buffer_bytes(function, *inputs)
+  except Exception as error:  # A kernel that cannot run here is reported, not fatal.
+    return _failed(record, "trace", error)
+  record["largest_buffer_bytes"] = largest
+  if largest > limits.buffer_cap_bytes:
+    return {
+      **record,
+      "status": "skipped_buffer",
+      "reason": f"largest buffer {largest / 2**30:.2f} GiB > cap "
+      f"{limits.buffer_cap_bytes / 2**30:.2f} GiB (not compiled)",
+    }
+  try:
+    compiled = common.compile_for(function, *inputs)
   except Exception as error:  # A kernel that cannot run here is reported, not fatal.
     return _failed(record, "compile", error)
   stats = common.compiled_stats(compiled)
@@ -432,21 +468,45 @@ def target_bn_vs_softmax(index, cases):
   )
 
 
-def target_sh_vs_flop_ratio(index, cases):
-  # Excess of SH's time ratio over its FLOP ratio: pooled keys should save time in proportion.
+def _excess_over_flop_ratio(index, name, variant, label):
+  # Excess of the time ratio over the FLOP ratio: pooled keys should save time in proportion.
   lengths = index.lengths_from(4096)
   excess = {}
   for n in lengths:
-    time_ratio = index.ratio("sh", SOFTMAX, n)
-    flop_ratio = index.ratio("sh", SOFTMAX, n, "analytic_flops")
+    time_ratio = index.ratio(variant, SOFTMAX, n)
+    flop_ratio = index.ratio(variant, SOFTMAX, n, "analytic_flops")
     excess[n] = None if time_ratio is None or flop_ratio is None else time_ratio - flop_ratio
   return _target(
-    "sh_time_vs_flop_ratio",
-    "SH time / softmax time minus SH FLOPs / softmax FLOPs, fwd+bwd, worst length >= 4k",
+    name,
+    f"{label} time / softmax time minus {label} FLOPs / softmax FLOPs, fwd+bwd, worst length >= 4k",
     _worst(excess),
     0.1,
     lengths=lengths,
     details={"excess_by_length": excess, "dtype": index.dtype},
+  )
+
+
+def target_sh_vs_flop_ratio(index, cases):
+  return _excess_over_flop_ratio(index, "sh_time_vs_flop_ratio", "sh", "SH")
+
+
+def target_bn_sh_vs_flop_ratio(index, cases):
+  return _excess_over_flop_ratio(index, "bn_sh_time_vs_flop_ratio", "bn_sh", "BN+SH")
+
+
+def target_sh_memory_scaling(index, cases):
+  # SH's peak memory from 4k to 32k (or the run's shortest/longest) against linear growth.
+  short = 4096 if 4096 in index.lengths else min(index.lengths)
+  long = index.length_or_largest(32768)
+  top, bottom = index.get("sh", long, "peak_bytes"), index.get("sh", short, "peak_bytes")
+  growth = None if top is None or not bottom or long == short else top / bottom / (long / short)
+  return _target(
+    "sh_peak_memory_linear",
+    f"SH peak bytes({long}) / peak bytes({short}) over {long}/{short}, fwd+bwd",
+    growth,
+    1.25,
+    lengths=[short, long],
+    details={"dtype": index.dtype},
   )
 
 
@@ -508,6 +568,8 @@ TARGETS: dict[str, Callable[[RecordIndex, Sequence[Case]], dict]] = {
   "softmax_vs_fused_reference": target_softmax_vs_reference,
   "bn_vs_softmax": target_bn_vs_softmax,
   "sh_time_vs_flop_ratio": target_sh_vs_flop_ratio,
+  "bn_sh_time_vs_flop_ratio": target_bn_sh_vs_flop_ratio,
+  "sh_peak_memory_linear": target_sh_memory_scaling,
   "hyla_blockwise_vs_softmax": target_hyla_blockwise_time,
   "hyla_blockwise_runs_at_32k": target_hyla_blockwise_runs,
   "peak_memory_linear": target_memory_linear,
@@ -568,6 +630,7 @@ DETAIL_COLUMNS = (
   common.Column("/ reference", "time_vs_reference", common.format_ratio),
   common.Column("temp MiB", "temp_bytes", common.format_mib),
   common.Column("peak MiB", "peak_bytes", common.format_mib),
+  common.Column("largest buffer MiB", "largest_buffer_bytes", common.format_mib),
   common.Column("analytic GFLOP", "analytic_flops", common.format_giga),
   common.Column("XLA GFLOP", "xla_flops", common.format_giga),
   common.Column("of roofline", "fraction_of_roofline", common.format_percent),
@@ -730,6 +793,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="skip timing when XLA's peak bytes exceed this",
   )
   parser.add_argument(
+    "--buffer-cap-gib",
+    type=float,
+    default=8.0,
+    help="skip compiling (and running) when the largest intermediate buffer in the jaxpr "
+    "exceeds this (dense [B, H, N, N] logits; on a GPU such programs autotune for minutes)",
+  )
+  parser.add_argument(
     "--hyla-block",
     type=int,
     default=None,
@@ -766,7 +836,13 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Path]:
   """Runs the benchmark described by ``args`` and writes JSON, Markdown and the plot."""
   label = args.device_label or common.default_device_label()
   cases = all_cases(args.heads, args.sh_ratios, args.hyla_block, args.variants)
-  limits = RunLimits(args.repeats, args.budget_s, args.time_cap_s, args.memory_cap_gib * 2**30)
+  limits = RunLimits(
+    args.repeats,
+    args.budget_s,
+    args.time_cap_s,
+    args.memory_cap_gib * 2**30,
+    args.buffer_cap_gib * 2**30,
+  )
   lengths = sorted(args.lengths)
   roofline = {d: measure_matmul(args.matmul_size, d, max(args.repeats, 3)) for d in args.dtypes}
   for entry in roofline.values():
@@ -784,6 +860,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Path]:
     budget_s=args.budget_s,
     time_cap_s=args.time_cap_s,
     memory_cap_gib=args.memory_cap_gib,
+    buffer_cap_gib=args.buffer_cap_gib,
     sh_ratios=list(args.sh_ratios),
     hyla_block=args.hyla_block,
     matmul_size=args.matmul_size,
@@ -797,9 +874,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Path]:
     records=records,
   )
   paths = common.write_reports(args.out_dir, "attention", label, payload, render_markdown)
-  paths["plot"] = plot_times(
-    payload, common.result_path(args.out_dir, "attention_time", "png", label)
-  )
+  paths["plot"] = plot_times(payload, common.result_path(args.out_dir, "attention", "png", label))
   for target in payload["targets"]:
     log(
       f"target {target['name']}: {target['measured']} {target['comparison']} "

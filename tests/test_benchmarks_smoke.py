@@ -29,7 +29,7 @@ from primal_dual import kernels, registry  # noqa: E402
 
 ATTENTION_ARGS = ["--quick", "--dtypes", "float32"]
 TRAIN_ARGS = ["--quick", "--variants", "softmax", "--device-counts", "2"]
-OK_STATUSES = {"ok", "skipped_memory", "skipped_time"}
+OK_STATUSES = {"ok", "skipped_memory", "skipped_time", "skipped_buffer"}
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_attention_writes_json_markdown_and_plot(outputs):
     assert payload["metadata"][key], key
   markdown = (folder / "attention.md").read_text()
   assert "## Targets" in markdown and "| softmax |" in markdown
-  assert (folder / "attention_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (folder / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_attention_has_every_case_length_dtype_and_pass(outputs):
@@ -254,6 +254,53 @@ def test_targets_pass_miss_and_missing_data():
   assert targets["bn_vs_softmax"]["status"] == "MISS"
   assert targets["sh_time_vs_flop_ratio"]["status"] == "N/A"
   assert targets["peak_memory_linear"]["status"] == "PASS"
+  assert targets["bn_sh_time_vs_flop_ratio"]["status"] == "N/A"
+  assert targets["sh_peak_memory_linear"]["status"] == "N/A"
+  # SH and BN+SH at their FLOP ratio (0.46875 + 0.1 allowed); SH memory linear from 4k to 32k.
+  flops = {"softmax": 1.0, "sh": 0.46875, "bn_sh": 0.46875}
+  more = [
+    {**record(name, n, time_s, peak_bytes=peak), "analytic_flops": flops[name]}
+    for name, n, time_s, peak in (
+      ("softmax", 32768, 1.0, 100),
+      ("sh", 4096, 0.5, 100),
+      ("sh", 32768, 0.6, 1000),
+      ("bn_sh", 32768, 0.7, 100),
+    )
+  ]
+  records[0]["analytic_flops"] = 1.0
+  targets = {t["name"]: t for t in attention.evaluate_targets(records + more, cases)}
+  assert targets["sh_time_vs_flop_ratio"]["status"] == "MISS"  # 0.6 - 0.469 > 0.1 at 32k
+  assert targets["sh_time_vs_flop_ratio"]["measured"] == pytest.approx(0.6 - 0.46875)
+  assert targets["bn_sh_time_vs_flop_ratio"]["status"] == "MISS"
+  assert targets["sh_peak_memory_linear"]["measured"] == pytest.approx(1000 / 100 / 8)
+  assert targets["sh_peak_memory_linear"]["status"] == "PASS"  # 1.25 <= 1.25
+  more[2]["peak_bytes"] = 1001
+  targets = {t["name"]: t for t in attention.evaluate_targets(records + more, cases)}
+  assert targets["sh_peak_memory_linear"]["status"] == "MISS"
+
+
+def test_dense_cases_over_the_buffer_cap_are_not_compiled(monkeypatch):
+  shape = attention.Shape(batch=1, length=32, heads=2, head_dim=8)
+  dense = attention.Case(
+    "softmax[implementation=reference]", "softmax", {"implementation": "reference"}
+  )
+  fn = attention.build_attention(dense, shape, jnp.float32)
+  inputs = attention.make_inputs(shape, jnp.float32)
+  # The [B, H, N, N] float32 logits are the largest buffer.
+  assert attention.largest_buffer_bytes(fn, *inputs) == 1 * 2 * 32 * 32 * 4
+  compiled = []
+  monkeypatch.setattr(common, "compile_for", lambda *a: compiled.append(a) or 1 / 0)
+  limits = attention.RunLimits(1, 1.0, 1.0, 2.0**40, buffer_cap_bytes=8191)
+  record = attention.measure(dense, shape, "float32", "forward", limits, None)
+  assert record["status"] == "skipped_buffer" and not compiled
+  assert record["largest_buffer_bytes"] == 8192 and "peak_bytes" not in record
+  assert "not compiled" in record["reason"]
+  # At the cap it is compiled (here: the stub fails, reported as a compile error).
+  limits = limits._replace(buffer_cap_bytes=8192)
+  record = attention.measure(dense, shape, "float32", "forward", limits, None)
+  assert compiled and record["status"] == "error" and record["reason"].startswith("compile")
+  args = attention.parse_args(["--buffer-cap-gib", "0.5", "--lengths", "1024,32768"])
+  assert args.buffer_cap_gib == 0.5 and args.lengths == [1024, 32768]
 
 
 def test_small_models_benchmark_times_the_trainers_step(tmp_path):

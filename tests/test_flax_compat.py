@@ -264,3 +264,70 @@ def test_nnx_grouped_key_value_heads(name):
       rngs=nnx.Rngs(0),
     )
     np.testing.assert_allclose(out, default(SEQUENCE, is_causal=True), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax's function contract: its shape-error wording and its einsum keyword arguments.
+# ---------------------------------------------------------------------------------------------
+
+_X = jnp.ones((1, 3, 2, 4))
+# (q, k, v shapes) that flax.nnx.dot_product_attention refuses, with its message's key phrase.
+FLAX_SHAPE_ERRORS = {
+  "batch dims must match": ((2, 3, 2, 4), (3, 3, 2, 4), (3, 3, 2, 4)),
+  "lengths must match": ((1, 3, 2, 4), (1, 3, 2, 4), (1, 4, 2, 4)),
+  "depths must match": ((1, 3, 2, 4), (1, 3, 2, 5), (1, 3, 2, 5)),
+  "must be multiple": ((1, 3, 5, 4), (1, 3, 2, 4), (1, 3, 2, 4)),
+  "must have same rank": ((1, 3, 2, 4), (3, 2, 4), (3, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("phrase", sorted(FLAX_SHAPE_ERRORS))
+def test_shape_errors_are_value_errors_with_flax_wording(name, phrase):
+  q, k, v = (jnp.ones(s) for s in FLAX_SHAPE_ERRORS[phrase])
+  # Flax's own function says the same on its weights path (dropout_rate > 0 keeps it off the
+  # jax.nn fast path, whose messages differ).
+  with pytest.raises(ValueError, match=phrase):
+    nnx.dot_product_attention(q, k, v, dropout_rate=0.5, deterministic=True)
+  with pytest.raises(ValueError, match=phrase):
+    attention_fn(name)(q, k, v)
+
+
+def _einsum_hook():
+  return functools.partial(jnp.einsum, precision=None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flax_einsum_keywords_are_value_errors_like_flax(name):
+  fn = attention_fn(name)
+  # Flax's own checks, same exception type and wording.
+  for call in (nn.dot_product_attention, fn):
+    with pytest.raises(ValueError, match="must be specified together"):
+      call(_X, _X, _X, qk_attn_weights_einsum=_einsum_hook())
+    with pytest.raises(ValueError, match="mutually exclusive"):
+      call(
+        _X,
+        _X,
+        _X,
+        precision="highest",
+        qk_attn_weights_einsum=_einsum_hook(),
+        attn_weights_value_einsum=_einsum_hook(),
+      )
+  # Hooks Flax would use: our kernels refuse them with a ValueError, never a TypeError.
+  with pytest.raises(ValueError, match="custom einsum hooks"):
+    fn(_X, _X, _X, einsum_dot_general=jax.lax.dot_general)
+  np.testing.assert_array_equal(fn(_X, _X, _X, einsum_dot_general=None), fn(_X, _X, _X))
+
+
+def test_linen_module_passes_its_einsum_hooks_and_we_refuse_them():
+  """MultiHeadDotProductAttention passes the keyword arguments our signature lists: None by
+  default (works, tested above), a hook when ``*_einsum_cls`` is set (refused with ValueError)."""
+  module = nn.MultiHeadDotProductAttention(
+    num_heads=HEADS,
+    qkv_features=FEATURES,
+    attention_fn=attention_fn("softmax"),
+    qk_attn_weights_einsum_cls=_einsum_hook,
+    attn_weights_value_einsum_cls=_einsum_hook,
+  )
+  with pytest.raises(ValueError, match="custom einsum hooks"):
+    module.apply(PARAMS, FLAT_INPUTS)

@@ -53,43 +53,57 @@ def _shape_str(**arrays: Any) -> str:
 
 
 def validate_qkv(query: Array, key: Array, value: Array) -> QKVShapes:
-  """Checks ranks and sizes of ``query``, ``key`` and ``value``.
+  """Checks ranks, sizes and dtypes of ``query``, ``key`` and ``value``.
+
+  The messages carry Flax's wording (``"q, k, v batch dims must match"``, ``"k, v lengths must
+  match"``, ``"q, k depths must match"``, ``"must be multiple of"``) so that code and tests written
+  against ``flax.linen``/``flax.nnx`` attention recognise them.
 
   Raises:
-    ValueError: naming the offending argument and every shape seen.
+    ValueError: naming the offending argument and every shape seen: rank < 3 or ranks that
+      differ, batch dimensions that differ, key/value heads that differ or do not divide the
+      query heads, ``d_qk`` of query and key or ``kv_len`` of key and value that differ,
+      ``kv_len == 0`` (no key to attend to), or a dtype that is not a real floating type
+      (integers and bools would silently give integer outputs; complex numbers have no softmax
+      order).
   """
+  shapes = _shape_str(query=query, key=key, value=value)
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim < 3:
       raise ValueError(
-        f"{name} must have rank >= 3 ([batch..., length, heads, features]); got "
-        f"{_shape_str(query=query, key=key, value=value)}"
+        f"{name} must have rank >= 3 ([batch..., length, heads, features]); got {shapes}"
       )
   if not query.ndim == key.ndim == value.ndim:
-    raise ValueError(
-      "query, key and value must have the same rank; got "
-      f"{_shape_str(query=query, key=key, value=value)}"
-    )
+    raise ValueError(f"q, k, v must have same rank; got {shapes}")
   if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
-    raise ValueError(
-      "query, key and value must share their batch dimensions; got "
-      f"{_shape_str(query=query, key=key, value=value)}"
-    )
+    raise ValueError(f"q, k, v batch dims must match; got {shapes}")
   kv_heads = key.shape[-2]
-  if kv_heads < 1 or kv_heads != value.shape[-2] or query.shape[-2] % kv_heads:
+  if kv_heads != value.shape[-2]:
     raise ValueError(
-      "key and value must have the same number of heads (axis -2), and it must divide the "
-      "number of query heads (grouped heads); got "
-      f"{_shape_str(query=query, key=key, value=value)}"
+      f"k, v num_heads must match (key and value must have the same number of heads); got {shapes}"
+    )
+  if kv_heads < 1 or query.shape[-2] % kv_heads:
+    raise ValueError(
+      f"query heads ({query.shape[-2]}) must be multiple of key/value heads ({kv_heads}) "
+      "(grouped heads: the key/value heads must divide the number of query heads, which must "
+      f"be a multiple of them); got {shapes}"
     )
   if query.shape[-1] != key.shape[-1]:
-    raise ValueError(
-      "query and key must have the same feature size d_qk (axis -1); got "
-      f"{_shape_str(query=query, key=key, value=value)}"
-    )
+    raise ValueError(f"q, k depths must match (feature size d_qk, axis -1); got {shapes}")
   if key.shape[-3] != value.shape[-3]:
+    raise ValueError(f"k, v lengths must match (kv_len, axis -3); got {shapes}")
+  if key.shape[-3] == 0:
+    raise ValueError(f"attention needs at least one key (kv_len >= 1); got {shapes}")
+  dtypes = {
+    name: jnp.dtype(x.dtype) for name, x in (("query", query), ("key", key), ("value", value))
+  }
+  bad = {name: dtype for name, dtype in dtypes.items() if not jnp.issubdtype(dtype, jnp.floating)}
+  if bad:
     raise ValueError(
-      "key and value must have the same length kv_len (axis -3); got "
-      f"{_shape_str(query=query, key=key, value=value)}"
+      "query, key and value must be real floating-point arrays (cast integers with "
+      ".astype(jnp.float32); complex inputs are not supported); got dtypes "
+      + ", ".join(f"{name}={dtype}" for name, dtype in dtypes.items())
+      + f" with {shapes}"
     )
   return QKVShapes(
     tuple(query.shape[:-3]),
@@ -136,6 +150,11 @@ def broadcast_logits_arg(x: Array | None, name: str, shapes: QKVShapes) -> Array
     return None
   target = (*shapes.batch_shape, shapes.heads, shapes.q_len, shapes.kv_len)
   x = jnp.asarray(x)
+  extra = x.ndim - len(target)
+  if extra > 0 and all(n == 1 for n in x.shape[:extra]):
+    # Unbatched q/k/v ([len, heads, d]) with a batched 4-D mask [1, heads, q, kv], as
+    # jax.nn.dot_product_attention and flax.nnx accept: size-1 leading axes carry nothing.
+    x = x.reshape(x.shape[extra:])
   try:
     full = jnp.broadcast_shapes(x.shape, target)
   except ValueError:
@@ -258,6 +277,15 @@ def map_heads(per_head: Callable[..., Any], *args: Any) -> Any:
   arrays = [x for x in args if x is not None]
   batch = max(x.shape[0] for x in arrays)
   heads = max(x.shape[1] for x in arrays)
+  if any(
+    x.ndim < 2 or x.shape[0] not in (1, batch) or x.shape[1] not in (1, heads) for x in arrays
+  ):
+    # vmap would otherwise refuse with a less legible error, or an axis of size 1 be mistaken
+    # for a shared one while another argument disagrees.
+    raise ValueError(
+      f"map_heads needs arguments whose two leading axes are [B, H] with B={batch}, H={heads} "
+      f"(or 1 where shared); got shapes {[tuple(x.shape) for x in arrays]}"
+    )
 
   def over_heads(*example_args):
     return jax.vmap(per_head, in_axes=_head_axes(example_args, heads))(

@@ -176,7 +176,9 @@ def batchnorm_attention(
     q, k, v = call.heads_major()
     mask, bias = call.mask_and_bias()
     q_hat, k_hat = C.map_heads(normalize, q, k, mask)
-    return call.finish(fused.attend(q_hat, k_hat, v, bias, mask, scale=scale))
+    return call.finish(
+      fused.attend(q_hat, k_hat, v, bias, mask, scale=scale, dtype=call.compute_dtype)
+    )
 
   def weights_one_head(q, k, bias, mask):
     return kernel_one_head(*normalize(q, k, mask), bias, mask)

@@ -21,6 +21,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import fused
@@ -52,6 +53,13 @@ class AttentionCall:
     causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
       ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    force_fp32_for_softmax: Flax's flag, accepted and without effect: the statistics and the
+      softmax are float32 always.
+    einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: Flax's hooks for
+      custom (e.g. quantised) einsums. Accepted so that Flax passes them, checked as Flax checks
+      them (the two einsums together, neither with ``precision``/``einsum_dot_general``: the same
+      ValueError messages), and refused with a ValueError when not None: the kernels' products
+      are their own (fused or per-head), not Flax's two einsums.
     shapes: the validated sizes (:func:`_common.validate_qkv`).
   """
 
@@ -71,15 +79,26 @@ class AttentionCall:
   is_causal: bool = False
   causal_alignment: str = "top_left"
   return_weights: bool = False
+  force_fp32_for_softmax: bool = False
+  einsum_dot_general: Any = None
+  qk_attn_weights_einsum: Any = None
+  attn_weights_value_einsum: Any = None
   shapes: C.QKVShapes = dataclasses.field(init=False)
 
   def __post_init__(self):
+    _check_flax_einsums(self)
     self.shapes = C.validate_qkv(self.query, self.key, self.value)
 
   @property
   def out_dtype(self):
     """The output dtype: ``dtype``, or the query's."""
     return C.output_dtype(self.query, self.dtype)
+
+  @property
+  def compute_dtype(self):
+    """The dtype of the fused product: the promoted dtype of query, key and value as given (a
+    kernel's float32 intermediates, e.g. Attention-BN's normalised q and k, are rounded to it)."""
+    return jnp.result_type(self.query, self.key, self.value)
 
   @property
   def dropout_active(self) -> bool:
@@ -122,6 +141,7 @@ class AttentionCall:
       deterministic=self.deterministic,
       same_head_size=self.shapes.d_qk == self.shapes.d_v,
       softmax_kernel=softmax_kernel,
+      precision=self.precision,
     )
 
   def refuse_weights(self, kernel: str) -> None:
@@ -170,6 +190,30 @@ class AttentionCall:
       dtype=self.out_dtype,
       module=self.module,
       return_weights=self.return_weights,
+    )
+
+
+def _check_flax_einsums(call: AttentionCall) -> None:
+  """Flax's checks of its einsum hooks (same messages), then a refusal of any hook given."""
+  qk, wv = call.qk_attn_weights_einsum, call.attn_weights_value_einsum
+  if (qk is None) != (wv is None):
+    raise ValueError(
+      "qk_attn_weights_einsum and attn_weights_value_einsum must be specified together."
+    )
+  if (call.precision is not None or call.einsum_dot_general is not None) and qk is not None:
+    raise ValueError(
+      "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum are "
+      "mutually exclusive. Please specify only one of them."
+    )
+  given = [
+    name
+    for name in ("einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")
+    if getattr(call, name) is not None
+  ]
+  if given:
+    raise ValueError(
+      f"primal_dual kernels do not take Flax's custom einsum hooks; got {', '.join(given)} "
+      "(leave them None)"
     )
 
 

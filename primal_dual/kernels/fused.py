@@ -13,6 +13,18 @@ only a top-left causal mask) allow, and XLA's implementation elsewhere. Otherwis
 ``implementation='reference'``, the kernels take their own path (``_common`` + one-head maths);
 the two agree within the dtype's rounding (tests). Rows with no visible key give zeros on both
 paths (XLA's implementation alone would average every value there).
+
+Two rules of the fused path, exactly:
+
+* **Precision.** ``jax.nn.dot_product_attention`` takes no ``precision``. A call with a
+  ``precision`` other than None or ``DEFAULT`` (``'highest'``, ``Precision.HIGH``, a tuple of
+  them, an algorithm preset) therefore takes the reference path under ``'auto'``, whose einsums
+  pass it on, and is refused (ValueError) under ``'fused'``.
+* **Dtype.** The product runs in the promoted dtype of the call's query, key and value as given
+  (``jnp.result_type``): q, k and v are cast to it. float32 inputs are never rounded; bfloat16
+  inputs run in bfloat16 (which is what lets cuDNN take them), so Attention-BN's float32
+  normalised q̂, k̂ are rounded to bfloat16 there (the reference path keeps them float32); a
+  float32 query with bfloat16 keys and values runs in float32.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ def use_fused(
   deterministic: bool,
   same_head_size: bool = True,
   softmax_kernel: bool = True,
+  precision=None,
 ) -> bool:
   """Whether a call takes the fused path.
 
@@ -54,6 +67,10 @@ def use_fused(
       ("dropout on the weights", not deterministic and dropout_rate > 0.0),
       ("key and value head sizes differ", not same_head_size),
       ("kernel is not softmax", not softmax_kernel),
+      (
+        f"precision={precision!r} (jax.nn.dot_product_attention takes none)",
+        not is_default_precision(precision),
+      ),
     )
     if present
   ]
@@ -63,6 +80,21 @@ def use_fused(
       "use implementation='auto' or 'reference'"
     )
   return not blockers
+
+
+def is_default_precision(precision) -> bool:
+  """Whether ``precision`` asks for nothing beyond the backend default (None or ``DEFAULT``,
+  alone or in a tuple)."""
+  values = precision if isinstance(precision, (tuple, list)) else (precision,)
+  for value in values:
+    if value is None:
+      continue
+    try:
+      if jax.lax.Precision(value) != jax.lax.Precision.DEFAULT:
+        return False
+    except (ValueError, TypeError):  # an algorithm preset or an unknown name: not the default
+      return False
+  return True
 
 
 def backend_implementation(query: jax.Array, *, head_size: int, masked: bool) -> str:
@@ -79,7 +111,7 @@ def backend_implementation(query: jax.Array, *, head_size: int, masked: bool) ->
   return "xla"
 
 
-def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False):
+def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=None):
   """Softmax attention of heads-major arrays through ``jax.nn.dot_product_attention``.
 
   Args:
@@ -87,12 +119,14 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False):
     bias: ``[B, H, q_len, kv_len]`` or None. mask: bool, the same shape, or None.
     scale: logits scale.
     is_causal: a top-left causal mask on top of ``mask`` (query i sees keys j ≤ i).
+    dtype: the dtype the product runs in (q, k and v are cast to it); default ``v``'s. The
+      kernels pass the call's promoted input dtype (module docstring, "Dtype").
 
   Returns:
-    ``[B, H, q_len, d]`` in ``v``'s dtype; rows with no visible key are 0.
+    ``[B, H, q_len, d]`` in ``dtype``; rows with no visible key are 0.
   """
-  dtype = v.dtype
-  q, k = q.astype(dtype), k.astype(dtype)
+  dtype = v.dtype if dtype is None else dtype
+  q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
   implementation = backend_implementation(
     q, head_size=q.shape[-1], masked=mask is not None or bias is not None
   )

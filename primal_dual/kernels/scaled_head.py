@@ -184,6 +184,20 @@ def key_windows(
   )
 
 
+def _refuse_ratios_above_length(ratios, kv_len: int, grid_shape, num_prefix_tokens: int) -> None:
+  """Raises ValueError when a ratio > 1 exceeds the pooled axis (the keys after the prefix, or
+  the longer grid side): it would pool everything into one window, like a ratio equal to the
+  length, which is more likely a configuration slip (ratios meant for longer inputs)."""
+  length = kv_len - num_prefix_tokens if grid_shape is None else max(grid_shape)
+  too_long = [r for r in ratios if r > 1 and r > length]
+  if too_long:
+    axis = "keys after the prefix" if grid_shape is None else f"grid side of {tuple(grid_shape)}"
+    raise ValueError(
+      f"ratios {too_long} exceed the pooled length ({length} {axis}; kv_len={kv_len}, "
+      f"num_prefix_tokens={num_prefix_tokens}); got ratios={ratios}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Pooling of one head.
 # ---------------------------------------------------------------------------------------------
@@ -219,12 +233,12 @@ class PooledKeys(NamedTuple):
   key: jax.Array  # [n, d_qk], input dtype
   value: jax.Array  # [n, d_v], input dtype
   bias: jax.Array | None  # [q_len, n] float32
-  mask: jax.Array  # [q_len, n] bool
+  mask: jax.Array | None  # [q_len, n] bool; None when the call has no mask (all visible)
   key_valid: jax.Array  # [n] bool, window holds a valid key
 
 
 def pool_keys_one_head(
-  k, v, bias, mask, key_valid, *, windows: KeyWindows, pool: Callable, q_len: int
+  k, v, bias, mask, key_valid, *, windows: KeyWindows, pool: Callable
 ) -> PooledKeys:
   """Pools one head's keys, values, bias and mask over ``windows``.
 
@@ -234,14 +248,16 @@ def pool_keys_one_head(
     key_valid: bool ``[kv_len]``, keys that may be pooled.
     windows: static windows from :func:`key_windows`.
     pool: an entry of :data:`POOLS`.
-    q_len: number of queries (for the pooled mask when ``mask`` is None).
   """
   index, real = jnp.asarray(windows.index), jnp.asarray(windows.real)
   valid = real & key_valid[index]  # [n, w]
   pooled_valid = jnp.any(valid, axis=-1)
   if mask is None:
     visible = valid[None]  # [1, n, w]: every query sees every valid key.
-    pooled_mask = jnp.broadcast_to(pooled_valid, (q_len, pooled_valid.shape[0]))
+    # Without a mask every key is valid and every window holds a real key, so every query sees
+    # every pooled key: no pooled mask either, which leaves the fused path free to use cuDNN
+    # (a mask, even all True, sends jax.nn.dot_product_attention to XLA's dense [q, n] path).
+    pooled_mask = None
   else:
     visible = mask[:, index] & real[None]  # [q_len, n, w]
     pooled_mask = jnp.any(visible, axis=-1)
@@ -292,15 +308,13 @@ def _attention_inputs_one_head(
   normalised with key statistics of the pooled keys (``statistics='pooled'``) or the full-length
   keys.
   """
-  q_len, kv_len = q.shape[0], k.shape[0]
+  kv_len = k.shape[0]
   key_valid = C.key_validity(mask, kv_len)
   key_valid = jnp.ones((kv_len,), bool) if key_valid is None else key_valid
   if windows is None:
     pooled = PooledKeys(k, v, bias, mask, key_valid)
   else:
-    pooled = pool_keys_one_head(
-      k, v, bias, mask, key_valid, windows=windows, pool=pool, q_len=q_len
-    )
+    pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool)
   if batchnorm is None:
     return q, pooled
   mean, var = bn_lib.key_statistics(*STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, pooled))
@@ -403,6 +417,7 @@ def scaled_head_attention(
   C.lookup(STATISTICS_SOURCES, statistics, "statistics")
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
+  _refuse_ratios_above_length(ratios, shapes.kv_len, grid_shape, num_prefix_tokens)
   bn_options = BatchNormOptions(statistics, eps, mean_weight) if batchnorm else None
   q, k, v = call.heads_major()
   mask, bias = call.mask_and_bias()
@@ -423,7 +438,15 @@ def scaled_head_attention(
     if take_fused:
       group_q, pooled = C.map_heads(inputs_one_head, *group_inputs)
       outputs.append(
-        fused.attend(group_q, pooled.key, pooled.value, pooled.bias, pooled.mask, scale=scale)
+        fused.attend(
+          group_q,
+          pooled.key,
+          pooled.value,
+          pooled.bias,
+          pooled.mask,
+          scale=scale,
+          dtype=call.compute_dtype,
+        )
       )
       continue
     group_rng = call.dropout_rng

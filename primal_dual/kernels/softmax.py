@@ -61,5 +61,12 @@ def softmax_attention(
   # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
   causal_apart = call.is_causal and call.mask is None and call.causal_alignment == "top_left"
   mask, bias = call.mask_and_bias(with_causal=not causal_apart)
-  out = fused.attend(*call.heads_major(), bias, mask, scale=scale, is_causal=causal_apart)
+  out = fused.attend(
+    *call.heads_major(),
+    bias,
+    mask,
+    scale=scale,
+    is_causal=causal_apart,
+    dtype=call.compute_dtype,
+  )
   return call.finish(out)

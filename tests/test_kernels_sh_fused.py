@@ -1,0 +1,123 @@
+"""Attention-SH and BN+SH on the fused path: each ratio group attends on its pooled keys through
+``jax.nn.dot_product_attention`` without a mask (so cuDNN may take it on a GPU), nothing of size
+``q_len × kv_len`` is formed for a group with ratio > 1, and XLA's FLOP count follows the
+analytic ratio ``(1/H) Σ_h 1/r_h``. Checked on the CPU through the jaxpr and XLA's cost analysis.
+"""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from primal_dual.kernels import fused
+from primal_dual.kernels import scaled_head as sh
+from primal_dual.kernels.softmax import softmax_attention
+
+VARIANTS = {"sh": {}, "bn_sh": {"batchnorm": True}}
+
+
+def _qkv(q_len, kv_len, heads, d=8, seed=0, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (
+    jax.random.normal(keys[0], (1, q_len, heads, d), dtype),
+    jax.random.normal(keys[1], (1, kv_len, heads, d), dtype),
+    jax.random.normal(keys[2], (1, kv_len, heads, d), dtype),
+  )
+
+
+def _all_shapes(jaxpr):
+  """Shapes of every value a jaxpr computes (nested jaxprs included)."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    shapes += [tuple(var.aval.shape) for var in eqn.outvars if hasattr(var.aval, "shape")]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      shapes += _all_shapes(sub)
+  return shapes
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("with_gradient", [False, True])
+def test_no_full_width_buffer_for_pooled_groups(variant, with_gradient):
+  # Distinct q_len and kv_len so a [.., q_len, kv_len] buffer cannot be mistaken for another.
+  ratios, q_len, kv_len = (2, 2, 4, 4), 24, 32
+  q, k, v = _qkv(q_len, kv_len, len(ratios))
+  attention = functools.partial(
+    sh.scaled_head_attention, ratios=ratios, implementation="fused", **VARIANTS[variant]
+  )
+  fn = attention
+  if with_gradient:
+    fn = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)), argnums=(0, 1, 2))
+  shapes = _all_shapes(jax.make_jaxpr(fn)(q, k, v).jaxpr)
+  widest = max(s[-1] for s in shapes if len(s) >= 2 and s[-2] == q_len)
+  # The logits of the ratio-2 group are the widest [q_len, ·] buffer: kv_len / 2 per head.
+  assert widest == kv_len // 2, sorted(set(shapes))
+  assert not [s for s in shapes if q_len in s and kv_len in s], sorted(set(shapes))
+  # Nothing per query is bigger than the ratio-2 group's logits (2 heads × q_len × kv_len / 2).
+  per_query = [np.prod(s) for s in shapes if q_len in s]
+  assert max(per_query) <= 2 * q_len * (kv_len // 2), sorted(set(shapes))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_groups_reach_dot_product_attention_unmasked_and_in_the_input_dtype(variant, monkeypatch):
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def recording(query, key, value, bias=None, mask=None, **kwargs):
+    calls.append((query.shape[1], key.shape[1], query.dtype, bias is None, mask is None))
+    return original(query, key, value, bias, mask, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+  q, k, v = _qkv(5, 16, 4, dtype=jnp.bfloat16)
+  sh.scaled_head_attention(q, k, v, ratios=(1, 2, 4, 4), **VARIANTS[variant])
+  # [B, len, heads, d]: one call per group, pooled key lengths 16, 8, 4; no mask, no bias.
+  assert calls == [
+    (5, 16, jnp.bfloat16, True, True),
+    (5, 8, jnp.bfloat16, True, True),
+    (5, 4, jnp.bfloat16, True, True),
+  ]
+  # What cuDNN needs on a GPU: unmasked, bfloat16, head size 8.
+  assert fused.backend_implementation(q, head_size=8, masked=False) == (
+    "cudnn" if jax.default_backend() == "gpu" else "xla"
+  )
+
+
+def _flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("with_gradient", [False, True])
+def test_xla_flops_follow_the_analytic_ratio(variant, with_gradient):
+  ratios = (1, 1, 2, 2, 4, 4, 8, 8)
+  expected = sh.attention_cost_ratio(ratios)
+  assert expected == pytest.approx(0.46875)
+  q, k, v = _qkv(128, 128, len(ratios), d=16)
+  sh_fn = functools.partial(sh.scaled_head_attention, ratios=ratios, **VARIANTS[variant])
+  functions = [sh_fn, softmax_attention]
+  if with_gradient:
+    functions = [
+      jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)) for f in functions
+    ]
+  measured = _flops(functions[0], q, k, v) / _flops(functions[1], q, k, v)
+  # Pooling, BN statistics and the softmax's elementwise work add a little to the products.
+  assert measured == pytest.approx(expected, abs=0.06), (measured, expected)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_equals_reference_without_and_with_a_mask(variant, masked):
+  ratios = (1, 2, 3, 5)
+  q, k, v = _qkv(6, 11, len(ratios), seed=3)
+  mask = None
+  if masked:
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (1, 1, 6, 11))
+  outs = [
+    sh.scaled_head_attention(
+      q, k, v, mask=mask, ratios=ratios, implementation=impl, **VARIANTS[variant]
+    )
+    for impl in ("fused", "reference")
+  ]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=2e-5, atol=2e-5)
