@@ -6,7 +6,9 @@ for 8 heads) and the learned kernel parameters it declares (``params``, at their
 Kernels with alternative paths are measured on each: a kernel that takes ``implementation`` runs
 through its default ``'auto'`` path (row ``softmax``) and through ``'reference'``
 (row ``softmax[implementation=reference]``); one that takes ``block_size`` runs dense
-(``block_size=None``, row ``hyla``) and blockwise (row ``hyla[block_size=128]``). A variant added
+(``block_size=None``, row ``hyla``) and blockwise (row ``hyla[block_size=128]``), and on a GPU
+HYLA also through its fused Pallas kernel (row ``hyla[implementation=pallas]``, which the HYLA
+targets then read; on a CPU Pallas only interprets, so the row is left out). A variant added
 to the registry is measured without any edit here. The fused reference (row ``fused_reference``)
 is ``jax.nn.dot_product_attention`` with ``implementation='cudnn'`` on a GPU (bfloat16, float16)
 and ``'xla'`` otherwise.
@@ -81,6 +83,9 @@ def default_sh_ratios(heads: int) -> tuple[int, ...]:
   return tuple(2 ** (h * 4 // heads) for h in range(heads))
 
 
+# Backends on which the Pallas kernels are compiled (elsewhere they run in interpret mode).
+PALLAS_BACKENDS = ("gpu",)
+
 # --- The cases, from the registry ----------------------------------------------------------------
 
 
@@ -104,6 +109,15 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
   for option, (_, other) in paths.items():
     if _serves(name, {**main, option: other}, heads):
       cases.append(Case(f"{name}[{option}={other}]", name, {**main, option: other}))
+  # HYLA's fused Pallas kernel, measured where it is compiled (on a CPU it runs interpreted, which
+  # says nothing about its speed): its own default tile.
+  pallas = {**main, "implementation": "pallas", "block_size": "auto"}
+  if (
+    jax.default_backend() in PALLAS_BACKENDS
+    and {"implementation", "block_size"} <= set(accepted)
+    and _serves(name, pallas, heads)
+  ):
+    cases.append(Case(f"{name}[implementation=pallas]", name, pallas))
   return cases
 
 
@@ -511,7 +525,11 @@ def target_sh_memory_scaling(index, cases):
 
 
 def _blockwise_hyla(cases) -> str | None:
-  return next((c.name for c in cases if c.variant == "hyla" and c.options.get("block_size")), None)
+  """HYLA's linear-memory row the targets read: the fused Pallas kernel where it was measured,
+  else the blockwise path."""
+  tiled = [c for c in cases if c.variant == "hyla" and c.options.get("block_size")]
+  pallas = [c.name for c in tiled if c.options.get("implementation") == "pallas"]
+  return (pallas or [c.name for c in tiled] or [None])[0]
 
 
 def target_hyla_blockwise_time(index, cases):

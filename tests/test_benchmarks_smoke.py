@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -338,3 +339,13 @@ def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   assert pair["seeds"] == 2 and pair["ms_per_step"] > 0
   assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"], 1e3 / row["ms_per_step"])
   assert "| logic | linear_plain | 2 | 1 | device |" in (tmp_path / "small_models.md").read_text()
+
+
+def test_hylas_pallas_row_where_pallas_compiles_and_the_hyla_target_reads_it(monkeypatch):
+  names = [case.name for case in attention.variant_cases("hyla", 2, (1, 2), 4)]
+  assert "hyla[implementation=pallas]" not in names  # on this CPU Pallas only interprets
+  monkeypatch.setattr(attention, "PALLAS_BACKENDS", (jax.default_backend(),))
+  cases = attention.variant_cases("hyla", 2, (1, 2), 4)
+  assert [case.name for case in cases] == [*names, "hyla[implementation=pallas]"]
+  assert attention._blockwise_hyla(cases) == "hyla[implementation=pallas]"
+  assert attention._blockwise_hyla(cases[:-1]) == "hyla[block_size=4]"
