@@ -7,9 +7,11 @@ The grids, their flags and the commands for each scale: `python scripts/reproduc
 import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # a clone without the package installed
-  sys.path.insert(0, REPO_ROOT)
+SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(SCRIPTS_DIR)
+# This file's folder comes first in sys.path, where this file would stand for the clone's
+# `reproduce` package of the same name; the clone's root goes first instead.
+sys.path[:] = [REPO_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != SCRIPTS_DIR]
 
 from primal_dual.commands import reproduce  # noqa: E402
 
