@@ -22,7 +22,9 @@ COMMANDS = (*ABSL_COMMANDS, 'reproduce')
 
 
 # The top-level modules of the `[train]` extra (pyproject.toml) that train and eval import first.
-TRAIN_EXTRA_MODULES = frozenset({'absl', 'ml_collections', 'orbax', 'optax', 'grain', 'tensorboardX'})
+TRAIN_EXTRA_MODULES = frozenset(
+  {'absl', 'ml_collections', 'orbax', 'optax', 'grain', 'tensorboardX'}
+)
 INSTALL_TRAIN_EXTRA = "install the train extra: pip install 'primal_dual[train]'"
 
 
