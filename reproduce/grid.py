@@ -240,8 +240,24 @@ def report_command(
   if report_only:
     previous = previous_report_command(markdown_path)
     if previous:
-      return previous
+      return current_command(previous)
   return invocation(script, argv)
+
+
+# Grid scripts and flags of earlier releases that committed reports may still name → today's.
+_REMOVED_SCRIPT = re.compile(r"^python scripts/reproduce_(\w+)\.py")
+RENAMED_GRID_FLAGS = {"--model_size": "--scale", "--model": "--scale", "--preset": "--scale"}
+
+
+def current_command(command: str) -> str:
+  """``command`` as run today: ``scripts/reproduce_<task>.py`` → ``scripts/reproduce.py <task>``,
+  renamed flags (``RENAMED_GRID_FLAGS``) under their new names."""
+  command = _REMOVED_SCRIPT.sub(r"python scripts/reproduce.py \1", command)
+  words = []
+  for word in command.split(" "):
+    flag, has_value, value = word.partition("=")
+    words.append(RENAMED_GRID_FLAGS.get(flag, flag) + has_value + value)
+  return " ".join(words)
 
 
 def shared_machine_note(command: str) -> str:

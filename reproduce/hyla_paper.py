@@ -19,7 +19,6 @@ import numpy as np
 from reproduce import grid
 
 
-
 # ------------------------------------------------------------------------------------------------
 # The reproduction grid (``primal-dual reproduce sraven``). The fuzzy-logic grid (logic.py) uses
 # its plan, flags, per-run facts and report pieces.
@@ -42,7 +41,7 @@ installed)::
   .venv/bin/python scripts/reproduce.py {task}
 
 {comment(paper)}
-  python scripts/reproduce.py {task} --preset=paper --root=workdirs/{task}_paper
+  python scripts/reproduce.py {task} --scale=paper --root=workdirs/{task}_paper
 
   # Smoke test: 2 tiny runs (softmax and hyla, runlocal){smoke_note}.
   .venv/bin/python scripts/reproduce.py {task} --quick --root=/tmp/{task}_quick \\
@@ -50,6 +49,8 @@ installed)::
 
 {resume}
 """
+
+
 # Preset → (main variants, run at every seed; ablations, run at seed 0). The paper preset runs
 # the paper's baselines (its linear attention is `linear_plain`) and the other Table A1 rows.
 GRID_VARIANTS = {
@@ -127,7 +128,7 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
 
 # The flags of the sRAVEN and fuzzy-logic grids: flag → add_argument options.
 SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
-  "--preset": dict(choices=("cpu", "paper"), default="cpu"),
+  "--scale": dict(dest="preset", choices=("cpu", "paper"), default="cpu", help="the preset="),
   "--steps": dict(type=int, default=-1, help="override the preset's steps"),
   "--steps_per_call": dict(
     type=int,
