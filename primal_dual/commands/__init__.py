@@ -11,6 +11,7 @@ the clone's `reproduce/<STUDY>.py`. A problem the user can fix is one line
 """
 
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -51,7 +52,18 @@ def _run_absl_command(name: str, args: list[str]) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves)."""
+  """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves).
+
+  Output cut short by its reader (`primal-dual reproduce uea --dry_run | head`) ends quietly."""
+  try:
+    return _main(argv)
+  except BrokenPipeError:
+    # Python flushes stdout again at exit; point it at /dev/null so that nothing more is raised.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+
+
+def _main(argv: list[str] | None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if not argv or argv[0] in ('-h', '--help', 'help'):
     print(__doc__, file=sys.stdout if argv else sys.stderr)
