@@ -39,10 +39,11 @@ bench: $(STAMP)
 # Paper reproductions (resume where they stopped; write results/*.json|md).
 # Runs trained at once by the reproduce-* grids (one process each; e.g. JOBS=11 on a GPU).
 JOBS ?= 1
-UEA_MODEL_SIZE ?= small
+# The published grid by default; e.g. UEA_SCALE=reference UEA_EPOCHS=-1 for the protocol's.
+UEA_SCALE ?= small
 UEA_EPOCHS ?= 40
 reproduce-uea: $(STAMP)
-	$(PY) scripts/reproduce.py uea --model=$(UEA_MODEL_SIZE) --epochs=$(UEA_EPOCHS) --jobs=$(JOBS)
+	$(PY) scripts/reproduce.py uea --scale=$(UEA_SCALE) --epochs=$(UEA_EPOCHS) --jobs=$(JOBS)
 
 reproduce-listops: $(STAMP)
 	$(PY) scripts/reproduce.py listops --jobs=$(JOBS)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from primal_dual import atomic
+from primal_dual.training import errors
 
 FINAL_METRICS = "final_metrics.json"
 RUN_INFO = "grid_run.json"
@@ -85,24 +86,35 @@ def config_argument(
   required: Mapping[str, Any], optional: Mapping[str, Any], *, runlocal: bool
 ) -> str:
   """A config's ``key=value,...`` argument: every ``required`` entry, the ``optional`` ones that
-  are set (non-empty strings, numbers above 0), then the ``runlocal`` flag if asked."""
+  are set (non-empty strings, numbers other than -1 and 0), then the ``runlocal`` flag if asked."""
   given = {key: value for key, value in optional.items() if _is_set(value)}
   pairs = [f"{key}={value}" for key, value in {**required, **given}.items()]
   return ",".join(pairs + ["runlocal"] * runlocal)
 
 
+# Values of an optional grid flag that mean "the config's own".
+UNSET_NUMBERS = (-1, 0)
+
+
 def _is_set(value: Any) -> bool:
-  """An optional grid flag holds a value: a non-empty string or a number above 0 (-1, 0, ''
-  mean the config's default)."""
-  return value > 0 if isinstance(value, (int, float)) else bool(value)
+  """An optional grid flag holds a value: a non-empty string or a number other than -1 and 0
+  (the config's default); other negatives go to the config, which refuses them."""
+  return value not in UNSET_NUMBERS if isinstance(value, (int, float)) else bool(value)
 
 
 def load_config(config_file: str, config_arg: str | None):
   """``get_config(config_arg)`` of a config file, or of a packaged config named by its short name
-  (``"uea"``; ``primal_dual.configs.resolve``)."""
+  (``"uea"``; ``primal_dual.configs.resolve``).
+
+  Raises:
+    errors.UserError: the config refuses ``config_arg``; the message names both.
+  """
   from primal_dual import configs  # pylint: disable=g-import-not-at-top
 
-  return configs.load(config_file, config_arg)
+  try:
+    return configs.load(config_file, config_arg)
+  except errors.UserError as e:
+    raise errors.UserError(f"grid run config {config_file}:{config_arg}: {e}") from e
 
 
 def _read_json(path: str) -> Any:
@@ -175,7 +187,7 @@ def describe_hardware(records: Sequence[Mapping[str, Any]]) -> str:
 def load_records(results_json: str) -> list[dict[str, Any]]:
   """The records a grid wrote to ``results_json`` (for re-rendering a report without training)."""
   if not os.path.exists(results_json):
-    raise FileNotFoundError(
+    raise errors.UserError(
       f"{results_json} does not exist: run the grid first (without "
       "--report_only), or pass the results file it wrote"
     )
@@ -228,8 +240,24 @@ def report_command(
   if report_only:
     previous = previous_report_command(markdown_path)
     if previous:
-      return previous
+      return current_command(previous)
   return invocation(script, argv)
+
+
+# Grid scripts and flags of earlier releases that committed reports may still name → today's.
+_REMOVED_SCRIPT = re.compile(r"^python scripts/reproduce_(\w+)\.py")
+RENAMED_GRID_FLAGS = {"--model_size": "--scale", "--model": "--scale", "--preset": "--scale"}
+
+
+def current_command(command: str) -> str:
+  """``command`` as run today: ``scripts/reproduce_<task>.py`` → ``scripts/reproduce.py <task>``,
+  renamed flags (``RENAMED_GRID_FLAGS``) under their new names."""
+  command = _REMOVED_SCRIPT.sub(r"python scripts/reproduce.py \1", command)
+  words = []
+  for word in command.split(" "):
+    flag, has_value, value = word.partition("=")
+    words.append(RENAMED_GRID_FLAGS.get(flag, flag) + has_value + value)
+  return " ".join(words)
 
 
 def shared_machine_note(command: str) -> str:
@@ -293,7 +321,11 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
     )
   if result.returncode != 0:
     with open(log_path) as f:
-      tail = "".join(f.readlines()[-20:])
+      lines = f.readlines()
+    if result.returncode == USER_ERROR_STATUS and lines and lines[-1].startswith("error: "):
+      message = lines[-1].removeprefix("error: ").strip()
+      raise errors.UserError(f"grid run {run.name}: {message} (log: {log_path})")
+    tail = "".join(lines[-20:])
     raise RuntimeError(
       f"grid run {run.name} failed (exit {result.returncode}); last lines of {log_path}:\n{tail}"
     )
@@ -352,7 +384,7 @@ def run_grid(
       f"{sorted({n for n in names if names.count(n) > 1})}"
     )
   if jobs < 1:
-    raise ValueError(f"jobs must be at least 1; got {jobs}")
+    raise errors.UserError(f"--jobs={jobs}: give at least 1 (runs trained at once)")
   if jobs > 1:
     _train_unfinished_in_parallel(runs, root, jobs, log)
   records = []
@@ -362,7 +394,10 @@ def run_grid(
       log(f"[{index + 1}/{len(runs)}] {run.name}: finished earlier, reusing")
     else:
       log(f"[{index + 1}/{len(runs)}] {run.name}: training")
-      train_one(run, group_workdir)
+      try:
+        train_one(run, group_workdir)
+      except errors.UserError as e:
+        raise errors.UserError(f"grid run {run.name}: {e}") from e
     info_path = os.path.join(group_workdir, RUN_INFO)
     # Replicas trained together share one wall time (that of the whole program).
     info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
@@ -611,7 +646,6 @@ def variant_run(
   )
 
 
-
 NUMBER = (int, float)
 SIZE_AND_COST_SCHEMA: dict[str, tuple[type, ...]] = {
   "num_params": (int,),
@@ -752,13 +786,28 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
 }
 
 
+USER_ERROR_STATUS = 2
+
+
+class _OneLineArgumentParser(argparse.ArgumentParser):
+  """argparse, with a bad flag reported as one line ``error: ...`` (exit status 2) that points
+  to ``--help`` instead of the usage block."""
+
+  def error(self, message: str):
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(USER_ERROR_STATUS)
+
+
 def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> argparse.Namespace:
-  """The grid's flags: those shared by every grid plus the task's; defaults filled in."""
-  parser = argparse.ArgumentParser(
+  """The grid's flags: those shared by every grid plus the task's; defaults filled in.
+
+  A bad flag exits with one line ``error: ...`` and status 2."""
+  parser = _OneLineArgumentParser(
     prog=f"primal-dual reproduce {reproduction.task}",
     description=reproduction.summary,
     epilog=reproduction.commands,
     formatter_class=argparse.RawDescriptionHelpFormatter,
+    allow_abbrev=False,  # `--job=2` is a typo, not `--jobs=2`
   )
   choice = reproduction.variants
   if choice is not None:
@@ -767,6 +816,8 @@ def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> a
     parser.add_argument(flag, **options)
   parser.add_argument("--quick", action="store_true", help=f"smoke test: {reproduction.quick}")
   args = parser.parse_args(argv)
+  if args.jobs < 1:
+    parser.error(f"--jobs={args.jobs}: give at least 1 (runs trained at once)")
   if choice is not None:
     check_variants_and_seeds(parser, args, choice.default, choice.quick, choice.seeds)
   stem = reproduction.task + ("_quick" if args.quick else "")
@@ -784,20 +835,52 @@ def _print_dry_run(runs: Sequence[GridRun], root: str) -> None:
 def reproduce(reproduction: Reproduction, argv: Sequence[str] | None = None) -> int:
   """Trains the grid's unfinished runs and writes its records, report and figures.
 
-  Returns the exit status: 0, or 2 after a one-line ``error: ...`` on a bad argument.
+  Returns the exit status: 0, or 2 after a one-line ``error: ...`` on a problem the user can fix
+  (a bad flag, a run whose config refuses its arguments, a missing results file, a full disk).
   """
   args = parse_arguments(reproduction, argv)
   try:
-    if reproduction.check_arguments is not None:
+    return _reproduce(reproduction, args, argv)
+  except errors.UserError as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return USER_ERROR_STATUS
+  except OSError as e:  # writing the records, report or figures
+    if not errors.is_disk_full(e):
+      raise
+    print(
+      f"error: {errors.DiskFullError(os.path.dirname(os.path.abspath(e.filename or args.results)))}",
+      file=sys.stderr,
+    )
+    return USER_ERROR_STATUS
+
+
+def check_run_configs(runs: Sequence[GridRun]) -> None:
+  """Builds every run's config before anything trains.
+
+  Raises:
+    errors.UserError: the first run whose config refuses its arguments, named.
+  """
+  for run in runs:
+    try:
+      run.config()
+    except errors.UserError as e:
+      raise errors.UserError(f"{run.name}: {e}") from e
+
+
+def _reproduce(reproduction: Reproduction, args: argparse.Namespace, argv) -> int:
+  """``reproduce`` once its flags are parsed; user errors propagate."""
+  if reproduction.check_arguments is not None:
+    try:
       reproduction.check_arguments(args)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    except (ValueError, FileNotFoundError) as e:  # its documented one-line refusals
+      raise errors.UserError(str(e)) from e
   runs = reproduction.build_runs(args)
   print(f"{reproduction.task} grid: {len(runs)} runs under {args.root}")
   if args.dry_run:
     _print_dry_run(runs, args.root)
     return 0
+  if not args.report_only:
+    check_run_configs(runs)
   # --report_only re-renders every record of the results JSON, whatever workdirs exist here.
   records = records_for_report(
     runs,
@@ -837,16 +920,18 @@ def _main(argv: Sequence[str]) -> int:
     return 2
   config_file, config_arg, workdir = argv[:3]
   extra = json.loads(argv[3]) if len(argv) == 4 else {}
-  train_one(
-    GridRun(
-      name=os.path.basename(workdir),
-      config_file=config_file,
-      config_arg=config_arg,
-      overrides=extra.get("overrides", {}),
-      replica_seeds=tuple(extra.get("replica_seeds", ())),
-    ),
-    workdir,
+  run = GridRun(
+    name=os.path.basename(workdir),
+    config_file=config_file,
+    config_arg=config_arg,
+    overrides=extra.get("overrides", {}),
+    replica_seeds=tuple(extra.get("replica_seeds", ())),
   )
+  try:
+    train_one(run, workdir)
+  except errors.UserError as e:  # the grid reads this last line of the run's log
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return USER_ERROR_STATUS
   return 0
 
 

@@ -41,7 +41,7 @@ installed)::
   .venv/bin/python scripts/reproduce.py {task}
 
 {comment(paper)}
-  python scripts/reproduce.py {task} --preset=paper --root=workdirs/{task}_paper
+  python scripts/reproduce.py {task} --scale=paper --root=workdirs/{task}_paper
 
   # Smoke test: 2 tiny runs (softmax and hyla, runlocal){smoke_note}.
   .venv/bin/python scripts/reproduce.py {task} --quick --root=/tmp/{task}_quick \\
@@ -411,7 +411,7 @@ def sweep_report(
 
 # The flags of the sRAVEN and fuzzy-logic grids: flag → add_argument options.
 SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
-  "--preset": dict(choices=("cpu", "paper"), default="cpu"),
+  "--scale": dict(dest="preset", choices=("cpu", "paper"), default="cpu", help="the preset="),
   "--steps": dict(type=int, default=-1, help="override the preset's steps"),
   "--steps_per_call": dict(
     type=int,

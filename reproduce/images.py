@@ -66,7 +66,7 @@ installed)::
   .venv/bin/python scripts/reproduce.py images
 
   # Full scale (accelerators, TFDS data prepared under $TFDS_DATA_DIR):
-  .venv/bin/python scripts/reproduce.py images --dataset=imagenet2012 --model=tiny \
+  .venv/bin/python scripts/reproduce.py images --dataset=imagenet2012 --scale=tiny \
       --data_dir=$TFDS_DATA_DIR --root=workdirs/deit_tiny --results=results/images_imagenet.json
 
   # Smoke test: tiny model, 4 steps, softmax and sh, one seed (2 runs).
@@ -92,14 +92,14 @@ RandAugment, random erasing and stochastic depth):
 ```
 python train.py --config=primal_dual/configs/images.py:dataset=imagenet2012,model=tiny,attention=softmax,\\
 data_dir=$TFDS_DATA_DIR --workdir=workdirs/deit_tiny_softmax
-python scripts/reproduce.py images --dataset=imagenet2012 --model=tiny --data_dir=$TFDS_DATA_DIR \\
+python scripts/reproduce.py images --dataset=imagenet2012 --scale=tiny --data_dir=$TFDS_DATA_DIR \\
     --root=workdirs/deit_tiny --results=results/images_imagenet.json
 ```
 
 DeiT-tiny on CIFAR-10 (32×32, patch 4 → 8×8 grid, the same recipe at batch 512):
 
 ```
-python scripts/reproduce.py images --dataset=cifar10 --model=tiny --data_dir=$TFDS_DATA_DIR \\
+python scripts/reproduce.py images --dataset=cifar10 --scale=tiny --data_dir=$TFDS_DATA_DIR \\
     --root=workdirs/cifar10_tiny --results=results/images_cifar10.json
 ```
 """
@@ -209,7 +209,8 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
 # The grid's own flags: flag → add_argument options.
 FLAGS: dict[str, dict[str, Any]] = {
   "--dataset": dict(choices=DATASETS, default="digits"),
-  "--model": dict(
+  "--scale": dict(
+    dest="model",
     choices=("", *MODELS),
     default="",
     help="ViT preset; default the data set's (digits: micro, others: tiny)",

@@ -64,7 +64,7 @@ installed)::
   .venv/bin/python scripts/reproduce.py listops
 
   # Full scale (accelerator): the JAX LRA model on the LRA-sized data (96k, 500–2000 tokens).
-  .venv/bin/python scripts/reproduce.py listops --setting=jax_lra --preset=full \
+  .venv/bin/python scripts/reproduce.py listops --setting=jax_lra --scale=full \
       --root=workdirs/listops_lra --results=results/listops_lra.json
 
   # Smoke test: tiny preset and model, 4 steps, softmax and sh, one seed (2 runs).
@@ -89,14 +89,14 @@ with TFDS on first use, about half a minute):
 ```
 python train.py --config=primal_dual/configs/listops.py:setting=jax_lra,preset=full,attention=softmax \\
     --workdir=workdirs/listops_lra_softmax
-python scripts/reproduce.py listops --setting=jax_lra --preset=full \\
+python scripts/reproduce.py listops --setting=jax_lra --scale=full \\
     --root=workdirs/listops_lra --results=results/listops_lra.json
 ```
 
 PyTorch-lineage setting at full scale:
 
 ```
-python scripts/reproduce.py listops --setting=pytorch --preset=full \\
+python scripts/reproduce.py listops --setting=pytorch --scale=full \\
     --root=workdirs/listops_pytorch_full --results=results/listops_pytorch_full.json
 ```
 """
@@ -201,7 +201,7 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
 # The grid's own flags: flag → add_argument options.
 FLAGS: dict[str, dict[str, Any]] = {
   "--setting": dict(choices=SETTINGS, default="pytorch"),
-  "--preset": dict(choices=PRESETS, default="short"),
+  "--scale": dict(dest="preset", choices=PRESETS, default="short", help="the config's preset="),
   "--steps": dict(type=int, default=-1, help="-1: the setting's (5000)"),
   "--data_dir": dict(default="", help="TFDS data folder (default TFDS's)"),
 }

@@ -67,7 +67,7 @@ CURVE_FIGURE = hyla_paper.CurveFigure(
   panel_titles=("unseen combinations (test)", "held-out conjunctions (ood)"),
 )
 REFERENCE_COMMAND = (
-  "python scripts/reproduce.py logic --preset=paper --root=workdirs/logic_paper "
+  "python scripts/reproduce.py logic --scale=paper --root=workdirs/logic_paper "
   "--results=results/paper/logic.json"
 )
 REFERENCE_SINGLE_RUN = (

@@ -73,7 +73,7 @@ continues from its last checkpoint, and cached analyses are reused.""",
 CONFIG_FILE = "sraven"  # a packaged config (primal_dual/configs/sraven.py)
 LATENT_CACHE = "latent_code.json"
 REFERENCE_COMMAND = (
-  "python scripts/reproduce.py sraven --preset=paper "
+  "python scripts/reproduce.py sraven --scale=paper "
   "--root=workdirs/sraven_paper --results=results/paper/sraven.json"
 )
 REFERENCE_SINGLE_RUN = (

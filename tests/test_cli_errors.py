@@ -260,3 +260,125 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
     stderr.strip(),
   ), stderr
   assert not (workdir / workdir_lib.LOCK_FILE).exists()
+
+
+# Commands beyond train.py/eval.py: (argv after `python`, given tmp_path; expected message regex).
+# Each message also says what to do (the regex includes that part).
+FULL_DISK = """
+import errno, os, sys
+from primal_dual.training import trainer
+def disk_full(config, workdir):
+  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(workdir, 'checkpoints'))
+trainer._train_in_workdir = disk_full
+sys.path.insert(0, os.getcwd())
+from primal_dual.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
+# `primal-dual train` where ml_collections (of the [train] extra) is not installed.
+WITHOUT_TRAIN_EXTRA = """
+import sys
+sys.modules['ml_collections'] = None  # `import ml_collections` raises ModuleNotFoundError
+from primal_dual.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
+_UEA_QUICK = ['--quick', '--variants=softmax', '--seeds=0', '--protocols=best_test']
+
+COMMAND_CASES = {
+  'unknown sRAVEN preset': (
+    lambda t: ['train.py', '--config=sraven:preset=huge', f'--workdir={t}/run'],
+    r"unknown sRAVEN preset 'huge'; choose one of cpu, paper",
+  ),
+  'unknown ListOps setting': (
+    lambda t: ['train.py', '--config=listops:setting=torch', f'--workdir={t}/run'],
+    r"unknown ListOps setting 'torch'; choose one of jax_lra, pytorch",
+  ),
+  'unknown ListOps preset': (
+    lambda t: ['train.py', '--config=listops:preset=long', f'--workdir={t}/run'],
+    r"unknown ListOps preset 'long'; choose one of full, short",
+  ),
+  'unknown ViT size': (
+    lambda t: ['train.py', '--config=images:model=huge', f'--workdir={t}/run'],
+    r"unknown ViT preset 'huge'; choose one of .*tiny",
+  ),
+  'unknown image data set': (
+    lambda t: ['train.py', '--config=images:dataset=mnist', f'--workdir={t}/run'],
+    r"unknown image data set 'mnist'; choose one of .*digits",
+  ),
+  'unknown sRAVEN attention': (
+    lambda t: ['train.py', '--config=sraven:attention=hyal', f'--workdir={t}/run'],
+    r"unknown attention variant \(attention=\) 'hyal'; choose one of .*hyla",
+  ),
+  'unknown logic attention': (
+    lambda t: ['train.py', '--config=logic:attention=hyal', f'--workdir={t}/run'],
+    r"unknown attention variant \(attention=\) 'hyal'; choose one of .*hyla",
+  ),
+  'negative epochs': (
+    lambda t: ['train.py', '--config=uea:epochs=-40', f'--workdir={t}/run'],
+    r"config argument epochs=-40: give a count >= 1, or epochs=-1 for the config's own \(100\)",
+  ),
+  'negative images epochs': (
+    lambda t: ['train.py', '--config=images:epochs=-2', f'--workdir={t}/run'],
+    r'config argument epochs=-2: give a count >= 1, or epochs=-1',
+  ),
+  'grid with no jobs': (
+    lambda t: ['scripts/reproduce.py', 'uea', '--jobs=0', f'--root={t}'],
+    r'--jobs=0: give at least 1 .*--help',
+  ),
+  'grid with an unknown flag': (
+    lambda t: ['scripts/reproduce.py', 'uea', '--job=2', f'--root={t}', '--dry_run'],
+    r'unrecognized arguments: --job=2 \(see primal-dual reproduce uea --help\)',
+  ),
+  "a grid run's config error": (
+    lambda t: ['scripts/reproduce.py', 'uea', *_UEA_QUICK, '--epochs=-3', f'--root={t}'],
+    r'grid run config uea:.*epochs=-3.*: config argument epochs=-3: give a count >= 1',
+  ),
+  'grid report without its JSON': (
+    lambda t: ['scripts/reproduce.py', 'listops', '--report_only', f'--results={t}/none.json'],
+    r'none\.json does not exist: run the grid first',
+  ),
+  'latent_code analysis of a UEA workdir': (
+    lambda t: ['eval.py', f'--workdir={_trained_uea_workdir(t)}', '--analyses=latent_code'],
+    r"the latent_code analysis reads sRAVEN rules; the workdir's task is 'uea': leave latent_code "
+    r'out of --analyses',
+  ),
+  'a full disk under a grid': (
+    lambda t: ['-c', FULL_DISK, 'reproduce', 'uea', *_UEA_QUICK, f'--root={t}/grid'],
+    r'no space left on the disk of .*grid.*; free space there and re-run the same command',
+  ),
+  'train without the train extra': (
+    lambda t: ['-c', WITHOUT_TRAIN_EXTRA, 'train', '--config=default', f'--workdir={t}/run'],
+    r"`primal-dual train` needs ml_collections; install the train extra: "
+    r"pip install 'primal_dual\[train\]'",
+  ),
+}
+
+
+def _trained_uea_workdir(tmp_path) -> str:
+  """A UEA workdir (default:runlocal, 2 tiny epochs) with its checkpoint."""
+  workdir = str(tmp_path / 'uea')
+  trained = _run('train.py', ['--config=default:runlocal', f'--workdir={workdir}'])
+  assert trained.returncode == 0, trained.stderr
+  return workdir
+
+
+@pytest.mark.parametrize('name', sorted(COMMAND_CASES))
+def test_command_user_error_is_one_line_with_exit_status_2(name, tmp_path):
+  make_argv, expected = COMMAND_CASES[name]
+  script, *args = make_argv(tmp_path)
+  result = _run(script, args) if script != '-c' else _run_python_code(args[0], args[1:])
+  lines = result.stderr.splitlines()
+  assert result.returncode == 2, result.stderr
+  assert len(lines) == 1, result.stderr
+  assert re.fullmatch(r'error: .*' + expected + r'.*', lines[0]), lines[0]
+
+
+def _run_python_code(code: str, args: list[str]) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO_ROOT)
+  return subprocess.run(
+    [sys.executable, '-c', code, *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+    timeout=120,
+  )

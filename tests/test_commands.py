@@ -84,11 +84,13 @@ def test_no_command_prints_the_usage_and_fails(tmp_path):
 
 
 def test_train_and_eval_help_list_their_flags(tmp_path):
-  # absl's --help exits with status 1, as `python train.py --help` does.
+  # absl's own --help exits with status 1; asking for help is no failure: 0.
   train = _run(["train", "--help"], tmp_path)
+  assert train.returncode == 0, train.stderr
   assert "primal-dual train" in train.stdout
   assert "--config" in train.stdout and "--workdir" in train.stdout
   evaluate = _run(["eval", "--help"], tmp_path)
+  assert evaluate.returncode == 0, evaluate.stderr
   assert "--checkpoint" in evaluate.stdout and "--analyses" in evaluate.stdout
 
 
@@ -188,3 +190,19 @@ def test_a_new_task_is_one_module_plus_its_config(monkeypatch, tmp_path):
   config = configs.load(str(tmp_path / "toy_config.py"), None)
   metrics = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert metrics["step"] == 2 and task_registry.get_task("toy").name == "toy"
+
+
+def test_output_cut_short_by_a_pipe_ends_quietly(tmp_path):
+  """`primal-dual reproduce uea --dry_run | head -1`: the reader leaves; no BrokenPipeError."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)
+  command = f"{sys.executable} -m primal_dual reproduce uea --dry_run --root={tmp_path} | head -1"
+  result = subprocess.run(
+    ["bash", "-o", "pipefail", "-c", command],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+    timeout=120,
+  )
+  assert result.stderr == "", result.stderr
+  assert result.stdout.startswith("uea grid:")

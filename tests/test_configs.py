@@ -116,3 +116,16 @@ def test_command_line_specs_keep_their_argument_and_other_flags():
     f"--config={os.path.join(CONFIG_DIR, 'uea.py')}:dataset=Heartbeat,runlocal"
   )
   assert resolved[4:] == [os.path.join(CONFIG_DIR, "default.py"), "--workdir=w"]
+
+
+# JapaneseVowels' TRAIN split: 270 series (the aeon archive); default.py trains on all of it.
+JAPANESE_VOWELS_TRAIN_SIZE = 270
+
+
+def test_default_docstring_states_its_training_steps():
+  from primal_dual.configs import default
+  from primal_dual.training import setup
+
+  config = configs.load('default')
+  steps, _ = setup._training_length(config, JAPANESE_VOWELS_TRAIN_SIZE)
+  assert f'{config.num_epochs} epochs = {steps} steps' in ' '.join(default.__doc__.split())

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from primal_dual.training import errors
 from reproduce import grid
 
 CPU = {
@@ -53,9 +54,9 @@ def test_shared_machine_note_and_invocation():
 
 
 def test_jobs_below_one_and_missing_results_are_refused(tmp_path):
-  with pytest.raises(ValueError, match="jobs must be at least 1; got 0"):
+  with pytest.raises(ValueError, match="--jobs=0: give at least 1"):
     grid.run_grid([], str(tmp_path), str(tmp_path / "r.json"), jobs=0)
-  with pytest.raises(FileNotFoundError, match="run the grid first"):
+  with pytest.raises(errors.UserError, match="run the grid first"):
     grid.records_for_report([], str(tmp_path), str(tmp_path / "missing.json"), report_only=True)
 
 

@@ -151,7 +151,7 @@ def test_reproduce_quick_trains_in_parallel_and_reports(tmp_path):
     assert record["hardware"]["platform"] == "cpu"  # Recorded by the training subprocess.
     assert (root / record["name"] / "grid_run.log").exists()
   markdown = (out / "logic_quick.md").read_text()
-  assert "| attention | validation R²" in markdown and "--preset=paper" in markdown
+  assert "| attention | validation R²" in markdown and "--scale=paper" in markdown
   assert "With `--jobs=2`, 2 runs trained at once" in markdown
   assert (out / "logic_quick_curves.png").stat().st_size > 0
 

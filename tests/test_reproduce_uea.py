@@ -264,3 +264,12 @@ def test_report_only_in_a_fresh_clone_rerenders_every_record(tmp_path):
   assert grid.previous_report_command(str(markdown)) == grid.previous_report_command(
     os.path.join(REPO_ROOT, "results", "uea.md")
   )
+
+
+def test_the_grid_without_flags_is_the_published_one():
+  """`primal-dual reproduce uea` runs the grid of results/uea.md (small model, 40 epochs), not
+  the day-long reference grid."""
+  args = grid.parse_arguments(uea_study.REPRODUCTION, [])
+  assert (args.model, args.epochs) == ("small", 40)
+  with open(os.path.join(cli_helpers.REPO_ROOT, "results", "uea.md")) as f:
+    assert "--scale=small --epochs=40" in f.read().splitlines()[2]

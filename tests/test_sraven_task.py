@@ -219,7 +219,7 @@ def test_reproduce_quick_trains_analyses_and_reports(tmp_path):
     assert (root / record["name"] / "latent_code_pca.png").exists()
   markdown = (out / "sraven_quick.md").read_text()
   assert "| attention | ID whole-panel %" in markdown
-  assert "--preset=paper" in markdown and "× the time of softmax" in markdown
+  assert "--scale=paper" in markdown and "× the time of softmax" in markdown
   assert (out / "sraven_quick_curves.png").stat().st_size > 0
 
   # Re-running reuses the finished runs and the cached analyses: same records.

@@ -361,13 +361,18 @@ def run(
     {...} (codes of every layer concatenated), 'best_layer_accuracy', 'plot'}``, or
     ``{'available': False, 'reason': ...}`` for kernels without attention weights.
   """
+  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+
   if experiment.config.task != "sraven":
-    raise ValueError(
+    raise errors.ConfigError(
       f"the latent_code analysis reads sRAVEN rules; the workdir's task is "
-      f"{experiment.config.task!r}"
+      f"{experiment.config.task!r}: leave latent_code out of --analyses (redundancy works for "
+      "every task)"
     )
   if split not in experiment.splits:
-    raise ValueError(f"unknown split {split!r}; the task has {sorted(experiment.splits)}")
+    raise errors.ConfigError(
+      f"unknown split {split!r}; the task has {sorted(experiment.splits)} (--analysis_split)"
+    )
   records = collect_records(experiment.splits[split], max_examples)
   rule_names = tuple(experiment.metadata["rules"])
   codes, reason = latent_codes(experiment, state, records, experiment.eval_batch_size)

@@ -11,6 +11,7 @@ the clone's `reproduce/<STUDY>.py`. A problem the user can fix is one line
 """
 
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -21,11 +22,29 @@ ABSL_COMMANDS = {'train': 'primal_dual.commands.train', 'eval': 'primal_dual.com
 COMMANDS = (*ABSL_COMMANDS, 'reproduce')
 
 
-def _run_absl_command(name: str, args: list[str]) -> NoReturn:
-  """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status)."""
-  from primal_dual.commands import cli  # pylint: disable=g-import-not-at-top
+# The top-level modules of the `[train]` extra (pyproject.toml) that train and eval import first.
+TRAIN_EXTRA_MODULES = frozenset(
+  {'absl', 'ml_collections', 'orbax', 'optax', 'grain', 'tensorboardX'}
+)
+INSTALL_TRAIN_EXTRA = "install the train extra: pip install 'primal_dual[train]'"
 
-  module = importlib.import_module(ABSL_COMMANDS[name])
+
+def _missing_train_extra(error: ModuleNotFoundError) -> bool:
+  return (error.name or '').partition('.')[0] in TRAIN_EXTRA_MODULES
+
+
+def _run_absl_command(name: str, args: list[str]) -> NoReturn:
+  """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status);
+  from a base install without the `[train]` extra, one line saying how to install it."""
+  try:
+    from primal_dual.commands import cli  # pylint: disable=g-import-not-at-top
+
+    module = importlib.import_module(ABSL_COMMANDS[name])
+  except ModuleNotFoundError as e:
+    if not _missing_train_extra(e):
+      raise
+    print(f'error: `{PROG} {name}` needs {e.name}; {INSTALL_TRAIN_EXTRA}', file=sys.stderr)
+    sys.exit(2)
   sys.argv = [f'{PROG} {name}', *args]  # absl's --help names sys.argv[0] and prints __main__'s doc
   sys.modules['__main__'].__doc__ = module.__doc__
   module.define_flags()
@@ -33,7 +52,18 @@ def _run_absl_command(name: str, args: list[str]) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves)."""
+  """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves).
+
+  Output cut short by its reader (`primal-dual reproduce uea --dry_run | head`) ends quietly."""
+  try:
+    return _main(argv)
+  except BrokenPipeError:
+    # Python flushes stdout again at exit; point it at /dev/null so that nothing more is raised.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+
+
+def _main(argv: list[str] | None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if not argv or argv[0] in ('-h', '--help', 'help'):
     print(__doc__, file=sys.stdout if argv else sys.stderr)

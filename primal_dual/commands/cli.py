@@ -203,4 +203,13 @@ def parse_flags(argv: list[str], config_flag: str = 'config') -> list[str]:
     _check_config_file(config_flag)
   except _FLAG_ERRORS as e:  # UserError is a ValueError
     fail(describe_flag_error(e, argv, config_flag))
+  except SystemExit as e:
+    # absl prints the help asked for, then exits with status 1; asking for help is no failure.
+    if e.code == 1 and HELP_FLAGS.intersection(argv[1:]):
+      sys.exit(0)
+    raise
   return remaining
+
+
+# absl's help flags (`flags.HelpFlag` and its kin), which print and exit.
+HELP_FLAGS = frozenset({'--help', '-help', '-h', '-?', '--helpshort', '--helpfull', '--helpxml'})

@@ -103,6 +103,10 @@ def main(argv: list[str]) -> int:
       )
   except errors.UserError as e:
     return cli.report(str(e))
+  except OSError as e:  # writing eval.json or a figure
+    if not errors.is_disk_full(e):
+      raise
+    return cli.report(str(errors.DiskFullError(FLAGS.workdir)))
   import jax  # pylint: disable=g-import-not-at-top
 
   if jax.process_index() == 0:

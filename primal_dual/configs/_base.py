@@ -46,7 +46,12 @@ def build(
   task: str, arg: ml_collections.ConfigDict, *presets: Mapping[str, Any]
 ) -> ml_collections.ConfigDict:
   """The training defaults of ``task`` with ``presets`` applied in order, then the seed and the
-  attention variant of ``arg`` (``config_lib.RUN_ARGUMENTS``); unlocked."""
+  attention variant of ``arg`` (``config_lib.RUN_ARGUMENTS``); unlocked.
+
+  Raises:
+    errors.ConfigError: ``arg.attention`` is not a variant of ``registry.ATTENTION_REGISTRY``.
+  """
+  config_lib.choice(registry.ATTENTION_REGISTRY, arg.attention, "attention variant (attention=)")
   config = config_lib.training_defaults()
   config.task = task
   for values in presets:

@@ -127,11 +127,9 @@ def get_config(arg=None):
     arg, **config_lib.RUN_ARGUMENTS, dataset="digits", model="", epochs=-1, data_dir=""
   )
   recipe = config_lib.choice(RECIPES, arg.dataset, "image data set")
-  registry.lookup(arg.attention)
+  config_lib.choice(registry.ATTENTION_REGISTRY, arg.attention, "attention variant (attention=)")
   model_sizes = config_lib.choice(VIT_PRESETS, arg.model or recipe["model"], "ViT preset")
-  epochs = recipe["epochs"] if arg.epochs < 0 else arg.epochs
-  if epochs < 1:
-    raise ValueError(f"epochs must be >= 1 (or -1 for the recipe's), got {arg.epochs}")
+  epochs = config_lib.count_or_default(arg.epochs, recipe["epochs"], "epochs")
   batch_size = recipe["batch_size"]
 
   steps_per_epoch = image_data.train_size(arg.dataset) // batch_size

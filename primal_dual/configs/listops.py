@@ -104,9 +104,8 @@ def get_config(arg=None):
     data_dir="",
   )
   setting = config_lib.choice(SETTINGS, arg.setting, "ListOps setting")
-  if arg.preset not in PRESETS:
-    raise ValueError(f"unknown ListOps preset {arg.preset!r}; choose one of {PRESETS}")
-  registry.lookup(arg.attention)
+  config_lib.choice(dict.fromkeys(PRESETS), arg.preset, "ListOps preset")
+  config_lib.choice(registry.ATTENTION_REGISTRY, arg.attention, "attention variant (attention=)")
 
   config = _base.build(
     "listops",
@@ -132,8 +131,8 @@ def get_config(arg=None):
     ),
     RUNLOCAL if arg.runlocal else {},
   )
-  if arg.steps > 0:
-    config.num_train_steps = arg.steps
+  if arg.steps != config_lib.CONFIG_DEFAULT_COUNT:
+    config.num_train_steps = config_lib.count_or_default(arg.steps, config.num_train_steps, "steps")
     # A shortened run keeps its warm-up to at most a fifth of the steps.
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, max(1, arg.steps // 5))
   return _base.finish(

@@ -226,8 +226,7 @@ def preset_config(task: str, presets: dict, arg, *, selection_metric: str, title
     *rules,
     dict(selection=dict(metric=selection_metric)),
   )
-  if arg.steps >= 0:
-    config.num_train_steps = arg.steps
+  config.num_train_steps = config_lib.count_or_default(arg.steps, config.num_train_steps, "steps")
   if arg.runlocal:
     _base.apply(config, RUNLOCAL)
   return _base.finish(config)

@@ -134,7 +134,7 @@ def get_config(arg=None):
         attention_dropout_rate=0.0,
       ),
       batch_size=16,
-      num_epochs=epochs if arg.epochs < 0 else arg.epochs,
+      num_epochs=config_lib.count_or_default(arg.epochs, epochs, "epochs"),
       eval_every_epochs=1,
       checkpoint_every_epochs=10,
       log_every_steps=50,

@@ -65,10 +65,32 @@ _PARSERS = {
 
 
 def choice(table: Mapping[str, Any], name: str, what: str) -> Any:
-  """``table[name]``, or ValueError ``unknown <what> <name>; choose one of <sorted names>``."""
+  """``table[name]``, or ``errors.ConfigError`` (printed by the commands as one line) ``unknown
+  <what> <name>; choose one of <the sorted names>``."""
   if name not in table:
-    raise ValueError(f'unknown {what} {name!r}; choose one of {sorted(table)}')
+    raise errors.ConfigError(f'unknown {what} {name!r}; choose one of {", ".join(sorted(table))}')
   return table[name]
+
+
+# A count argument (``epochs=``, ``steps=``) set to this means "the config's own count".
+CONFIG_DEFAULT_COUNT = -1
+
+
+def count_or_default(value: int, default: int, name: str) -> int:
+  """``value`` of the count argument ``name``, or ``default`` for ``CONFIG_DEFAULT_COUNT``.
+
+  Raises:
+    errors.ConfigError: any other value below 1 (a typo such as ``epochs=-40`` would otherwise
+      train the default length without a word).
+  """
+  if value == CONFIG_DEFAULT_COUNT:
+    return default
+  if value < 1:
+    raise errors.ConfigError(
+      f'config argument {name}={value}: give a count >= 1, or {name}={CONFIG_DEFAULT_COUNT} for '
+      f"the config's own ({default})"
+    )
+  return value
 
 
 # The arguments every task config takes (`parse_arg(arg, **RUN_ARGUMENTS, ...)`): the attention

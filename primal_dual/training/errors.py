@@ -89,6 +89,20 @@ class StoppedError(UserError):
     self.last_checkpoint_step = last_checkpoint_step
 
 
+def is_disk_full(error: BaseException | None) -> bool:
+  """Whether an ``OSError`` ENOSPC (no space left on the disk) is anywhere in ``error``'s
+  cause/context chain (libraries re-raise write errors wrapped)."""
+  import errno  # pylint: disable=g-import-not-at-top
+
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
 class DiskFullError(UserError):
   """Writing into the workdir failed because its disk is full."""
 
