@@ -20,6 +20,29 @@ import inspect
 import sys
 
 
+def _with_subclasses(cls) -> list[type]:
+  """``cls`` and every subclass of it (the Linen aliases MultiHeadAttention, SelfAttention)."""
+  found = [cls]
+  for sub in cls.__subclasses__():
+    found += _with_subclasses(sub)
+  return found
+
+
+def _set_linen_default(cls, kernel) -> None:
+  """The default ``attention_fn`` of a Linen dataclass: its generated __init__ keeps its defaults
+  positionally."""
+  init = inspect.unwrap(cls.__init__)
+  names = [
+    name
+    for name, parameter in inspect.signature(init).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+  ]
+  defaults = list(init.__defaults__)
+  defaults[names.index("attention_fn")] = kernel
+  init.__defaults__ = tuple(defaults)
+  cls.__dataclass_fields__["attention_fn"].default = kernel
+
+
 def install(kernel) -> None:
   """Makes ``kernel`` Flax's attention function, in functions and module defaults."""
   import flax.linen as nn
@@ -29,17 +52,8 @@ def install(kernel) -> None:
 
   for module in (nn, linen_attention, nnx, nnx_attention):
     module.dot_product_attention = kernel
-  # Linen's dataclass __init__ keeps its defaults positionally; NNX's are keyword-only.
-  linen_init = inspect.unwrap(nn.MultiHeadDotProductAttention.__init__)
-  names = [
-    name
-    for name, parameter in inspect.signature(linen_init).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
-  ]
-  defaults = list(linen_init.__defaults__)
-  defaults[names.index("attention_fn")] = kernel
-  linen_init.__defaults__ = tuple(defaults)
-  nn.MultiHeadDotProductAttention.__dataclass_fields__["attention_fn"].default = kernel
+  for cls in _with_subclasses(nn.MultiHeadDotProductAttention):
+    _set_linen_default(cls, kernel)
   nnx_init = nnx.MultiHeadAttention.__init__
   nnx_init.__kwdefaults__ = {**nnx_init.__kwdefaults__, "attention_fn": kernel}
 
