@@ -206,3 +206,37 @@ def test_output_cut_short_by_a_pipe_ends_quietly(tmp_path):
   )
   assert result.stderr == "", result.stderr
   assert result.stdout.startswith("uea grid:")
+
+
+def test_list_names_every_variant_config_argument_and_study(tmp_path):
+  from primal_dual import configs, registry
+
+  result = _run(["list"], tmp_path)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  for name in registry.ATTENTION_REGISTRY:
+    assert any(line.split()[:1] == [name] for line in lines), name
+  for name in configs.packaged_names():
+    assert any(line.strip().startswith(f"{name}: ") for line in lines), name
+  assert "  uea: " in result.stdout and "dataset=JapaneseVowels" in result.stdout
+  assert all(study in result.stdout for study in reproduce.study_names())
+  only = _run(["list", "configs"], tmp_path)
+  assert only.returncode == 0 and "attention variants" not in only.stdout
+  wrong = _run(["list", "knobs"], tmp_path)
+  assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "configs" in wrong.stderr
+
+
+def test_the_summary_says_which_numbers_to_report():
+  from primal_dual.commands import train
+
+  final = {
+    "test/accuracy": 0.9,
+    "best/test_accuracy": 0.95,
+    "selected/test_accuracy": 0.91,
+    "selected/step": 40,
+    "selected/rule": "max validation accuracy",
+  }
+  (line,) = train.which_to_report(final)
+  assert line.startswith("report: selected/") and "test_accuracy" in line
+  assert "max validation accuracy (step 40)" in line and "best/* is the best" in line
+  assert train.which_to_report({"test/accuracy": 0.9, "best/test_accuracy": 0.95}) == []

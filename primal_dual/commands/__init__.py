@@ -3,6 +3,7 @@
   primal-dual train --config=default:runlocal --workdir=/tmp/run   # the same as python train.py
   primal-dual eval --workdir=/tmp/run                               # the same as python eval.py
   primal-dual reproduce uea --dry_run                    # python scripts/reproduce.py uea --dry_run
+  primal-dual list                     # the variants, the configs with their arguments, the studies
 
 `primal-dual <command> --help` lists a command's flags. `train` and `eval` are absl programs
 (`primal_dual/commands/train.py`, `evaluate.py`); `reproduce STUDY` runs the grid of
@@ -19,7 +20,7 @@ PROG = 'primal-dual'
 
 # Command → module with `define_flags()` and an absl `main(argv)`.
 ABSL_COMMANDS = {'train': 'primal_dual.commands.train', 'eval': 'primal_dual.commands.evaluate'}
-COMMANDS = (*ABSL_COMMANDS, 'reproduce')
+COMMANDS = (*ABSL_COMMANDS, 'reproduce', 'list')
 
 
 # The top-level modules of the `[train]` extra (pyproject.toml) that train and eval import first.
@@ -75,6 +76,15 @@ def _main(argv: list[str] | None) -> int:
     from primal_dual.commands import reproduce  # pylint: disable=g-import-not-at-top
 
     return reproduce.main(args)
+  if name == 'list':
+    try:
+      from primal_dual.commands import listing  # pylint: disable=g-import-not-at-top
+    except ModuleNotFoundError as e:
+      if not _missing_train_extra(e):
+        raise
+      print(f'error: `{PROG} list` needs {e.name}; {INSTALL_TRAIN_EXTRA}', file=sys.stderr)
+      return 2
+    return listing.main(args)
   print(
     f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} (`{PROG} --help`)",
     file=sys.stderr,

@@ -56,4 +56,25 @@ def main(argv: list[str]) -> int:
   if jax.process_index() == 0:
     for name, value in final.items():
       print(f'{name:40s} {value}')
+    for line in which_to_report(final):
+      print(line)
   return 0
+
+
+def which_to_report(final: dict) -> list[str]:
+  """Closing lines saying which of the printed numbers is the run's result: ``selected/*`` (the
+  checkpoint chosen on the selection split) where the run selects one; ``best/*`` is the best
+  value over evaluations, optimistic when the split it is read on also picked the evaluation."""
+  selected = sorted(
+    name[len('selected/') :]
+    for name in final
+    if name.startswith('selected/') and name not in ('selected/step', 'selected/rule')
+  )
+  if not selected:
+    return []
+  rule = final.get('selected/rule', 'the selection split')
+  return [
+    f'report: selected/<split>_<metric> ({", ".join(selected)}): the checkpoint chosen by '
+    f'{rule} (step {final.get("selected/step")}); best/* is the best value over evaluations, '
+    'optimistic where its own split chose it'
+  ]

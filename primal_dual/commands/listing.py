@@ -1,0 +1,88 @@
+"""`primal-dual list`: the attention variants, the packaged configs with their arguments and
+defaults, and, in a clone, the paper studies `primal-dual reproduce` runs."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from primal_dual import configs, registry
+from primal_dual.training import config_lib
+
+
+class _Declared(Exception):
+  """Carries the arguments a config's ``get_config`` declares to ``config_lib.parse_arg``."""
+
+  def __init__(self, defaults: dict[str, Any]):
+    super().__init__()
+    self.defaults = defaults
+
+
+def config_arguments(name: str) -> dict[str, Any]:
+  """The ``key=value`` arguments config ``name`` takes, with their defaults: what its
+  ``get_config`` passes to ``config_lib.parse_arg`` (caught there; nothing else is built)."""
+
+  def declare(arg, **defaults):
+    del arg
+    raise _Declared(defaults)
+
+  parse_arg = config_lib.parse_arg
+  config_lib.parse_arg = declare
+  try:
+    configs.load(name, None)
+  except _Declared as declared:
+    return declared.defaults
+  finally:
+    config_lib.parse_arg = parse_arg
+  return {}
+
+
+def _variant_lines() -> list[str]:
+  width = max(map(len, registry.ATTENTION_REGISTRY))
+  return [
+    f"  {name:<{width}}  {entry.description}".rstrip()
+    for name, entry in registry.ATTENTION_REGISTRY.items()
+  ]
+
+
+def _config_lines() -> list[str]:
+  lines = []
+  for name in configs.packaged_names():
+    arguments = config_arguments(name)
+    shown = " ".join(
+      f"{key}={value!r}" if value == "" else f"{key}={value}" for key, value in arguments.items()
+    )
+    lines.append(f"  {name}: {shown}")
+  return lines
+
+
+def _study_lines() -> list[str]:
+  from primal_dual.commands import reproduce
+
+  studies = reproduce.find_studies()
+  if studies is None:
+    return ["  (none here: the grids live in a clone's reproduce/ folder)"]
+  return [f"  {', '.join(studies.study_names())}"]
+
+
+SECTIONS: dict[str, tuple[str, Callable[[], list[str]]]] = {
+  "variants": ("attention variants (attention=NAME, config.model.attention)", _variant_lines),
+  "configs": ("configs and their arguments (--config=NAME:key=value,...)", _config_lines),
+  "studies": ("paper studies (primal-dual reproduce STUDY)", _study_lines),
+}
+
+
+def main(argv: list[str]) -> int:
+  """Prints the sections named in ``argv`` (default: all); returns the exit status."""
+  if argv and argv[0] in ("-h", "--help"):
+    print(f"usage: primal-dual list [{'|'.join(SECTIONS)}]\n\n{__doc__}")
+    return 0
+  unknown = [name for name in argv if name not in SECTIONS]
+  if unknown:
+    print(f"error: unknown list {unknown[0]!r}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+    return 2
+  for name in argv or SECTIONS:
+    title, lines = SECTIONS[name]
+    print(f"{title}:")
+    print("\n".join(lines()))
+  return 0
