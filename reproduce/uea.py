@@ -413,7 +413,12 @@ FLAGS: dict[str, dict[str, Any]] = {
   ),
   "--protocols": dict(type=grid.comma_list(), default=tuple(PROTOCOLS)),
   # The published grid (results/uea.md) by default: the small model, 40 epochs.
-  "--epochs": dict(type=int, default=PUBLISHED_EPOCHS, help="-1: the protocol's (100, PEMS 400)"),
+  # (--quick keeps runlocal's 2 epochs unless --epochs is given.)
+  "--epochs": dict(
+    type=int,
+    default=None,
+    help=f"default {PUBLISHED_EPOCHS} (--quick: runlocal's); -1: the protocol's (100, PEMS 400)",
+  ),
   "--scale": dict(
     dest="model",
     choices=sorted(uea_config.MODEL_SIZES),
@@ -429,7 +434,10 @@ FLAGS: dict[str, dict[str, Any]] = {
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-  """Known protocols, and data sets whose files exist (default: every one found)."""
+  """Known protocols, data sets whose files exist (default: every one found), and the epochs:
+  the published grid's unless --quick (its runlocal config's) or given."""
+  if args.epochs is None:
+    args.epochs = -1 if args.quick else PUBLISHED_EPOCHS
   unknown = [p for p in args.protocols if p not in PROTOCOLS]
   if unknown or not args.protocols:
     raise ValueError(

@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from primal_dual import configs
-from reproduce.grid import load_config
+from primal_dual.configs import load as load_config
 from primal_dual.commands import cli
 from primal_dual.training import config_lib, errors
 

@@ -57,14 +57,14 @@ def test_sraven_quick_sweep_lists_exactly_the_official_points(capsys):
 
 
 def test_paper_preset_sweeps_every_variant_and_marks_the_presets_own_point():
-  runs = logic_study.REPRODUCTION.build_runs(_args(logic_study, "--preset=paper"))
+  runs = logic_study.REPRODUCTION.build_runs(_args(logic_study, "--scale=paper"))
   main, ablations = hyla_paper.GRID_VARIANTS["paper"]
   expected = itertools.product(main + ablations, (1e-3, 3e-3), (0.1, 0.03), (100,), SEEDS)
   assert _points(runs) == set(expected)
   fixed = {(r.tags["attention"], r.tags["setting"]) for r in runs if r.tags["preset_setting"]}
   assert fixed == {(v, "lr0.001_wd0.1") for v in main + ablations}
   chosen = sraven_study.REPRODUCTION.build_runs(
-    _args(sraven_study, "--preset=paper", "--sweep_variants=hyla,softmax")
+    _args(sraven_study, "--scale=paper", "--sweep_variants=hyla,softmax")
   )
   assert len(chosen) == 12 + 24
   assert {r.tags["setting"] for r in chosen if r.tags["preset_setting"]} == {
@@ -81,13 +81,13 @@ def test_sweep_refuses_flags_that_do_not_go_together():
     assert grid.reproduce(sraven_study.REPRODUCTION, [*argv, "--dry_run"]) == 2
   # --seeds_together shares one held-out split: refused under the paper preset's per-seed rule.
   assert (
-    grid.reproduce(sraven_study.REPRODUCTION, ["--preset=paper", "--seeds_together", "--dry_run"])
+    grid.reproduce(sraven_study.REPRODUCTION, ["--scale=paper", "--seeds_together", "--dry_run"])
     == 2
   )
   assert (
     grid.reproduce(
       sraven_study.REPRODUCTION,
-      ["--preset=paper", "--seeds_together", "--held_out=fixed", "--dry_run"],
+      ["--scale=paper", "--seeds_together", "--held_out=fixed", "--dry_run"],
     )
     == 0
   )

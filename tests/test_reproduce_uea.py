@@ -270,6 +270,10 @@ def test_the_grid_without_flags_is_the_published_one():
   """`primal-dual reproduce uea` runs the grid of results/uea.md (small model, 40 epochs), not
   the day-long reference grid."""
   args = grid.parse_arguments(uea_study.REPRODUCTION, [])
+  uea_study.check_arguments(args)
   assert (args.model, args.epochs) == ("small", 40)
+  quick = grid.parse_arguments(uea_study.REPRODUCTION, ["--quick"])
+  uea_study.check_arguments(quick)
+  assert quick.epochs == -1  # the runlocal config's own 2 epochs
   with open(os.path.join(cli_helpers.REPO_ROOT, "results", "uea.md")) as f:
     assert "--scale=small --epochs=40" in f.read().splitlines()[2]

@@ -12,11 +12,13 @@ batch. The trainer decides *when* to save (`periodic.PeriodicActions`); this mod
 keeps the last K and restores.
 """
 
+import contextlib
 import os
 from typing import Any, Iterator
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from primal_dual.training import errors
 
@@ -39,6 +41,17 @@ def abstract_with_shardings(abstract_tree: Any, shardings: Any) -> Any:
     shardings,
   )
 
+
+
+@contextlib.contextmanager
+def _absl_verbosity(level: int) -> Iterator[None]:
+  """absl's logging verbosity set to ``level`` inside the block, restored after it."""
+  previous = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(level)
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(previous)
 
 class Checkpointer:
   """Saves and restores (state, data iterator, meta) under `directory`.
@@ -79,9 +92,12 @@ class Checkpointer:
         barrier_sync_key_prefix=os.path.basename(self.directory)
       ),
     )
-    self._manager = ocp.CheckpointManager(
-      self.directory, options=options, item_names=('state', 'data', 'meta')
-    )
+    # Orbax warns on every read-only manager; evaluation opens one on purpose, and the commands'
+    # one-line errors must stay one line.
+    with _absl_verbosity(absl_logging.ERROR if read_only else absl_logging.get_verbosity()):
+      self._manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=('state', 'data', 'meta')
+      )
 
   def latest_step(self) -> int | None:
     """Step of the newest complete checkpoint, or None."""
