@@ -61,10 +61,21 @@ def build(
   return config
 
 
-def finish(config: ml_collections.ConfigDict, **options: Any) -> ml_collections.ConfigDict:
-  """``config`` locked, after giving its attention variant its options for the model's head count
-  (``registry.model_options``; ``options`` such as ``ratios`` go to the variants that take them)."""
-  config.model.attention_options = registry.model_options(
-    config.model.attention, config.model.num_heads, **options
+def finish(
+  config: ml_collections.ConfigDict,
+  *,
+  ratios: tuple[int, ...] | None = None,
+  by_variant: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ml_collections.ConfigDict:
+  """``config`` locked, after giving its attention variant its options for the model's head count:
+  the task's SH ``ratios`` to variants that take them, ``by_variant[variant]`` to that variant
+  (``config_lib.variant_options``). What the task gives is kept in
+  ``model.task_attention_options`` so that a variant chosen later by
+  ``--config.model.attention`` gets the same options (``config_lib.with_variant_options``)."""
+  config.model.task_attention_options = dict(
+    ratios=None if ratios is None else tuple(ratios),
+    by_variant={name: dict(options) for name, options in (by_variant or {}).items()},
   )
+  config.model.attention_options = config_lib.variant_options(config.model)
+  config.model.attention_options_variant = config.model.attention
   return config_lib.lock(config)

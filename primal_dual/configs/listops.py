@@ -138,5 +138,5 @@ def get_config(arg=None):
   return _base.finish(
     config,
     ratios=RUNLOCAL_SH_RATIOS if arg.runlocal else setting["sh_ratios"],
-    **VARIANT_OPTIONS.get(arg.attention, {}),
+    by_variant=VARIANT_OPTIONS,
   )

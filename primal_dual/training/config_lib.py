@@ -275,6 +275,44 @@ def merge(
   return merged
 
 
+def variant_options(model: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ``attention_options`` the task gives ``model.attention``: the options a config's
+  ``get_config`` computes for its ``attention=`` argument, from what it stored in
+  ``model.task_attention_options`` (``ratios`` for the variants that take them, and ``by_variant``:
+  a variant's own options)."""
+  from primal_dual import registry
+
+  given = dict(model.get('task_attention_options') or {})
+  own = dict((given.get('by_variant') or {}).get(model.attention) or {})
+  return registry.model_options(
+    model.attention, model.num_heads, ratios=given.get('ratios'), **own
+  )
+
+
+def with_variant_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` whose ``model.attention_options`` belong to ``model.attention``.
+
+  A config's ``get_config`` gives the variant of its ``attention=`` argument its options and
+  records that variant in ``model.attention_options_variant``. A variant chosen afterwards
+  (``--config.model.attention=bn_sh``) gets, here, the options the config argument would have
+  given it (``variant_options``), so both ways of choosing a variant train the same run.
+  Configs that record nothing (written by hand) are returned as they are.
+  """
+  model = config.get('model') or {}
+  chosen_for = model.get('attention_options_variant')
+  if not chosen_for or chosen_for == model.get('attention'):
+    return config
+  return merge(
+    config,
+    {
+      'model': {
+        'attention_options': variant_options(model),
+        'attention_options_variant': model.attention,
+      }
+    },
+  )
+
+
 def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Locks `config` in place (adding a field raises; existing fields may still be overridden).
 
