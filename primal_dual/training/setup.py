@@ -26,6 +26,7 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import optim
 from primal_dual.training import sharding
+from primal_dual.training import sweep
 from primal_dual.training import tasks as tasks_lib
 from primal_dual.training.steps import TrainState, eval_step, train_step, train_steps
 
@@ -62,7 +63,13 @@ def _as_tuple(value) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class Experiment:
-  """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
+  """Everything built once from a config: data, model, mesh, optimizer, jitted steps.
+
+  The trained state stacks the replicas (`replicas`: a sweep's, or the single run as one) on a
+  leading axis of every leaf, `[R, ...]`, kept whole on every device (`run_shardings`); model,
+  data and program are shared. `init_state`, `train_step`, `tx` and `schedule` are those of the
+  first replica alone (unstacked), as a single run's step is written.
+  """
 
   config: ml_collections.FrozenConfigDict
   task: tasks_lib.Task
@@ -84,8 +91,19 @@ class Experiment:
   eval_step: Callable
   action_periods: dict[str, int]
   run_steps: 'StepRunner'
-  seeds: tuple[int, ...] | None  # replicas trained in one program (config.seeds), or None
-  run_shardings: TrainState  # of the trained state: `state_shardings`, stacked for replicas
+  replicas: tuple[sweep.Replica, ...]  # trained in one program; one for a single run
+  optimizer: optim.ReplicaOptimizer  # every replica's optimizer numbers and schedule
+  init_replicas: Callable[[], TrainState]  # the stacked `[R, ...]` initial state
+  run_shardings: TrainState  # of the stacked state: `state_shardings` behind a replica axis
+
+  def stack_replicas(self, states: list[TrainState]) -> TrainState:
+    """One (unstacked) state per replica → the stacked state `[R, ...]`, placed for training."""
+    return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), self.run_shardings)
+
+  @staticmethod
+  def replica_state(state: TrainState, index: int) -> TrainState:
+    """Replica `index` of a stacked state: the state of that run alone (as checkpointed)."""
+    return jax.tree.map(lambda x: x[index], state)
 
   def make_train_iterator(self):
     """A checkpointable grain iterator of this process's training batches (endless), or None
@@ -116,21 +134,57 @@ class Experiment:
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
 
 
-class StepRunner:
-  """Runs the next `n` training steps and returns `(state, losses [n] or [], metrics)`.
+def replica_map(fn: Callable, num_replicas: int, in_axes: tuple) -> Callable:
+  """`fn` over a leading replica axis of the arguments whose `in_axes` entry is 0 (None: shared)
+  and of every output.
 
-  With one step per call and host batches this is one `train_step` call per step; otherwise one
-  scanned program (`steps.train_steps`, vmapped over replicas) per call, compiled once per
-  distinct `n` (the steps per call, and a shorter final call when they do not divide the run).
+  Several replicas are vmapped; one is indexed out and put back, so a single run's program is
+  exactly the unmapped `fn`'s (a vmap of size 1 may compile to other kernels).
+  """
+  if num_replicas > 1:
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def one_replica(*args):
+    args = [
+      arg if axis is None else jax.tree.map(lambda x: x[0], arg) for arg, axis in zip(args, in_axes)
+    ]
+    return jax.tree.map(lambda x: x[None], fn(*args))
+
+  return one_replica
+
+
+def _replica_step(state, batch, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **step):
+  """`train_step` of one replica with its `hyperparameters` (`[]` each): losses `[1]`, as K=1."""
+  tx = optimizer.transformation(hyperparameters)
+  state, loss, metrics = train_step(state, batch, tx=tx, **step)
+  return state, loss[None], metrics
+
+
+def _replica_steps(
+  state, batches, data_seed, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **steps
+):
+  """`train_steps` of one replica with its `hyperparameters` (`[]` each) and `data_seed` `[]`."""
+  tx = optimizer.transformation(hyperparameters)
+  return train_steps(state, batches, data_seed, tx=tx, **steps)
+
+
+class StepRunner:
+  """Runs the next `n` training steps of every replica: `(state, losses [R, n], metrics)`, the
+  metrics' (sum, count) pairs `[R]` each, summed over the steps.
+
+  With one step per call and host batches this is one step per call; otherwise one scanned
+  program (`steps.train_steps`) per call, compiled once per distinct `n` (the steps per call, and
+  a shorter final call when they do not divide the run). Either is mapped over the replicas
+  (`replica_map`), which share the host batches.
 
   Args:
-    single_step: the jitted `train_step` (state, sharded batch).
-    scanned_steps: `train_steps` with everything but `num_steps` bound.
+    single_step: `_replica_step` with everything but the state, batch and hyperparameters bound.
+    scanned_steps: `_replica_steps` with everything but `num_steps` and the arrays bound.
     mesh: the device mesh.
-    run_shardings: of the trained state (stacked for replicas).
-    replicas: whether the state stacks replicas (`config.seeds`).
+    run_shardings: of the stacked state.
+    optimizer: the replicas' optimizer (its `hyperparameters` go to every call).
     steps_per_call: K.
-    data_seed: int32 `[]` (one run) or `[replicas]`: the seed of each run's generated stream.
+    data_seed: int32 `[R]`: the seed of each replica's generated stream.
   """
 
   def __init__(
@@ -140,51 +194,52 @@ class StepRunner:
     mesh,
     *,
     run_shardings: TrainState,
-    replicas: bool,
+    optimizer: optim.ReplicaOptimizer,
     steps_per_call: int,
     data_seed: jax.Array,
   ):
     self._single_step, self._scanned_steps = single_step, scanned_steps
     self._compiled: dict[int, Callable] = {}
     self.mesh, self.steps_per_call, self.data_seed = mesh, steps_per_call, data_seed
-    self._run_shardings, self._replicas = run_shardings, replicas
+    self._run_shardings, self._num_replicas = run_shardings, optimizer.num_replicas
+    self.hyperparameters = optimizer.hyperparameters
     self.device_data = scanned_steps.keywords.get('device_batch') is not None
+    self._step_per_call = steps_per_call == 1 and not self.device_data
 
   def _compile(self, num_steps: int) -> Callable:
-    steps = functools.partial(self._scanned_steps, num_steps=num_steps)
-    if self._replicas:
-      steps = jax.vmap(steps, in_axes=(0, None, 0))
     replicated = sharding.replicated(self.mesh)
-    batches = None if self.device_data else sharding.stacked_batch_sharding(self.mesh)
-    scanned = jax.jit(
-      steps,
-      in_shardings=(self._run_shardings, batches, replicated),
+    if self._step_per_call:
+      step = replica_map(self._single_step, self._num_replicas, (0, None, 0))
+      in_shardings = (self._run_shardings, sharding.batch_sharding(self.mesh), replicated)
+    else:
+      step = replica_map(
+        functools.partial(self._scanned_steps, num_steps=num_steps),
+        self._num_replicas,
+        (0, None, 0, 0),
+      )
+      batches = None if self.device_data else sharding.stacked_batch_sharding(self.mesh)
+      in_shardings = (self._run_shardings, batches, replicated, replicated)
+    program = jax.jit(
+      step,
+      in_shardings=in_shardings,
       out_shardings=(self._run_shardings, replicated, replicated),
       donate_argnums=(0,),
     )
-    return _in_mesh(scanned, self.mesh)
+    return _in_mesh(program, self.mesh)
 
   def __call__(self, state: TrainState, num_steps: int, train_iterator):
-    if self.steps_per_call == 1 and not self.device_data:
-      return self._single_step(state, sharding.shard_batch(next(train_iterator), self.mesh))
     if num_steps not in self._compiled:
       self._compiled[num_steps] = self._compile(num_steps)
+    program = self._compiled[num_steps]
+    if self._step_per_call:
+      batch = sharding.shard_batch(next(train_iterator), self.mesh)
+      return program(state, batch, self.hyperparameters)
     batches = None
     if not self.device_data:
       batches = sharding.shard_stacked_batch(
         stack_records([next(train_iterator) for _ in range(num_steps)]), self.mesh
       )
-    return self._compiled[num_steps](state, batches, self.data_seed)
-
-
-def _replica_seeds(config) -> tuple[int, ...] | None:
-  """`config.seeds` as a tuple of distinct ints, or None for an ordinary single run."""
-  seeds = tuple(int(s) for s in (config.get('seeds') or ()))
-  if not seeds:
-    return None
-  if len(set(seeds)) != len(seeds):
-    raise errors.ConfigError(f'config.seeds must be distinct; got {seeds}')
-  return seeds
+    return program(state, batches, self.data_seed, self.hyperparameters)
 
 
 def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
@@ -347,13 +402,14 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
   )
 
 
-def _device_batch(task: tasks_lib.Task, config, metadata, seeds) -> Callable | None:
-  """The task's on-device train stream when `config.train_data_on_device`, else None."""
+def _device_batch(task: tasks_lib.Task, config, metadata, seeds: set[int]) -> Callable | None:
+  """The task's on-device train stream when `config.train_data_on_device`, else None (host
+  batches, which the replicas share: they must share their seed, which orders the examples)."""
   if not config.get('train_data_on_device', False):
-    if seeds is not None:
+    if len(seeds) > 1:
       raise errors.ConfigError(
-        'config.seeds trains its replicas in one program on batches made on '
-        'the device; set config.train_data_on_device=True (sRAVEN, logic)'
+        'replicas of different seeds (config.seeds, config.sweep.seed) train in one program on '
+        'batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)'
       )
     return None
   if task.device_train_stream is None:
@@ -406,21 +462,22 @@ def build_experiment(
     total_steps, steps_per_epoch = _training_length(config, len(splits['train']))
   else:
     total_steps, steps_per_epoch = max(int(config.num_train_steps), 0), 0
-  tx, schedule = optim.make_optimizer(config.optimizer, max(total_steps, 1))
+  replicas = sweep.replicas_of(config)
+  optimizer = optim.make_replica_optimizer(
+    [replica.config.optimizer for replica in replicas], max(total_steps, 1)
+  )
+  tx, schedule = optim.make_optimizer(optimizer.structure, max(total_steps, 1))
   model = task.build_model(config, metadata)
   example_split = 'train' if for_training else (eval_splits or tuple(splits))[0]
   initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
 
-  root_rng = jax.random.PRNGKey(config.seed)
+  root_rng = jax.random.PRNGKey(replicas[0].config.seed)
   abstract_variables, abstract_state = _abstract_state(initializer, root_rng, mesh)
   state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
   replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
-  seeds = _replica_seeds(config)
-  # Replicas (config.seeds) stack their states on a leading axis, kept whole on every device.
-  run_shardings = (
-    state_shardings if seeds is None else sharding.with_leading_axis(state_shardings, mesh)
-  )
+  num_replicas = len(replicas)
+  run_shardings = sharding.with_leading_axis(state_shardings, mesh)
   jit_train = jax.jit(
     functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
     in_shardings=(state_shardings, batch_sharding),
@@ -429,38 +486,39 @@ def build_experiment(
   )
   evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
   jit_eval = jax.jit(
-    evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
+    replica_map(evaluate_one, num_replicas, (0, None)),
     in_shardings=(run_shardings, batch_sharding),
     out_shardings=replicated,
   )
+  seeds = {replica.config.seed for replica in replicas}
   scanned_steps = functools.partial(
-    train_steps,
+    _replica_steps,
+    optimizer=optimizer,
     model=model,
-    tx=tx,
     loss_fn=task.loss_and_metrics,
     device_batch=_device_batch(task, config, metadata, seeds) if for_training else None,
     batch_size=config.batch_size,
     batch_sharding=batch_sharding,
   )
-  single_step = _in_mesh(jit_train, mesh)
+  single_step = functools.partial(
+    _replica_step, optimizer=optimizer, model=model, loss_fn=task.loss_and_metrics
+  )
   run_steps = StepRunner(
     single_step,
     scanned_steps,
     mesh,
     run_shardings=run_shardings,
-    replicas=seeds is not None,
+    optimizer=optimizer,
     steps_per_call=int(config.get('steps_per_call', 1)),
-    data_seed=jnp.asarray(config.seed if seeds is None else seeds, jnp.int32),
+    data_seed=jnp.asarray([replica.config.seed for replica in replicas], jnp.int32),
   )
-  if seeds is None:
-    init_state = functools.partial(
-      jax.jit(initializer.state, out_shardings=state_shardings), root_rng
-    )
-  else:
-    init_state = functools.partial(
-      jax.jit(jax.vmap(initializer.state), out_shardings=run_shardings),
-      jnp.stack([jax.random.PRNGKey(seed) for seed in seeds]),
-    )
+  init_state = functools.partial(
+    jax.jit(initializer.state, out_shardings=state_shardings), root_rng
+  )
+  init_replicas = functools.partial(
+    jax.jit(replica_map(initializer.state, num_replicas, (0,)), out_shardings=run_shardings),
+    jnp.stack([jax.random.PRNGKey(replica.config.seed) for replica in replicas]),
+  )
   return Experiment(
     config=config,
     task=task,
@@ -478,11 +536,13 @@ def build_experiment(
     state_shardings=state_shardings,
     abstract_state=abstract_state,
     init_state=_in_mesh(init_state, mesh),
-    train_step=single_step,
+    train_step=_in_mesh(jit_train, mesh),
     eval_step=_in_mesh(jit_eval, mesh),
     # Evaluation has no periods: epoch-based ones would be computed from 0 steps per epoch.
     action_periods=_action_periods(config, steps_per_epoch) if for_training else {},
     run_steps=run_steps,
-    seeds=seeds,
+    replicas=replicas,
+    optimizer=optimizer,
+    init_replicas=_in_mesh(init_replicas, mesh),
     run_shardings=run_shardings,
   )
