@@ -28,6 +28,11 @@ What one run does:
    `config.selection.split` was best: the clean protocol; ties go to the lower loss on that split,
    then to the later step), plus `'selected/step'` and the rule in words, `'selected/rule'`.
 
+A sweep (`config.sweep`, `config.seeds`; `sweep.py`, docs/training.md) trains its replicas as one
+program, each as the run above in its own sub-workdir `workdir/<replica name>`, and returns every
+replica's final metrics under `'<replica name>/'`. A single run is the one-replica case: the
+state carries a leading replica axis throughout, indexed out for checkpoints.
+
 Per-step randomness is `fold_in(state.rng, state.step)`, so a resumed run reproduces an
 uninterrupted one exactly.
 
