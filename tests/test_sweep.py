@@ -283,3 +283,50 @@ def test_replica_optimizer_traces_only_what_differs():
     alone, _ = optim.make_optimizer(opt, 10)
     expected, _ = alone.update(grads, alone.init(params), params)
     np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
+
+
+def test_train_command_takes_the_sweep_as_config_flags(tmp_path):
+  """docs/training.md's syntax: `--config.sweep.<field>='(v1,v2)'`; errors in one line."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config_file = tmp_path / "config.py"
+  config_file.write_text(
+    "from primal_dual.training import config_lib\n"
+    "def get_config(arg=None):\n"
+    "  config = config_lib.training_defaults()\n"
+    "  config.update(num_train_steps=2, batch_size=8, progress_bar=False)\n"
+    "  config.data.update(dict(num_train=16, num_eval=8, seq_len=4, num_features=2, num_classes=2))\n"
+    "  return config_lib.lock(config)\n"
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+  def train(*flags):
+    return subprocess.run(
+      [sys.executable, os.path.join(repo_root, "train.py"), f"--config={config_file}", *flags],
+      capture_output=True,
+      text=True,
+      env=env,
+      cwd=repo_root,
+      timeout=300,
+    )
+
+  refused = train("--config.sweep.optimizer.weight_decay=(0,0.1)", f"--workdir={tmp_path / 'bad'}")
+  assert refused.returncode == 2, refused.stderr
+  assert (
+    refused.stderr.strip()
+    .splitlines()[-1]
+    .startswith("error: replicas with optimizer.weight_decay 0 and > 0")
+  )
+  assert "Traceback" not in refused.stderr
+  done = train(
+    "--config.sweep.optimizer.lr=(0.01,0.02)",
+    "--config.sweep.optimizer.warmup_steps=(1,)",
+    f"--workdir={tmp_path / 'w'}",
+  )
+  assert done.returncode == 0, done.stderr
+  for name in ("lr=0.01,warmup=1", "lr=0.02,warmup=1"):
+    config = json.loads((tmp_path / "w" / name / "config.json").read_text())
+    assert config["optimizer"]["warmup_steps"] == 1 and config["sweep"]["optimizer"]["lr"] == []
+    assert (tmp_path / "w" / name / trainer.FINAL_METRICS_FILE).exists()

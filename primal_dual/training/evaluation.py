@@ -48,8 +48,12 @@ def reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
 
 
 def reduce_runs(metric_list: list[Mapping[str, tuple]]) -> list[dict[str, float]]:
-  """`reduce_metrics` per replica of (sum, count) pairs `[R]`: one dict per replica."""
-  totals = sum_metrics(metric_list, replicas=True)
+  """`reduce_metrics` per replica of (sum, count) pairs `[R]` (`[]`: a single run, one replica,
+  `setup.ReplicaAxis`): one dict per replica."""
+  totals = {
+    name: (np.atleast_1d(t), np.atleast_1d(c))
+    for name, (t, c) in sum_metrics(metric_list, replicas=True).items()
+  }
   num = len(next(iter(totals.values()))[0]) if totals else 0
   return [split_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
 
@@ -57,7 +61,8 @@ def reduce_runs(metric_list: list[Mapping[str, tuple]]) -> list[dict[str, float]
 def evaluate_runs(
   experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
 ) -> list[dict[str, dict[str, float]]]:
-  """`evaluate` of every replica of a stacked state `[R, ...]`: one result each."""
+  """`evaluate` of every replica of the trained state (`Experiment.replica_axis`): one result
+  each."""
   per_split = {}
   for split in split_names or experiment.eval_splits:
     if split not in experiment.splits:

@@ -31,7 +31,7 @@ What one run does:
 A sweep (`config.sweep`, `config.seeds`; `sweep.py`, docs/training.md) trains its replicas as one
 program, each as the run above in its own sub-workdir `workdir/<replica name>`, and returns every
 replica's final metrics under `'<replica name>/'`. A single run is the one-replica case: the
-state carries a leading replica axis throughout, indexed out for checkpoints.
+replica axis is then absent (`setup.ReplicaAxis`), so its program is that of earlier versions.
 
 Per-step randomness is `fold_in(state.rng, state.step)`, so a resumed run reproduces an
 uninterrupted one exactly.
@@ -290,9 +290,9 @@ def _combined(experiment: Experiment, finals: list[dict]) -> dict:
 
 
 def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int | None) -> None:
-  """Raises for the first step with a non-finite loss; `losses` `[replicas, steps]` are those of
-  steps `first_step, …`."""
-  per_step = np.asarray(jax.device_get(losses), np.float64)
+  """Raises for the first step with a non-finite loss; `losses` `[replicas, steps]` (`[steps]` for
+  a single run) are those of steps `first_step, …`."""
+  per_step = np.atleast_2d(np.asarray(jax.device_get(losses), np.float64))
   finite = np.isfinite(per_step)
   bad = np.flatnonzero(~finite.all(axis=0))
   if bad.size:
