@@ -317,8 +317,10 @@ def test_small_models_benchmark_times_the_trainers_step(tmp_path):
         "linear_plain",
         "--steps-per-call",
         "2",
-        "--seeds-per-program",
-        "1,2",
+        "--replicas",
+        "1,4",
+        "--sweep",
+        "lr_wd_seeds",
         "--repeats",
         "1",
         "--out-dir",
@@ -329,16 +331,17 @@ def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   )
   payload = json.loads((tmp_path / "small_models.json").read_text())
   row, pair = payload["rows"]
-  assert (row["model"], row["variant"], row["steps_per_call"], row["seeds"], row["data"]) == (
+  assert (row["model"], row["variant"], row["steps_per_call"], row["replicas"], row["data"]) == (
     "logic",
     "linear_plain",
     2,
     1,
     "device",
   )
-  assert pair["seeds"] == 2 and pair["ms_per_step"] > 0
+  assert pair["replicas"] == 4 and pair["sweep"] == "lr_wd_seeds" and pair["ms_per_step"] > 0
   assert row["ms_per_step"] > 0 and math.isclose(row["model_steps_per_s"], 1e3 / row["ms_per_step"])
-  assert "| logic | linear_plain | 2 | 1 | device |" in (tmp_path / "small_models.md").read_text()
+  markdown = (tmp_path / "small_models.md").read_text()
+  assert "| logic | linear_plain | 2 | 1 | single run | device |" in markdown
 
 
 def test_hylas_pallas_row_where_pallas_compiles_and_the_hyla_target_reads_it(monkeypatch):

@@ -129,3 +129,22 @@ def test_default_docstring_states_its_training_steps():
   config = configs.load('default')
   steps, _ = setup._training_length(config, JAPANESE_VOWELS_TRAIN_SIZE)
   assert f'{config.num_epochs} epochs = {steps} steps' in ' '.join(default.__doc__.split())
+
+
+# Variants whose options differ by task: SH's ratios, ListOps' primal linear attention.
+VARIANTS_TO_SWITCH = ("softmax", "linear", "sh", "bn_sh", "hyla")
+
+
+@pytest.mark.parametrize("name", ["uea", "listops", "images", "sraven", "logic"])
+def test_both_ways_of_choosing_a_variant_resolve_to_the_same_run(name):
+  """``--config=NAME:attention=V`` and ``--config=NAME --config.model.attention=V``."""
+  from primal_dual.training import setup
+
+  for variant in VARIANTS_TO_SWITCH:
+    by_argument = load_config(name, f"attention={variant},runlocal")
+    by_field = load_config(name, "runlocal")
+    by_field.model.attention = variant  # what the command-line override does to a locked config
+    assert setup.resolve_config(by_field) == setup.resolve_config(by_argument), (name, variant)
+  # The options really are the variant's: SH gets ratios, softmax none.
+  sh = setup.resolve_config(load_config(name, "attention=sh,runlocal"))
+  assert "ratios" in sh.model.attention_options

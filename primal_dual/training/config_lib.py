@@ -137,6 +137,38 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(parsed)
 
 
+# Config fields a sweep may vary (`config.sweep.<field>`): scalars that leave the program's shapes
+# and operations alone, with their short names in sub-workdir names. Their order is that of the
+# names and of the product (the last varies fastest). Everything else (model sizes, batch size,
+# schedule kind, run length, optimizer name) would change the program.
+SWEEPABLE: dict[str, str] = {
+  'optimizer.lr': 'lr',
+  'optimizer.end_lr': 'end_lr',
+  'optimizer.warmup_steps': 'warmup',
+  'optimizer.weight_decay': 'wd',
+  'optimizer.grad_clip_norm': 'clip',
+  'optimizer.b1': 'b1',
+  'optimizer.b2': 'b2',
+  'optimizer.eps': 'eps',
+  'optimizer.momentum': 'momentum',
+  'seed': 'seed',
+}
+
+
+def sweep_defaults() -> ml_collections.ConfigDict:
+  """`config.sweep`: every `SWEEPABLE` field, nested, empty (so `--config.sweep.<field>` works)."""
+  sweep = ml_collections.ConfigDict()
+  for dotted in SWEEPABLE:
+    node = sweep
+    *parents, leaf = dotted.split('.')
+    for parent in parents:
+      if parent not in node:
+        node[parent] = ml_collections.ConfigDict()
+      node = node[parent]
+    node[leaf] = ()
+  return sweep
+
+
 def training_defaults() -> ml_collections.ConfigDict:
   """Every field the trainer reads, with its default. Configs start from this.
 
@@ -168,6 +200,9 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Several seeds in one program: the replicas (same config, these seeds) train as one vmapped
   # step; each keeps its own `<workdir>/seed_<s>` as if run alone. Empty: one run of `seed`.
   config.seeds = ()
+  # A sweep in one program (`training/sweep.py`): value lists of `SWEEPABLE` fields, e.g.
+  # sweep.optimizer.lr = (1e-3, 3e-4); the replicas are their product. All empty: no sweep.
+  config.sweep = sweep_defaults()
   config.checkpoint_every_epochs = 0
   config.keep_checkpoints = 3
   config.keep_selected_checkpoint = True  # also keep the checkpoint chosen on `selection.split`.

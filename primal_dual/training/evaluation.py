@@ -49,11 +49,13 @@ def reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
   return split_means(sum_metrics(metric_list))
 
 
-def reduce_runs(metric_list: list[Mapping[str, tuple]], replicas: bool) -> list[dict[str, float]]:
-  """`reduce_metrics` per run: `[means]`, or one dict per replica."""
-  totals = sum_metrics(metric_list, replicas)
-  if not replicas:
-    return [split_means(totals)]
+def reduce_runs(metric_list: list[Mapping[str, tuple]]) -> list[dict[str, float]]:
+  """`reduce_metrics` per replica of (sum, count) pairs `[R]` (`[]`: a single run, one replica,
+  `setup.ReplicaAxis`): one dict per replica."""
+  totals = {
+    name: (np.atleast_1d(t), np.atleast_1d(c))
+    for name, (t, c) in sum_metrics(metric_list, replicas=True).items()
+  }
   num = len(next(iter(totals.values()))[0]) if totals else 0
   return [split_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
 
@@ -61,8 +63,8 @@ def reduce_runs(metric_list: list[Mapping[str, tuple]], replicas: bool) -> list[
 def evaluate_runs(
   experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
 ) -> list[dict[str, dict[str, float]]]:
-  """`evaluate` of every run: `[results]`, or one per replica of a stacked state."""
-  replicas = experiment.seeds is not None
+  """`evaluate` of every replica of the trained state (`Experiment.replica_axis`): one result
+  each."""
   per_split = {}
   for split in split_names or experiment.eval_splits:
     if split not in experiment.splits:
@@ -71,9 +73,10 @@ def evaluate_runs(
       experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
       for batch in experiment.eval_batches(split)
     ]
-    per_split[split] = reduce_runs(per_batch, replicas)
-  num_runs = len(experiment.seeds) if replicas else 1
-  return [{split: runs[i] for split, runs in per_split.items()} for i in range(num_runs)]
+    per_split[split] = reduce_runs(per_batch)
+  return [
+    {split: runs[i] for split, runs in per_split.items()} for i in range(len(experiment.replicas))
+  ]
 
 
 def evaluate(
@@ -81,10 +84,14 @@ def evaluate(
 ) -> dict[str, dict[str, float]]:
   """Metrics of `state` on whole splits (every example exactly once).
 
+  Args:
+    experiment: a single run's (one replica).
+    state: its state, unstacked (as restored from a checkpoint).
+
   Returns:
     split → metric name → mean over the split's examples.
   """
-  return evaluate_runs(experiment, state, split_names)[0]
+  return evaluate_runs(experiment, experiment.stack_replicas([state]), split_names)[0]
 
 
 def reported_metrics(experiment: Experiment) -> frozenset[str]:

@@ -25,11 +25,13 @@ The end rate of 'warmup_cosine' and 'rsqrt' is `end_lr` (absolute), or, when `en
 over `lr` keeps the schedule's shape (the HYLA paper's code ends at `0.1 × lr`).
 """
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from primal_dual.training import errors
@@ -121,15 +123,23 @@ SCHEDULES: dict[str, Callable[[ml_collections.ConfigDict, int], optax.Schedule]]
 # Update directions: opt_config -> GradientTransformation (before weight decay and learning rate).
 
 
-def _sgd_direction(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
+# A setting's number: from the config, or traced per replica (`ReplicaOptimizer`).
+_Value = Callable[[str], Any]
+
+
+def _sgd_direction(opt: ml_collections.ConfigDict, value: _Value) -> optax.GradientTransformation:
   if opt.momentum <= 0:
     return optax.identity()
-  return optax.trace(decay=opt.momentum, nesterov=opt.nesterov)
+  return optax.trace(decay=value('momentum'), nesterov=opt.nesterov)
 
 
-OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict], optax.GradientTransformation]] = {
-  'adamw': lambda opt: optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
-  'radam': lambda opt: optax.scale_by_radam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+OPTIMIZERS: dict[
+  str, Callable[[ml_collections.ConfigDict, _Value], optax.GradientTransformation]
+] = {
+  'adamw': lambda opt, value: optax.scale_by_adam(b1=value('b1'), b2=value('b2'), eps=value('eps')),
+  'radam': lambda opt, value: optax.scale_by_radam(
+    b1=value('b1'), b2=value('b2'), eps=value('eps')
+  ),
   'sgd': _sgd_direction,
 }
 
@@ -161,6 +171,26 @@ def make_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Sch
   return errors.lookup(SCHEDULES, opt.schedule, 'learning-rate schedule')(opt, total_steps)
 
 
+def _chain(
+  opt: ml_collections.ConfigDict, schedule: optax.Schedule, numbers: Mapping[str, Any]
+) -> optax.GradientTransformation:
+  """The chain of the module docstring: its links decided by `opt`, their numbers taken from
+  `numbers` (traced scalars) where given, else from `opt`."""
+
+  def value(name: str) -> Any:
+    return numbers[name] if name in numbers else opt[name]
+
+  direction = errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
+  chain = []
+  if opt.grad_clip_norm > 0:
+    chain.append(optax.clip_by_global_norm(value('grad_clip_norm')))
+  chain.append(direction(opt, value))
+  if opt.weight_decay > 0:
+    chain.append(optax.add_decayed_weights(value('weight_decay'), mask=weight_decay_mask))
+  chain.append(optax.scale_by_learning_rate(schedule))
+  return optax.chain(*chain)
+
+
 def make_optimizer(
   opt: ml_collections.ConfigDict, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -177,14 +207,82 @@ def make_optimizer(
     errors.UnknownNameError: unknown optimizer or schedule name.
     errors.ConfigError: lr ≤ 0 or a negative weight decay / clip norm / warm-up.
   """
-  direction = errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
+  errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
   _check(opt)
   schedule = make_schedule(opt, total_steps)
-  chain = []
-  if opt.grad_clip_norm > 0:
-    chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
-  chain.append(direction(opt))
-  if opt.weight_decay > 0:
-    chain.append(optax.add_decayed_weights(opt.weight_decay, mask=weight_decay_mask))
-  chain.append(optax.scale_by_learning_rate(schedule))
-  return optax.chain(*chain), schedule
+  return _chain(opt, schedule, {}), schedule
+
+
+# ------------------------------------------------------------------------------------------------
+# Replicas: several optimizers of one structure in one program.
+
+# Numbers inside the chain that replicas may set apart; the learning-rate schedule's settings (lr,
+# end_lr, warmup_steps) differ through each replica's own schedule instead.
+CHAIN_NUMBERS = ('grad_clip_norm', 'weight_decay', 'b1', 'b2', 'eps', 'momentum')
+
+# A number whose zero removes its link from the chain (and its state from the optimizer state).
+_LINK_SWITCHES = ('grad_clip_norm', 'weight_decay', 'momentum')
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOptimizer:
+  """The optimizers of replicas trained as one program: one chain structure (that of the first
+  replica, which all share), each replica's numbers and learning-rate schedule.
+
+  Attributes:
+    structure: `config.optimizer` of the first replica; decides the chain's links.
+    schedules: each replica's learning-rate schedule (the same optax code as a run alone).
+    hyperparameters: `'replica'` int32 `[R]` (0 … R−1), and float32 `[R]` of each of
+      `CHAIN_NUMBERS` whose value differs between replicas (the others stay constants, so a
+      single run's program is unchanged).
+  """
+
+  structure: ml_collections.ConfigDict
+  schedules: tuple[optax.Schedule, ...]
+  hyperparameters: dict[str, np.ndarray]
+
+  @property
+  def num_replicas(self) -> int:
+    return len(self.schedules)
+
+  def transformation(self, replica: Mapping[str, jax.Array]) -> optax.GradientTransformation:
+    """The optimizer of one replica, inside the replica map.
+
+    Args:
+      replica: `hyperparameters` of one replica: int32 / float32 `[]` (traced).
+    """
+    index = replica['replica']
+    # lax.switch with one branch calls it directly: a single run's own schedule. Its branches
+    # must agree in type (a constant schedule returns a Python float).
+    branches = [lambda step, s=s: jnp.asarray(s(step), jnp.float32) for s in self.schedules]
+
+    def schedule(step):
+      return jax.lax.switch(index, branches, step)
+
+    numbers = {name: value for name, value in replica.items() if name in CHAIN_NUMBERS}
+    return _chain(self.structure, schedule, numbers)
+
+
+def make_replica_optimizer(
+  opts: Sequence[ml_collections.ConfigDict], total_steps: int
+) -> ReplicaOptimizer:
+  """The `ReplicaOptimizer` of replicas with optimizer configs `opts` (one each).
+
+  Raises:
+    errors.ConfigError: the replicas need different chains (a zero and a non-zero weight decay,
+      clip norm or SGD momentum), or a config error of `make_optimizer`.
+  """
+  schedules = tuple(make_optimizer(opt, total_steps)[1] for opt in opts)
+  structure = opts[0]
+  for name in _LINK_SWITCHES:
+    if len({opt[name] > 0 for opt in opts}) > 1:
+      raise errors.ConfigError(
+        f'replicas with optimizer.{name} 0 and > 0 need different optimizers and cannot train '
+        f'as one program; sweep values that are all > 0, or train the 0 run separately'
+      )
+  hyperparameters = {'replica': np.arange(len(opts), dtype=np.int32)}
+  for name in CHAIN_NUMBERS:
+    values = [opt[name] for opt in opts]
+    if len(set(values)) > 1:
+      hyperparameters[name] = np.asarray(values, np.float32)
+  return ReplicaOptimizer(structure, schedules, hyperparameters)

@@ -26,6 +26,7 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import optim
 from primal_dual.training import sharding
+from primal_dual.training import sweep
 from primal_dual.training import task_registry
 from primal_dual.training.steps import TrainState, eval_step, train_step, train_steps
 
@@ -44,6 +45,7 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenCo
   if isinstance(config, ml_collections.FrozenConfigDict):
     config = config.as_configdict()
   config_lib.validate(config)
+  config = config_lib.with_variant_options(config)
   return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
 
 
@@ -62,7 +64,13 @@ def _as_tuple(value) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class Experiment:
-  """Everything built once from a config: data, model, mesh, optimizer, jitted steps."""
+  """Everything built once from a config: data, model, mesh, optimizer, jitted steps.
+
+  The trained state holds every replica (`replicas`: a sweep's, or the single run as one) in the
+  layout of `replica_axis` (`[R, ...]`, kept whole on every device: `run_shardings`); model, data
+  and program are shared. `init_state`, `train_step`, `tx` and `schedule` are those of the first
+  replica alone, as a single run's step is written.
+  """
 
   config: ml_collections.FrozenConfigDict
   task: task_registry.Task
@@ -84,8 +92,19 @@ class Experiment:
   eval_step: Callable
   action_periods: dict[str, int]
   run_steps: 'StepRunner'
-  seeds: tuple[int, ...] | None  # replicas trained in one program (config.seeds), or None
-  run_shardings: TrainState  # of the trained state: `state_shardings`, stacked for replicas
+  replicas: tuple[sweep.Replica, ...]  # trained in one program; one for a single run
+  replica_axis: 'ReplicaAxis'
+  optimizer: optim.ReplicaOptimizer  # every replica's optimizer numbers and schedule
+  init_replicas: Callable[[], TrainState]  # the initial state of every replica, stacked
+  run_shardings: TrainState  # of the stacked state
+
+  def stack_replicas(self, states: list[TrainState]) -> TrainState:
+    """One state per replica (as restored) → the trained state, placed for training."""
+    return jax.device_put(self.replica_axis.stack(states), self.run_shardings)
+
+  def replica_state(self, state: TrainState, index: int) -> TrainState:
+    """Replica `index` of the trained state: the state of that run alone (as checkpointed)."""
+    return self.replica_axis.index(state, index)
 
   def make_train_iterator(self):
     """A checkpointable grain iterator of this process's training batches (endless), or None
@@ -116,21 +135,80 @@ class Experiment:
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
 
 
-class StepRunner:
-  """Runs the next `n` training steps and returns `(state, losses [n] or [], metrics)`.
+@dataclasses.dataclass(frozen=True)
+class ReplicaAxis:
+  """The replica axis of everything that differs between replicas: states, data seeds, optimizer
+  numbers, and the steps' losses and metrics.
 
-  With one step per call and host batches this is one `train_step` call per step; otherwise one
-  scanned program (`steps.train_steps`, vmapped over replicas) per call, compiled once per
-  distinct `n` (the steps per call, and a shorter final call when they do not divide the run).
+  R > 1 replicas stack on a leading axis `[R, ...]` and the steps are vmapped over it. One
+  replica (a single run) has no such axis: its arrays and its program are exactly those of a
+  run without replicas (a size-1 axis, vmapped or squeezed inside the program, compiles to
+  other kernels and extra copies: about 7% slower per step on a small CPU model). Only this
+  class knows the difference; the trainer goes through it.
+  """
+
+  size: int
+
+  @property
+  def _stacked(self) -> bool:
+    return self.size > 1
+
+  def map(self, fn: Callable, in_axes: tuple) -> Callable:
+    """`fn` over the replica axis of the arguments whose `in_axes` entry is 0 (None: shared) and
+    of every output."""
+    return jax.vmap(fn, in_axes=in_axes) if self._stacked else fn
+
+  def stack(self, trees: list[Any]) -> Any:
+    """One tree per replica → the trees in this layout (`[R, ...]` leaves for R > 1)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees) if self._stacked else trees[0]
+
+  def from_host(self, tree: Any) -> Any:
+    """A host tree of `[R, ...]` arrays in this layout."""
+    return tree if self._stacked else jax.tree.map(lambda x: x[0], tree)
+
+  def index(self, tree: Any, index: int) -> Any:
+    """Replica `index` of a tree in this layout."""
+    return jax.tree.map(lambda x: x[index], tree) if self._stacked else tree
+
+  def shardings(self, shardings: Any, mesh) -> Any:
+    """Shardings of one replica's tree → of the tree in this layout (the axis kept whole)."""
+    return sharding.with_leading_axis(shardings, mesh) if self._stacked else shardings
+
+
+def _replica_step(state, batch, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **step):
+  """`train_step` of one replica with its `hyperparameters` (`[]` each): losses `[1]` (K = 1)."""
+  tx = optimizer.transformation(hyperparameters)
+  state, loss, metrics = train_step(state, batch, tx=tx, **step)
+  return state, loss[None], metrics
+
+
+def _replica_steps(
+  state, batches, data_seed, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **steps
+):
+  """`train_steps` of one replica with its `hyperparameters` (`[]` each) and `data_seed` `[]`."""
+  tx = optimizer.transformation(hyperparameters)
+  return train_steps(state, batches, data_seed, tx=tx, **steps)
+
+
+class StepRunner:
+  """Runs the next `n` training steps of every replica: `(state, losses [R, n], metrics)`, the
+  metrics' (sum, count) pairs `[R]` each, summed over the steps (without the `R` axis for a
+  single run: `ReplicaAxis`).
+
+  With one step per call and host batches this is one step per call; otherwise one scanned
+  program (`steps.train_steps`) per call, compiled once per distinct `n` (the steps per call, and
+  a shorter final call when they do not divide the run). Either is mapped over the replicas
+  (`ReplicaAxis.map`), which share the host batches.
 
   Args:
-    single_step: the jitted `train_step` (state, sharded batch).
-    scanned_steps: `train_steps` with everything but `num_steps` bound.
+    single_step: `_replica_step` with everything but the state, batch and hyperparameters bound.
+    scanned_steps: `_replica_steps` with everything but `num_steps` and the arrays bound.
     mesh: the device mesh.
-    run_shardings: of the trained state (stacked for replicas).
-    replicas: whether the state stacks replicas (`config.seeds`).
+    run_shardings: of the stacked state.
+    replica_axis: the layout of the state and of every per-replica argument.
+    optimizer: the replicas' optimizer (its `hyperparameters` go to every call).
     steps_per_call: K.
-    data_seed: int32 `[]` (one run) or `[replicas]`: the seed of each run's generated stream.
+    data_seed: int32 `[R]`: the seed of each replica's generated stream.
   """
 
   def __init__(
@@ -140,51 +218,56 @@ class StepRunner:
     mesh,
     *,
     run_shardings: TrainState,
-    replicas: bool,
+    replica_axis: ReplicaAxis,
+    optimizer: optim.ReplicaOptimizer,
     steps_per_call: int,
-    data_seed: jax.Array,
+    data_seed: np.ndarray,
   ):
     self._single_step, self._scanned_steps = single_step, scanned_steps
     self._compiled: dict[int, Callable] = {}
-    self.mesh, self.steps_per_call, self.data_seed = mesh, steps_per_call, data_seed
-    self._run_shardings, self._replicas = run_shardings, replicas
+    self.mesh, self.steps_per_call = mesh, steps_per_call
+    self._run_shardings, self._replica_axis = run_shardings, replica_axis
+    # Placed once: host arrays would be transferred again by every call.
+    replicated = sharding.replicated(mesh)
+    self.data_seed = jax.device_put(replica_axis.from_host(data_seed), replicated)
+    self.hyperparameters = jax.device_put(
+      replica_axis.from_host(optimizer.hyperparameters), replicated
+    )
     self.device_data = scanned_steps.keywords.get('device_batch') is not None
+    self._step_per_call = steps_per_call == 1 and not self.device_data
 
   def _compile(self, num_steps: int) -> Callable:
-    steps = functools.partial(self._scanned_steps, num_steps=num_steps)
-    if self._replicas:
-      steps = jax.vmap(steps, in_axes=(0, None, 0))
     replicated = sharding.replicated(self.mesh)
-    batches = None if self.device_data else sharding.stacked_batch_sharding(self.mesh)
-    scanned = jax.jit(
-      steps,
-      in_shardings=(self._run_shardings, batches, replicated),
+    if self._step_per_call:
+      step = self._replica_axis.map(self._single_step, (0, None, 0))
+      in_shardings = (self._run_shardings, sharding.batch_sharding(self.mesh), replicated)
+    else:
+      step = self._replica_axis.map(
+        functools.partial(self._scanned_steps, num_steps=num_steps), (0, None, 0, 0)
+      )
+      batches = None if self.device_data else sharding.stacked_batch_sharding(self.mesh)
+      in_shardings = (self._run_shardings, batches, replicated, replicated)
+    program = jax.jit(
+      step,
+      in_shardings=in_shardings,
       out_shardings=(self._run_shardings, replicated, replicated),
       donate_argnums=(0,),
     )
-    return _in_mesh(scanned, self.mesh)
+    return _in_mesh(program, self.mesh)
 
   def __call__(self, state: TrainState, num_steps: int, train_iterator):
-    if self.steps_per_call == 1 and not self.device_data:
-      return self._single_step(state, sharding.shard_batch(next(train_iterator), self.mesh))
     if num_steps not in self._compiled:
       self._compiled[num_steps] = self._compile(num_steps)
+    program = self._compiled[num_steps]
+    if self._step_per_call:
+      batch = sharding.shard_batch(next(train_iterator), self.mesh)
+      return program(state, batch, self.hyperparameters)
     batches = None
     if not self.device_data:
       batches = sharding.shard_stacked_batch(
         stack_records([next(train_iterator) for _ in range(num_steps)]), self.mesh
       )
-    return self._compiled[num_steps](state, batches, self.data_seed)
-
-
-def _replica_seeds(config) -> tuple[int, ...] | None:
-  """`config.seeds` as a tuple of distinct ints, or None for an ordinary single run."""
-  seeds = tuple(int(s) for s in (config.get('seeds') or ()))
-  if not seeds:
-    return None
-  if len(set(seeds)) != len(seeds):
-    raise errors.ConfigError(f'config.seeds must be distinct; got {seeds}')
-  return seeds
+    return program(state, batches, self.data_seed, self.hyperparameters)
 
 
 def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
@@ -347,13 +430,14 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
   )
 
 
-def _device_batch(task: task_registry.Task, config, metadata, seeds) -> Callable | None:
-  """The task's on-device train stream when `config.train_data_on_device`, else None."""
+def _device_batch(task: task_registry.Task, config, metadata, seeds: set[int]) -> Callable | None:
+  """The task's on-device train stream when `config.train_data_on_device`, else None (host
+  batches, which the replicas share: they must share their seed, which orders the examples)."""
   if not config.get('train_data_on_device', False):
-    if seeds is not None:
+    if len(seeds) > 1:
       raise errors.ConfigError(
-        'config.seeds trains its replicas in one program on batches made on '
-        'the device; set config.train_data_on_device=True (sRAVEN, logic)'
+        'replicas of different seeds (config.seeds, config.sweep.seed) train in one program on '
+        'batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)'
       )
     return None
   if task.device_train_stream is None:
@@ -406,21 +490,22 @@ def build_experiment(
     total_steps, steps_per_epoch = _training_length(config, len(splits['train']))
   else:
     total_steps, steps_per_epoch = max(int(config.num_train_steps), 0), 0
-  tx, schedule = optim.make_optimizer(config.optimizer, max(total_steps, 1))
+  replicas = sweep.replicas_of(config)
+  optimizer = optim.make_replica_optimizer(
+    [replica.config.optimizer for replica in replicas], max(total_steps, 1)
+  )
+  tx, schedule = optim.make_optimizer(optimizer.structure, max(total_steps, 1))
   model = task.build_model(config, metadata)
   example_split = 'train' if for_training else (eval_splits or tuple(splits))[0]
   initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
 
-  root_rng = jax.random.PRNGKey(config.seed)
+  root_rng = jax.random.PRNGKey(replicas[0].config.seed)
   abstract_variables, abstract_state = _abstract_state(initializer, root_rng, mesh)
   state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
   replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
-  seeds = _replica_seeds(config)
-  # Replicas (config.seeds) stack their states on a leading axis, kept whole on every device.
-  run_shardings = (
-    state_shardings if seeds is None else sharding.with_leading_axis(state_shardings, mesh)
-  )
+  replica_axis = ReplicaAxis(len(replicas))
+  run_shardings = replica_axis.shardings(state_shardings, mesh)
   jit_train = jax.jit(
     functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
     in_shardings=(state_shardings, batch_sharding),
@@ -429,38 +514,40 @@ def build_experiment(
   )
   evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
   jit_eval = jax.jit(
-    evaluate_one if seeds is None else jax.vmap(evaluate_one, in_axes=(0, None)),
+    replica_axis.map(evaluate_one, (0, None)),
     in_shardings=(run_shardings, batch_sharding),
     out_shardings=replicated,
   )
+  seeds = {replica.config.seed for replica in replicas}
   scanned_steps = functools.partial(
-    train_steps,
+    _replica_steps,
+    optimizer=optimizer,
     model=model,
-    tx=tx,
     loss_fn=task.loss_and_metrics,
     device_batch=_device_batch(task, config, metadata, seeds) if for_training else None,
     batch_size=config.batch_size,
     batch_sharding=batch_sharding,
   )
-  single_step = _in_mesh(jit_train, mesh)
+  single_step = functools.partial(
+    _replica_step, optimizer=optimizer, model=model, loss_fn=task.loss_and_metrics
+  )
   run_steps = StepRunner(
     single_step,
     scanned_steps,
     mesh,
     run_shardings=run_shardings,
-    replicas=seeds is not None,
+    replica_axis=replica_axis,
+    optimizer=optimizer,
     steps_per_call=int(config.get('steps_per_call', 1)),
-    data_seed=jnp.asarray(config.seed if seeds is None else seeds, jnp.int32),
+    data_seed=np.asarray([replica.config.seed for replica in replicas], np.int32),
   )
-  if seeds is None:
-    init_state = functools.partial(
-      jax.jit(initializer.state, out_shardings=state_shardings), root_rng
-    )
-  else:
-    init_state = functools.partial(
-      jax.jit(jax.vmap(initializer.state), out_shardings=run_shardings),
-      jnp.stack([jax.random.PRNGKey(seed) for seed in seeds]),
-    )
+  init_state = functools.partial(
+    jax.jit(initializer.state, out_shardings=state_shardings), root_rng
+  )
+  init_replicas = functools.partial(
+    jax.jit(replica_axis.map(initializer.state, (0,)), out_shardings=run_shardings),
+    replica_axis.stack([jax.random.PRNGKey(replica.config.seed) for replica in replicas]),
+  )
   return Experiment(
     config=config,
     task=task,
@@ -478,11 +565,14 @@ def build_experiment(
     state_shardings=state_shardings,
     abstract_state=abstract_state,
     init_state=_in_mesh(init_state, mesh),
-    train_step=single_step,
+    train_step=_in_mesh(jit_train, mesh),
     eval_step=_in_mesh(jit_eval, mesh),
     # Evaluation has no periods: epoch-based ones would be computed from 0 steps per epoch.
     action_periods=_action_periods(config, steps_per_epoch) if for_training else {},
     run_steps=run_steps,
-    seeds=seeds,
+    replicas=replicas,
+    replica_axis=replica_axis,
+    optimizer=optimizer,
+    init_replicas=_in_mesh(init_replicas, mesh),
     run_shardings=run_shardings,
   )

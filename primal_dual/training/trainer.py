@@ -28,6 +28,11 @@ What one run does:
    `config.selection.split` was best: the clean protocol; ties go to the lower loss on that split,
    then to the later step), plus `'selected/step'` and the rule in words, `'selected/rule'`.
 
+A sweep (`config.sweep`, `config.seeds`; `sweep.py`, docs/training.md) trains its replicas as one
+program, each as the run above in its own sub-workdir `workdir/<replica name>`, and returns every
+replica's final metrics under `'<replica name>/'`. A single run is the one-replica case: the
+replica axis is then absent (`setup.ReplicaAxis`), so its program is that of earlier versions.
+
 Per-step randomness is `fold_in(state.rng, state.step)`, so a resumed run reproduces an
 uninterrupted one exactly.
 
@@ -45,10 +50,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -128,8 +131,8 @@ def _read_final_metrics(workdir: str) -> dict | None:
 
 @dataclasses.dataclass
 class _Run:
-  """The files and bookkeeping of one trained model: the whole run, or one replica of
-  `config.seeds` (then in `<workdir>/seed_<s>`, a workdir of its own that looks as if that seed
+  """The files and bookkeeping of one trained model, a replica: the whole run, or one replica of
+  a sweep (then in `<workdir>/<replica name>`, a workdir of its own that looks as if that setting
   had been trained alone)."""
 
   config: ml_collections.FrozenConfigDict
@@ -149,30 +152,20 @@ class _Run:
         manager.close()
 
 
-def replica_config(
-  config: ml_collections.FrozenConfigDict, seed: int
-) -> ml_collections.FrozenConfigDict:
-  """The config of one replica of `config.seeds`: `config` with `seed` and no `seeds`."""
-  return resolve_config(config_lib.merge(config.as_configdict(), {'seed': seed, 'seeds': ()}))
-
-
-def _runs_of(config, workdir: str, seeds: tuple[int, ...] | None) -> list[_Run]:
-  """One `_Run` for a single run; one per seed, in `<workdir>/seed_<s>`, for replicas."""
-  if seeds is None:
-    configs = [(config, workdir)]
-  else:
-    configs = [(replica_config(config, s), os.path.join(workdir, f'seed_{s}')) for s in seeds]
+def _runs_of(experiment: Experiment, workdir: str) -> list[_Run]:
+  """One `_Run` per replica, in `<workdir>/<replica name>` (a single run: the workdir itself)."""
   runs = []
-  for run_config, run_workdir in configs:
-    workdir_lib.check_same_experiment(run_workdir, run_config)
+  for replica in experiment.replicas:
+    run_workdir = os.path.normpath(os.path.join(workdir, replica.name))
+    workdir_lib.check_same_experiment(run_workdir, replica.config)
     runs.append(
       _Run(
-        run_config,
+        replica.config,
         run_workdir,
         checkpointing.Checkpointer(
           os.path.join(run_workdir, checkpointing.CHECKPOINT_DIR),
-          keep=config.keep_checkpoints,
-          async_save=config.async_checkpointing,
+          keep=experiment.config.keep_checkpoints,
+          async_save=experiment.config.async_checkpointing,
         ),
       )
     )
@@ -194,15 +187,6 @@ def _common_start_step(runs: list[_Run]) -> int | None:
   return max(common)
 
 
-def _stack_states(states: list[TrainState], shardings: TrainState) -> TrainState:
-  return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), shardings)
-
-
-def _replica(tree: Any, index: int | None) -> Any:
-  """Replica `index` of a stacked pytree; the tree itself for a single run (`index` None)."""
-  return tree if index is None else jax.tree.map(lambda x: x[index], tree)
-
-
 def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> dict[str, float]:
   """`train_and_evaluate` once the workdir is locked and known to hold this experiment."""
   experiment = build_experiment(config)
@@ -218,15 +202,17 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
   selection.selection_metric_and_mode(
     config, experiment.task, evaluation.reported_metrics(experiment)
   )
-  runs = _runs_of(config, workdir, experiment.seeds)
+  runs = _runs_of(experiment, workdir)
   try:
-    return _train_runs(experiment, runs, num_parameters)
+    return _train_runs(experiment, workdir, runs, num_parameters)
   finally:
     for run in runs:
       run.close()
 
 
-def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -> dict:
+def _train_runs(
+  experiment: Experiment, workdir: str, runs: list[_Run], num_parameters: int
+) -> dict:
   """Restores or initialises every run, trains them together, writes their final metrics."""
   config = experiment.config
   start_step = _common_start_step(runs)
@@ -238,11 +224,11 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
   ):
     if jax.process_index() == 0:
       print(
-        f'workdir {os.path.commonpath([r.workdir for r in runs])} already finished at step '
+        f'workdir {workdir} already finished at step '
         f'{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was',
         file=sys.stderr,
       )
-    return _combined(runs, finished, experiment.seeds is not None)
+    return _combined(experiment, finished)
 
   for run in runs:
     if config.keep_selected_checkpoint and config.selection.split in experiment.eval_splits:
@@ -255,7 +241,7 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
   train_iterator = experiment.make_train_iterator()
 
   if start_step is None:
-    start_step, state = 0, experiment.init_state()
+    start_step, state = 0, experiment.init_replicas()
   else:
     states = []
     for run in runs:
@@ -264,15 +250,17 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
       )
       run.tracker.load_state_dict(meta.get('tracker', {}))
       states.append(run_state)
-    state = (
-      states[0] if experiment.seeds is None else _stack_states(states, experiment.run_shardings)
-    )
+    state = experiment.stack_replicas(states)
     if jax.process_index() == 0:
       print(
         f'resuming from step {start_step} (checkpoint in '
         f'{os.path.join(runs[0].workdir, checkpointing.CHECKPOINT_DIR)})',
         flush=True,
       )
+  if jax.process_index() == 0 and all(run.workdir != workdir for run in runs):
+    # The sweep's own definition, so that the workdir refuses another sweep (a single run's
+    # workdir is its replica's, written below).
+    workdir_lib.write_definition(workdir, config, start_step)
   for run in runs:
     # Only now, with the checkpoint restored or the state initialised, is the config known to
     # fit the workdir's checkpoints: a failed restore leaves the previous config.json in place.
@@ -310,25 +298,22 @@ def _train_runs(experiment: Experiment, runs: list[_Run], num_parameters: int) -
     final['model/num_parameters'] = num_parameters
     if jax.process_index() == 0:
       atomic.write_json(os.path.join(run.workdir, FINAL_METRICS_FILE), final)
-  return _combined(runs, finals, experiment.seeds is not None)
+  return _combined(experiment, finals)
 
 
-def _combined(runs: list[_Run], finals: list[dict], replicas: bool) -> dict:
-  """A single run's final metrics, or every replica's under `seed_<s>/`."""
-  if not replicas:
-    return finals[0]
+def _combined(experiment: Experiment, finals: list[dict]) -> dict:
+  """Every replica's final metrics under `<replica name>/`; a single run's (no name) as they are."""
   return {
-    f'{os.path.basename(run.workdir)}/{name}': value
-    for run, final in zip(runs, finals)
+    '/'.join(filter(None, (replica.name, name))): value
+    for replica, final in zip(experiment.replicas, finals)
     for name, value in final.items()
   }
 
 
 def _check_finite(first_step: int, losses: jax.Array, last_checkpoint_step: int | None) -> None:
-  """Raises for the first step with a non-finite loss; `losses` are those of steps
-  `first_step, …` (`[]`, `[steps]`, or `[replicas, steps]`)."""
-  values = np.asarray(jax.device_get(losses), np.float64)
-  per_step = values.reshape(-1, values.shape[-1] if values.ndim else 1)  # [runs, steps]
+  """Raises for the first step with a non-finite loss; `losses` `[replicas, steps]` (`[steps]` for
+  a single run) are those of steps `first_step, …`."""
+  per_step = np.atleast_2d(np.asarray(jax.device_get(losses), np.float64))
   finite = np.isfinite(per_step)
   bad = np.flatnonzero(~finite.all(axis=0))
   if bad.size:
@@ -385,7 +370,6 @@ def _train_loop(
   total_steps = experiment.total_steps
   actions = periodic.PeriodicActions(total_steps, every=experiment.action_periods)
   steps_per_call = experiment.run_steps.steps_per_call
-  replicas = experiment.seeds is not None
   last_checkpoint_step = start_step or None
   pending_metrics: list = []
   unchecked = None  # (first step, losses) of the previous call, checked one call late (no stall).
@@ -401,7 +385,7 @@ def _train_loop(
       state, losses, metrics = experiment.run_steps(state, num_steps, train_iterator)
       pending_metrics.append(metrics)
       if len(pending_metrics) >= _MAX_PENDING_METRICS:  # Long log periods: keep memory bounded.
-        pending_metrics = [evaluation.sum_metrics(pending_metrics, replicas)]
+        pending_metrics = [evaluation.sum_metrics(pending_metrics, replicas=True)]
       if unchecked is not None:
         _check_finite(*unchecked, last_checkpoint_step)
       unchecked = (completed + 1, losses)
@@ -417,10 +401,11 @@ def _train_loop(
 
       if 'log' in due:
         now = time.monotonic()
-        per_run = evaluation.reduce_runs(pending_metrics, replicas)
-        for run, reduced, out in zip(runs, per_run, scalars):
+        per_run = evaluation.reduce_runs(pending_metrics)
+        schedules = experiment.optimizer.schedules
+        for run, schedule, reduced, out in zip(runs, schedules, per_run, scalars):
           run.last_train = {f'train/{k}': v for k, v in reduced.items()}
-          run.last_train['train/learning_rate'] = float(experiment.schedule(step - 1))
+          run.last_train['train/learning_rate'] = float(schedule(step - 1))
           run.last_train['train/steps_per_second'] = (step - log_clock[1]) / max(
             now - log_clock[0], 1e-9
           )
@@ -439,7 +424,7 @@ def _train_loop(
           if improved and run.selected_checkpointer is not None:
             run.selected_checkpointer.save(
               step,
-              _replica(state, index if replicas else None),
+              experiment.replica_state(state, index),
               meta={'step': step, 'tracker': run.tracker.state_dict()},
             )
 
@@ -447,7 +432,7 @@ def _train_loop(
         for index, run in enumerate(runs):
           run.checkpointer.save(
             step,
-            _replica(state, index if replicas else None),
+            experiment.replica_state(state, index),
             meta={'step': step, 'tracker': run.tracker.state_dict()},
             data_iterator=train_iterator,
           )

@@ -42,6 +42,7 @@ DEFINING_FIELDS = (
   'optimizer',
   'seed',
   'seeds',
+  'sweep',  # a sweep's workdir holds its replicas
   'batch_size',
   'loader.batch_reads',  # decides the order of the training examples
   'train_data_on_device',  # decides which generated examples a run trains on

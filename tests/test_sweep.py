@@ -1,0 +1,332 @@
+"""A hyperparameter sweep trained as replicas of one program (`config.sweep`, training/sweep.py):
+every replica is a run of its own, equal to that setting trained alone.
+
+The synthetic task (host batches shared by the replicas, one step per call) and sRAVEN's runlocal
+model (batches made on the device, two steps per call, seeds swept too), with tiny shapes.
+"""
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+import helpers
+from primal_dual.configs import sraven as sraven_configs
+from primal_dual.training import config_lib
+from primal_dual.training import errors
+from primal_dual.training import evaluation
+from primal_dual.training import metrics_logging
+from primal_dual.training import optim
+from primal_dual.training import setup
+from primal_dual.training import sweep
+from primal_dual.training import trainer
+
+compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
+  helpers.fresh_compilation_cache
+)
+
+
+class Crash(Exception):
+  """Stands in for a killed process."""
+
+
+def _synthetic(**overrides):
+  # Four steps: the warm-up, the cosine and the weight decay all act; a checkpoint at step 2.
+  return helpers.tiny_config(
+    num_train_steps=4,
+    checkpoint_every_steps=2,
+    eval_every_steps=2,
+    async_checkpointing=False,
+    **overrides,
+  )
+
+
+SYNTHETIC_SWEEP = {
+  "sweep.optimizer.lr": (0.05, 0.02),
+  "sweep.optimizer.weight_decay": (0.01, 0.1),
+  "sweep.optimizer.warmup_steps": (2, 0),
+}
+
+
+def _params(workdir):
+  _, state = evaluation.restore_workdir(str(workdir))
+  return jax.device_get(state.params)
+
+
+def _records(workdir):
+  return [
+    {k: v for k, v in r.items() if "steps_per_second" not in k}
+    for r in metrics_logging.read_metrics(str(workdir))
+  ]
+
+
+def _assert_replica_is_the_run_alone(replica_dir, alone_dir, final, alone_final, name):
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
+    _params(replica_dir),
+    _params(alone_dir),
+  )
+  for metric, value in alone_final.items():
+    if "steps_per_second" not in metric and isinstance(value, float):
+      np.testing.assert_allclose(final[f"{name}/{metric}"], value, rtol=1e-4, atol=1e-6)
+  for got, want in zip(_records(replica_dir), _records(alone_dir), strict=True):
+    assert got.keys() == want.keys() and got["step"] == want["step"]
+    for metric, value in want.items():
+      np.testing.assert_allclose(got[metric], value, rtol=1e-4, atol=1e-6, err_msg=metric)
+  # Its own config: that of the run alone, byte for byte (eval.py and the identity check read it).
+  assert (replica_dir / "config.json").read_text() == (alone_dir / "config.json").read_text()
+  for folder in ("checkpoints", "checkpoints_selected", "tensorboard"):
+    assert (replica_dir / folder).is_dir(), folder
+
+
+@pytest.fixture(scope="module")
+def synthetic_sweep(tmp_path_factory):
+  """The 8 replicas of SYNTHETIC_SWEEP trained in one program: (workdir, final metrics)."""
+  workdir = tmp_path_factory.mktemp("sweep")
+  final = trainer.train_and_evaluate(_synthetic(**SYNTHETIC_SWEEP), str(workdir))
+  return workdir, final
+
+
+def test_sweep_names_its_replicas_by_their_values(synthetic_sweep):
+  workdir, final = synthetic_sweep
+  names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
+  # Short names in the order of config_lib.SWEEPABLE: lr, warm-up, weight decay.
+  assert names == sorted(
+    f"lr={lr},warmup={w},wd={wd}" for lr in (0.05, 0.02) for wd in (0.01, 0.1) for w in (2, 0)
+  )
+  assert {k.split("/")[0] for k in final} == set(names)
+  for name in names:
+    stored = json.loads((workdir / name / "final_metrics.json").read_text())
+    assert stored == {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith(name + "/")}
+
+
+@pytest.mark.parametrize(
+  "values",
+  [
+    dict(lr=0.05, weight_decay=0.01, warmup_steps=2),  # the first replica
+    dict(lr=0.02, weight_decay=0.1, warmup_steps=0),  # the last: every field at its other value
+    dict(lr=0.02, weight_decay=0.01, warmup_steps=0),
+  ],
+)
+def test_every_replica_equals_its_setting_trained_alone(synthetic_sweep, values, tmp_path):
+  workdir, final = synthetic_sweep
+  name = f"lr={values['lr']},warmup={values['warmup_steps']},wd={values['weight_decay']}"
+  alone_config = _synthetic(**{f"optimizer.{k}": v for k, v in values.items()})
+  alone_final = trainer.train_and_evaluate(alone_config, str(tmp_path))
+  _assert_replica_is_the_run_alone(workdir / name, tmp_path, final, alone_final, name)
+
+
+def test_a_killed_sweep_resumes_from_the_newest_step_all_replicas_share(
+  synthetic_sweep, tmp_path, monkeypatch
+):
+  workdir, _ = synthetic_sweep
+  config = _synthetic(**SYNTHETIC_SWEEP)
+  original, calls = setup.StepRunner.__call__, []
+
+  def crash_on_fourth_call(self, *args):
+    calls.append(1)
+    if len(calls) == 4:  # step 4; the last checkpoint is at step 2
+      raise Crash()
+    return original(self, *args)
+
+  monkeypatch.setattr(setup.StepRunner, "__call__", crash_on_fourth_call)
+  with pytest.raises(Crash):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  monkeypatch.setattr(setup.StepRunner, "__call__", original)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  for replica in sorted(p.name for p in workdir.iterdir() if p.is_dir()):
+    jax.tree.map(
+      np.testing.assert_array_equal, _params(workdir / replica), _params(tmp_path / replica)
+    )
+    assert _records(workdir / replica) == _records(tmp_path / replica)
+  assert not (tmp_path / ".lock").exists()
+
+
+def test_a_replica_a_checkpoint_ahead_resumes_with_the_others(synthetic_sweep, tmp_path):
+  """A kill during a save can leave one replica a checkpoint ahead: all resume from the step
+  every replica has, and train to the same end."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  workdir, _ = synthetic_sweep
+  config = _synthetic(**SYNTHETIC_SWEEP)
+  shutil.copytree(workdir, tmp_path / "w")
+  names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
+  for name in names[1:]:  # all but the first lose their step-4 checkpoint and final metrics
+    shutil.rmtree(tmp_path / "w" / name / "checkpoints" / "4")
+    os.remove(tmp_path / "w" / name / trainer.FINAL_METRICS_FILE)
+  trainer.train_and_evaluate(config, str(tmp_path / "w"))
+  for name in names:
+    jax.tree.map(
+      np.testing.assert_array_equal, _params(workdir / name), _params(tmp_path / "w" / name)
+    )
+
+
+def test_another_sweep_in_the_workdir_is_refused(synthetic_sweep):
+  workdir, _ = synthetic_sweep
+  other = _synthetic(**dict(SYNTHETIC_SWEEP, **{"sweep.optimizer.lr": (0.05, 0.03)}))
+  with pytest.raises(errors.WorkdirError, match=r"sweep\.optimizer .* use a new --workdir"):
+    trainer.train_and_evaluate(other, str(workdir))
+
+
+def _sraven(**overrides):
+  config = ml_collections.ConfigDict(sraven_configs.get_config("runlocal").to_dict())
+  config.update(
+    dict(
+      num_train_steps=4,
+      log_every_steps=2,
+      eval_every_steps=4,
+      checkpoint_every_steps=4,
+      async_checkpointing=False,
+      steps_per_call=2,
+      train_data_on_device=True,
+    )
+  )
+  # SGD: Adam's normalised updates turn last-bit differences of near-zero gradients (vmapped
+  # reductions add in another order) into lr-sized ones; SGD keeps them at the float level.
+  return config_lib.with_fields(config, {"optimizer.name": "sgd", **overrides})
+
+
+def test_seeds_and_learning_rates_on_device_batches_equal_runs_alone(tmp_path):
+  sweep_config = _sraven(**{"sweep.seed": (0, 3), "sweep.optimizer.lr": (0.05, 0.02)})
+  final = trainer.train_and_evaluate(sweep_config, str(tmp_path / "sweep"))
+  assert {k.split("/")[0] for k in final} == {
+    "lr=0.05,seed=0",
+    "lr=0.05,seed=3",
+    "lr=0.02,seed=0",
+    "lr=0.02,seed=3",
+  }
+  alone = tmp_path / "alone"
+  alone_final = trainer.train_and_evaluate(_sraven(seed=3, **{"optimizer.lr": 0.02}), str(alone))
+  name = "lr=0.02,seed=3"
+  _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# What cannot be replicated: one-line config errors, before anything is trained.
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"sweep.model": {"hidden": (8, 16)}}, r"cannot replicate model\.hidden"),
+    ({"sweep.batch_size": (8, 16)}, r"cannot replicate batch_size"),
+    ({"sweep.num_train_steps": (4, 8)}, r"cannot replicate num_train_steps"),
+    ({"sweep.optimizer.schedule": ("constant", "rsqrt")}, r"cannot replicate optimizer\.schedule"),
+    ({"sweep.optimizer.weight_decay": (0.0, 0.1)}, r"weight_decay 0 and > 0"),
+    ({"sweep.optimizer.grad_clip_norm": (0.0, 1.0)}, r"grad_clip_norm 0 and > 0"),
+    ({"sweep.optimizer.warmup_steps": (1, 1.5)}, r"1\.5 is not an integer"),
+    ({"sweep.optimizer.lr": (0.1, 0.1)}, r"must be distinct"),
+    ({"sweep.optimizer.lr": (0.1, -0.1)}, r"optimizer\.lr must be > 0"),
+    ({"sweep.seed": (0, 1)}, r"train_data_on_device=True"),
+    ({"sweep.seed": (0, 1), "seeds": (2, 3)}, r"config\.seeds or config\.sweep\.seed"),
+  ],
+)
+def test_settings_that_change_the_program_are_config_errors(overrides, message, tmp_path):
+  config = config_lib.with_fields(_synthetic(), overrides)  # a config file may add any field
+  with pytest.raises(errors.ConfigError, match=message):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert not any(tmp_path.iterdir())  # nothing written (the lock is gone again)
+
+
+def test_replica_names_configs_and_product_order():
+  config = setup.resolve_config(
+    _synthetic(**{"sweep.seed": (0, 1), "sweep.optimizer.lr": (1e-3, 3e-5)})
+  )
+  replicas = sweep.replicas_of(config)
+  assert [r.name for r in replicas] == [
+    "lr=0.001,seed=0",
+    "lr=0.001,seed=1",
+    "lr=3e-05,seed=0",
+    "lr=3e-05,seed=1",
+  ]
+  last = replicas[-1].config
+  assert (last.seed, last.optimizer.lr, tuple(last.sweep.seed), tuple(last.seeds)) == (
+    1,
+    3e-05,
+    (),
+    (),
+  )
+  # config.seeds is the seed-only sweep, with the sub-workdir names of earlier versions.
+  seeds_only = sweep.replicas_of(setup.resolve_config(_synthetic(seeds=(4, 2))))
+  assert [r.name for r in seeds_only] == ["seed_4", "seed_2"]
+  # No sweep: one replica, the config itself, in the workdir itself.
+  (single,) = sweep.replicas_of(setup.resolve_config(_synthetic()))
+  assert single.name == "" and single.values == {}
+  # Integer fields take integral values in their own type (names and config.json agree).
+  (replica,) = sweep.replicas_of(
+    setup.resolve_config(_synthetic(**{"sweep.optimizer.warmup_steps": (3.0,)}))
+  )
+  assert replica.name == "warmup=3" and type(replica.config.optimizer.warmup_steps) is int
+
+
+def test_replica_optimizer_traces_only_what_differs():
+  opts = [
+    ml_collections.ConfigDict(
+      dict(_synthetic().optimizer.to_dict(), schedule="constant", warmup_steps=0, **values)
+    )
+    for values in (dict(lr=0.1, weight_decay=0.1), dict(lr=0.2, weight_decay=0.3))
+  ]
+  optimizer = optim.make_replica_optimizer(opts, total_steps=10)
+  assert sorted(optimizer.hyperparameters) == ["replica", "weight_decay"]
+  np.testing.assert_allclose(optimizer.hyperparameters["weight_decay"], [0.1, 0.3], rtol=1e-6)
+  # Each replica's learning rate is its own schedule's, picked by its index inside the program.
+  for index, opt in enumerate(opts):
+    tx = optimizer.transformation(
+      {k: np.asarray(v[index]) for k, v in optimizer.hyperparameters.items()}
+    )
+    params = {"w": np.ones((2, 2), np.float32)}
+    grads = {"w": np.full((2, 2), 0.5, np.float32)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    alone, _ = optim.make_optimizer(opt, 10)
+    expected, _ = alone.update(grads, alone.init(params), params)
+    np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
+
+
+def test_train_command_takes_the_sweep_as_config_flags(tmp_path):
+  """docs/training.md's syntax: `--config.sweep.<field>='(v1,v2)'`; errors in one line."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config_file = tmp_path / "config.py"
+  config_file.write_text(
+    "from primal_dual.training import config_lib\n"
+    "def get_config(arg=None):\n"
+    "  config = config_lib.training_defaults()\n"
+    "  config.update(num_train_steps=2, batch_size=8, progress_bar=False)\n"
+    "  config.data.update(dict(num_train=16, num_eval=8, seq_len=4, num_features=2, num_classes=2))\n"
+    "  return config_lib.lock(config)\n"
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+  def train(*flags):
+    return subprocess.run(
+      [sys.executable, os.path.join(repo_root, "train.py"), f"--config={config_file}", *flags],
+      capture_output=True,
+      text=True,
+      env=env,
+      cwd=repo_root,
+      timeout=300,
+    )
+
+  refused = train("--config.sweep.optimizer.weight_decay=(0,0.1)", f"--workdir={tmp_path / 'bad'}")
+  assert refused.returncode == 2, refused.stderr
+  assert (
+    refused.stderr.strip()
+    .splitlines()[-1]
+    .startswith("error: replicas with optimizer.weight_decay 0 and > 0")
+  )
+  assert "Traceback" not in refused.stderr
+  done = train(
+    "--config.sweep.optimizer.lr=(0.01,0.02)",
+    "--config.sweep.optimizer.warmup_steps=(1,)",
+    f"--workdir={tmp_path / 'w'}",
+  )
+  assert done.returncode == 0, done.stderr
+  for name in ("lr=0.01,warmup=1", "lr=0.02,warmup=1"):
+    config = json.loads((tmp_path / "w" / name / "config.json").read_text())
+    assert config["optimizer"]["warmup_steps"] == 1 and config["sweep"]["optimizer"]["lr"] == []
+    assert (tmp_path / "w" / name / trainer.FINAL_METRICS_FILE).exists()
