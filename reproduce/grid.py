@@ -49,7 +49,10 @@ class GridRun:
   ``overrides`` sets config fields after ``get_config`` (dotted names, e.g.
   ``{'steps_per_call': 125}``). With ``replica_seeds`` the job trains those seeds in one program
   (``config.seeds``; batches made on the device) and yields one record per seed, each read from
-  ``<root>/<name>/seed_<s>``.
+  ``<root>/<name>/seed_<s>``. With ``replicas`` the overrides hold a sweep (``sweep.optimizer.lr``,
+  ...; docs/training.md) that trains as replicas of one program: ``(sub-workdir, tags)`` of each,
+  its sub-workdir named as the trainer names it (``primal_dual.training.sweep.replica_name``) and
+  its tags added to its record.
   """
 
   name: str
@@ -58,6 +61,7 @@ class GridRun:
   tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   replica_seeds: tuple[int, ...] = ()
+  replicas: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
   def config(self):
     """The run's config: ``get_config(config_arg)`` with the overrides (and seeds) set."""
@@ -71,12 +75,15 @@ class GridRun:
 
     return config_lib.with_fields(config, overrides)
 
-  def workdirs(self, root: str) -> list[tuple[int | None, str]]:
-    """``(seed, workdir)`` of each model the run trains: one, or one per replica seed."""
+  def workdirs(self, root: str) -> list[tuple[dict[str, Any], str]]:
+    """``(tags, workdir)`` of each model the run trains: the run's own workdir (no tags), or one
+    per replica seed (``{'seed': s}``) or sweep replica (its tags)."""
     workdir = os.path.join(root, self.name)
-    if not self.replica_seeds:
-      return [(None, workdir)]
-    return [(seed, os.path.join(workdir, f"seed_{seed}")) for seed in self.replica_seeds]
+    if self.replica_seeds:
+      return [({"seed": s}, os.path.join(workdir, f"seed_{s}")) for s in self.replica_seeds]
+    if self.replicas:
+      return [(dict(tags), os.path.join(workdir, name)) for name, tags in self.replicas]
+    return [({}, workdir)]
 
   def is_finished(self, root: str) -> bool:
     return all(is_finished(workdir) for _, workdir in self.workdirs(root))
@@ -401,14 +408,14 @@ def run_grid(
     info_path = os.path.join(group_workdir, RUN_INFO)
     # Replicas trained together share one wall time (that of the whole program).
     info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
-    for seed, workdir in run.workdirs(root):
+    for replica_tags, workdir in run.workdirs(root):
       metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
       record = {
-        "name": run.name if seed is None else f"{run.name}/seed_{seed}",
+        "name": os.path.relpath(workdir, root),
         "config_file": run.config_file,
         "config_arg": run.config_arg,
         **dict(run.tags),
-        **({} if seed is None else {"seed": seed}),
+        **replica_tags,
         "wall_time_s": info["wall_time_s"],
         "hardware": info.get("hardware"),
         "metrics": metrics,
@@ -920,11 +927,15 @@ def _main(argv: Sequence[str]) -> int:
     return 2
   config_file, config_arg, workdir = argv[:3]
   extra = json.loads(argv[3]) if len(argv) == 4 else {}
+  # JSON has no tuples: a sweep's value lists come back as lists.
+  overrides = {
+    k: tuple(v) if isinstance(v, list) else v for k, v in extra.get("overrides", {}).items()
+  }
   run = GridRun(
     name=os.path.basename(workdir),
     config_file=config_file,
     config_arg=config_arg,
-    overrides=extra.get("overrides", {}),
+    overrides=overrides,
     replica_seeds=tuple(extra.get("replica_seeds", ())),
   )
   try:

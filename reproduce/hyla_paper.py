@@ -136,6 +136,7 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
       sweep_variants(args),
       args.steps_per_call,
       args.held_out,
+      as_replicas=args.sweep_programs == "replicas",
     )
   return build_runs(
     task,
@@ -239,16 +240,24 @@ def build_sweep_runs(
   variants: Sequence[str],
   steps_per_call: int = 1,
   held_out: str = "",
+  as_replicas: bool = True,
 ) -> list[grid.GridRun]:
-  """One ``GridRun`` per point of ``sweep_points``: the preset with the point's optimizer fields
-  and the end rate relative to the peak (``end_lr=relative``, as the official code, so each lr
-  keeps the schedule's shape). Tags: attention, preset, seed, protocol, setting (its label), lr,
+  """The runs of ``sweep_points``: the preset with each point's optimizer fields and the end rate
+  relative to the peak (``end_lr=relative``, as the official code, so each lr keeps the
+  schedule's shape).
+
+  With ``as_replicas`` (``--sweep_programs=replicas``) one ``GridRun`` per variant and seed trains
+  every point of the sweep as the replicas of one program (``config.sweep``; the points of one
+  seed share its held-out split and data), one record per replica; otherwise one ``GridRun`` per
+  point. Either way a record's tags: attention, preset, seed, protocol, setting (its label), lr,
   weight_decay, warmup_steps (the run's) and preset_setting (the point is the preset's own lr,
-  weight decay and warm-up: the fixed-setting protocol's run)."""
+  weight decay and warm-up: the fixed-setting protocol's run).
+  """
   label = "quick" if quick else preset
   device = {"train_data_on_device": True, "steps_per_call": steps_per_call}
   defaults: dict[str, Any] = {}
-  runs = []
+  points: dict[tuple[str, int], list[tuple[SweepSetting, dict[str, Any]]]] = {}
+  config_args: dict[tuple[str, int], str] = {}
   for attention, setting, seed in sweep_points(task, variants):
     config_arg = grid.config_argument(
       dict(preset=preset, attention=attention, seed=seed, end_lr="relative"),
@@ -259,26 +268,67 @@ def build_sweep_runs(
       opt = grid.load_config(config_file, config_arg).optimizer
       defaults[attention] = (opt.lr, opt.weight_decay, opt.warmup_steps)
     warmup = defaults[attention][2] if setting.warmup_steps is None else setting.warmup_steps
-    runs.append(
-      grid.GridRun(
-        name=f"{task}_{label}_sweep_{attention}_{setting.label}_s{seed}",
-        config_file=config_file,
-        config_arg=config_arg,
-        tags=dict(
-          attention=attention,
-          preset=label,
-          seed=seed,
-          protocol="paper_sweep",
-          setting=setting.label,
-          lr=setting.lr,
-          weight_decay=setting.weight_decay,
-          warmup_steps=warmup,
-          preset_setting=(setting.lr, setting.weight_decay, warmup) == defaults[attention],
-        ),
-        overrides={**setting.overrides(), **(device if steps_per_call > 1 else {})},
-      )
+    tags = dict(
+      setting=setting.label,
+      lr=setting.lr,
+      weight_decay=setting.weight_decay,
+      warmup_steps=warmup,
+      preset_setting=(setting.lr, setting.weight_decay, warmup) == defaults[attention],
     )
+    points.setdefault((attention, seed), []).append((setting, tags))
+    config_args[(attention, seed)] = config_arg
+  runs = []
+  for (attention, seed), settings in points.items():
+    shared = dict(attention=attention, preset=label, seed=seed, protocol="paper_sweep")
+    on_device = device if steps_per_call > 1 else {}
+    if as_replicas:
+      runs.append(
+        grid.GridRun(
+          name=f"{task}_{label}_sweep_{attention}_s{seed}",
+          config_file=config_file,
+          config_arg=config_args[(attention, seed)],
+          tags=shared,
+          overrides={**_sweep_overrides([s for s, _ in settings]), **on_device},
+          replicas=tuple((_replica_name(setting), tags) for setting, tags in settings),
+        )
+      )
+      continue
+    for setting, tags in settings:
+      runs.append(
+        grid.GridRun(
+          name=f"{task}_{label}_sweep_{attention}_{setting.label}_s{seed}",
+          config_file=config_file,
+          config_arg=config_args[(attention, seed)],
+          tags={**shared, **tags},
+          overrides={**setting.overrides(), **on_device},
+        )
+      )
   return runs
+
+
+def _sweep_overrides(settings: Sequence[SweepSetting]) -> dict[str, tuple]:
+  """``config.sweep`` value lists whose product is exactly ``settings`` (the official sweeps are
+  products of their lists)."""
+  fields = {
+    "sweep.optimizer.lr": [s.lr for s in settings],
+    "sweep.optimizer.weight_decay": [s.weight_decay for s in settings],
+  }
+  if settings[0].warmup_steps is not None:
+    fields["sweep.optimizer.warmup_steps"] = [s.warmup_steps for s in settings]
+  lists = {name: tuple(dict.fromkeys(values)) for name, values in fields.items()}
+  if int(np.prod([len(v) for v in lists.values()])) != len(settings):
+    raise ValueError(f"the sweep's points are not a product of value lists: {settings}")
+  return lists
+
+
+def _replica_name(setting: SweepSetting) -> str:
+  """The sub-workdir the trainer gives the replica of ``setting`` (``sweep.replica_name``)."""
+  from primal_dual.training import sweep
+
+  values = {"optimizer.lr": setting.lr, "optimizer.weight_decay": setting.weight_decay}
+  if setting.warmup_steps is not None:
+    values["optimizer.warmup_steps"] = setting.warmup_steps
+  return sweep.replica_name({k: values[k] for k in sweep.SWEEPABLE if k in values})
 
 
 def sweep_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -434,6 +484,12 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
     default="",
     help="the held-out split rule (config argument held_out): per_seed (the paper's code; the "
     "paper preset's), fixed (split seed 0 for every seed; the cpu preset's); '' = the preset's",
+  ),
+  "--sweep_programs": dict(
+    choices=("replicas", "separate"),
+    default="replicas",
+    help="with --protocol=paper_sweep: replicas (one program per variant and seed trains every "
+    "point of the sweep, config.sweep) or separate (one run per point)",
   ),
   "--sweep_variants": dict(
     type=grid.comma_list(),

@@ -13,8 +13,10 @@ from reproduce import sraven as sraven_study
 SEEDS = (0, 1, 2)
 
 
-def _args(study, *argv):
-  return grid.parse_arguments(study.REPRODUCTION, ["--protocol=paper_sweep", *argv])
+def _args(study, *argv, programs="separate"):
+  return grid.parse_arguments(
+    study.REPRODUCTION, ["--protocol=paper_sweep", f"--sweep_programs={programs}", *argv]
+  )
 
 
 def _points(runs):
@@ -48,12 +50,77 @@ def test_sraven_quick_sweep_lists_exactly_the_official_points(capsys):
   assert (
     grid.reproduce(
       sraven_study.REPRODUCTION,
-      ["--quick", "--protocol=paper_sweep", "--dry_run", "--root=/nonexistent"],
+      [
+        "--quick",
+        "--protocol=paper_sweep",
+        "--sweep_programs=separate",
+        "--dry_run",
+        "--root=/nonexistent",
+      ],
     )
     == 0
   )
   listed = [line for line in capsys.readouterr().out.splitlines() if "to train" in line]
   assert len(listed) == 36
+
+
+def _replica_points(runs):
+  return {
+    (r.tags["attention"], t["lr"], t["weight_decay"], t["warmup_steps"], r.tags["seed"])
+    for r in runs
+    for _, t in r.replicas
+  }
+
+
+def test_the_sweep_trains_each_variant_and_seed_as_one_program_of_its_points():
+  from primal_dual.training import setup, sweep
+
+  separate = sraven_study.REPRODUCTION.build_runs(_args(sraven_study, "--quick"))
+  together = sraven_study.REPRODUCTION.build_runs(
+    _args(sraven_study, "--quick", programs="replicas")
+  )
+  # 2 variants × 3 seeds programs, holding the same 36 points (softmax 8 per program, HYLA 4).
+  assert len(together) == 6 and _replica_points(together) == _points(separate)
+  assert sorted(len(r.replicas) for r in together) == [4, 4, 4, 8, 8, 8]
+  for run in together:
+    # The sub-workdirs the grid reads are those the trainer writes, with each point's settings.
+    replicas = sweep.replicas_of(setup.resolve_config(run.config()))
+    assert sorted(r.name for r in replicas) == sorted(name for name, _ in run.replicas)
+    by_name = dict(run.replicas)
+    for replica in replicas:
+      tags = by_name[replica.name]
+      assert replica.config.optimizer.lr == tags["lr"]
+      assert replica.config.optimizer.weight_decay == tags["weight_decay"]
+      assert replica.config.optimizer.warmup_steps == tags["warmup_steps"]
+      assert replica.config.seed == run.tags["seed"]
+      assert (replica.config.optimizer.end_lr, replica.config.optimizer.end_lr_factor) == (
+        None,
+        0.1,
+      )
+
+
+@pytest.mark.slow
+def test_a_quick_logic_sweep_of_replicas_trains_and_reports(tmp_path):
+  root, results = tmp_path / "runs", tmp_path / "logic.json"
+  argv = [
+    "--quick",
+    "--protocol=paper_sweep",
+    "--sweep_variants=hyla",
+    f"--root={root}",
+    f"--results={results}",
+  ]
+  assert grid.reproduce(logic_study.REPRODUCTION, argv) == 0
+  records = grid.load_records(str(results))
+  # HYLA: lr {1e-3, 3e-3} × wd {0.1, 0.03} × seeds 0, 1, 2, in 3 programs of 4 replicas.
+  assert len(records) == 12 and len({r["name"] for r in records}) == 12
+  assert {r["name"].split("/")[0] for r in records} == {
+    f"logic_quick_sweep_hyla_s{s}" for s in SEEDS
+  }
+  assert {(r["lr"], r["weight_decay"]) for r in records} == set(
+    itertools.product((1e-3, 3e-3), (0.1, 0.03))
+  )
+  markdown = (tmp_path / "logic.md").read_text()
+  assert "hyla" in markdown and "selected" in markdown.lower()
 
 
 def test_paper_preset_sweeps_every_variant_and_marks_the_presets_own_point():
