@@ -150,7 +150,7 @@ def build_step(model_name: str, variant: str, quick: bool) -> Step:
   tx, _ = optim.make_optimizer(config.optimizer, SCHEDULE_STEPS)
   rng = np.random.default_rng(0)
   batch = jax.tree.map(jnp.asarray, setup.make_batch(config, metadata["max_length"], rng))
-  init_rng, state_rng = jax.random.split(jax.random.PRNGKey(0))
+  init_rng, state_rng = jax.random.split(jax.random.key(0))
   variables = nn.unbox(
     jax.jit(lambda rng: model.init(rng, batch["inputs"], mask=batch.get("mask"), train=False))(
       init_rng
@@ -161,7 +161,7 @@ def build_step(model_name: str, variant: str, quick: bool) -> Step:
     params=variables["params"],
     batch_stats=variables.get("batch_stats", {}),
     opt_state=tx.init(variables["params"]),
-    rng=state_rng,
+    rng=jax.random.key_data(state_rng),  # the TrainState contract: uint32 [2]
   )
   step = functools.partial(steps.train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics)
   return Step(step, state, batch, config)

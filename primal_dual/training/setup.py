@@ -62,6 +62,12 @@ def _as_tuple(value) -> tuple[str, ...]:
   return tuple(value or ())
 
 
+
+def _state_key(seed: int) -> jax.Array:
+  """uint32 [2]: the train state's base key for ``seed``, as raw key data (``jax.random.key``'s),
+  which checkpoints store as any array."""
+  return jax.random.key_data(jax.random.key(seed))
+
 @dataclasses.dataclass
 class Experiment:
   """Everything built once from a config: data, model, mesh, optimizer, jitted steps.
@@ -499,7 +505,7 @@ def build_experiment(
   example_split = 'train' if for_training else (eval_splits or tuple(splits))[0]
   initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
 
-  root_rng = jax.random.PRNGKey(replicas[0].config.seed)
+  root_rng = _state_key(replicas[0].config.seed)
   abstract_variables, abstract_state = _abstract_state(initializer, root_rng, mesh)
   state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
   replicated = sharding.replicated(mesh)
@@ -546,7 +552,7 @@ def build_experiment(
   )
   init_replicas = functools.partial(
     jax.jit(replica_axis.map(initializer.state, (0,)), out_shardings=run_shardings),
-    replica_axis.stack([jax.random.PRNGKey(replica.config.seed) for replica in replicas]),
+    replica_axis.stack([_state_key(replica.config.seed) for replica in replicas]),
   )
   return Experiment(
     config=config,
