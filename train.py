@@ -12,5 +12,5 @@ from primal_dual.commands import cli
 _command.define_flags()
 main = _command.main
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   cli.run_command(main)

@@ -737,7 +737,7 @@ def _time_points(records, kernel, dtype_name, pass_name) -> list[tuple[int, floa
 
 def plot_times(payload, path) -> Path:
   """Log-log time vs length, one line per case, one panel per dtype × pass."""
-  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import plots
 
   plt = plots.pyplot()
   config, records = payload["config"], payload["records"]

@@ -102,7 +102,7 @@ def uea_batch(config, length, rng):
 
 
 def listops_batch(config, length, rng):
-  from primal_dual.data import listops  # pylint: disable=g-import-not-at-top
+  from primal_dual.data import listops
 
   # Token ids past the padding and CLS ids (the model prepends its own CLS); lengths from a quarter
   # of the longest up, as the preset's (500 to 2000).
@@ -116,7 +116,7 @@ def listops_batch(config, length, rng):
 
 
 def _listops_metadata(config):
-  from primal_dual.tasks import listops  # pylint: disable=g-import-not-at-top
+  from primal_dual.tasks import listops
 
   return listops.listops_metadata(config)
 

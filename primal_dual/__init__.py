@@ -9,7 +9,7 @@ are imported on their own.
 
 __version__ = "0.1.0"  # The only place the version is written; pyproject.toml reads it.
 
-from primal_dual import kernels, layers  # noqa: E402  (after __version__, which setuptools reads)
+from primal_dual import kernels, layers  # after __version__, which setuptools reads
 
 __all__ = ["__version__", "kernels", "layers", "nnx"]
 

@@ -4,5 +4,5 @@ import sys
 
 from primal_dual.commands import main
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   sys.exit(main())

@@ -71,7 +71,7 @@ class GridRun:
       overrides.update(seeds=tuple(self.replica_seeds), train_data_on_device=True)
     if not overrides:
       return config
-    from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import config_lib
 
     return config_lib.with_fields(config, overrides)
 
@@ -116,7 +116,7 @@ def load_config(config_file: str, config_arg: str | None):
   Raises:
     errors.UserError: the config refuses ``config_arg``; the message names both.
   """
-  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  from primal_dual import configs
 
   try:
     return configs.load(config_file, config_arg)
@@ -151,7 +151,7 @@ def is_finished(workdir: str) -> bool:
 
 def hardware_info() -> dict[str, Any]:
   """What this process trains on: accelerator kind and count, host, JAX version."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   device = jax.devices()[0]
   return {
@@ -281,7 +281,7 @@ def shared_machine_note(command: str) -> str:
 
 def train_one(run: GridRun, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) one run; returns its final metrics and the wall time it took here."""
-  from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import trainer
 
   config = run.config()
   start = time.time()
@@ -480,7 +480,7 @@ def check_variants_and_seeds(
     args.variants = tuple(quick_variants if quick else default_variants)
   if args.seeds is None:
     args.seeds = (0,) if quick else tuple(default_seeds)
-  from primal_dual.layers import ATTENTION_REGISTRY  # pylint: disable=g-import-not-at-top
+  from primal_dual.layers import ATTENTION_REGISTRY
 
   unknown = [v for v in args.variants if v not in ATTENTION_REGISTRY]
   if unknown or not args.variants:

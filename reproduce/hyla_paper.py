@@ -617,7 +617,7 @@ def plot_curves(
   title: str,
 ) -> str:
   """One panel per metric (title → curve key), one line per run, coloured by attention."""
-  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import plots
 
   plt = plots.pyplot()
   variants = list(dict.fromkeys(r["attention"] for r in records))

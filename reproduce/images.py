@@ -150,7 +150,7 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
 
 def _preset_name(config) -> str:
   """The ``VIT_PRESETS`` name matching a config's model sizes ('custom' if none does)."""
-  from primal_dual.models import VIT_PRESETS  # pylint: disable=g-import-not-at-top
+  from primal_dual.models import VIT_PRESETS
 
   for name, sizes in VIT_PRESETS.items():
     if all(config.model[k] == v for k, v in sizes.items()):

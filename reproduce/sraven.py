@@ -93,9 +93,9 @@ def cached_latent_code(
 
 
 def _latent_code(workdir: str, max_examples: int) -> dict[str, Any]:
-  from primal_dual.analysis import latent_code  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import latent_code
 
-  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import evaluation
 
   # Built for evaluation: the (lazy) train split is never generated.
   experiment, state = evaluation.restore_workdir(workdir, "selected")

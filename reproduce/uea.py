@@ -140,7 +140,7 @@ def validate_record(record: Mapping[str, Any]) -> None:
 
 def available_datasets(manual_dir: str | None) -> list[str]:
   """Configured data sets whose ``.ts`` files exist: the bundled ones first, then the others."""
-  from primal_dual.data import uea  # pylint: disable=g-import-not-at-top
+  from primal_dual.data import uea
 
   order = [
     *uea_config.BUNDLED_DATASETS,
@@ -158,7 +158,7 @@ def available_datasets(manual_dir: str | None) -> list[str]:
 
 def check_datasets(names: Sequence[str], manual_dir: str | None) -> None:
   """Fails before any training when a requested data set is unknown or its files are missing."""
-  from primal_dual.data import uea  # pylint: disable=g-import-not-at-top
+  from primal_dual.data import uea
 
   for name in names:
     if name not in uea_config.DATASETS:
@@ -210,10 +210,10 @@ def build_runs(args: argparse.Namespace) -> list[grid.GridRun]:
 
 def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[str, Any]:
   """Head redundancy on the test split, parameter count and attention FLOPs of one checkpoint."""
-  from primal_dual.analysis import attention_maps  # pylint: disable=g-import-not-at-top
-  from primal_dual.models import parameter_count  # pylint: disable=g-import-not-at-top
-  from primal_dual.analysis import flops  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import attention_maps
+  from primal_dual.models import parameter_count
+  from primal_dual.analysis import flops
+  from primal_dual.training import evaluation
 
   experiment, state = evaluation.restore_workdir(workdir, checkpoint)
   redundancy = attention_maps.run_redundancy(
@@ -360,8 +360,8 @@ def redundancy_values(
 def write_figures(records: Sequence[Mapping[str, Any]], args: argparse.Namespace) -> list[str]:
   """uea_redundancy.png and uea_attention_maps.png (next to --results) from the grid's records
   and the workdirs under --root."""
-  from primal_dual.analysis import attention_maps  # pylint: disable=g-import-not-at-top
-  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import attention_maps
+  from primal_dual.analysis import plots
 
   out_dir = os.path.dirname(os.path.abspath(args.results))
   written = []

@@ -14,7 +14,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @contextlib.contextmanager
 def loaded_script(relative_path: str):
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
 
   before = set(flags.FLAGS)
   name = "script_" + os.path.splitext(os.path.basename(relative_path))[0]

@@ -15,8 +15,8 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
-import jax  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import jax
+from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 

@@ -12,13 +12,13 @@ from primal_dual.training import config_lib
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
   """8 steps of the synthetic task on a (data=4, model=2) mesh of the 8 virtual CPU devices."""
   config = config_lib.training_defaults()
-  config.task = 'synthetic'
+  config.task = "synthetic"
   config.update(num_train_steps=8, batch_size=8, eval_batch_size=16, progress_bar=False)
   config.update(log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=4)
   config.mesh.data = -1
   config.mesh.model = 2
   config.optimizer.update(
-    lr=0.05, schedule='warmup_cosine', warmup_steps=2, weight_decay=0.01, grad_clip_norm=1.0
+    lr=0.05, schedule="warmup_cosine", warmup_steps=2, weight_decay=0.01, grad_clip_norm=1.0
   )
   config.model = ml_collections.ConfigDict(dict(hidden=8, dropout_rate=0.1, use_batch_norm=True))
   # 20 eval examples with eval batches of 16: the second batch is 12 rows of padding.
@@ -29,9 +29,9 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 
 _CACHE_OPTIONS = (
-  'jax_compilation_cache_dir',
-  'jax_persistent_cache_min_compile_time_secs',
-  'jax_persistent_cache_min_entry_size_bytes',
+  "jax_compilation_cache_dir",
+  "jax_persistent_cache_min_compile_time_secs",
+  "jax_persistent_cache_min_entry_size_bytes",
 )
 
 
@@ -41,9 +41,9 @@ def fresh_compilation_cache(tmp_path_factory):
   ``compilation_cache_dir = pytest.fixture(scope='module', autouse=True)(fresh_compilation_cache)``.
   """
   saved = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
-  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   compilation_cache.reset_cache()
   yield
   for name, value in saved.items():

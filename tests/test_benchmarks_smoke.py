@@ -25,8 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import attention, common, train_throughput  # noqa: E402
-from primal_dual import kernels, registry  # noqa: E402
+from benchmarks import attention, common, train_throughput
+from primal_dual import kernels, registry
 
 ATTENTION_ARGS = ["--quick", "--dtypes", "float32"]
 TRAIN_ARGS = ["--quick", "--variants", "softmax", "--device-counts", "2"]
@@ -305,7 +305,7 @@ def test_dense_cases_over_the_buffer_cap_are_not_compiled(monkeypatch):
 
 
 def test_small_models_benchmark_times_the_trainers_step(tmp_path):
-  from benchmarks import small_models  # pylint: disable=g-import-not-at-top
+  from benchmarks import small_models
 
   assert (
     small_models.main(

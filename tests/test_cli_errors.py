@@ -23,7 +23,7 @@ from primal_dual.training import workdir as workdir_lib
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A tiny synthetic-task config file; `steps=` is its only argument.
-SYNTHETIC_CONFIG = '''
+SYNTHETIC_CONFIG = """
 import ml_collections
 from primal_dual.training import config_lib
 
@@ -38,17 +38,17 @@ def get_config(arg=None):
   config.data = ml_collections.ConfigDict(dict(num_train=32, num_eval=8, seq_len=4,
                                                num_features=3, num_classes=3))
   return config_lib.lock(config)
-'''
+"""
 
 
 def _synthetic_config_file(tmp_path) -> str:
-  path = tmp_path / 'synthetic.py'
+  path = tmp_path / "synthetic.py"
   path.write_text(SYNTHETIC_CONFIG)
   return str(path)
 
 
 def _run(script: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.run(
     [sys.executable, os.path.join(REPO_ROOT, script), *args],
     capture_output=True,
@@ -62,12 +62,12 @@ def _run(script: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def _foreign_workdir(tmp_path, config_file) -> str:
   """A workdir of an earlier version whose config.json has seed 5."""
-  workdir = tmp_path / 'foreign'
+  workdir = tmp_path / "foreign"
   workdir.mkdir()
   config = setup.resolve_config(grid.load_config(config_file, None))
   as_dict = json.loads(config_lib.to_json(config))
-  as_dict['seed'] = 5
-  (workdir / 'config.json').write_text(json.dumps(as_dict))
+  as_dict["seed"] = 5
+  (workdir / "config.json").write_text(json.dumps(as_dict))
   return str(workdir)
 
 
@@ -76,7 +76,7 @@ _HELD_LOCKS = []
 
 
 def _busy_workdir(tmp_path) -> str:
-  workdir = tmp_path / 'busy'
+  workdir = tmp_path / "busy"
   lock = workdir_lib.WorkdirLock(str(workdir))
   lock.acquire()
   _HELD_LOCKS.append(lock)
@@ -84,151 +84,151 @@ def _busy_workdir(tmp_path) -> str:
 
 
 def _read_only_workdir(tmp_path) -> str:
-  workdir = tmp_path / 'read_only'
+  workdir = tmp_path / "read_only"
   workdir.mkdir()
   workdir.chmod(0o555)
   return str(workdir)
 
 
 def _broken_config_file(tmp_path) -> str:
-  path = tmp_path / 'broken.py'
-  path.write_text('def get_config(arg=None):\n  config = None\n  return config.foo\n')
+  path = tmp_path / "broken.py"
+  path.write_text("def get_config(arg=None):\n  config = None\n  return config.foo\n")
   return str(path)
 
 
 def _a_file(tmp_path) -> str:
-  path = tmp_path / 'a_file'
-  path.write_text('')
+  path = tmp_path / "a_file"
+  path.write_text("")
   return str(path)
 
 
 # (script, arguments given the synthetic config file and tmp_path, expected message regex)
 CASES = {
-  'unknown config field': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.optimzer.lr=0.1', f'--workdir={t}/run'],
-    r'unknown config field --config\.optimzer\.lr; did you mean --config\.optimizer\.lr\?',
+  "unknown config field": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.optimzer.lr=0.1", f"--workdir={t}/run"],
+    r"unknown config field --config\.optimzer\.lr; did you mean --config\.optimizer\.lr\?",
   ),
-  'typo in config argument': (
-    'train.py',
-    lambda c, t: [f'--config={c}:step=3', f'--workdir={t}/run'],
+  "typo in config argument": (
+    "train.py",
+    lambda c, t: [f"--config={c}:step=3", f"--workdir={t}/run"],
     r"unknown config argument 'step' in 'step=3'; did you mean 'steps'\?",
   ),
-  'missing config file': (
-    'train.py',
-    lambda c, t: [f'--config={t}/nope.py', f'--workdir={t}/run'],
-    r'config file .*nope\.py not found',
+  "missing config file": (
+    "train.py",
+    lambda c, t: [f"--config={t}/nope.py", f"--workdir={t}/run"],
+    r"config file .*nope\.py not found",
   ),
-  'config file that raises': (
-    'train.py',
-    lambda c, t: [f'--config={_broken_config_file(t)}', f'--workdir={t}/run'],
+  "config file that raises": (
+    "train.py",
+    lambda c, t: [f"--config={_broken_config_file(t)}", f"--workdir={t}/run"],
     r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'",
   ),
-  'zero model size': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.model.hidden=0', f'--workdir={t}/run'],
-    r'config\.model\.hidden=0 must be a positive integer',
+  "zero model size": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.model.hidden=0", f"--workdir={t}/run"],
+    r"config\.model\.hidden=0 must be a positive integer",
   ),
-  'no layers': (
-    'train.py',
+  "no layers": (
+    "train.py",
     lambda c, t: [
-      '--config=primal_dual/configs/default.py:runlocal',
-      '--config.model.num_layers=-1',
-      f'--workdir={t}/run',
+      "--config=primal_dual/configs/default.py:runlocal",
+      "--config.model.num_layers=-1",
+      f"--workdir={t}/run",
     ],
-    r'config\.model\.num_layers=-1 must be a positive integer',
+    r"config\.model\.num_layers=-1 must be a positive integer",
   ),
-  'dropout rate of 1': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.model.dropout_rate=1.0', f'--workdir={t}/run'],
-    r'config\.model\.dropout_rate=1\.0 must be in \[0, 1\)',
+  "dropout rate of 1": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.model.dropout_rate=1.0", f"--workdir={t}/run"],
+    r"config\.model\.dropout_rate=1\.0 must be in \[0, 1\)",
   ),
-  'selection split the task lacks': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.selection.split=dev', f'--workdir={t}/run'],
+  "selection split the task lacks": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.selection.split=dev", f"--workdir={t}/run"],
     r"config\.selection\.split='dev' is not a split of task 'synthetic'",
   ),
-  'workdir is a file': (
-    'train.py',
-    lambda c, t: [f'--config={c}', f'--workdir={_a_file(t)}'],
-    r'workdir .*a_file is a file, not a folder',
+  "workdir is a file": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={_a_file(t)}"],
+    r"workdir .*a_file is a file, not a folder",
   ),
-  'workdir is read-only': (
-    'train.py',
-    lambda c, t: [f'--config={c}', f'--workdir={_read_only_workdir(t)}/run'],
-    r'cannot create workdir .*read_only/run: Permission denied',
+  "workdir is read-only": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={_read_only_workdir(t)}/run"],
+    r"cannot create workdir .*read_only/run: Permission denied",
   ),
-  'workdir of another experiment': (
-    'train.py',
-    lambda c, t: [f'--config={c}', f'--workdir={_foreign_workdir(t, c)}'],
-    r'workdir .*foreign holds another experiment: seed 5 != 0; use a new --workdir',
+  "workdir of another experiment": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={_foreign_workdir(t, c)}"],
+    r"workdir .*foreign holds another experiment: seed 5 != 0; use a new --workdir",
   ),
-  'workdir in use': (
-    'train.py',
-    lambda c, t: [f'--config={c}', f'--workdir={_busy_workdir(t)}'],
-    rf'workdir .*busy is in use by process {os.getpid()} on {re.escape(socket.gethostname())}',
+  "workdir in use": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={_busy_workdir(t)}"],
+    rf"workdir .*busy is in use by process {os.getpid()} on {re.escape(socket.gethostname())}",
   ),
-  'selection metric the task lacks': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.selection.metric=f1', f'--workdir={t}/run'],
+  "selection metric the task lacks": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.selection.metric=f1", f"--workdir={t}/run"],
     r"config\.selection\.metric='f1' is not a metric of task 'synthetic'; it reports accuracy, "
-    r'loss',
+    r"loss",
   ),
-  'selection mode typo': (
-    'train.py',
-    lambda c, t: [f'--config={c}', '--config.selection.mode=maximum', f'--workdir={t}/run'],
+  "selection mode typo": (
+    "train.py",
+    lambda c, t: [f"--config={c}", "--config.selection.mode=maximum", f"--workdir={t}/run"],
     r"config\.selection\.mode='maximum' must be 'max', 'min' or ''",
   ),
-  'highest loss selected': (
-    'train.py',
+  "highest loss selected": (
+    "train.py",
     lambda c, t: [
-      f'--config={c}',
-      '--config.selection.metric=loss',
-      '--config.selection.mode=max',
-      f'--workdir={t}/run',
+      f"--config={c}",
+      "--config.selection.metric=loss",
+      "--config.selection.mode=max",
+      f"--workdir={t}/run",
     ],
     r"config\.selection\.mode='max' with metric 'loss' selects the worst checkpoint",
   ),
-  'eval of a bad checkpoint name': (
-    'eval.py',
-    lambda c, t: [f'--workdir={t}', '--checkpoint=foo'],
+  "eval of a bad checkpoint name": (
+    "eval.py",
+    lambda c, t: [f"--workdir={t}", "--checkpoint=foo"],
     r"--checkpoint must be 'latest', 'selected' or a step number",
   ),
-  'eval of a folder without a run': (
-    'eval.py',
-    lambda c, t: [f'--workdir={t}/nothing'],
-    r'config\.json not found',
+  "eval of a folder without a run": (
+    "eval.py",
+    lambda c, t: [f"--workdir={t}/nothing"],
+    r"config\.json not found",
   ),
 }
 
-_ROOT_IGNORES_PERMISSIONS = {'workdir is read-only'}
+_ROOT_IGNORES_PERMISSIONS = {"workdir is read-only"}
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_user_error_is_one_line_with_exit_status_2(name, tmp_path):
   if name in _ROOT_IGNORES_PERMISSIONS and os.geteuid() == 0:
-    pytest.skip('root writes into read-only folders')
+    pytest.skip("root writes into read-only folders")
   script, make_args, expected = CASES[name]
   result = _run(script, make_args(_synthetic_config_file(tmp_path), tmp_path))
   lines = result.stderr.splitlines()
   assert result.returncode == 2, result.stderr
   assert len(lines) == 1, result.stderr
-  assert re.fullmatch(r'error: .*' + expected + r'.*', lines[0]), lines[0]
+  assert re.fullmatch(r"error: .*" + expected + r".*", lines[0]), lines[0]
 
 
 def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
   """While a job trains, the same command again exits at once naming the job's process; SIGINT
   then stops the job with one line giving the last step and checkpoint, and frees the workdir."""
-  workdir = tmp_path / 'run'
+  workdir = tmp_path / "run"
   args = [
-    f'--config={_synthetic_config_file(tmp_path)}:steps=1000000',
-    '--config.log_every_steps=1',
-    '--config.checkpoint_every_steps=5',
-    f'--workdir={workdir}',
+    f"--config={_synthetic_config_file(tmp_path)}:steps=1000000",
+    "--config.log_every_steps=1",
+    "--config.checkpoint_every_steps=5",
+    f"--workdir={workdir}",
   ]
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   job = subprocess.Popen(
-    [sys.executable, os.path.join(REPO_ROOT, 'train.py'), *args],
+    [sys.executable, os.path.join(REPO_ROOT, "train.py"), *args],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
@@ -237,10 +237,10 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
   )
   try:
     deadline = time.monotonic() + 120
-    while not (workdir / 'checkpoints' / '5').exists() and time.monotonic() < deadline:
+    while not (workdir / "checkpoints" / "5").exists() and time.monotonic() < deadline:
       time.sleep(0.2)
-    second = _run('train.py', args)
-    records_before_stop = (workdir / 'metrics.jsonl').read_text().splitlines()
+    second = _run("train.py", args)
+    records_before_stop = (workdir / "metrics.jsonl").read_text().splitlines()
     job.send_signal(signal.SIGINT)
     _, stderr = job.communicate(timeout=60)
   finally:
@@ -248,15 +248,15 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
       job.kill()
   assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
   assert second.stderr.startswith(
-    f'error: workdir {workdir} is in use by process {job.pid} on {socket.gethostname()}; '
+    f"error: workdir {workdir} is in use by process {job.pid} on {socket.gethostname()}; "
   )
-  steps = [json.loads(line)['step'] for line in records_before_stop]
+  steps = [json.loads(line)["step"] for line in records_before_stop]
   assert steps == sorted(set(steps))  # one writer: no duplicate or out-of-order records
   assert job.returncode == 2, stderr
   assert len(stderr.splitlines()) == 1, stderr
   assert re.fullmatch(
-    r'error: stopped at step \d+; last checkpoint step \d+; re-run the same '
-    r'command to resume',
+    r"error: stopped at step \d+; last checkpoint step \d+; re-run the same "
+    r"command to resume",
     stderr.strip(),
   ), stderr
   assert not (workdir / workdir_lib.LOCK_FILE).exists()
@@ -281,72 +281,72 @@ sys.modules['ml_collections'] = None  # `import ml_collections` raises ModuleNot
 from primal_dual.commands import main
 sys.exit(main(sys.argv[1:]))
 """
-_UEA_QUICK = ['--quick', '--variants=softmax', '--seeds=0', '--protocols=best_test']
+_UEA_QUICK = ["--quick", "--variants=softmax", "--seeds=0", "--protocols=best_test"]
 
 COMMAND_CASES = {
-  'unknown sRAVEN preset': (
-    lambda t: ['train.py', '--config=sraven:preset=huge', f'--workdir={t}/run'],
+  "unknown sRAVEN preset": (
+    lambda t: ["train.py", "--config=sraven:preset=huge", f"--workdir={t}/run"],
     r"unknown sRAVEN preset 'huge'; choose one of cpu, paper",
   ),
-  'unknown ListOps setting': (
-    lambda t: ['train.py', '--config=listops:setting=torch', f'--workdir={t}/run'],
+  "unknown ListOps setting": (
+    lambda t: ["train.py", "--config=listops:setting=torch", f"--workdir={t}/run"],
     r"unknown ListOps setting 'torch'; choose one of jax_lra, pytorch",
   ),
-  'unknown ListOps preset': (
-    lambda t: ['train.py', '--config=listops:preset=long', f'--workdir={t}/run'],
+  "unknown ListOps preset": (
+    lambda t: ["train.py", "--config=listops:preset=long", f"--workdir={t}/run"],
     r"unknown ListOps preset 'long'; choose one of full, short",
   ),
-  'unknown ViT size': (
-    lambda t: ['train.py', '--config=images:model=huge', f'--workdir={t}/run'],
+  "unknown ViT size": (
+    lambda t: ["train.py", "--config=images:model=huge", f"--workdir={t}/run"],
     r"unknown ViT preset 'huge'; choose one of .*tiny",
   ),
-  'unknown image data set': (
-    lambda t: ['train.py', '--config=images:dataset=mnist', f'--workdir={t}/run'],
+  "unknown image data set": (
+    lambda t: ["train.py", "--config=images:dataset=mnist", f"--workdir={t}/run"],
     r"unknown image data set 'mnist'; choose one of .*digits",
   ),
-  'unknown sRAVEN attention': (
-    lambda t: ['train.py', '--config=sraven:attention=hyal', f'--workdir={t}/run'],
+  "unknown sRAVEN attention": (
+    lambda t: ["train.py", "--config=sraven:attention=hyal", f"--workdir={t}/run"],
     r"unknown attention variant \(attention=\) 'hyal'; choose one of .*hyla",
   ),
-  'unknown logic attention': (
-    lambda t: ['train.py', '--config=logic:attention=hyal', f'--workdir={t}/run'],
+  "unknown logic attention": (
+    lambda t: ["train.py", "--config=logic:attention=hyal", f"--workdir={t}/run"],
     r"unknown attention variant \(attention=\) 'hyal'; choose one of .*hyla",
   ),
-  'negative epochs': (
-    lambda t: ['train.py', '--config=uea:epochs=-40', f'--workdir={t}/run'],
+  "negative epochs": (
+    lambda t: ["train.py", "--config=uea:epochs=-40", f"--workdir={t}/run"],
     r"config argument epochs=-40: give a count >= 1, or epochs=-1 for the config's own \(100\)",
   ),
-  'negative images epochs': (
-    lambda t: ['train.py', '--config=images:epochs=-2', f'--workdir={t}/run'],
-    r'config argument epochs=-2: give a count >= 1, or epochs=-1',
+  "negative images epochs": (
+    lambda t: ["train.py", "--config=images:epochs=-2", f"--workdir={t}/run"],
+    r"config argument epochs=-2: give a count >= 1, or epochs=-1",
   ),
-  'grid with no jobs': (
-    lambda t: ['scripts/reproduce.py', 'uea', '--jobs=0', f'--root={t}'],
-    r'--jobs=0: give at least 1 .*--help',
+  "grid with no jobs": (
+    lambda t: ["scripts/reproduce.py", "uea", "--jobs=0", f"--root={t}"],
+    r"--jobs=0: give at least 1 .*--help",
   ),
-  'grid with an unknown flag': (
-    lambda t: ['scripts/reproduce.py', 'uea', '--job=2', f'--root={t}', '--dry_run'],
-    r'unrecognized arguments: --job=2 \(see primal-dual reproduce uea --help\)',
+  "grid with an unknown flag": (
+    lambda t: ["scripts/reproduce.py", "uea", "--job=2", f"--root={t}", "--dry_run"],
+    r"unrecognized arguments: --job=2 \(see primal-dual reproduce uea --help\)",
   ),
   "a grid run's config error": (
-    lambda t: ['scripts/reproduce.py', 'uea', *_UEA_QUICK, '--epochs=-3', f'--root={t}'],
-    r'grid run config uea:.*epochs=-3.*: config argument epochs=-3: give a count >= 1',
+    lambda t: ["scripts/reproduce.py", "uea", *_UEA_QUICK, "--epochs=-3", f"--root={t}"],
+    r"grid run config uea:.*epochs=-3.*: config argument epochs=-3: give a count >= 1",
   ),
-  'grid report without its JSON': (
-    lambda t: ['scripts/reproduce.py', 'listops', '--report_only', f'--results={t}/none.json'],
-    r'none\.json does not exist: run the grid first',
+  "grid report without its JSON": (
+    lambda t: ["scripts/reproduce.py", "listops", "--report_only", f"--results={t}/none.json"],
+    r"none\.json does not exist: run the grid first",
   ),
-  'latent_code analysis of a UEA workdir': (
-    lambda t: ['eval.py', f'--workdir={_trained_uea_workdir(t)}', '--analyses=latent_code'],
+  "latent_code analysis of a UEA workdir": (
+    lambda t: ["eval.py", f"--workdir={_trained_uea_workdir(t)}", "--analyses=latent_code"],
     r"the latent_code analysis reads sRAVEN rules; the workdir's task is 'uea': leave latent_code "
-    r'out of --analyses',
+    r"out of --analyses",
   ),
-  'a full disk under a grid': (
-    lambda t: ['-c', FULL_DISK, 'reproduce', 'uea', *_UEA_QUICK, f'--root={t}/grid'],
-    r'no space left on the disk of .*grid.*; free space there and re-run the same command',
+  "a full disk under a grid": (
+    lambda t: ["-c", FULL_DISK, "reproduce", "uea", *_UEA_QUICK, f"--root={t}/grid"],
+    r"no space left on the disk of .*grid.*; free space there and re-run the same command",
   ),
-  'train without the train extra': (
-    lambda t: ['-c', WITHOUT_TRAIN_EXTRA, 'train', '--config=default', f'--workdir={t}/run'],
+  "train without the train extra": (
+    lambda t: ["-c", WITHOUT_TRAIN_EXTRA, "train", "--config=default", f"--workdir={t}/run"],
     r"`primal-dual train` needs ml_collections; install the train extra: "
     r"pip install 'primal_dual\[train\]'",
   ),
@@ -355,27 +355,27 @@ COMMAND_CASES = {
 
 def _trained_uea_workdir(tmp_path) -> str:
   """A UEA workdir (default:runlocal, 2 tiny epochs) with its checkpoint."""
-  workdir = str(tmp_path / 'uea')
-  trained = _run('train.py', ['--config=default:runlocal', f'--workdir={workdir}'])
+  workdir = str(tmp_path / "uea")
+  trained = _run("train.py", ["--config=default:runlocal", f"--workdir={workdir}"])
   assert trained.returncode == 0, trained.stderr
   return workdir
 
 
-@pytest.mark.parametrize('name', sorted(COMMAND_CASES))
+@pytest.mark.parametrize("name", sorted(COMMAND_CASES))
 def test_command_user_error_is_one_line_with_exit_status_2(name, tmp_path):
   make_argv, expected = COMMAND_CASES[name]
   script, *args = make_argv(tmp_path)
-  result = _run(script, args) if script != '-c' else _run_python_code(args[0], args[1:])
+  result = _run(script, args) if script != "-c" else _run_python_code(args[0], args[1:])
   lines = result.stderr.splitlines()
   assert result.returncode == 2, result.stderr
   assert len(lines) == 1, result.stderr
-  assert re.fullmatch(r'error: .*' + expected + r'.*', lines[0]), lines[0]
+  assert re.fullmatch(r"error: .*" + expected + r".*", lines[0]), lines[0]
 
 
 def _run_python_code(code: str, args: list[str]) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO_ROOT)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)
   return subprocess.run(
-    [sys.executable, '-c', code, *args],
+    [sys.executable, "-c", code, *args],
     capture_output=True,
     text=True,
     env=env,

@@ -161,7 +161,7 @@ TASK = tasks.register_task(tasks.Task("toy", synthetic.build_data,
     synthetic.build_model, synthetic._common.classification_loss_and_metrics))
 '''
 
-TOY_CONFIG = '''
+TOY_CONFIG = """
 from primal_dual.training import config_lib
 
 def get_config(arg=None):
@@ -171,7 +171,7 @@ def get_config(arg=None):
   config.batch_size = 8
   config.progress_bar = False
   return config_lib.lock(config)
-'''
+"""
 
 
 def test_a_new_task_is_one_module_plus_its_config(monkeypatch, tmp_path):

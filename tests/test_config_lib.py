@@ -11,39 +11,39 @@ from primal_dual.training import errors
 
 def test_parse_arg_types_values_by_their_defaults():
   arg = config_lib.parse_arg(
-    'steps=12,lr=3e-4,name=Heartbeat,shuffle=false',
+    "steps=12,lr=3e-4,name=Heartbeat,shuffle=false",
     steps=1,
     lr=1.0,
-    name='JapaneseVowels',
+    name="JapaneseVowels",
     shuffle=True,
     runlocal=False,
   )
   assert arg.steps == 12 and isinstance(arg.steps, int)
   assert arg.lr == pytest.approx(3e-4) and isinstance(arg.lr, float)
-  assert arg.name == 'Heartbeat'
+  assert arg.name == "Heartbeat"
   assert arg.shuffle is False
   assert arg.runlocal is False  # untouched default
 
 
 def test_parse_arg_defaults_when_empty_or_none():
-  for raw in (None, '', ' , '):
+  for raw in (None, "", " , "):
     arg = config_lib.parse_arg(raw, steps=3, runlocal=False)
-    assert arg.to_dict() == {'steps': 3, 'runlocal': False}
+    assert arg.to_dict() == {"steps": 3, "runlocal": False}
 
 
 def test_bare_flag_sets_bool_true_and_float_accepts_int_text():
-  arg = config_lib.parse_arg('runlocal,lr=2', runlocal=False, lr=0.5)
+  arg = config_lib.parse_arg("runlocal,lr=2", runlocal=False, lr=0.5)
   assert arg.runlocal is True
   assert arg.lr == 2.0 and isinstance(arg.lr, float)
 
 
 @pytest.mark.parametrize(
-  'raw, message',
+  "raw, message",
   [
-    ('unknown=1', "unknown config argument 'unknown'"),
-    ('steps=abc', 'expected a value of type int'),
-    ('runlocal=maybe', 'expected a boolean'),
-    ('steps', 'needs a value'),
+    ("unknown=1", "unknown config argument 'unknown'"),
+    ("steps=abc", "expected a value of type int"),
+    ("runlocal=maybe", "expected a boolean"),
+    ("steps", "needs a value"),
   ],
 )
 def test_parse_arg_errors_are_clear_value_errors(raw, message):
@@ -53,13 +53,13 @@ def test_parse_arg_errors_are_clear_value_errors(raw, message):
 
 
 def test_unknown_key_message_lists_known_keys():
-  with pytest.raises(errors.ConfigError, match='known: lr, runlocal'):
-    config_lib.parse_arg('lrr=1', lr=0.1, runlocal=False)
+  with pytest.raises(errors.ConfigError, match="known: lr, runlocal"):
+    config_lib.parse_arg("lrr=1", lr=0.1, runlocal=False)
 
 
 def test_unknown_key_suggests_the_closest_one():
   with pytest.raises(errors.ConfigError, match="'lrr' in 'lrr=1'; did you mean 'lr'\\? known"):
-    config_lib.parse_arg('lrr=1', lr=0.1, runlocal=False)
+    config_lib.parse_arg("lrr=1", lr=0.1, runlocal=False)
 
 
 def _with_model(**fields):
@@ -69,14 +69,14 @@ def _with_model(**fields):
 
 
 @pytest.mark.parametrize(
-  'fields, message',
+  "fields, message",
   [
-    ({'num_layers': 0}, r'config.model.num_layers=0 must be a positive integer'),
-    ({'model_dim': -16}, r'config.model.model_dim=-16 must be a positive integer'),
-    ({'num_heads': 2.0}, r'config.model.num_heads=2.0 must be a positive integer'),
-    ({'hidden': True}, r'config.model.hidden=True must be a positive integer'),
-    ({'dropout_rate': 1.0}, r'config.model.dropout_rate=1.0 must be in \[0, 1\)'),
-    ({'attention_dropout_rate': -0.1}, r'config.model.attention_dropout_rate=-0.1 must be in'),
+    ({"num_layers": 0}, r"config.model.num_layers=0 must be a positive integer"),
+    ({"model_dim": -16}, r"config.model.model_dim=-16 must be a positive integer"),
+    ({"num_heads": 2.0}, r"config.model.num_heads=2.0 must be a positive integer"),
+    ({"hidden": True}, r"config.model.hidden=True must be a positive integer"),
+    ({"dropout_rate": 1.0}, r"config.model.dropout_rate=1.0 must be in \[0, 1\)"),
+    ({"attention_dropout_rate": -0.1}, r"config.model.attention_dropout_rate=-0.1 must be in"),
   ],
 )
 def test_validate_refuses_bad_sizes_and_rates(fields, message):
@@ -114,31 +114,31 @@ def test_freeze_refuses_any_mutation():
 
 def test_merge_fills_defaults_and_keeps_task_fields():
   override = ml_collections.ConfigDict(
-    {'batch_size': 8, 'optimizer': {'lr': 0.2}, 'model': {'hidden': 32}, 'extra': 'x'}
+    {"batch_size": 8, "optimizer": {"lr": 0.2}, "model": {"hidden": 32}, "extra": "x"}
   )
   merged = config_lib.merge(config_lib.training_defaults(), override)
   assert merged.batch_size == 8
   assert merged.optimizer.lr == 0.2
-  assert merged.optimizer.name == 'adamw'  # default kept inside a partly overridden sub-dict
+  assert merged.optimizer.name == "adamw"  # default kept inside a partly overridden sub-dict
   assert merged.model.hidden == 32
-  assert merged.extra == 'x'
+  assert merged.extra == "x"
   assert config_lib.training_defaults().batch_size == 32  # defaults untouched
 
 
 def test_write_then_read_config_round_trips(tmp_path):
   config = config_lib.training_defaults()
   config.model.hidden = 7
-  config.eval_splits = ('validation', 'test')
+  config.eval_splits = ("validation", "test")
   path = config_lib.write_config(config_lib.freeze(config), str(tmp_path))
-  assert path == str(tmp_path / 'config.json')
+  assert path == str(tmp_path / "config.json")
   with open(path) as f:
-    assert json.load(f)['model'] == {'hidden': 7}
+    assert json.load(f)["model"] == {"hidden": 7}
   restored = config_lib.read_config(str(tmp_path))
   assert restored.model.hidden == 7
-  assert tuple(restored.eval_splits) == ('validation', 'test')
+  assert tuple(restored.eval_splits) == ("validation", "test")
   assert restored.optimizer.to_dict() == config.optimizer.to_dict()
 
 
 def test_read_config_missing_is_a_user_error(tmp_path):
-  with pytest.raises(errors.CheckpointNotFoundError, match='config.json'):
-    config_lib.read_config(str(tmp_path / 'nowhere'))
+  with pytest.raises(errors.CheckpointNotFoundError, match="config.json"):
+    config_lib.read_config(str(tmp_path / "nowhere"))

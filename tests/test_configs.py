@@ -126,9 +126,9 @@ def test_default_docstring_states_its_training_steps():
   from primal_dual.configs import default
   from primal_dual.training import setup
 
-  config = configs.load('default')
+  config = configs.load("default")
   steps, _ = setup._training_length(config, JAPANESE_VOWELS_TRAIN_SIZE)
-  assert f'{config.num_epochs} epochs = {steps} steps' in ' '.join(default.__doc__.split())
+  assert f"{config.num_epochs} epochs = {steps} steps" in " ".join(default.__doc__.split())
 
 
 # Variants whose options differ by task: SH's ratios, ListOps' primal linear attention.

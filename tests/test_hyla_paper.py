@@ -149,7 +149,7 @@ def test_logic_paper_preset_protocol():
   assert config.num_train_steps == 50_000 and config.batch_size == 128
   assert (config.optimizer.warmup_steps, config.optimizer.cosine_end) == (100, "total_minus_warmup")
   tasks = logic_task.task_family(config)
-  from primal_dual.data import logic  # pylint: disable=g-import-not-at-top
+  from primal_dual.data import logic
 
   assert len(logic.split_task_ids(tasks, "ood")) == 6  # C(4, 2): held-out conjunctions only
   assert len(logic.split_task_ids(tasks, "test")) == 46  # 70% of the 66 seen term sets

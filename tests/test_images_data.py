@@ -31,7 +31,7 @@ def test_digits_sizes_shapes_and_range(digits):
 
 
 def test_digits_split_is_a_stratified_partition(digits):
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  from sklearn.datasets import load_digits
 
   full = load_digits()
   train_images, train_labels = _all_records(digits["train"])
@@ -204,7 +204,7 @@ def test_missing_tfds_data_set_says_how_to_prepare(tmp_path, name, expected):
 
 
 def test_prepared_tfds_data_set_is_read(tmp_path):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds
 
   # Tensor (not Image) features: encoding images needs TensorFlow, reading does not.
   class PrimalDualTinyImagesForTest(tfds.core.GeneratorBasedBuilder):

@@ -116,6 +116,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def task_to_task_imports(graph: dict[str, set[str]]) -> list[str]:
   """Imports between two task modules (what tasks share lives in ``primal_dual.tasks._*``)."""
+
   def is_task(name):
     return name.startswith("primal_dual.tasks.") and not name.rpartition(".")[2].startswith("_")
 

@@ -87,7 +87,7 @@ def test_processes_starting_together_prepare_once(tmp_path, monkeypatch):
       results[slot] = builders.listops_sources("tiny", seed=9, data_dir=tmp_path, splits=("test",))[
         "test"
       ]
-    except Exception as error:  # pylint: disable=broad-except
+    except Exception as error:
       errors.append(error)
 
   threads = [threading.Thread(target=load, args=(slot,)) for slot in (0, 1)]

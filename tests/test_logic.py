@@ -128,7 +128,7 @@ def test_generation_is_deterministic_across_processes(tmp_path):
 def test_source_reads_match_batches_and_work_in_grain(train_batch):
   source = logic.LogicSource(DEFAULT, "train", seed=0, size=1000)
   assert len(source) == 1000
-  records = source._getitems(list(range(BATCH)))  # pylint: disable=protected-access
+  records = source._getitems(list(range(BATCH)))
   single = source[42]
   assert single["target"].shape == () and single["inputs"].shape == (16, 5)
   for name, value in train_batch.items():

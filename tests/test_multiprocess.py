@@ -18,7 +18,7 @@ from primal_dual.training import metrics_logging
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WORKER = r'''
+WORKER = r"""
 import json, sys
 from primal_dual.training import sharding
 assert sharding.maybe_initialize_distributed(), 'expected a multi-process launch'
@@ -37,31 +37,31 @@ print('RESULT ' + json.dumps({
     'process_index': jax.process_index(), 'process_count': jax.process_count(),
     'devices': jax.device_count(), 'loss': final['train/loss'],
     'test_accuracy': final['test/accuracy']}))
-'''
+"""
 
 
 def _free_port() -> int:
   with socket.socket() as sock:
-    sock.bind(('localhost', 0))
+    sock.bind(("localhost", 0))
     return sock.getsockname()[1]
 
 
 def test_two_processes_train_to_the_end_with_the_same_loss(tmp_path):
-  workdir = str(tmp_path / 'run')
+  workdir = str(tmp_path / "run")
   port = _free_port()
   processes = []
   for process_id in range(2):
     env = dict(
       os.environ,
-      JAX_PLATFORMS='cpu',
-      XLA_FLAGS='--xla_force_host_platform_device_count=2',
-      JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
-      JAX_NUM_PROCESSES='2',
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS="--xla_force_host_platform_device_count=2",
+      JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+      JAX_NUM_PROCESSES="2",
       JAX_PROCESS_ID=str(process_id),
     )
     processes.append(
       subprocess.Popen(
-        [sys.executable, '-c', WORKER, workdir],
+        [sys.executable, "-c", WORKER, workdir],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -82,15 +82,15 @@ def test_two_processes_train_to_the_end_with_the_same_loss(tmp_path):
   results = []
   for returncode, stdout, stderr in outputs:
     assert returncode == 0, stderr[-3000:]
-    lines = [line for line in stdout.splitlines() if line.startswith('RESULT ')]
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, stdout
-    results.append(json.loads(lines[0][len('RESULT ') :]))
-  assert sorted(r['process_index'] for r in results) == [0, 1]
-  assert all(r['process_count'] == 2 and r['devices'] == 4 for r in results)
-  assert results[0]['loss'] == results[1]['loss']
-  assert results[0]['test_accuracy'] == results[1]['test_accuracy']
+    results.append(json.loads(lines[0][len("RESULT ") :]))
+  assert sorted(r["process_index"] for r in results) == [0, 1]
+  assert all(r["process_count"] == 2 and r["devices"] == 4 for r in results)
+  assert results[0]["loss"] == results[1]["loss"]
+  assert results[0]["test_accuracy"] == results[1]["test_accuracy"]
 
   # Process 0 alone writes the logs; each process saves its own data-iterator position.
-  assert [r['step'] for r in metrics_logging.read_metrics(workdir)] == [3, 6]
-  data_files = sorted(os.listdir(os.path.join(workdir, 'checkpoints', '6', 'data')))
-  assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(data_files)
+  assert [r["step"] for r in metrics_logging.read_metrics(workdir)] == [3, 6]
+  data_files = sorted(os.listdir(os.path.join(workdir, "checkpoints", "6", "data")))
+  assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_files)

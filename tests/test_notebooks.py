@@ -24,4 +24,4 @@ def test_code_cells_run(path, tmp_path, monkeypatch):
     if cell["cell_type"] != "code":
       continue
     source = "".join(cell["source"]).replace("/tmp/primal_dual_notebook", str(tmp_path / "run"))
-    exec(compile(source, f"{os.path.basename(path)} cell", "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(source, f"{os.path.basename(path)} cell", "exec"), namespace)

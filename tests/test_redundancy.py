@@ -293,7 +293,7 @@ def test_attention_flops_per_variant():
 
 
 def test_every_registered_variant_has_a_flop_count():
-  from primal_dual import registry  # pylint: disable=g-import-not-at-top
+  from primal_dual import registry
 
   shape = registry.AttentionShape(length=8, heads=2, head_dim=4)
   for name, entry in registry.ATTENTION_REGISTRY.items():

@@ -175,7 +175,7 @@ def _record(dataset, attention, seed, accuracy, protocol="best_test"):
 
 
 def test_markdown_report_reference_column_and_ten_dataset_average():
-  from primal_dual.configs import uea as uea_config  # pylint: disable=g-import-not-at-top
+  from primal_dual.configs import uea as uea_config
 
   records = [
     _record("JapaneseVowels", "softmax", 0, 0.9),
@@ -211,7 +211,7 @@ def test_unavailable_or_unknown_inputs_fail_in_one_line(tmp_path, capsys):
 def test_eval_cli_redundancy_matches_the_grid_record(grid_runs, capsys):
   record = next(r for r in grid_runs["records"] if r["protocol"] == "best_test")
   workdir = os.path.join(grid_runs["root"], record["name"])
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
 
   with cli_helpers.loaded_script("eval.py") as eval_cli:
     flags.FLAGS(

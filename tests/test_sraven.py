@@ -252,7 +252,7 @@ def test_generation_is_deterministic_across_processes(tmp_path, ood_batch):
 def test_source_reads_match_batches_and_work_in_grain(train_batch):
   source = sraven.SRavenSource(DEFAULT, "train", seed=0, size=BATCH)
   assert len(source) == BATCH
-  records = source._getitems(list(range(BATCH)))  # pylint: disable=protected-access
+  records = source._getitems(list(range(BATCH)))
   for i in (0, 17, BATCH - 1):
     for name, value in train_batch.items():
       np.testing.assert_array_equal(records[i][name], value[i])

@@ -121,7 +121,7 @@ def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, tas
 
 
 def _metric_records(workdir):
-  from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import metrics_logging
 
   return [
     {k: v for k, v in r.items() if "steps_per_second" not in k}

@@ -148,7 +148,7 @@ def test_a_killed_sweep_resumes_from_the_newest_step_all_replicas_share(
 def test_a_replica_a_checkpoint_ahead_resumes_with_the_others(synthetic_sweep, tmp_path):
   """A kill during a save can leave one replica a checkpoint ahead: all resume from the step
   every replica has, and train to the same end."""
-  import shutil  # pylint: disable=g-import-not-at-top
+  import shutil
 
   workdir, _ = synthetic_sweep
   config = _synthetic(**SYNTHETIC_SWEEP)
@@ -287,8 +287,8 @@ def test_replica_optimizer_traces_only_what_differs():
 
 def test_train_command_takes_the_sweep_as_config_flags(tmp_path):
   """docs/training.md's syntax: `--config.sweep.<field>='(v1,v2)'`; errors in one line."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import subprocess
+  import sys
 
   repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   config_file = tmp_path / "config.py"

@@ -43,7 +43,7 @@ def get_analysis(name: str) -> Callable[..., dict[str, Any]]:
   Raises:
     errors.UnknownNameError (a ValueError): no such analysis; the message lists the known ones.
   """
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import errors
 
   module_name, function_name = errors.lookup(ANALYSES, name, "analysis (--analyses)").split(":")
   return getattr(importlib.import_module(module_name), function_name)

@@ -247,7 +247,7 @@ def analysis_batch_size(elements_per_example: int, cap: int) -> int:
 
 def iterate_valid_batches(source, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
   """Batches of ``source`` (all examples once, fixed shape for one compile) with ``valid``."""
-  from primal_dual.data import pipeline  # pylint: disable=g-import-not-at-top
+  from primal_dual.data import pipeline
 
   return pipeline.iterate_eval(source, batch_size, process_index=0, process_count=1)
 
@@ -313,7 +313,7 @@ def load_example_maps(path: str) -> list[np.ndarray]:
 
 
 def _host_variables(state) -> dict[str, Any]:
-  from primal_dual.training import steps  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import steps
 
   return jax.device_get(steps.model_variables(state.params, state.batch_stats))
 
@@ -372,7 +372,7 @@ def run_redundancy(
     )
     return report
   if out_dir:
-    from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+    from primal_dual.analysis import plots
 
     os.makedirs(out_dir, exist_ok=True)
     maps_path = os.path.join(out_dir, EXAMPLE_MAPS_FILE)

@@ -238,8 +238,8 @@ def latent_codes(
   experiment: Any, state: Any, records: Mapping[str, np.ndarray], batch_size: int
 ) -> tuple[list[np.ndarray] | None, str]:
   """Codes ``[N, F, 2H]`` per layer for the records, or ``(None, reason)`` without weights."""
-  from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import steps  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import sharding
+  from primal_dual.training import steps
 
   model = experiment.model
   num_layers = model.num_layers
@@ -301,7 +301,7 @@ def plot_codes(
   title: str = "",
 ) -> str:
   """Scatter of each layer's codes on their first two principal components, coloured by rule."""
-  from primal_dual.analysis import plots  # pylint: disable=g-import-not-at-top
+  from primal_dual.analysis import plots
 
   plt = plots.pyplot()
   labels = np.asarray(labels).reshape(-1)
@@ -361,7 +361,7 @@ def run(
     {...} (codes of every layer concatenated), 'best_layer_accuracy', 'plot'}``, or
     ``{'available': False, 'reason': ...}`` for kernels without attention weights.
   """
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import errors
 
   if experiment.config.task != "sraven":
     raise errors.ConfigError(

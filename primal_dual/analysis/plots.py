@@ -15,10 +15,10 @@ from primal_dual import atomic
 
 def pyplot():
   """``matplotlib.pyplot`` on the non-interactive Agg backend (imported on first use)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   return plt
 

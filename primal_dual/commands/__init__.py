@@ -16,38 +16,38 @@ import os
 import sys
 from typing import NoReturn
 
-PROG = 'primal-dual'
+PROG = "primal-dual"
 
 # Command → module with `define_flags()` and an absl `main(argv)`.
-ABSL_COMMANDS = {'train': 'primal_dual.commands.train', 'eval': 'primal_dual.commands.evaluate'}
-COMMANDS = (*ABSL_COMMANDS, 'reproduce', 'list')
+ABSL_COMMANDS = {"train": "primal_dual.commands.train", "eval": "primal_dual.commands.evaluate"}
+COMMANDS = (*ABSL_COMMANDS, "reproduce", "list")
 
 
 # The top-level modules of the `[train]` extra (pyproject.toml) that train and eval import first.
 TRAIN_EXTRA_MODULES = frozenset(
-  {'absl', 'ml_collections', 'orbax', 'optax', 'grain', 'tensorboardX'}
+  {"absl", "ml_collections", "orbax", "optax", "grain", "tensorboardX"}
 )
 INSTALL_TRAIN_EXTRA = "install the train extra: pip install 'primal_dual[train]'"
 
 
 def _missing_train_extra(error: ModuleNotFoundError) -> bool:
-  return (error.name or '').partition('.')[0] in TRAIN_EXTRA_MODULES
+  return (error.name or "").partition(".")[0] in TRAIN_EXTRA_MODULES
 
 
 def _run_absl_command(name: str, args: list[str]) -> NoReturn:
   """Runs `train` or `eval` as `python train.py`/`eval.py` would (absl exits with main's status);
   from a base install without the `[train]` extra, one line saying how to install it."""
   try:
-    from primal_dual.commands import cli  # pylint: disable=g-import-not-at-top
+    from primal_dual.commands import cli
 
     module = importlib.import_module(ABSL_COMMANDS[name])
   except ModuleNotFoundError as e:
     if not _missing_train_extra(e):
       raise
-    print(f'error: `{PROG} {name}` needs {e.name}; {INSTALL_TRAIN_EXTRA}', file=sys.stderr)
+    print(f"error: `{PROG} {name}` needs {e.name}; {INSTALL_TRAIN_EXTRA}", file=sys.stderr)
     sys.exit(2)
-  sys.argv = [f'{PROG} {name}', *args]  # absl's --help names sys.argv[0] and prints __main__'s doc
-  sys.modules['__main__'].__doc__ = module.__doc__
+  sys.argv = [f"{PROG} {name}", *args]  # absl's --help names sys.argv[0] and prints __main__'s doc
+  sys.modules["__main__"].__doc__ = module.__doc__
   module.define_flags()
   cli.run_command(module.main, sys.argv)
 
@@ -66,23 +66,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  if not argv or argv[0] in ('-h', '--help', 'help'):
+  if not argv or argv[0] in ("-h", "--help", "help"):
     print(__doc__, file=sys.stdout if argv else sys.stderr)
     return 0 if argv else 2
   name, args = argv[0], argv[1:]
   if name in ABSL_COMMANDS:
     _run_absl_command(name, args)  # exits
-  if name == 'reproduce':
-    from primal_dual.commands import reproduce  # pylint: disable=g-import-not-at-top
+  if name == "reproduce":
+    from primal_dual.commands import reproduce
 
     return reproduce.main(args)
-  if name == 'list':
+  if name == "list":
     try:
-      from primal_dual.commands import listing  # pylint: disable=g-import-not-at-top
+      from primal_dual.commands import listing
     except ModuleNotFoundError as e:
       if not _missing_train_extra(e):
         raise
-      print(f'error: `{PROG} list` needs {e.name}; {INSTALL_TRAIN_EXTRA}', file=sys.stderr)
+      print(f"error: `{PROG} list` needs {e.name}; {INSTALL_TRAIN_EXTRA}", file=sys.stderr)
       return 2
     return listing.main(args)
   print(

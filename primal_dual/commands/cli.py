@@ -37,7 +37,7 @@ def run_command(main: Callable[[list[str]], int], argv: list[str] | None = None)
   """absl's `app.run` of a command's `main` (`primal_dual/commands/`) with `parse_flags`; exits
   with main's return value."""
   app.run(main, argv=argv, flags_parser=parse_flags)
-  raise AssertionError('app.run returned')  # it exits
+  raise AssertionError("app.run returned")  # it exits
 
 
 def show_in_help(module_name: str) -> None:
@@ -51,14 +51,14 @@ def start_main(argv: list[str]) -> None:
   """The common start of the commands' `main`: no stray positional arguments, and Orbax's
   per-save INFO logs hidden unless `--verbosity` was given."""
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
 
 
 def report(message: str) -> int:
   """Prints `error: <message>` as one line on stderr; returns the exit status for it, 2."""
-  print(f'error: {one_line(message)}', file=sys.stderr)
+  print(f"error: {one_line(message)}", file=sys.stderr)
   return EXIT_USER_ERROR
 
 
@@ -69,7 +69,7 @@ def fail(message: str) -> NoReturn:
 
 def one_line(message: str) -> str:
   """`message` with its line breaks and runs of spaces folded into single spaces."""
-  return ' '.join(str(message).split())
+  return " ".join(str(message).split())
 
 
 def user_error_in_chain(error: BaseException | None) -> errors.UserError | None:
@@ -86,7 +86,7 @@ def user_error_in_chain(error: BaseException | None) -> errors.UserError | None:
 
 def _config_file_and_arg(spec: str) -> tuple[str, str | None]:
   """'uea.py:dataset=X' → ('uea.py', 'dataset=X')."""
-  path, has_arg, arg = spec.partition(':')
+  path, has_arg, arg = spec.partition(":")
   return path, (arg if has_arg else None)
 
 
@@ -94,9 +94,9 @@ def _flag_values(argv: list[str], name: str) -> list[tuple[str, str]]:
   """(flag name, value) for every `--<name>...=value` / `--<name>... value` in argv."""
   found = []
   for index, item in enumerate(argv):
-    if not item.startswith(f'--{name}'):
+    if not item.startswith(f"--{name}"):
       continue
-    flag, has_value, value = item[2:].partition('=')
+    flag, has_value, value = item[2:].partition("=")
     if not has_value and index + 1 < len(argv):
       value = argv[index + 1]
     found.append((flag, value))
@@ -106,7 +106,7 @@ def _flag_values(argv: list[str], name: str) -> list[tuple[str, str]]:
 def _load_config(spec: str):
   """Calls `get_config(arg)` of the config file or packaged name `spec` names, without
   overrides."""
-  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  from primal_dual import configs
 
   return configs.load(*_config_file_and_arg(spec))
 
@@ -114,18 +114,18 @@ def _load_config(spec: str):
 def unknown_field_message(config, field: str) -> str | None:
   """'unknown config field --config.a.b; did you mean --config.a.c?' if `field` (dotted, without
   'config.') is not in `config`, else None. The suggestion is difflib's closest name."""
-  node, parts = config, field.split('.')
+  node, parts = config, field.split(".")
   for depth, part in enumerate(parts):
-    keys = list(node.keys()) if hasattr(node, 'keys') else []
+    keys = list(node.keys()) if hasattr(node, "keys") else []
     if part in keys:
       node = node[part]
       continue
-    message = f'unknown config field --config.{field}'
+    message = f"unknown config field --config.{field}"
     close = difflib.get_close_matches(part, keys, n=1)
     if close:
-      fixed = '.'.join(parts[:depth] + close + parts[depth + 1 :])
-      return f'{message}; did you mean --config.{fixed}?'
-    return f'{message}; known at that level: {", ".join(sorted(keys)) or "(none)"}'
+      fixed = ".".join(parts[:depth] + close + parts[depth + 1 :])
+      return f"{message}; did you mean --config.{fixed}?"
+    return f"{message}; known at that level: {', '.join(sorted(keys)) or '(none)'}"
   return None
 
 
@@ -136,16 +136,16 @@ def _describe_config_override_error(argv: list[str], config_flag: str) -> str | 
     return None
   try:
     config = _load_config(specs[-1])
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return None  # the file itself is the problem; reported from the original error
-  for flag, _ in _flag_values(argv, f'{config_flag}.'):
+  for flag, _ in _flag_values(argv, f"{config_flag}."):
     message = unknown_field_message(config, flag[len(config_flag) + 1 :])
     if message:
       return message
   return None
 
 
-def describe_flag_error(error: BaseException, argv: list[str], config_flag: str = 'config') -> str:
+def describe_flag_error(error: BaseException, argv: list[str], config_flag: str = "config") -> str:
   """One line saying what is wrong with the command line that raised `error` while parsing."""
   user_error = user_error_in_chain(error)
   if user_error is not None:
@@ -158,27 +158,27 @@ def describe_flag_error(error: BaseException, argv: list[str], config_flag: str 
     return str(error)
   # Anything else came from the code of a config file: say what and where, as a traceback would.
   frames = traceback.extract_tb(error.__traceback__)
-  where = f' at {frames[-1].filename}:{frames[-1].lineno}' if frames else ''
-  return f'loading the config failed{where}: {type(error).__name__}: {error}'
+  where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+  return f"loading the config failed{where}: {type(error).__name__}: {error}"
 
 
-def resolve_config_specs(argv: list[str], config_flag: str = 'config') -> list[str]:
+def resolve_config_specs(argv: list[str], config_flag: str = "config") -> list[str]:
   """argv with each `--<config_flag>=<file or packaged name>[:arg]` naming the config's file
   (`primal_dual.configs.resolve`: `--config=uea:dataset=X` works from any folder).
 
   Raises:
     ConfigError: an unknown short name or a missing file (one line, the packaged names listed).
   """
-  from primal_dual import configs  # pylint: disable=g-import-not-at-top
+  from primal_dual import configs
 
   resolved, index = list(argv), 0
   while index < len(resolved):
     item = resolved[index]
-    if item == f'--{config_flag}' and index + 1 < len(resolved):
+    if item == f"--{config_flag}" and index + 1 < len(resolved):
       resolved[index + 1] = configs.resolve_spec(resolved[index + 1])
       index += 1
-    elif item.startswith(f'--{config_flag}='):
-      resolved[index] = f'--{config_flag}=' + configs.resolve_spec(item.partition('=')[2])
+    elif item.startswith(f"--{config_flag}="):
+      resolved[index] = f"--{config_flag}=" + configs.resolve_spec(item.partition("=")[2])
     index += 1
   return resolved
 
@@ -191,7 +191,7 @@ def _check_config_file(config_flag: str) -> None:
   _ = flags.FLAGS[config_flag].value.keys()
 
 
-def parse_flags(argv: list[str], config_flag: str = 'config') -> list[str]:
+def parse_flags(argv: list[str], config_flag: str = "config") -> list[str]:
   """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with errors in one line.
 
   Returns:
@@ -212,4 +212,4 @@ def parse_flags(argv: list[str], config_flag: str = 'config') -> list[str]:
 
 
 # absl's help flags (`flags.HelpFlag` and its kin), which print and exit.
-HELP_FLAGS = frozenset({'--help', '-help', '-h', '-?', '--helpshort', '--helpfull', '--helpxml'})
+HELP_FLAGS = frozenset({"--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"})

@@ -27,24 +27,24 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Defines `--workdir`, `--splits`, `--checkpoint` and the analysis flags."""
-  flags.DEFINE_string('workdir', None, 'A workdir written by `primal-dual train` (train.py).')
-  flags.DEFINE_list('splits', [], 'Splits to evaluate (default: the task\'s).')
-  flags.DEFINE_string('checkpoint', 'latest', "'latest', 'selected' or a step number.")
+  flags.DEFINE_string("workdir", None, "A workdir written by `primal-dual train` (train.py).")
+  flags.DEFINE_list("splits", [], "Splits to evaluate (default: the task's).")
+  flags.DEFINE_string("checkpoint", "latest", "'latest', 'selected' or a step number.")
   flags.DEFINE_list(
-    'analyses', [], 'Analyses to run after evaluation, e.g. redundancy,latent_code.'
+    "analyses", [], "Analyses to run after evaluation, e.g. redundancy,latent_code."
   )
   flags.DEFINE_string(
-    'analysis_split', '', "Split the analyses read; empty = each analysis' default (test, ood)."
+    "analysis_split", "", "Split the analyses read; empty = each analysis' default (test, ood)."
   )
   flags.DEFINE_integer(
-    'max_examples',
+    "max_examples",
     0,
     "At most this many examples per analysis; 0 = the analysis' default (redundancy: all).",
   )
-  flags.mark_flags_as_required(['workdir'])
+  flags.mark_flags_as_required(["workdir"])
   flags.register_validator(
-    'checkpoint',
-    lambda name: name in ('latest', 'selected') or name.isdigit(),
+    "checkpoint",
+    lambda name: name in ("latest", "selected") or name.isdigit(),
     message="--checkpoint must be 'latest', 'selected' or a step number",
   )
   cli.show_in_help(__name__)
@@ -52,27 +52,27 @@ def define_flags() -> None:
 
 def _evaluate_and_analyse(workdir: str) -> dict:
   """Evaluation plus the requested analyses on one restored checkpoint; writes eval.json."""
-  from primal_dual import analysis  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
+  from primal_dual import analysis
+  from primal_dual.training import evaluation
+  import jax
 
   for name in FLAGS.analyses:  # Fail on a typo before restoring anything.
     analysis.get_analysis(name)
   experiment, state = evaluation.restore_workdir(workdir, FLAGS.checkpoint)
   if FLAGS.analysis_split and FLAGS.analysis_split not in experiment.splits:
-    from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import errors
 
     raise errors.ConfigError(
-      f'--analysis_split={FLAGS.analysis_split!r} is not a split of this '
-      f'task; choose one of {sorted(experiment.splits)}'
+      f"--analysis_split={FLAGS.analysis_split!r} is not a split of this "
+      f"task; choose one of {sorted(experiment.splits)}"
     )
   results = evaluation.evaluate(experiment, state, tuple(FLAGS.splits) or None)
   report = {
-    'checkpoint': str(FLAGS.checkpoint),
-    'step': int(jax.device_get(state.step)),
-    'results': results,
+    "checkpoint": str(FLAGS.checkpoint),
+    "step": int(jax.device_get(state.step)),
+    "results": results,
   }
-  report['analyses'] = analysis.run_analyses(
+  report["analyses"] = analysis.run_analyses(
     FLAGS.analyses,
     experiment,
     state,
@@ -81,19 +81,19 @@ def _evaluate_and_analyse(workdir: str) -> dict:
     out_dir=workdir,
   )
   if jax.process_index() == 0:
-    atomic.write_json(os.path.join(os.path.abspath(workdir), 'eval.json'), report)
+    atomic.write_json(os.path.join(os.path.abspath(workdir), "eval.json"), report)
   return report
 
 
 def main(argv: list[str]) -> int:
   cli.start_main(argv)
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import metrics_logging  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import errors
+  from primal_dual.training import metrics_logging
+  from primal_dual.training import sharding
 
   try:
     sharding.maybe_initialize_distributed()
-    from primal_dual.training import evaluation  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import evaluation
 
     if FLAGS.analyses:
       report = _evaluate_and_analyse(FLAGS.workdir)
@@ -107,14 +107,14 @@ def main(argv: list[str]) -> int:
     if not errors.is_disk_full(e):
       raise
     return cli.report(str(errors.DiskFullError(FLAGS.workdir)))
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if jax.process_index() == 0:
     print(f"checkpoint: {report['checkpoint']} (step {report['step']})")
-    print(metrics_logging.format_table(report['results']))
-    for name, result in report.get('analyses', {}).items():
+    print(metrics_logging.format_table(report["results"]))
+    for name, result in report.get("analyses", {}).items():
       summary = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
-      print(f'{name}: {json.dumps(summary, sort_keys=True)}')
-      if 'head_distance_per_layer' in result:
+      print(f"{name}: {json.dumps(summary, sort_keys=True)}")
+      if "head_distance_per_layer" in result:
         print(f"  head_distance_per_layer: {result['head_distance_per_layer']}")
   return 0

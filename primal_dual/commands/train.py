@@ -19,16 +19,16 @@ from primal_dual.commands import cli
 def define_flags() -> None:
   """Defines `--config` (with its `--config.<field>` overrides) and `--workdir`."""
   config_flags.DEFINE_config_file(
-    'config',
+    "config",
     None,
-    'A packaged config\'s name or a config file, optionally with an argument: '
-    'uea:dataset=Heartbeat or primal_dual/configs/uea.py:dataset=Heartbeat',
+    "A packaged config's name or a config file, optionally with an argument: "
+    "uea:dataset=Heartbeat or primal_dual/configs/uea.py:dataset=Heartbeat",
     lock_config=True,
   )
   flags.DEFINE_string(
-    'workdir', None, 'Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/.'
+    "workdir", None, "Output folder: config.json, metrics.jsonl, tensorboard/, checkpoints/."
   )
-  flags.mark_flags_as_required(['config', 'workdir'])
+  flags.mark_flags_as_required(["config", "workdir"])
   cli.show_in_help(__name__)
 
 
@@ -36,26 +36,26 @@ def main(argv: list[str]) -> int:
   cli.start_main(argv)
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
   # Imported here so that `--help` stays fast.
-  from primal_dual.training import config_lib  # pylint: disable=g-import-not-at-top
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import config_lib
+  from primal_dual.training import errors
 
   try:
     config_lib.validate(config)  # before JAX loads: a bad size is reported at once
-    from primal_dual.training import sharding  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import sharding
 
     sharding.maybe_initialize_distributed(config)
-    from primal_dual.training import trainer  # pylint: disable=g-import-not-at-top
+    from primal_dual.training import trainer
 
     final = trainer.train_and_evaluate(config, workdir)
   except errors.UserError as e:
     return cli.report(str(e))
   except KeyboardInterrupt:  # during set-up; the training loop reports its own step
-    return cli.report('stopped before training started; re-run the same command to start again')
-  import jax  # pylint: disable=g-import-not-at-top
+    return cli.report("stopped before training started; re-run the same command to start again")
+  import jax
 
   if jax.process_index() == 0:
     for name, value in final.items():
-      print(f'{name:40s} {value}')
+      print(f"{name:40s} {value}")
     for line in which_to_report(final):
       print(line)
   return 0
@@ -66,15 +66,15 @@ def which_to_report(final: dict) -> list[str]:
   checkpoint chosen on the selection split) where the run selects one; ``best/*`` is the best
   value over evaluations, optimistic when the split it is read on also picked the evaluation."""
   selected = sorted(
-    name[len('selected/') :]
+    name[len("selected/") :]
     for name in final
-    if name.startswith('selected/') and name not in ('selected/step', 'selected/rule')
+    if name.startswith("selected/") and name not in ("selected/step", "selected/rule")
   )
   if not selected:
     return []
-  rule = final.get('selected/rule', 'the selection split')
+  rule = final.get("selected/rule", "the selection split")
   return [
-    f'report: selected/<split>_<metric> ({", ".join(selected)}): the checkpoint chosen by '
-    f'{rule} (step {final.get("selected/step")}); best/* is the best value over evaluations, '
-    'optimistic where its own split chose it'
+    f"report: selected/<split>_<metric> ({', '.join(selected)}): the checkpoint chosen by "
+    f"{rule} (step {final.get('selected/step')}); best/* is the best value over evaluations, "
+    "optimistic where its own split chose it"
   ]

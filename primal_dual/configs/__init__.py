@@ -47,7 +47,7 @@ def resolve(path: str) -> str:
   name = name or _packaged_alias(path)
   if name in names:
     return os.path.join(_HERE, f"{name}.py")
-  from primal_dual.training import errors  # pylint: disable=g-import-not-at-top
+  from primal_dual.training import errors
 
   known = f"packaged configs: {', '.join(names)}"
   if _is_short_name(path):
@@ -64,7 +64,7 @@ def resolve_spec(spec: str) -> str:
 def load(path: str, arg: str | None = None):
   """``get_config(arg)`` of the config file or packaged name ``path`` (``resolve``), imported by
   path (the user's config files are not modules of a package)."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
 
   file_path = resolve(path)
   spec = importlib.util.spec_from_file_location(

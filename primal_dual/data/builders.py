@@ -263,7 +263,7 @@ class UeaMultivariate(tfds.core.GeneratorBasedBuilder):
     except AssertionError:
       # TFDS asserts on a missing or empty folder. Bundled sets do not need it, and for the others
       # ts_paths reports the exact files expected there, which says more than TFDS's message.
-      manual_dir = dl_manager._manual_dir  # pylint: disable=protected-access
+      manual_dir = dl_manager._manual_dir
     data = uea.load_uea(name, manual_dir=manual_dir)
     self.info.metadata.update(data.metadata())
     return {split: self._generate_examples(arrays) for split, arrays in data.splits.items()}

@@ -171,8 +171,8 @@ def digits_sources(
     ``{'train': source, 'test': source}``; records ``{'image': float32 [8u, 8u, 1] in
     [0, 1], 'label': int32 []}``.
   """
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  from sklearn.model_selection import train_test_split  # pylint: disable=g-import-not-at-top
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
 
   if not isinstance(upscale, (int, np.integer)) or upscale < 1:
     raise ValueError(f"upscale must be a positive integer, got {upscale!r}.")
@@ -214,7 +214,7 @@ def tfds_image_sources(
     FileNotFoundError: the data set is not prepared there (in a random-access format);
       the message says how to prepare it.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  # slow import
+  import tensorflow_datasets as tfds  # slow import
 
   known = _DATASETS.get(name)
   if name == "digits":

@@ -224,7 +224,7 @@ def _make_batch_loader(
     )
   start, stop = 0, size
   if shard_by_process:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
 
     start, _, _ = _process_slice(size, None, None)
     # Slices differ by at most one record; reading the smallest size (size // count) everywhere
@@ -262,7 +262,7 @@ def _process_slice(
 ) -> tuple[int, int, int]:
   """``(start, stop, largest slice)`` of this process when ``size`` records are split evenly."""
   if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
 
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count

@@ -252,7 +252,7 @@ def ts_paths(
   if manual_dir is not None:
     candidates.append(pathlib.Path(manual_dir) / name)
   if name in BUNDLED_DATASETS:
-    import importlib_resources  # pylint: disable=g-import-not-at-top
+    import importlib_resources
 
     # `import aeon` alone is cheap; aeon.datasets is not, so walk from the top-level package.
     candidates.append(

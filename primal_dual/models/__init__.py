@@ -8,7 +8,14 @@ from primal_dual.models.encoder import EncoderClassifier
 from primal_dual.models.sequence import SequenceTransformer
 from primal_dual.models.vit import VIT_PRESETS, ViT
 
-__all__ = ["EncoderClassifier", "SequenceTransformer", "ViT", "VIT_PRESETS", "model_parameter_count", "parameter_count"]
+__all__ = [
+  "EncoderClassifier",
+  "SequenceTransformer",
+  "ViT",
+  "VIT_PRESETS",
+  "model_parameter_count",
+  "parameter_count",
+]
 
 
 def parameter_count(params) -> int:

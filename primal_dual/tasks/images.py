@@ -146,7 +146,6 @@ RAW_SOURCES: dict[str, Callable[[ml_collections.ConfigDict], dict[str, Any]]] = 
 }
 
 
-
 def images_metadata(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``num_classes``, ``image_shape`` (H, W, C) and ``eval_split`` from the config alone."""
   dataset = config.data.dataset
@@ -200,4 +199,3 @@ def build_model(config: ml_collections.ConfigDict, metadata: Mapping[str, Any]) 
 
 
 TASK = common.register_classification_task("images", build_data, build_model)
-

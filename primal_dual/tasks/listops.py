@@ -47,7 +47,7 @@ def listops_metadata(config: ml_collections.ConfigDict) -> dict[str, int]:
 
 def build_data(config: ml_collections.ConfigDict):
   """``({'train', 'validation', 'test'} → source, metadata)``; records as in the data contract."""
-  from primal_dual.data import builders  # pylint: disable=g-import-not-at-top (imports TFDS)
+  from primal_dual.data import builders  # imports TFDS
 
   metadata = listops_metadata(config)
   data = config.data
@@ -72,4 +72,3 @@ def build_model(
 
 
 TASK = common.register_classification_task("listops", build_data, build_model)
-

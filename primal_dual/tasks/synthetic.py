@@ -20,7 +20,7 @@ import numpy as np
 from primal_dual.tasks import _common
 from primal_dual.training import errors
 
-SYNTHETIC_SPLITS = {'train': 0, 'validation': 1, 'test': 2}
+SYNTHETIC_SPLITS = {"train": 0, "validation": 1, "test": 2}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -45,8 +45,8 @@ class SyntheticSource:
   def __post_init__(self):
     if self.num_classes > self.num_features:
       raise errors.ConfigError(
-        f'synthetic task: num_classes ({self.num_classes}) must be ≤ num_features '
-        f'({self.num_features})'
+        f"synthetic task: num_classes ({self.num_classes}) must be ≤ num_features "
+        f"({self.num_features})"
       )
 
   def __len__(self) -> int:
@@ -62,15 +62,15 @@ class SyntheticSource:
     inputs = rng.standard_normal((self.seq_len, self.num_features)).astype(np.float32)
     inputs *= mask[:, None]
     label = np.argmax(inputs[:length, : self.num_classes].mean(axis=0))
-    return {'inputs': inputs, 'mask': mask, 'label': np.int32(label)}
+    return {"inputs": inputs, "mask": mask, "label": np.int32(label)}
 
   def __repr__(self) -> str:
     # Stable and short: grain compares it when restoring an iterator.
-    return f'SyntheticSource(size={self.size}, split_id={self.split_id}, seed={self.seed})'
+    return f"SyntheticSource(size={self.size}, split_id={self.split_id}, seed={self.seed})"
 
 
 def _synthetic_data_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  data = config.get('data') or {}
+  data = config.get("data") or {}
   defaults = dict(num_train=256, num_eval=64, seq_len=8, num_features=4, num_classes=4, seed=0)
   return {key: data.get(key, value) for key, value in defaults.items()}
 
@@ -78,14 +78,14 @@ def _synthetic_data_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def build_data(config: ml_collections.ConfigDict):
   """Splits train / validation / test of `SyntheticSource` from `config.data` (all optional)."""
   options = _synthetic_data_config(config)
-  shapes = {k: options[k] for k in ('seq_len', 'num_features', 'num_classes')}
+  shapes = {k: options[k] for k in ("seq_len", "num_features", "num_classes")}
   sizes = {
-    'train': options['num_train'],
-    'validation': options['num_eval'],
-    'test': options['num_eval'],
+    "train": options["num_train"],
+    "validation": options["num_eval"],
+    "test": options["num_eval"],
   }
   splits = {
-    name: SyntheticSource(sizes[name], seed=options['seed'], split_id=split_id, **shapes)
+    name: SyntheticSource(sizes[name], seed=options["seed"], split_id=split_id, **shapes)
     for name, split_id in SYNTHETIC_SPLITS.items()
   }
   return splits, dict(shapes)
@@ -119,8 +119,8 @@ class SyntheticClassifier(nn.Module):
     partitioned = nn.with_logical_partitioning
     x = nn.Dense(
       self.hidden,
-      kernel_init=partitioned(nn.initializers.lecun_normal(), ('embed', 'mlp')),
-      bias_init=partitioned(nn.initializers.zeros_init(), ('mlp',)),
+      kernel_init=partitioned(nn.initializers.lecun_normal(), ("embed", "mlp")),
+      bias_init=partitioned(nn.initializers.zeros_init(), ("mlp",)),
     )(inputs)
     x = nn.gelu(x)
     if self.use_batch_norm:
@@ -130,18 +130,18 @@ class SyntheticClassifier(nn.Module):
     pooled = nn.Dropout(self.dropout_rate)(pooled, deterministic=not train)
     return nn.Dense(
       self.num_classes,
-      kernel_init=partitioned(nn.initializers.lecun_normal(), ('mlp', 'classes')),
-      bias_init=partitioned(nn.initializers.zeros_init(), ('classes',)),
+      kernel_init=partitioned(nn.initializers.lecun_normal(), ("mlp", "classes")),
+      bias_init=partitioned(nn.initializers.zeros_init(), ("classes",)),
     )(pooled)
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> nn.Module:
-  model = config.get('model') or {}
+  model = config.get("model") or {}
   return SyntheticClassifier(
-    hidden=model.get('hidden', 16),
-    num_classes=metadata['num_classes'],
-    dropout_rate=model.get('dropout_rate', 0.0),
-    use_batch_norm=model.get('use_batch_norm', False),
+    hidden=model.get("hidden", 16),
+    num_classes=metadata["num_classes"],
+    dropout_rate=model.get("dropout_rate", 0.0),
+    use_batch_norm=model.get("use_batch_norm", False),
   )
 
 

@@ -22,13 +22,13 @@ from absl import logging as absl_logging
 
 from primal_dual.training import errors
 
-CHECKPOINT_DIR = 'checkpoints'
-SELECTED_DIR = 'checkpoints_selected'
+CHECKPOINT_DIR = "checkpoints"
+SELECTED_DIR = "checkpoints_selected"
 
 
 def _grain_args():
   """grain's Orbax argument classes (registered with Orbax when grain is imported)."""
-  import grain  # pylint: disable=g-import-not-at-top
+  import grain
 
   return grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointRestore
 
@@ -42,7 +42,6 @@ def abstract_with_shardings(abstract_tree: Any, shardings: Any) -> Any:
   )
 
 
-
 @contextlib.contextmanager
 def _absl_verbosity(level: int) -> Iterator[None]:
   """absl's logging verbosity set to ``level`` inside the block, restored after it."""
@@ -52,6 +51,7 @@ def _absl_verbosity(level: int) -> Iterator[None]:
     yield
   finally:
     absl_logging.set_verbosity(previous)
+
 
 class Checkpointer:
   """Saves and restores (state, data iterator, meta) under `directory`.
@@ -96,7 +96,7 @@ class Checkpointer:
     # one-line errors must stay one line.
     with _absl_verbosity(absl_logging.ERROR if read_only else absl_logging.get_verbosity()):
       self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=('state', 'data', 'meta')
+        self.directory, options=options, item_names=("state", "data", "meta")
       )
 
   def latest_step(self) -> int | None:
@@ -121,7 +121,7 @@ class Checkpointer:
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     if data_iterator is not None:
       grain_save, _ = _grain_args()
-      items['data'] = grain_save(data_iterator)
+      items["data"] = grain_save(data_iterator)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(
@@ -145,14 +145,14 @@ class Checkpointer:
       step = self.latest_step()
     if step is None or step not in self.all_steps():
       raise errors.CheckpointNotFoundError(
-        f'no checkpoint{"" if step is None else f" at step {step}"} in {self.directory}'
+        f"no checkpoint{'' if step is None else f' at step {step}'} in {self.directory}"
       )
     items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
     if data_iterator is not None:
       _, grain_restore = _grain_args()
-      items['data'] = grain_restore(data_iterator)
+      items["data"] = grain_restore(data_iterator)
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    return restored['state'], dict(restored['meta'])
+    return restored["state"], dict(restored["meta"])
 
   def delete_after(self, step: int) -> None:
     """Deletes checkpoints later than `step` (left by a run that crashed and is now resumed)."""
@@ -162,7 +162,7 @@ class Checkpointer:
 
   def _check_writable(self) -> None:
     if self.read_only:
-      raise RuntimeError(f'checkpoints in {self.directory} were opened read-only')
+      raise RuntimeError(f"checkpoints in {self.directory} were opened read-only")
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are on disk."""

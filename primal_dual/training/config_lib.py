@@ -30,8 +30,8 @@ import ml_collections
 from primal_dual import atomic
 from primal_dual.training import errors
 
-_TRUE = frozenset({'1', 'true', 'yes', 'on', 't', 'y'})
-_FALSE = frozenset({'0', 'false', 'no', 'off', 'f', 'n'})
+_TRUE = frozenset({"1", "true", "yes", "on", "t", "y"})
+_FALSE = frozenset({"0", "false", "no", "off", "f", "n"})
 
 
 def _parse_bool(raw: str, key: str) -> bool:
@@ -40,7 +40,7 @@ def _parse_bool(raw: str, key: str) -> bool:
     return True
   if lowered in _FALSE:
     return False
-  raise errors.ConfigError(f'config argument {key}={raw!r}: expected a boolean (true/false)')
+  raise errors.ConfigError(f"config argument {key}={raw!r}: expected a boolean (true/false)")
 
 
 def _parse_number(cast):
@@ -49,7 +49,7 @@ def _parse_number(cast):
       return cast(raw)
     except ValueError:
       raise errors.ConfigError(
-        f'config argument {key}={raw!r}: expected a value of type {cast.__name__}'
+        f"config argument {key}={raw!r}: expected a value of type {cast.__name__}"
       ) from None
 
   return parse
@@ -68,7 +68,7 @@ def choice(table: Mapping[str, Any], name: str, what: str) -> Any:
   """``table[name]``, or ``errors.ConfigError`` (printed by the commands as one line) ``unknown
   <what> <name>; choose one of <the sorted names>``."""
   if name not in table:
-    raise errors.ConfigError(f'unknown {what} {name!r}; choose one of {", ".join(sorted(table))}')
+    raise errors.ConfigError(f"unknown {what} {name!r}; choose one of {', '.join(sorted(table))}")
   return table[name]
 
 
@@ -87,7 +87,7 @@ def count_or_default(value: int, default: int, name: str) -> int:
     return default
   if value < 1:
     raise errors.ConfigError(
-      f'config argument {name}={value}: give a count >= 1, or {name}={CONFIG_DEFAULT_COUNT} for '
+      f"config argument {name}={value}: give a count >= 1, or {name}={CONFIG_DEFAULT_COUNT} for "
       f"the config's own ({default})"
     )
   return value
@@ -95,7 +95,7 @@ def count_or_default(value: int, default: int, name: str) -> int:
 
 # The arguments every task config takes (`parse_arg(arg, **RUN_ARGUMENTS, ...)`): the attention
 # variant, the training seed and the `runlocal` smoke-test flag.
-RUN_ARGUMENTS = dict(attention='softmax', seed=0, runlocal=False)
+RUN_ARGUMENTS = dict(attention="softmax", seed=0, runlocal=False)
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -115,21 +115,21 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
       is not a bool.
   """
   parsed = dict(defaults)
-  for item in (arg or '').split(','):
+  for item in (arg or "").split(","):
     item = item.strip()
     if not item:
       continue
-    key, has_value, raw = item.partition('=')
+    key, has_value, raw = item.partition("=")
     key = key.strip()
     if key not in defaults:
-      known = ', '.join(sorted(defaults)) or '(none)'
+      known = ", ".join(sorted(defaults)) or "(none)"
       close = difflib.get_close_matches(key, list(defaults), n=1)
-      hint = f'did you mean {close[0]!r}? ' if close else ''
-      raise errors.ConfigError(f'unknown config argument {key!r} in {arg!r}; {hint}known: {known}')
+      hint = f"did you mean {close[0]!r}? " if close else ""
+      raise errors.ConfigError(f"unknown config argument {key!r} in {arg!r}; {hint}known: {known}")
     default = defaults[key]
     if not has_value:
       if not isinstance(default, bool):
-        raise errors.ConfigError(f'config argument {key!r} needs a value: {key}=...')
+        raise errors.ConfigError(f"config argument {key!r} needs a value: {key}=...")
       parsed[key] = True
       continue
     parser = _PARSERS.get(type(default), _PARSERS[str])
@@ -142,16 +142,16 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
 # names and of the product (the last varies fastest). Everything else (model sizes, batch size,
 # schedule kind, run length, optimizer name) would change the program.
 SWEEPABLE: dict[str, str] = {
-  'optimizer.lr': 'lr',
-  'optimizer.end_lr': 'end_lr',
-  'optimizer.warmup_steps': 'warmup',
-  'optimizer.weight_decay': 'wd',
-  'optimizer.grad_clip_norm': 'clip',
-  'optimizer.b1': 'b1',
-  'optimizer.b2': 'b2',
-  'optimizer.eps': 'eps',
-  'optimizer.momentum': 'momentum',
-  'seed': 'seed',
+  "optimizer.lr": "lr",
+  "optimizer.end_lr": "end_lr",
+  "optimizer.warmup_steps": "warmup",
+  "optimizer.weight_decay": "wd",
+  "optimizer.grad_clip_norm": "clip",
+  "optimizer.b1": "b1",
+  "optimizer.b2": "b2",
+  "optimizer.eps": "eps",
+  "optimizer.momentum": "momentum",
+  "seed": "seed",
 }
 
 
@@ -160,7 +160,7 @@ def sweep_defaults() -> ml_collections.ConfigDict:
   sweep = ml_collections.ConfigDict()
   for dotted in SWEEPABLE:
     node = sweep
-    *parents, leaf = dotted.split('.')
+    *parents, leaf = dotted.split(".")
     for parent in parents:
       if parent not in node:
         node[parent] = ml_collections.ConfigDict()
@@ -176,7 +176,7 @@ def training_defaults() -> ml_collections.ConfigDict:
     An unlocked ConfigDict. `model` and `data` are empty: they belong to the task.
   """
   config = ml_collections.ConfigDict()
-  config.task = 'synthetic'
+  config.task = "synthetic"
   config.seed = 0
   # Global batch size (all processes together); must divide by the mesh's `data` size.
   config.batch_size = 32
@@ -214,21 +214,21 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Splits evaluated periodically and at the end; empty: the task's `eval_splits`.
   config.eval_splits = ()  # e.g. ('validation', 'test')
   # Model selection: the 'clean' protocol picks the evaluation with the best `metric` on `split`.
-  config.selection = ml_collections.ConfigDict(dict(split='validation', metric='', mode=''))
+  config.selection = ml_collections.ConfigDict(dict(split="validation", metric="", mode=""))
 
   # The optimizer: its learning-rate schedule, regularisation, then Adam's and SGD's own options.
-  schedule = dict(lr=1e-3, schedule='constant', warmup_steps=0, end_lr=0.0, cosine_end='total')
+  schedule = dict(lr=1e-3, schedule="constant", warmup_steps=0, end_lr=0.0, cosine_end="total")
   regularisation = dict(weight_decay=0.0, grad_clip_norm=0.0)
   adam = dict(b1=0.9, b2=0.999, eps=1e-8)
   sgd = dict(momentum=0.9, nesterov=False)
   config.optimizer = ml_collections.ConfigDict(
-    dict(name='adamw', **schedule, **regularisation, **adam, **sgd)
+    dict(name="adamw", **schedule, **regularisation, **adam, **sgd)
   )
   # Device mesh: -1 = all remaining devices. data * model must equal the device count.
   config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   # Multi-process launch; empty values defer to environment variables / cluster auto-detection.
   config.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address='', num_processes=0, process_id=-1)
+    dict(coordinator_address="", num_processes=0, process_id=-1)
   )
 
   # Training input pipeline (grain): worker processes, reader threads, records read ahead, and
@@ -245,7 +245,7 @@ def training_defaults() -> ml_collections.ConfigDict:
 
 
 # Model fields that count something (layers, widths, heads, patch side): positive integers.
-POSITIVE_MODEL_FIELDS = ('num_layers', 'model_dim', 'num_heads', 'mlp_dim', 'hidden', 'patch_size')
+POSITIVE_MODEL_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "hidden", "patch_size")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -255,22 +255,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
     errors.ConfigError: a field of `POSITIVE_MODEL_FIELDS` that is not an integer > 0, a
       `config.model.*dropout_rate` outside [0, 1), or an unknown `config.selection.mode`.
   """
-  model = config.get('model') or {}
+  model = config.get("model") or {}
   for name in POSITIVE_MODEL_FIELDS:
     value = model.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-      raise errors.ConfigError(f'config.model.{name}={value!r} must be a positive integer')
+      raise errors.ConfigError(f"config.model.{name}={value!r} must be a positive integer")
   for name, value in model.items():
-    if not name.endswith('dropout_rate'):
+    if not name.endswith("dropout_rate"):
       continue
     if not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 <= value < 1):
-      raise errors.ConfigError(f'config.model.{name}={value!r} must be in [0, 1)')
+      raise errors.ConfigError(f"config.model.{name}={value!r} must be in [0, 1)")
   # Checked here, before anything is built: a run that failed later left Orbax threads behind.
-  mode = (config.get('selection') or {}).get('mode', '')
-  if mode not in ('', 'max', 'min'):
+  mode = (config.get("selection") or {}).get("mode", "")
+  if mode not in ("", "max", "min"):
     raise errors.ConfigError(
       f"config.selection.mode={mode!r} must be 'max', 'min' or '' (the metric's own: 'min' for "
-      'losses)'
+      "losses)"
     )
 
 
@@ -281,7 +281,7 @@ def with_fields(
   config = ml_collections.ConfigDict(config.to_dict())
   for dotted, value in overrides.items():
     node = config
-    *parents, leaf = dotted.split('.')
+    *parents, leaf = dotted.split(".")
     for parent in parents:
       node = node[parent]
     node[leaf] = value
@@ -295,7 +295,7 @@ def merge(
 
   Keys of `override` absent from `base` are added; this lets a config carry task-specific fields.
   """
-  merged = ml_collections.ConfigDict(base.to_dict() if hasattr(base, 'to_dict') else base)
+  merged = ml_collections.ConfigDict(base.to_dict() if hasattr(base, "to_dict") else base)
   for key, value in override.items():
     current = merged.get(key)
     is_mapping = isinstance(value, (dict, ml_collections.ConfigDict))
@@ -317,11 +317,9 @@ def variant_options(model: ml_collections.ConfigDict) -> dict[str, Any]:
   a variant's own options)."""
   from primal_dual import registry
 
-  given = dict(model.get('task_attention_options') or {})
-  own = dict((given.get('by_variant') or {}).get(model.attention) or {})
-  return registry.model_options(
-    model.attention, model.num_heads, ratios=given.get('ratios'), **own
-  )
+  given = dict(model.get("task_attention_options") or {})
+  own = dict((given.get("by_variant") or {}).get(model.attention) or {})
+  return registry.model_options(model.attention, model.num_heads, ratios=given.get("ratios"), **own)
 
 
 def with_variant_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -333,16 +331,16 @@ def with_variant_options(config: ml_collections.ConfigDict) -> ml_collections.Co
   given it (``variant_options``), so both ways of choosing a variant train the same run.
   Configs that record nothing (written by hand) are returned as they are.
   """
-  model = config.get('model') or {}
-  chosen_for = model.get('attention_options_variant')
-  if not chosen_for or chosen_for == model.get('attention'):
+  model = config.get("model") or {}
+  chosen_for = model.get("attention_options_variant")
+  if not chosen_for or chosen_for == model.get("attention"):
     return config
   return merge(
     config,
     {
-      'model': {
-        'attention_options': variant_options(model),
-        'attention_options_variant': model.attention,
+      "model": {
+        "attention_options": variant_options(model),
+        "attention_options_variant": model.attention,
       }
     },
   )
@@ -375,7 +373,7 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes `config` to `workdir/config.json` (creating workdir) and returns the path."""
-  return atomic.write_text(os.path.join(workdir, 'config.json'), to_json(config))
+  return atomic.write_text(os.path.join(workdir, "config.json"), to_json(config))
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -384,10 +382,10 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
   Raises:
     errors.CheckpointNotFoundError: the file does not exist.
   """
-  path = os.path.join(workdir, 'config.json')
+  path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise errors.CheckpointNotFoundError(
-      f'{path} not found: is {workdir!r} the workdir of a training run?'
+      f"{path} not found: is {workdir!r} the workdir of a training run?"
     )
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))

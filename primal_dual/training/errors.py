@@ -36,16 +36,16 @@ class NonFiniteLossError(UserError):
 
   def __init__(self, step: int, loss: float, last_checkpoint_step: int | None = None):
     kept = (
-      'no checkpoint was saved'
+      "no checkpoint was saved"
       if last_checkpoint_step is None
-      else f'the last good checkpoint (step {last_checkpoint_step}) is kept'
+      else f"the last good checkpoint (step {last_checkpoint_step}) is kept"
     )
     super().__init__(
-      f'training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. '
-      'Check the inputs for NaN, or continue from that checkpoint with a lower optimizer.lr or '
-      'another optimizer.grad_clip_norm by re-running with '
-      '--config.resume_with_changed_optimizer=True (turning clipping on or off needs a new '
-      '--workdir).'
+      f"training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. "
+      "Check the inputs for NaN, or continue from that checkpoint with a lower optimizer.lr or "
+      "another optimizer.grad_clip_norm by re-running with "
+      "--config.resume_with_changed_optimizer=True (turning clipping on or off needs a new "
+      "--workdir)."
     )
     self.step = step
     self.loss = loss
@@ -62,8 +62,8 @@ def lookup(registry: dict, name: str, what: str):
   try:
     return registry[name]
   except (KeyError, TypeError):
-    known = ', '.join(sorted(registry))
-    raise UnknownNameError(f'unknown {what} {name!r}; known: {known}') from None
+    known = ", ".join(sorted(registry))
+    raise UnknownNameError(f"unknown {what} {name!r}; known: {known}") from None
 
 
 class WorkdirError(UserError):
@@ -80,11 +80,11 @@ class StoppedError(UserError):
 
   def __init__(self, step: int, last_checkpoint_step: int | None):
     kept = (
-      'no checkpoint was saved yet'
+      "no checkpoint was saved yet"
       if last_checkpoint_step is None
-      else f'last checkpoint step {last_checkpoint_step}'
+      else f"last checkpoint step {last_checkpoint_step}"
     )
-    super().__init__(f'stopped at step {step}; {kept}; re-run the same command to resume')
+    super().__init__(f"stopped at step {step}; {kept}; re-run the same command to resume")
     self.step = step
     self.last_checkpoint_step = last_checkpoint_step
 
@@ -92,7 +92,7 @@ class StoppedError(UserError):
 def is_disk_full(error: BaseException | None) -> bool:
   """Whether an ``OSError`` ENOSPC (no space left on the disk) is anywhere in ``error``'s
   cause/context chain (libraries re-raise write errors wrapped)."""
-  import errno  # pylint: disable=g-import-not-at-top
+  import errno
 
   seen = set()
   while error is not None and id(error) not in seen:
@@ -108,6 +108,6 @@ class DiskFullError(UserError):
 
   def __init__(self, folder: str):
     super().__init__(
-      f'no space left on the disk of {folder}; free space there and re-run the '
-      'same command to resume'
+      f"no space left on the disk of {folder}; free space there and re-run the "
+      "same command to resume"
     )

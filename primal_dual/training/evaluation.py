@@ -39,7 +39,7 @@ def sum_metrics(
 def split_means(totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
   """Σ sums / Σ counts of each metric (NaN where nothing was counted)."""
   return {
-    name: float(total) / float(count) if count else float('nan')
+    name: float(total) / float(count) if count else float("nan")
     for name, (total, count) in totals.items()
   }
 
@@ -68,7 +68,7 @@ def evaluate_runs(
   per_split = {}
   for split in split_names or experiment.eval_splits:
     if split not in experiment.splits:
-      raise errors.ConfigError(f'unknown split {split!r}; the task has {sorted(experiment.splits)}')
+      raise errors.ConfigError(f"unknown split {split!r}; the task has {sorted(experiment.splits)}")
     per_batch = [
       experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
       for batch in experiment.eval_batches(split)
@@ -108,7 +108,7 @@ def reported_metrics(experiment: Experiment) -> frozenset[str]:
 def flatten_results(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
   """split → metric → value as `{'split/metric': value}`."""
   return {
-    f'{split}/{name}': value
+    f"{split}/{name}": value
     for split, metrics in results.items()
     for name, value in metrics.items()
   }
@@ -121,9 +121,9 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
     errors.ConfigError: anything else.
   """
   name = str(checkpoint)
-  if name == 'selected':
+  if name == "selected":
     return checkpointing.SELECTED_DIR, None
-  if name == 'latest':
+  if name == "latest":
     return checkpointing.CHECKPOINT_DIR, None
   if name.isdigit():
     return checkpointing.CHECKPOINT_DIR, int(name)
@@ -137,21 +137,21 @@ def _refuse_multi_seed_workdir(workdir: str) -> None:
   Raises:
     errors.WorkdirError: `workdir` has no config.json but `seed_<s>` sub-workdirs.
   """
-  if os.path.exists(os.path.join(workdir, 'config.json')) or not os.path.isdir(workdir):
+  if os.path.exists(os.path.join(workdir, "config.json")) or not os.path.isdir(workdir):
     return
   seeds = sorted(
     name
     for name in os.listdir(workdir)
-    if name.startswith('seed_') and os.path.exists(os.path.join(workdir, name, 'config.json'))
+    if name.startswith("seed_") and os.path.exists(os.path.join(workdir, name, "config.json"))
   )
   if seeds:
     raise errors.WorkdirError(
-      f'workdir {workdir} holds one run per seed ({", ".join(seeds)}); evaluate one of them, '
-      f'e.g. --workdir={os.path.join(workdir, seeds[0])}'
+      f"workdir {workdir} holds one run per seed ({', '.join(seeds)}); evaluate one of them, "
+      f"e.g. --workdir={os.path.join(workdir, seeds[0])}"
     )
 
 
-def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experiment, TrainState]:
+def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Experiment, TrainState]:
   """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
 
   Args:
@@ -180,7 +180,7 @@ def restore_workdir(workdir: str, checkpoint: str = 'latest') -> tuple[Experimen
 
 
 def evaluate_workdir(
-  workdir: str, splits: tuple[str, ...] | None = None, checkpoint: str = 'latest'
+  workdir: str, splits: tuple[str, ...] | None = None, checkpoint: str = "latest"
 ) -> dict[str, dict[str, float]]:
   """Restores a workdir's checkpoint and evaluates splits with its saved config.
 
@@ -200,10 +200,10 @@ def evaluate_workdir(
   experiment, state = restore_workdir(workdir, checkpoint)
   results = evaluate(experiment, state, tuple(splits) if splits else None)
   report = {
-    'checkpoint': str(checkpoint),
-    'step': int(jax.device_get(state.step)),
-    'results': results,
+    "checkpoint": str(checkpoint),
+    "step": int(jax.device_get(state.step)),
+    "results": results,
   }
   if jax.process_index() == 0:
-    atomic.write_json(os.path.join(workdir, 'eval.json'), report)
+    atomic.write_json(os.path.join(workdir, "eval.json"), report)
   return report

@@ -24,8 +24,8 @@ import jax
 
 from primal_dual import atomic
 
-METRICS_FILE = 'metrics.jsonl'
-TENSORBOARD_DIR = 'tensorboard'
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _as_float(value) -> float:
@@ -55,11 +55,11 @@ def truncate_metrics_after(workdir: str, step: int) -> None:
   if jax.process_index() != 0:
     return
   records = read_metrics(workdir)
-  kept = [r for r in records if r.get('step', 0) <= step]
+  kept = [r for r in records if r.get("step", 0) <= step]
   if len(kept) == len(records):
     return
   atomic.write_text(
-    os.path.join(workdir, METRICS_FILE), ''.join(json.dumps(r) + '\n' for r in kept)
+    os.path.join(workdir, METRICS_FILE), "".join(json.dumps(r) + "\n" for r in kept)
   )
 
 
@@ -80,10 +80,10 @@ class MetricWriter:
     if not self._active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, METRICS_FILE), 'a')
+    self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
     if tensorboard:
       # Imported lazily: tensorboardX pulls in protobuf, which a Colab user may not want.
-      import tensorboardX  # pylint: disable=g-import-not-at-top
+      import tensorboardX
 
       self._tensorboard = tensorboardX.SummaryWriter(
         logdir=os.path.join(workdir, TENSORBOARD_DIR), flush_secs=30, purge_step=purge_step
@@ -97,9 +97,9 @@ class MetricWriter:
     if not self._active or not scalars:
       return
     values = {name: _as_number(value) for name, value in scalars.items()}
-    record = {'step': int(step)}
+    record = {"step": int(step)}
     record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
-    self._jsonl.write(json.dumps(record) + '\n')
+    self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
     if self._tensorboard is not None:
       for name, value in values.items():
@@ -138,15 +138,15 @@ class ProgressBar:
   def __init__(self, total_steps: int, initial_step: int = 0, *, enabled: bool = True):
     self._bar = None
     if enabled and jax.process_index() == 0:
-      import tqdm  # pylint: disable=g-import-not-at-top
-      import sys  # pylint: disable=g-import-not-at-top
+      import tqdm
+      import sys
 
       # In a log file (batch jobs) a redraw is a new line: redraw rarely.
       interactive = sys.stderr.isatty()
       self._bar = tqdm.tqdm(
         total=total_steps,
         initial=initial_step,
-        unit='step',
+        unit="step",
         dynamic_ncols=True,
         smoothing=0.1,
         mininterval=0.5 if interactive else 60.0,
@@ -157,7 +157,7 @@ class ProgressBar:
     if self._bar is None:
       return
     if postfix:
-      self._bar.set_postfix({k: f'{_as_float(v):.4g}' for k, v in postfix.items()}, refresh=False)
+      self._bar.set_postfix({k: f"{_as_float(v):.4g}" for k, v in postfix.items()}, refresh=False)
     self._bar.update(steps)
 
   def close(self) -> None:
@@ -166,7 +166,7 @@ class ProgressBar:
       self._bar = None
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]], *, row_title: str = 'split') -> str:
+def format_table(rows: Mapping[str, Mapping[str, float]], *, row_title: str = "split") -> str:
   """Renders `{row: {column: value}}` as an aligned text table (columns sorted by name).
 
   Example:
@@ -177,13 +177,13 @@ def format_table(rows: Mapping[str, Mapping[str, float]], *, row_title: str = 's
   columns = sorted({c for values in rows.values() for c in values})
 
   def cell(value):
-    return f'{value:.4f}' if isinstance(value, float) else str(value)
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
   table = [[row_title, *columns]] + [
-    [name, *(cell(values[c]) if c in values else '-' for c in columns)]
+    [name, *(cell(values[c]) if c in values else "-" for c in columns)]
     for name, values in rows.items()
   ]
   widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-  return '\n'.join(
-    '  '.join(text.ljust(w) for text, w in zip(line, widths)).rstrip() for line in table
+  return "\n".join(
+    "  ".join(text.ljust(w) for text, w in zip(line, widths)).rstrip() for line in table
   )

@@ -58,30 +58,30 @@ def _constant(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
 
 def end_rate(opt: ml_collections.ConfigDict) -> float:
   """The schedule's end rate: `end_lr_factor × lr` if `end_lr_factor` is set, else `end_lr`."""
-  factor = opt.get('end_lr_factor')
+  factor = opt.get("end_lr_factor")
   if factor is None:
     return opt.end_lr
-  if opt.get('end_lr') is not None:
+  if opt.get("end_lr") is not None:
     # Both set would leave one silently unused.
     raise errors.ConfigError(
-      f'optimizer.end_lr_factor ({factor}) is set, so optimizer.end_lr must be None '
-      f'(got {opt.end_lr}): one end rate, absolute or relative to lr'
+      f"optimizer.end_lr_factor ({factor}) is set, so optimizer.end_lr must be None "
+      f"(got {opt.end_lr}): one end rate, absolute or relative to lr"
     )
   if factor < 0:
-    raise errors.ConfigError(f'optimizer.end_lr_factor must be ≥ 0, got {factor}')
+    raise errors.ConfigError(f"optimizer.end_lr_factor must be ≥ 0, got {factor}")
   return factor * opt.lr
 
 
 # Step at which the cosine reaches the end rate (optax's `decay_steps`, warm-up included).
 COSINE_ENDS: dict[str, Callable[[int, int], int]] = {
-  'total': lambda total_steps, warmup_steps: total_steps,
-  'total_minus_warmup': lambda total_steps, warmup_steps: total_steps - warmup_steps,
+  "total": lambda total_steps, warmup_steps: total_steps,
+  "total_minus_warmup": lambda total_steps, warmup_steps: total_steps - warmup_steps,
 }
 
 
 def _warmup_cosine(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Warm-up, then half a cosine from `lr` to the end rate (`end_rate`) at the `cosine_end` step, then held."""
-  cosine_end = errors.lookup(COSINE_ENDS, opt.get('cosine_end', 'total'), 'cosine_end')
+  cosine_end = errors.lookup(COSINE_ENDS, opt.get("cosine_end", "total"), "cosine_end")
   end_step = cosine_end(total_steps, max(opt.warmup_steps, 0))
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
@@ -113,9 +113,9 @@ def _rsqrt(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
 
 
 SCHEDULES: dict[str, Callable[[ml_collections.ConfigDict, int], optax.Schedule]] = {
-  'constant': _constant,
-  'warmup_cosine': _warmup_cosine,
-  'rsqrt': _rsqrt,
+  "constant": _constant,
+  "warmup_cosine": _warmup_cosine,
+  "rsqrt": _rsqrt,
 }
 
 
@@ -130,17 +130,17 @@ _Value = Callable[[str], Any]
 def _sgd_direction(opt: ml_collections.ConfigDict, value: _Value) -> optax.GradientTransformation:
   if opt.momentum <= 0:
     return optax.identity()
-  return optax.trace(decay=value('momentum'), nesterov=opt.nesterov)
+  return optax.trace(decay=value("momentum"), nesterov=opt.nesterov)
 
 
 OPTIMIZERS: dict[
   str, Callable[[ml_collections.ConfigDict, _Value], optax.GradientTransformation]
 ] = {
-  'adamw': lambda opt, value: optax.scale_by_adam(b1=value('b1'), b2=value('b2'), eps=value('eps')),
-  'radam': lambda opt, value: optax.scale_by_radam(
-    b1=value('b1'), b2=value('b2'), eps=value('eps')
+  "adamw": lambda opt, value: optax.scale_by_adam(b1=value("b1"), b2=value("b2"), eps=value("eps")),
+  "radam": lambda opt, value: optax.scale_by_radam(
+    b1=value("b1"), b2=value("b2"), eps=value("eps")
   ),
-  'sgd': _sgd_direction,
+  "sgd": _sgd_direction,
 }
 
 
@@ -158,17 +158,17 @@ def weight_decay_mask(params: Any) -> Any:
 
 def _check(opt: ml_collections.ConfigDict) -> None:
   if not opt.lr > 0:
-    raise errors.ConfigError(f'optimizer.lr must be > 0, got {opt.lr}')
+    raise errors.ConfigError(f"optimizer.lr must be > 0, got {opt.lr}")
   if opt.weight_decay < 0 or opt.grad_clip_norm < 0 or opt.warmup_steps < 0:
     raise errors.ConfigError(
-      'optimizer.weight_decay, grad_clip_norm and warmup_steps must be ≥ 0; got '
-      f'{opt.weight_decay}, {opt.grad_clip_norm}, {opt.warmup_steps}'
+      "optimizer.weight_decay, grad_clip_norm and warmup_steps must be ≥ 0; got "
+      f"{opt.weight_decay}, {opt.grad_clip_norm}, {opt.warmup_steps}"
     )
 
 
 def make_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Learning-rate schedule `step -> lr` (float32 scalar) named by `opt.schedule`."""
-  return errors.lookup(SCHEDULES, opt.schedule, 'learning-rate schedule')(opt, total_steps)
+  return errors.lookup(SCHEDULES, opt.schedule, "learning-rate schedule")(opt, total_steps)
 
 
 def _chain(
@@ -180,13 +180,13 @@ def _chain(
   def value(name: str) -> Any:
     return numbers[name] if name in numbers else opt[name]
 
-  direction = errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
+  direction = errors.lookup(OPTIMIZERS, opt.name, "optimizer")
   chain = []
   if opt.grad_clip_norm > 0:
-    chain.append(optax.clip_by_global_norm(value('grad_clip_norm')))
+    chain.append(optax.clip_by_global_norm(value("grad_clip_norm")))
   chain.append(direction(opt, value))
   if opt.weight_decay > 0:
-    chain.append(optax.add_decayed_weights(value('weight_decay'), mask=weight_decay_mask))
+    chain.append(optax.add_decayed_weights(value("weight_decay"), mask=weight_decay_mask))
   chain.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*chain)
 
@@ -207,7 +207,7 @@ def make_optimizer(
     errors.UnknownNameError: unknown optimizer or schedule name.
     errors.ConfigError: lr ≤ 0 or a negative weight decay / clip norm / warm-up.
   """
-  errors.lookup(OPTIMIZERS, opt.name, 'optimizer')
+  errors.lookup(OPTIMIZERS, opt.name, "optimizer")
   _check(opt)
   schedule = make_schedule(opt, total_steps)
   return _chain(opt, schedule, {}), schedule
@@ -218,10 +218,10 @@ def make_optimizer(
 
 # Numbers inside the chain that replicas may set apart; the learning-rate schedule's settings (lr,
 # end_lr, warmup_steps) differ through each replica's own schedule instead.
-CHAIN_NUMBERS = ('grad_clip_norm', 'weight_decay', 'b1', 'b2', 'eps', 'momentum')
+CHAIN_NUMBERS = ("grad_clip_norm", "weight_decay", "b1", "b2", "eps", "momentum")
 
 # A number whose zero removes its link from the chain (and its state from the optimizer state).
-_LINK_SWITCHES = ('grad_clip_norm', 'weight_decay', 'momentum')
+_LINK_SWITCHES = ("grad_clip_norm", "weight_decay", "momentum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +251,7 @@ class ReplicaOptimizer:
     Args:
       replica: `hyperparameters` of one replica: int32 / float32 `[]` (traced).
     """
-    index = replica['replica']
+    index = replica["replica"]
     # lax.switch with one branch calls it directly: a single run's own schedule. Its branches
     # must agree in type (a constant schedule returns a Python float).
     branches = [lambda step, s=s: jnp.asarray(s(step), jnp.float32) for s in self.schedules]
@@ -277,10 +277,10 @@ def make_replica_optimizer(
   for name in _LINK_SWITCHES:
     if len({opt[name] > 0 for opt in opts}) > 1:
       raise errors.ConfigError(
-        f'replicas with optimizer.{name} 0 and > 0 need different optimizers and cannot train '
-        f'as one program; sweep values that are all > 0, or train the 0 run separately'
+        f"replicas with optimizer.{name} 0 and > 0 need different optimizers and cannot train "
+        f"as one program; sweep values that are all > 0, or train the 0 run separately"
       )
-  hyperparameters = {'replica': np.arange(len(opts), dtype=np.int32)}
+  hyperparameters = {"replica": np.arange(len(opts), dtype=np.int32)}
   for name in CHAIN_NUMBERS:
     values = [opt[name] for opt in opts]
     if len(set(values)) > 1:

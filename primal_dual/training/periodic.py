@@ -30,8 +30,8 @@ class PeriodicActions:
 
   def __post_init__(self):
     if self.total_steps < 1:
-      raise ValueError(f'total_steps must be ≥ 1, got {self.total_steps}')
-    object.__setattr__(self, 'every', dict(self.every))
+      raise ValueError(f"total_steps must be ≥ 1, got {self.total_steps}")
+    object.__setattr__(self, "every", dict(self.every))
 
   def is_due(self, name: str, step: int) -> bool:
     """Whether action `name` is due after completed step `step`."""

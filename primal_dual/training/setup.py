@@ -50,23 +50,23 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenCo
 
 
 def _every_steps(config, name: str, steps_per_epoch: int) -> int:
-  epochs = config.get(f'{name}_every_epochs', 0) or 0
+  epochs = config.get(f"{name}_every_epochs", 0) or 0
   if epochs > 0:
     return max(1, round(epochs * steps_per_epoch))
-  return config.get(f'{name}_every_steps', 0) or 0
+  return config.get(f"{name}_every_steps", 0) or 0
 
 
 def _as_tuple(value) -> tuple[str, ...]:
   if isinstance(value, str):
-    return tuple(s.strip() for s in value.split(',') if s.strip())
+    return tuple(s.strip() for s in value.split(",") if s.strip())
   return tuple(value or ())
-
 
 
 def _state_key(seed: int) -> jax.Array:
   """uint32 [2]: the train state's base key for ``seed``, as raw key data (``jax.random.key``'s),
   which checkpoints store as any array."""
   return jax.random.key_data(jax.random.key(seed))
+
 
 @dataclasses.dataclass
 class Experiment:
@@ -97,9 +97,9 @@ class Experiment:
   train_step: Callable
   eval_step: Callable
   action_periods: dict[str, int]
-  run_steps: 'StepRunner'
+  run_steps: "StepRunner"
   replicas: tuple[sweep.Replica, ...]  # trained in one program; one for a single run
-  replica_axis: 'ReplicaAxis'
+  replica_axis: "ReplicaAxis"
   optimizer: optim.ReplicaOptimizer  # every replica's optimizer numbers and schedule
   init_replicas: Callable[[], TrainState]  # the initial state of every replica, stacked
   run_shardings: TrainState  # of the stacked state
@@ -119,7 +119,7 @@ class Experiment:
       return None
     loader = self.config.loader
     return pipeline.make_loader(
-      self.splits['train'],
+      self.splits["train"],
       batch_size=self.local_batch_size,
       seed=self.config.seed,
       shuffle=True,
@@ -130,7 +130,7 @@ class Experiment:
       read_options=grain.ReadOptions(
         num_threads=loader.num_threads, prefetch_buffer_size=loader.prefetch_buffer_size
       ),
-      batch_reads=loader.get('batch_reads', False),
+      batch_reads=loader.get("batch_reads", False),
     )
 
   def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
@@ -239,7 +239,7 @@ class StepRunner:
     self.hyperparameters = jax.device_put(
       replica_axis.from_host(optimizer.hyperparameters), replicated
     )
-    self.device_data = scanned_steps.keywords.get('device_batch') is not None
+    self.device_data = scanned_steps.keywords.get("device_batch") is not None
     self._step_per_call = steps_per_call == 1 and not self.device_data
 
   def _compile(self, num_steps: int) -> Callable:
@@ -280,17 +280,17 @@ def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
   """Period in steps of each periodic action (0: the final step only), checked against
   `config.steps_per_call`: actions happen between calls, so K must divide every period."""
   periods = {
-    name: _every_steps(config, name, steps_per_epoch) for name in ('log', 'eval', 'checkpoint')
+    name: _every_steps(config, name, steps_per_epoch) for name in ("log", "eval", "checkpoint")
   }
-  steps_per_call = config.get('steps_per_call', 1)
+  steps_per_call = config.get("steps_per_call", 1)
   if steps_per_call < 1:
-    raise errors.ConfigError(f'config.steps_per_call must be >= 1, got {steps_per_call}')
+    raise errors.ConfigError(f"config.steps_per_call must be >= 1, got {steps_per_call}")
   bad = {name: period for name, period in periods.items() if period > 0 and period % steps_per_call}
   if bad:
-    listed = ', '.join(f'{name} every {period}' for name, period in sorted(bad.items()))
+    listed = ", ".join(f"{name} every {period}" for name, period in sorted(bad.items()))
     raise errors.ConfigError(
-      f'config.steps_per_call={steps_per_call} must divide every logging, evaluation and '
-      f'checkpoint period (actions happen between calls); got {listed} steps'
+      f"config.steps_per_call={steps_per_call} must divide every logging, evaluation and "
+      f"checkpoint period (actions happen between calls); got {listed} steps"
     )
   return periods
 
@@ -299,8 +299,8 @@ def _check_batch_size(name: str, size: int, data_axis: int) -> None:
   processes = jax.process_count()
   if size < 1 or size % data_axis or size % processes:
     raise errors.ConfigError(
-      f'config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) '
-      f'and of the process count ({processes})'
+      f"config.{name}={size} must be a positive multiple of the mesh data axis ({data_axis}) "
+      f"and of the process count ({processes})"
     )
 
 
@@ -309,14 +309,14 @@ def _training_length(config, train_size: int) -> tuple[int, int]:
   steps_per_epoch = train_size // config.batch_size
   if steps_per_epoch < 1:
     raise errors.ConfigError(
-      f'the train split has {train_size} examples, fewer than config.batch_size='
-      f'{config.batch_size}; lower the batch size'
+      f"the train split has {train_size} examples, fewer than config.batch_size="
+      f"{config.batch_size}; lower the batch size"
     )
   if config.num_train_steps > 0:
     return int(config.num_train_steps), steps_per_epoch
   if config.num_epochs > 0:
     return int(math.ceil(config.num_epochs * steps_per_epoch)), steps_per_epoch
-  raise errors.ConfigError('set config.num_train_steps > 0 or config.num_epochs > 0')
+  raise errors.ConfigError("set config.num_train_steps > 0 or config.num_epochs > 0")
 
 
 def _in_mesh(fn: Callable, mesh) -> Callable:
@@ -369,11 +369,11 @@ def _build_data(task: task_registry.Task, config) -> tuple[LazySplits, dict[str,
   except errors.UserError:
     raise
   except FileNotFoundError as e:
-    raise errors.DataNotFoundError(f'task {task.name!r}: {e}') from e
+    raise errors.DataNotFoundError(f"task {task.name!r}: {e}") from e
   except ValueError as e:
-    raise errors.ConfigError(f'task {task.name!r} data: {e}') from e
-  if 'train' not in splits:
-    raise errors.ConfigError(f'task {task.name!r} returned no train split (got {sorted(splits)})')
+    raise errors.ConfigError(f"task {task.name!r} data: {e}") from e
+  if "train" not in splits:
+    raise errors.ConfigError(f"task {task.name!r} returned no train split (got {sorted(splits)})")
   return LazySplits(splits), metadata
 
 
@@ -387,20 +387,20 @@ class _Initializer:
 
   def variables(self, rng: jax.Array) -> dict[str, Any]:
     return self.model.init(
-      {'params': rng, 'dropout': rng},
-      self.example['inputs'],
-      mask=self.example.get('mask'),
+      {"params": rng, "dropout": rng},
+      self.example["inputs"],
+      mask=self.example.get("mask"),
       train=False,
     )
 
   def state(self, rng: jax.Array) -> TrainState:
     init_rng, state_rng = jax.random.split(rng)
     variables = nn.unbox(self.variables(init_rng))
-    params = variables['params']
+    params = variables["params"]
     return TrainState(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      batch_stats=variables.get('batch_stats', {}),
+      batch_stats=variables.get("batch_stats", {}),
       opt_state=self.tx.init(params),
       rng=state_rng,
     )
@@ -414,7 +414,7 @@ def _abstract_state(initializer: _Initializer, root_rng, mesh) -> tuple[Any, Tra
     except ValueError as e:
       # The first trace of the model is where invalid model options surface (a head count that
       # does not divide the width, SH ratios of the wrong length, an unknown variant name...).
-      raise errors.ConfigError(f'model config (config.model): {e}') from e
+      raise errors.ConfigError(f"model config (config.model): {e}") from e
     return abstract_variables, jax.eval_shape(initializer.state, root_rng)
 
 
@@ -422,13 +422,13 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
   """Where each leaf of the TrainState lives: parameters by their logical axes, the optimizer
   state following its parameters, step and key replicated."""
   variable_shardings = sharding.variable_shardings(abstract_variables, mesh)
-  param_shardings = variable_shardings['params']
+  param_shardings = variable_shardings["params"]
   sharding.check_divisible(abstract_state.params, param_shardings, mesh)
   replicated = sharding.replicated(mesh)
   return TrainState(
     step=replicated,
     params=param_shardings,
-    batch_stats=variable_shardings.get('batch_stats', {}),
+    batch_stats=variable_shardings.get("batch_stats", {}),
     opt_state=sharding.shardings_following(
       abstract_state.opt_state, abstract_state.params, param_shardings, mesh
     ),
@@ -439,16 +439,16 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
 def _device_batch(task: task_registry.Task, config, metadata, seeds: set[int]) -> Callable | None:
   """The task's on-device train stream when `config.train_data_on_device`, else None (host
   batches, which the replicas share: they must share their seed, which orders the examples)."""
-  if not config.get('train_data_on_device', False):
+  if not config.get("train_data_on_device", False):
     if len(seeds) > 1:
       raise errors.ConfigError(
-        'replicas of different seeds (config.seeds, config.sweep.seed) train in one program on '
-        'batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)'
+        "replicas of different seeds (config.seeds, config.sweep.seed) train in one program on "
+        "batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)"
       )
     return None
   if task.device_train_stream is None:
     raise errors.ConfigError(
-      f'task {task.name!r} has no on-device train stream; set config.train_data_on_device=False'
+      f"task {task.name!r} has no on-device train stream; set config.train_data_on_device=False"
     )
   return task.device_train_stream(config, metadata)
 
@@ -458,12 +458,12 @@ def _eval_splits(config, task: task_registry.Task, splits: LazySplits) -> tuple[
   unknown = [s for s in _as_tuple(config.eval_splits) if s not in splits]
   if unknown:
     raise errors.ConfigError(
-      f'config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})'
+      f"config.eval_splits names {unknown}, not splits of task {task.name!r} ({sorted(splits)})"
     )
   if config.selection.split not in splits:
     raise errors.ConfigError(
-      f'config.selection.split={config.selection.split!r} is not a split of task {task.name!r} '
-      f'({sorted(splits)})'
+      f"config.selection.split={config.selection.split!r} is not a split of task {task.name!r} "
+      f"({sorted(splits)})"
     )
   eval_splits = _as_tuple(config.eval_splits) or task.eval_splits
   return tuple(s for s in eval_splits if s in splits)
@@ -487,13 +487,13 @@ def build_experiment(
   task = task_registry.get_task(config.task)
   splits, metadata = _build_data(task, config)
   mesh = sharding.make_mesh(config.mesh)
-  data_axis = mesh.shape['data']
+  data_axis = mesh.shape["data"]
   eval_batch_size = config.eval_batch_size or config.batch_size
-  _check_batch_size('batch_size', config.batch_size, data_axis)
-  _check_batch_size('eval_batch_size', eval_batch_size, data_axis)
+  _check_batch_size("batch_size", config.batch_size, data_axis)
+  _check_batch_size("eval_batch_size", eval_batch_size, data_axis)
   eval_splits = _eval_splits(config, task, splits)
   if for_training:
-    total_steps, steps_per_epoch = _training_length(config, len(splits['train']))
+    total_steps, steps_per_epoch = _training_length(config, len(splits["train"]))
   else:
     total_steps, steps_per_epoch = max(int(config.num_train_steps), 0), 0
   replicas = sweep.replicas_of(config)
@@ -502,7 +502,7 @@ def build_experiment(
   )
   tx, schedule = optim.make_optimizer(optimizer.structure, max(total_steps, 1))
   model = task.build_model(config, metadata)
-  example_split = 'train' if for_training else (eval_splits or tuple(splits))[0]
+  example_split = "train" if for_training else (eval_splits or tuple(splits))[0]
   initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
 
   root_rng = _state_key(replicas[0].config.seed)
@@ -544,7 +544,7 @@ def build_experiment(
     run_shardings=run_shardings,
     replica_axis=replica_axis,
     optimizer=optimizer,
-    steps_per_call=int(config.get('steps_per_call', 1)),
+    steps_per_call=int(config.get("steps_per_call", 1)),
     data_seed=np.asarray([replica.config.seed for replica in replicas], np.int32),
   )
   init_state = functools.partial(

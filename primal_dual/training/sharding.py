@@ -35,35 +35,35 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from primal_dual.training import errors
 
-MESH_AXES = ('data', 'model')
+MESH_AXES = ("data", "model")
 
 # Logical axis name → mesh axis (None = replicated). First matching rule wins (Flax semantics).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
-  ('batch', 'data'),
-  ('heads', 'model'),  # q/k/v kernels [embed, heads, kv], out kernel [heads, kv, embed].
-  ('mlp', 'model'),  # feed-forward [embed, mlp] and [mlp, embed].
-  ('embed', None),  # residual stream: replicated (no FSDP).
-  ('kv', None),  # per-head feature dimension.
-  ('length', None),
-  ('vocab', None),
-  ('classes', None),
+  ("batch", "data"),
+  ("heads", "model"),  # q/k/v kernels [embed, heads, kv], out kernel [heads, kv, embed].
+  ("mlp", "model"),  # feed-forward [embed, mlp] and [mlp, embed].
+  ("embed", None),  # residual stream: replicated (no FSDP).
+  ("kv", None),  # per-head feature dimension.
+  ("length", None),
+  ("vocab", None),
+  ("classes", None),
 )
 
 
 def _env_int(name: str) -> int:
   try:
-    return int(os.environ.get(name, '') or 0)
+    return int(os.environ.get(name, "") or 0)
   except ValueError:
     return 0
 
 
 def _launched_multi_process() -> bool:
   """Whether environment variables say this process is one of several."""
-  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
-  if max(_env_int('SLURM_STEP_NUM_TASKS'), _env_int('SLURM_NTASKS')) > 1:
+  if max(_env_int("SLURM_STEP_NUM_TASKS"), _env_int("SLURM_NTASKS")) > 1:
     return True
-  hosts = [h for h in os.environ.get('TPU_WORKER_HOSTNAMES', '').split(',') if h]
+  hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
   return len(hosts) > 1
 
 
@@ -83,13 +83,13 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict | None = None
   """
   if jax.distributed.is_initialized():
     return True
-  dist = config.get('distributed') if config is not None else None
+  dist = config.get("distributed") if config is not None else None
   dist = dist or {}
-  address = dist.get('coordinator_address') or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
-  num_processes = dist.get('num_processes') or _env_int('JAX_NUM_PROCESSES') or None
-  process_id = dist.get('process_id', -1)
+  address = dist.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+  num_processes = dist.get("num_processes") or _env_int("JAX_NUM_PROCESSES") or None
+  process_id = dist.get("process_id", -1)
   if process_id is None or process_id < 0:
-    process_id = _env_int('JAX_PROCESS_ID') if 'JAX_PROCESS_ID' in os.environ else None
+    process_id = _env_int("JAX_PROCESS_ID") if "JAX_PROCESS_ID" in os.environ else None
   if not (address or num_processes or _launched_multi_process()):
     return False
   jax.distributed.initialize(
@@ -116,19 +116,19 @@ def mesh_shape(
   described = dict(zip(MESH_AXES, sizes))
   unknown = [i for i, s in enumerate(sizes) if s == -1]
   if len(unknown) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise errors.ConfigError(f'config.mesh {described}: sizes must be ≥ 1, with at most one −1')
+    raise errors.ConfigError(f"config.mesh {described}: sizes must be ≥ 1, with at most one −1")
   known = math.prod(s for s in sizes if s != -1)
   if unknown:
     if num_devices % known:
       raise errors.ConfigError(
-        f'config.mesh {described}: {num_devices} devices do not divide by {known}'
+        f"config.mesh {described}: {num_devices} devices do not divide by {known}"
       )
     sizes[unknown[0]] = num_devices // known
   used = math.prod(sizes)
   if used > num_devices or (used < num_devices and not allow_subset):
     raise errors.ConfigError(
-      f'config.mesh {described} uses {used} devices but {num_devices} are available; '
-      'set one size to -1 to use them all'
+      f"config.mesh {described} uses {used} devices but {num_devices} are available; "
+      "set one size to -1 to use them all"
     )
   return tuple(sizes)
 
@@ -155,7 +155,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over `data`, the rest replicated."""
-  return NamedSharding(mesh, PartitionSpec('data'))
+  return NamedSharding(mesh, PartitionSpec("data"))
 
 
 def with_leading_axis(shardings: Any, mesh: Mesh) -> Any:
@@ -165,7 +165,7 @@ def with_leading_axis(shardings: Any, mesh: Mesh) -> Any:
 
 def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
   """``[steps, batch, ...]`` batches of several steps: the batch axis split over `data`."""
-  return NamedSharding(mesh, PartitionSpec(None, 'data'))
+  return NamedSharding(mesh, PartitionSpec(None, "data"))
 
 
 def variable_shardings(abstract_variables: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> Any:
@@ -182,7 +182,7 @@ def variable_shardings(abstract_variables: Any, mesh: Mesh, rules=LOGICAL_AXIS_R
 
 
 def check_divisible(
-  abstract_tree: Any, shardings: Any, mesh: Mesh, what: str = 'parameter'
+  abstract_tree: Any, shardings: Any, mesh: Mesh, what: str = "parameter"
 ) -> None:
   """Raises a ConfigError naming the first array whose sharded dimension the mesh cannot split.
 
@@ -196,14 +196,14 @@ def check_divisible(
       parts = math.prod(mesh.shape[a] for a in axes)
       if dim % parts:
         raise errors.ConfigError(
-          f'{what} {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} has a dimension '
-          f'of {dim} split over mesh axes {axes} of total size {parts}; choose config.mesh sizes '
-          'that divide it (e.g. model=1)'
+          f"{what} {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} has a dimension "
+          f"of {dim} split over mesh axes {axes} of total size {parts}; choose config.mesh sizes "
+          "that divide it (e.g. model=1)"
         )
 
 
 def _path_key(entry) -> Any:
-  for attribute in ('key', 'name', 'idx'):
+  for attribute in ("key", "name", "idx"):
     if hasattr(entry, attribute):
       return getattr(entry, attribute)
   return str(entry)

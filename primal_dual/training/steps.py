@@ -34,15 +34,15 @@ class TrainState:
 
 def model_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
   """The variables dict for `model.apply`, with 'batch_stats' only if the model has any."""
-  variables = {'params': params}
+  variables = {"params": params}
   if batch_stats:
-    variables['batch_stats'] = batch_stats
+    variables["batch_stats"] = batch_stats
   return variables
 
 
 def _apply_model(model: nn.Module, params, batch_stats, batch, **kwargs):
   return model.apply(
-    model_variables(params, batch_stats), batch['inputs'], mask=batch.get('mask'), **kwargs
+    model_variables(params, batch_stats), batch["inputs"], mask=batch.get("mask"), **kwargs
   )
 
 
@@ -75,11 +75,11 @@ def train_step(
       state.batch_stats,
       batch,
       train=True,
-      rngs={'dropout': dropout_rng},
-      mutable=['batch_stats'],
+      rngs={"dropout": dropout_rng},
+      mutable=["batch_stats"],
     )
     loss, metrics = loss_fn(outputs, batch)
-    return loss, (metrics, updates.get('batch_stats', state.batch_stats))
+    return loss, (metrics, updates.get("batch_stats", state.batch_stats))
 
   (loss, (metrics, batch_stats)), grads = jax.value_and_grad(compute_loss, has_aux=True)(
     state.params

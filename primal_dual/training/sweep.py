@@ -42,37 +42,37 @@ class Replica:
   values: Mapping[str, Any]
 
 
-def _flatten(node: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+def _flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   flat = {}
   for key, value in node.items():
     if isinstance(value, (Mapping, ml_collections.ConfigDict)):
-      flat.update(_flatten(value, f'{prefix}{key}.'))
+      flat.update(_flatten(value, f"{prefix}{key}."))
     else:
-      flat[f'{prefix}{key}'] = value
+      flat[f"{prefix}{key}"] = value
   return flat
 
 
 def _field_value(config, dotted: str):
   node = config
-  for part in dotted.split('.'):
+  for part in dotted.split("."):
     node = node[part]
   return node
 
 
 def _typed_values(config, dotted: str, values) -> tuple:
   """`values` in the type of the config field they set (an int field takes integral values)."""
-  if isinstance(values, (str, bytes)) or not hasattr(values, '__iter__'):
-    raise errors.ConfigError(f'config.sweep.{dotted} must be a list of values, got {values!r}')
+  if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+    raise errors.ConfigError(f"config.sweep.{dotted} must be a list of values, got {values!r}")
   kind = type(_field_value(config, dotted))
   typed = []
   for value in values:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise errors.ConfigError(f'config.sweep.{dotted}: {value!r} is not a number')
+      raise errors.ConfigError(f"config.sweep.{dotted}: {value!r} is not a number")
     if kind is int and value != int(value):
-      raise errors.ConfigError(f'config.sweep.{dotted}: {value!r} is not an integer')
+      raise errors.ConfigError(f"config.sweep.{dotted}: {value!r} is not an integer")
     typed.append(kind(value))
   if len(set(typed)) != len(typed):
-    raise errors.ConfigError(f'config.sweep.{dotted} values must be distinct; got {tuple(typed)}')
+    raise errors.ConfigError(f"config.sweep.{dotted} values must be distinct; got {tuple(typed)}")
   return tuple(typed)
 
 
@@ -83,18 +83,18 @@ def swept_values(config) -> dict[str, tuple]:
     errors.ConfigError: a field that cannot be replicated, a value that is not a number of the
       field's type, repeated values, or both `config.seeds` and `config.sweep.seed`.
   """
-  given = {k: v for k, v in _flatten(config.get('sweep') or {}).items() if len(v or ())}
+  given = {k: v for k, v in _flatten(config.get("sweep") or {}).items() if len(v or ())}
   unknown = sorted(set(given) - set(SWEEPABLE))
   if unknown:
     raise errors.ConfigError(
-      f'config.sweep cannot replicate {", ".join(unknown)}: replicas share one program, so only '
-      f'settings that keep its shapes and operations can differ ({", ".join(SWEEPABLE)})'
+      f"config.sweep cannot replicate {', '.join(unknown)}: replicas share one program, so only "
+      f"settings that keep its shapes and operations can differ ({', '.join(SWEEPABLE)})"
     )
-  seeds = tuple(config.get('seeds') or ())
+  seeds = tuple(config.get("seeds") or ())
   if seeds:
-    if 'seed' in given:
-      raise errors.ConfigError('set config.seeds or config.sweep.seed, not both')
-    given['seed'] = seeds
+    if "seed" in given:
+      raise errors.ConfigError("set config.seeds or config.sweep.seed, not both")
+    given["seed"] = seeds
   return {
     dotted: _typed_values(config, dotted, given[dotted]) for dotted in SWEEPABLE if dotted in given
   }
@@ -108,10 +108,10 @@ def replica_name(values: Mapping[str, Any]) -> str:
   """The sub-workdir name of a replica: `seed_<s>` for a seed-only sweep, else
   `lr=0.001,wd=0.1,seed=0` (short names of `SWEEPABLE`, in its order)."""
   if not values:
-    return ''
-  if set(values) == {'seed'}:
-    return f'seed_{values["seed"]}'
-  return ','.join(f'{SWEEPABLE[dotted]}={_format(values[dotted])}' for dotted in values)
+    return ""
+  if set(values) == {"seed"}:
+    return f"seed_{values['seed']}"
+  return ",".join(f"{SWEEPABLE[dotted]}={_format(values[dotted])}" for dotted in values)
 
 
 def replica_config(config, values: Mapping[str, Any]) -> ml_collections.FrozenConfigDict:
@@ -119,7 +119,7 @@ def replica_config(config, values: Mapping[str, Any]) -> ml_collections.FrozenCo
   as_dict = (
     config.as_configdict() if isinstance(config, ml_collections.FrozenConfigDict) else config
   )
-  single = config_lib.with_fields(as_dict, {'seeds': (), **values})
+  single = config_lib.with_fields(as_dict, {"seeds": (), **values})
   single.sweep = config_lib.sweep_defaults()
   return config_lib.freeze(single)
 
@@ -132,7 +132,7 @@ def replicas_of(config: ml_collections.FrozenConfigDict) -> tuple[Replica, ...]:
   """
   swept = swept_values(config)
   if not swept:
-    return (Replica(config, '', {}),)
+    return (Replica(config, "", {}),)
   replicas = []
   for combination in itertools.product(*swept.values()):
     values = dict(zip(swept, combination))

@@ -56,9 +56,9 @@ class Task:
   build_data: Callable[[ml_collections.ConfigDict], tuple[dict[str, Any], dict[str, Any]]]
   build_model: Callable[[ml_collections.ConfigDict, dict[str, Any]], nn.Module]
   loss_and_metrics: Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
-  eval_splits: tuple[str, ...] = ('validation', 'test')
-  selection_metric: str = 'accuracy'
-  selection_mode: str = 'max'
+  eval_splits: tuple[str, ...] = ("validation", "test")
+  selection_metric: str = "accuracy"
+  selection_mode: str = "max"
   device_train_stream: (
     Callable[[ml_collections.ConfigDict, dict[str, Any]], Callable[[jax.Array, jax.Array], Batch]]
     | None
@@ -78,7 +78,7 @@ TASKS: dict[str, Task] = {}
 def register_task(task: Task, *, overwrite: bool = False) -> Task:
   """Adds `task` to `TASKS` under `task.name`; returns it (usable at module level)."""
   if task.name in TASKS and not overwrite:
-    raise ValueError(f'task {task.name!r} is already registered')
+    raise ValueError(f"task {task.name!r} is already registered")
   TASKS[task.name] = task
   return task
 

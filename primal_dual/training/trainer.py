@@ -68,7 +68,7 @@ from primal_dual.training import workdir as workdir_lib
 from primal_dual.training.setup import Experiment, build_experiment, resolve_config
 from primal_dual.training.steps import TrainState
 
-FINAL_METRICS_FILE = 'final_metrics.json'
+FINAL_METRICS_FILE = "final_metrics.json"
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -97,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     workdir_lib.check_same_experiment(workdir, config)
     try:
       return _train_in_workdir(config, workdir)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       if _is_disk_full(e):
         raise errors.DiskFullError(workdir) from e
       raise
@@ -180,8 +180,8 @@ def _common_start_step(runs: list[_Run]) -> int | None:
   if not common:
     if any(steps):
       raise errors.CheckpointNotFoundError(
-        f'the replicas under {os.path.dirname(runs[0].workdir)} share no checkpoint step; '
-        'delete their checkpoints/ folders to start again'
+        f"the replicas under {os.path.dirname(runs[0].workdir)} share no checkpoint step; "
+        "delete their checkpoints/ folders to start again"
       )
     return None
   return max(common)
@@ -193,8 +193,8 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
   num_parameters = parameter_count(experiment.abstract_state.params)
   if jax.process_index() == 0:
     print(
-      f'model: {num_parameters:,} parameters ({config.task}, '
-      f'attention={config.model.get("attention", "-")})',
+      f"model: {num_parameters:,} parameters ({config.task}, "
+      f"attention={config.model.get('attention', '-')})",
       flush=True,
     )
   # Checked before anything is written: a selection metric the task does not report would
@@ -224,8 +224,8 @@ def _train_runs(
   ):
     if jax.process_index() == 0:
       print(
-        f'workdir {workdir} already finished at step '
-        f'{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was',
+        f"workdir {workdir} already finished at step "
+        f"{start_step}; nothing to train, {FINAL_METRICS_FILE} left as it was",
         file=sys.stderr,
       )
     return _combined(experiment, finished)
@@ -248,13 +248,13 @@ def _train_runs(
       run_state, meta = run.checkpointer.restore(
         start_step, experiment.restore_target(), data_iterator=train_iterator
       )
-      run.tracker.load_state_dict(meta.get('tracker', {}))
+      run.tracker.load_state_dict(meta.get("tracker", {}))
       states.append(run_state)
     state = experiment.stack_replicas(states)
     if jax.process_index() == 0:
       print(
-        f'resuming from step {start_step} (checkpoint in '
-        f'{os.path.join(runs[0].workdir, checkpointing.CHECKPOINT_DIR)})',
+        f"resuming from step {start_step} (checkpoint in "
+        f"{os.path.join(runs[0].workdir, checkpointing.CHECKPOINT_DIR)})",
         flush=True,
       )
   if jax.process_index() == 0 and all(run.workdir != workdir for run in runs):
@@ -268,10 +268,10 @@ def _train_runs(
       os.makedirs(run.workdir, exist_ok=True)
       changes = workdir_lib.write_definition(run.workdir, run.config, start_step)
       if changes:
-        described = '; '.join(f'{name} {old!r} -> {new!r}' for name, (old, new) in changes.items())
+        described = "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
         print(
-          f'continuing {run.workdir} from step {start_step} with changed optimizer settings: '
-          f'{described} (recorded in {workdir_lib.EXPERIMENT_FILE})',
+          f"continuing {run.workdir} from step {start_step} with changed optimizer settings: "
+          f"{described} (recorded in {workdir_lib.EXPERIMENT_FILE})",
           flush=True,
         )
       config_lib.write_config(run.config, run.workdir)
@@ -294,8 +294,8 @@ def _train_runs(
     progress.close()
   for run, final in zip(runs, finals):
     if run.tracker.selected_step is not None:
-      final['selected/rule'] = run.tracker.rule
-    final['model/num_parameters'] = num_parameters
+      final["selected/rule"] = run.tracker.rule
+    final["model/num_parameters"] = num_parameters
     if jax.process_index() == 0:
       atomic.write_json(os.path.join(run.workdir, FINAL_METRICS_FILE), final)
   return _combined(experiment, finals)
@@ -304,7 +304,7 @@ def _train_runs(
 def _combined(experiment: Experiment, finals: list[dict]) -> dict:
   """Every replica's final metrics under `<replica name>/`; a single run's (no name) as they are."""
   return {
-    '/'.join(filter(None, (replica.name, name))): value
+    "/".join(filter(None, (replica.name, name))): value
     for replica, final in zip(experiment.replicas, finals)
     for name, value in final.items()
   }
@@ -347,7 +347,7 @@ class _StopRequest:
     previous = self._previous if self._previous is not None else signal.default_int_handler
     signal.signal(signal.SIGINT, previous)
 
-  def _request(self, signum, frame):  # pylint: disable=unused-argument
+  def _request(self, signum, frame):
     self.requested = True
     self._restore_previous_handler()  # the next Ctrl-C interrupts at once
 
@@ -399,22 +399,22 @@ def _train_loop(
       unchecked = None
       scalars = [{} for _ in runs]  # Everything a run logs at this step: one metrics.jsonl record.
 
-      if 'log' in due:
+      if "log" in due:
         now = time.monotonic()
         per_run = evaluation.reduce_runs(pending_metrics)
         schedules = experiment.optimizer.schedules
         for run, schedule, reduced, out in zip(runs, schedules, per_run, scalars):
-          run.last_train = {f'train/{k}': v for k, v in reduced.items()}
-          run.last_train['train/learning_rate'] = float(schedule(step - 1))
-          run.last_train['train/steps_per_second'] = (step - log_clock[1]) / max(
+          run.last_train = {f"train/{k}": v for k, v in reduced.items()}
+          run.last_train["train/learning_rate"] = float(schedule(step - 1))
+          run.last_train["train/steps_per_second"] = (step - log_clock[1]) / max(
             now - log_clock[0], 1e-9
           )
           out.update(run.last_train)
         log_clock = (now, step)
         pending_metrics = []
-        progress.update(0, loss=runs[0].last_train.get('train/loss', float('nan')))
+        progress.update(0, loss=runs[0].last_train.get("train/loss", float("nan")))
 
-      if 'eval' in due:
+      if "eval" in due:
         for index, (run, results, out) in enumerate(
           zip(runs, evaluation.evaluate_runs(experiment, state), scalars)
         ):
@@ -425,15 +425,15 @@ def _train_loop(
             run.selected_checkpointer.save(
               step,
               experiment.replica_state(state, index),
-              meta={'step': step, 'tracker': run.tracker.state_dict()},
+              meta={"step": step, "tracker": run.tracker.state_dict()},
             )
 
-      if 'checkpoint' in due:
+      if "checkpoint" in due:
         for index, run in enumerate(runs):
           run.checkpointer.save(
             step,
             experiment.replica_state(state, index),
-            meta={'step': step, 'tracker': run.tracker.state_dict()},
+            meta={"step": step, "tracker": run.tracker.state_dict()},
             data_iterator=train_iterator,
           )
         last_checkpoint_step = step
@@ -453,7 +453,7 @@ def _train_loop(
   for run in runs:
     finals.append(
       {
-        'step': total_steps,
+        "step": total_steps,
         **run.last_train,
         **evaluation.flatten_results(run.last_eval),
         **run.tracker.summary(),

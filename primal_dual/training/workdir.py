@@ -27,32 +27,32 @@ import ml_collections
 from primal_dual import atomic
 from primal_dual.training import errors
 
-EXPERIMENT_FILE = 'experiment.json'
-CONFIG_FILE = 'config.json'
-LOCK_FILE = '.lock'
+EXPERIMENT_FILE = "experiment.json"
+CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"
 
 # Config fields (sections are taken whole) that define an experiment. Everything else (run length
 # num_train_steps / num_epochs, *_every_*, eval_splits, keep_*, async_checkpointing, progress_bar,
 # mesh, distributed, loader threads and workers) changes how a run is carried out or observed,
 # not what it learns, and may differ between runs of one workdir.
 DEFINING_FIELDS = (
-  'task',
-  'data',
-  'model',
-  'optimizer',
-  'seed',
-  'seeds',
-  'sweep',  # a sweep's workdir holds its replicas
-  'batch_size',
-  'loader.batch_reads',  # decides the order of the training examples
-  'train_data_on_device',  # decides which generated examples a run trains on
-  'selection',  # decides which checkpoint checkpoints_selected/ holds
+  "task",
+  "data",
+  "model",
+  "optimizer",
+  "seed",
+  "seeds",
+  "sweep",  # a sweep's workdir holds its replicas
+  "batch_size",
+  "loader.batch_reads",  # decides the order of the training examples
+  "train_data_on_device",  # decides which generated examples a run trains on
+  "selection",  # decides which checkpoint checkpoints_selected/ holds
 )
 
 # Fields inside DEFINING_FIELDS sections that only say where files are, not what they hold.
-LOCATION_FIELDS = ('data.data_dir', 'data.manual_dir')
+LOCATION_FIELDS = ("data.data_dir", "data.manual_dir")
 
-_UNSET = '<unset>'
+_UNSET = "<unset>"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,10 +85,10 @@ def definition(config) -> dict[str, Any]:
   flat = {}
   for field in DEFINING_FIELDS:
     value = as_dict
-    for part in field.split('.'):
+    for part in field.split("."):
       value = value.get(part, _UNSET) if isinstance(value, Mapping) else _UNSET
     if isinstance(value, Mapping):
-      flat.update({f'{field}.{key}': item for key, item in value.items()})
+      flat.update({f"{field}.{key}": item for key, item in value.items()})
     elif value is not _UNSET:  # a config of an earlier version may lack the field
       flat[field] = value
   for field in LOCATION_FIELDS:
@@ -103,7 +103,7 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
   (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
   """
   return [
-    f'{name} {stored[name]!r} != {current.get(name, _UNSET)!r}'
+    f"{name} {stored[name]!r} != {current.get(name, _UNSET)!r}"
     for name in sorted(stored)
     if stored[name] != current.get(name, _UNSET)
   ]
@@ -117,7 +117,7 @@ def stored_definition(workdir: str) -> dict[str, Any] | None:
   experiment_path = os.path.join(workdir, EXPERIMENT_FILE)
   if os.path.exists(experiment_path):
     with open(experiment_path) as f:
-      return json.load(f)['definition']
+      return json.load(f)["definition"]
   config_path = os.path.join(workdir, CONFIG_FILE)
   if os.path.exists(config_path):
     with open(config_path) as f:
@@ -129,12 +129,12 @@ def stored_definition(workdir: str) -> dict[str, Any] | None:
 # continued with another value (`optimizer.grad_clip_norm` and `weight_decay` add a transformation
 # to the chain only when > 0).
 _STATE_SHAPING = {
-  'optimizer.name': lambda value: value,
-  'optimizer.grad_clip_norm': lambda value: value > 0,
-  'optimizer.weight_decay': lambda value: value > 0,
+  "optimizer.name": lambda value: value,
+  "optimizer.grad_clip_norm": lambda value: value > 0,
+  "optimizer.weight_decay": lambda value: value > 0,
 }
 
-CHANGED_OPTIMIZER_FLAG = '--config.resume_with_changed_optimizer=True'
+CHANGED_OPTIMIZER_FLAG = "--config.resume_with_changed_optimizer=True"
 
 
 def optimizer_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, list]:
@@ -142,7 +142,7 @@ def optimizer_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> 
   return {
     name: [stored[name], current.get(name, _UNSET)]
     for name in sorted(stored)
-    if name.startswith('optimizer.') and stored[name] != current.get(name, _UNSET)
+    if name.startswith("optimizer.") and stored[name] != current.get(name, _UNSET)
   }
 
 
@@ -165,7 +165,7 @@ def check_same_experiment(workdir: str, config) -> None:
     return
   changes = optimizer_changes(stored, current)
   only_optimizer = len(changes) == len(diff)
-  if only_optimizer and config.get('resume_with_changed_optimizer', False):
+  if only_optimizer and config.get("resume_with_changed_optimizer", False):
     shaping = [
       name
       for name, (old, new) in changes.items()
@@ -174,15 +174,15 @@ def check_same_experiment(workdir: str, config) -> None:
     if not shaping:
       return
     raise errors.WorkdirError(
-      f'workdir {workdir}: {", ".join(shaping)} cannot change for a saved run (the optimizer '
-      'state has another structure); use a new --workdir'
+      f"workdir {workdir}: {', '.join(shaping)} cannot change for a saved run (the optimizer "
+      "state has another structure); use a new --workdir"
     )
   hint = (
-    f'; to continue its checkpoint with these optimizer settings, add {CHANGED_OPTIMIZER_FLAG}'
+    f"; to continue its checkpoint with these optimizer settings, add {CHANGED_OPTIMIZER_FLAG}"
     if only_optimizer
-    else '; use a new --workdir'
+    else "; use a new --workdir"
   )
-  raise errors.WorkdirError(f'workdir {workdir} holds another experiment: {"; ".join(diff)}{hint}')
+  raise errors.WorkdirError(f"workdir {workdir} holds another experiment: {'; '.join(diff)}{hint}")
 
 
 def write_definition(workdir: str, config, step: int = 0) -> dict[str, list]:
@@ -197,14 +197,14 @@ def write_definition(workdir: str, config, step: int = 0) -> dict[str, list]:
   history = []
   if os.path.exists(path):
     with open(path) as f:
-      history = json.load(f).get('history', [])
+      history = json.load(f).get("history", [])
   stored, current = stored_definition(workdir), definition(config)
   changes = {} if stored is None else optimizer_changes(stored, current)
   if changes:
-    history.append({'step': step, 'changed': changes})
-  payload = {'fields': list(DEFINING_FIELDS), 'definition': current}
+    history.append({"step": step, "changed": changes})
+  payload = {"fields": list(DEFINING_FIELDS), "definition": current}
   if history:
-    payload['history'] = history
+    payload["history"] = history
   atomic.write_json(path, payload)
   return changes
 
@@ -226,7 +226,7 @@ def _read_holder(path: str) -> dict | None:
 def _write_holder(fd: int) -> None:
   """Writes who holds the lock into the lock file (for the message a second run gets)."""
   os.ftruncate(fd, 0)
-  os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}).encode(), 0)
+  os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
 
 
 class WorkdirLock:
@@ -259,12 +259,12 @@ class WorkdirLock:
     except filelock.Timeout:
       raise errors.WorkdirError(self._in_use_message(_read_holder(self.path))) from None
     except OSError as e:
-      raise errors.WorkdirError(f'cannot write to workdir {self.workdir}: {e.strerror}') from e
+      raise errors.WorkdirError(f"cannot write to workdir {self.workdir}: {e.strerror}") from e
 
   def _in_use_message(self, holder: dict | None) -> str:
-    who = f'process {holder.get("pid")} on {holder.get("host")}' if holder else 'another process'
+    who = f"process {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
     return (
-      f'workdir {self.workdir} is in use by {who}; wait for it to finish or use another --workdir'
+      f"workdir {self.workdir} is in use by {who}; wait for it to finish or use another --workdir"
     )
 
   def release(self) -> None:
@@ -295,12 +295,12 @@ def make_workdir(workdir: str) -> None:
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.WorkdirError(
-      f'workdir {workdir} is a file, not a folder; choose another --workdir'
+      f"workdir {workdir} is a file, not a folder; choose another --workdir"
     )
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
-    reason = 'not a folder' if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
-    raise errors.WorkdirError(f'cannot create workdir {workdir}: {reason}') from e
+    reason = "not a folder" if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
+    raise errors.WorkdirError(f"cannot create workdir {workdir}: {reason}") from e
   if not os.access(workdir, os.W_OK):
-    raise errors.WorkdirError(f'workdir {workdir} is read-only; choose another --workdir')
+    raise errors.WorkdirError(f"workdir {workdir} is read-only; choose another --workdir")
