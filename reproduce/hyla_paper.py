@@ -208,11 +208,12 @@ def sweep_settings(task: str, attention: str) -> list[SweepSetting]:
 
 
 def sweep_points(
-  task: str, variants: Sequence[str], seeds: Sequence[int] = SEEDS
+  task: str, variants: Sequence[str], seeds: Sequence[int] | None = None
 ) -> list[tuple[str, SweepSetting, int]]:
-  """(variant, setting, seed) of every run of the paper's protocol, variant by variant, each
-  setting's seeds together (a later change can train one variant's points as the replicas of one
-  program)."""
+  """(variant, setting, seed) of every run of the paper's protocol (seeds: ``SEEDS`` unless
+  given), variant by variant, each setting's seeds together (``build_sweep_runs`` groups them
+  into one program per variant and seed)."""
+  seeds = SEEDS if seeds is None else seeds
   return [
     (attention, setting, seed)
     for attention in variants

@@ -100,7 +100,8 @@ def test_the_sweep_trains_each_variant_and_seed_as_one_program_of_its_points():
 
 
 @pytest.mark.slow
-def test_a_quick_logic_sweep_of_replicas_trains_and_reports(tmp_path):
+def test_a_quick_logic_sweep_of_replicas_trains_and_reports(tmp_path, monkeypatch):
+  monkeypatch.setattr(hyla_paper, "SEEDS", (0,))  # one program keeps the test short
   root, results = tmp_path / "runs", tmp_path / "logic.json"
   argv = [
     "--quick",
@@ -111,11 +112,9 @@ def test_a_quick_logic_sweep_of_replicas_trains_and_reports(tmp_path):
   ]
   assert grid.reproduce(logic_study.REPRODUCTION, argv) == 0
   records = grid.load_records(str(results))
-  # HYLA: lr {1e-3, 3e-3} × wd {0.1, 0.03} × seeds 0, 1, 2, in 3 programs of 4 replicas.
-  assert len(records) == 12 and len({r["name"] for r in records}) == 12
-  assert {r["name"].split("/")[0] for r in records} == {
-    f"logic_quick_sweep_hyla_s{s}" for s in SEEDS
-  }
+  # HYLA: lr {1e-3, 3e-3} × wd {0.1, 0.03} at seed 0, one program of 4 replicas.
+  assert len(records) == 4 and len({r["name"] for r in records}) == 4
+  assert {r["name"].split("/")[0] for r in records} == {"logic_quick_sweep_hyla_s0"}
   assert {(r["lr"], r["weight_decay"]) for r in records} == set(
     itertools.product((1e-3, 3e-3), (0.1, 0.03))
   )

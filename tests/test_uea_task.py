@@ -2,7 +2,7 @@
 
 import pytest
 
-from reproduce.grid import load_config
+from primal_dual.configs import load as load_config
 from primal_dual.training import config_lib
 from primal_dual.training import errors, trainer
 
