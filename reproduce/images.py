@@ -1,31 +1,7 @@
-"""The 'images' task: DeiT/ViT-style image classification (docs/maths.md §4).
-
-Config fields read:
-  ``config.data``: ``dataset`` ('digits' | 'cifar10' | 'imagenet2012'), ``data_dir`` (TFDS folder
-    for cifar10 / imagenet2012; '' means TFDS's default), ``upscale`` (digits: integer upscaling of
-    the 8×8 images), ``image_size`` (imagenet2012: crop side, 0 means 224), ``test_fraction`` and
-    ``split_seed`` (digits: the stratified train/test split), ``augment_repeats`` (see below).
-  ``config.model``: ``patch_size`` and the ``ViT`` sizes (``model_dim``, ``num_layers``,
-    ``num_heads``, ``mlp_dim``; ``primal_dual.models.VIT_PRESETS``), ``dropout_rate``,
-    ``attention_dropout_rate``, ``attention``, ``attention_options``. Attention-SH pools 2-D over
-    the patch grid with the CLS token unpooled (the model passes ``grid_shape``).
-
-Splits: 'train' and the data set's evaluation split under its TFDS name: 'test' for digits and
-cifar10, 'validation' for imagenet2012 (ImageNet's labelled validation set, on which ImageNet
-accuracy is reported). Missing TFDS data ends the run with one message saying how to prepare it
-(``tfds_image_sources`` raises FileNotFoundError, which the trainer reports as a
-``DataNotFoundError``).
-
-Training-time augmentation. The trainer feeds the task's train source straight to its loader with
-no per-example transform, so augmentation happens inside the train source: ``AugmentedSource``
-holds ``augment_repeats`` passes over the training images; record ``i`` is image ``i mod N``
-transformed (``primal_dual.data.images.make_preprocess(train=True)``) with the NumPy generator
-seeded by ``(config.seed, i)``. Every pass therefore sees a different augmentation of each image,
-the result is a pure function of the index (reproducible, and exact on resume: the loader's
-checkpointed position is all that is needed), and the loader's shuffle runs over all passes at once
-(each image appears exactly ``augment_repeats`` times in ``augment_repeats · N`` draws, not once
-per ``N``). Configs set ``augment_repeats`` to the number of epochs and count training length and
-periods in steps of real epochs (:func:`train_size`).
+"""The image-classification study (ViT/DeiT): accuracy and attention cost of the five attention
+forms on digits (offline), CIFAR-10 and ImageNet: its grid, record schema and report
+(``primal-dual reproduce images``); ``model_summary`` gives a config's size and attention FLOPs.
+The task: ``primal_dual/tasks/images.py``.
 """
 
 from __future__ import annotations

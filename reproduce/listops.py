@@ -1,26 +1,10 @@
-"""The 'listops' task: Long Range Arena ListOps (docs/maths.md §4), and a model summary (size, FLOPs).
-
-Config fields read:
-  ``config.data``: ``preset`` ('full' | 'short' | 'tiny', see ``primal_dual.data.listops.PRESETS``),
-    ``seed`` (generator seed; 0 is the registered TFDS config), ``data_dir`` (TFDS folder; ''
-    means TFDS's default). The data set is generated and prepared with TFDS on first use
-    (``primal_dual.data.builders.listops_sources``): 'full' takes about half a minute, 'short' a
-    few seconds; later runs read the prepared array_record files.
-  ``config.model``: the ``EncoderClassifier`` fields of ``ENCODER_FIELDS`` plus ``attention`` and
-    ``attention_options``. Inputs are token ids (``input_kind='embed'``, vocabulary
-    ``listops.VOCAB_SIZE``) padded with ``PAD_ID`` to the preset's ``max_length``; the padding
-    mask reaches every attention variant, the BN statistics and the SH pooling. ``pooling`` is
-    'cls' (the model prepends its own learned CLS token, which Attention-SH keeps unpooled) or
-    'mean' (over valid tokens).
-
-Splits: 'train', 'validation', 'test' (96k/2k/2k for 'full'). Reported numbers: ``test/accuracy``
-(the last step's test accuracy, LRA's protocol) and ``selected/test_accuracy`` (test accuracy of
-the evaluation with the best validation accuracy, the clean protocol).
-
-:func:`model_summary` gives a config's parameter count and its analytic attention FLOPs per
-example (``primal_dual.analysis.flops``: the products inside every layer's attention kernel at the
-padded length the model really computes on, CLS included; multiply-add = 2 FLOPs; projections,
-exponentials, BN statistics and SH pooling left out).
+"""The LRA ListOps study: accuracy and attention cost of the five attention forms in the
+PyTorch-lineage and JAX-LRA settings: its grid, record schema, report and reference numbers
+(``primal-dual reproduce listops``). ``model_summary`` gives a config's parameter count and its
+analytic attention FLOPs per example (``primal_dual.analysis.flops``: the products inside every
+layer's attention kernel at the padded length the model computes on, CLS included; multiply-add =
+2 FLOPs; projections, exponentials, BN statistics and SH pooling left out). The task:
+``primal_dual/tasks/listops.py``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
-"""The 'logic' task: in-context regression of fuzzy-logic functions (docs/maths.md §4).
-
-Data (``primal_dual.data.logic``). Splits:
-
-  * ``train``: sequences of the train term sets (``data.num_train`` of them, default
-    ``num_train_steps × batch_size``: no sequence repeats);
-  * ``validation``: the same term sets, fresh sequences from their own stream: model selection;
-  * ``test``: **held-out combinations**: term sets never trained on, made of seen conjunctions
-    (what the HYLA paper calls OOD);
-  * ``ood``: **held-out conjunctions**: term sets of held-out conjunctions (``data.ood_term_sets``:
-    only held-out ones, as the paper's code, or any).
-
-Every record gets ``task_variance`` float32 ``[]``: the exact variance of ``y`` for its task
-(``logic.task_moments``), which the metric needs.
-
-Model: ``SequenceTransformer`` with one output; the last position's output predicts the zeroed
-``y`` of the query token.
-
-Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targets ``y_b``:
-
-  * ``loss`` / ``mse``: squared error ``(p_b − y_b)²`` averaged over real examples;
-  * ``r2``: the pair ``(Σ_b (Var_b − (p_b − y_b)²), Σ_b Var_b)``. The trainer adds sums and counts
-    over batches and divides once, so the value it reports is
-    ``1 − Σ_b (p_b − y_b)² / Σ_b Var_b``: exactly ``logic.r_squared`` over the whole split;
-  * ``r2_per_sequence``: the HYLA paper's R², ``mean_b (1 − (p_b − y_b)² / var_b)`` with ``var_b``
-    the (population) variance of sequence b's ``seq_len`` targets, query included
-    (``sequence_target_variance``); a sequence whose targets are all equal (variance 0, which
-    continuous inputs make a null event) counts 0 instead of dividing by zero.
+"""The fuzzy-logic study of "Attention as a Hypernetwork": in-context regression (R² on held-out
+term combinations and conjunctions) of HYLA against softmax and linear attention and the paper's
+ablations (``primal-dual reproduce logic``). The fixed-setting grid and the paper's sweep protocol
+come from ``hyla_paper``; the task is ``primal_dual/tasks/logic.py``; the setup is compared with
+the paper's code in ``docs/reproduction.md``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
-"""The 'sraven' task: symbolic Raven matrices, compositional generalisation (docs/maths.md §4).
-
-Data (``primal_dual.data.sraven``). Splits:
-
-  * ``train``: in-distribution latents (rule multisets), ``data.num_train`` problems drawn from the
-    training stream (``num_train_steps × batch_size`` by default, so no problem is seen twice);
-  * ``validation``: in-distribution latents, its own stream: the model-selection split;
-  * ``test``: in-distribution latents, a third stream: in-distribution accuracy;
-  * ``ood``: the held-out latents (rule combinations never trained on): compositional accuracy.
-
-Selection is on ``validation``, never on ``ood``: ``selected/ood_whole_panel_accuracy`` is the OOD
-accuracy of the checkpoint with the best validation accuracy. ``best/ood_whole_panel_accuracy``
-(the best OOD value over evaluations) is optimistic and must not be reported as the result.
-
-Model: ``SequenceTransformer`` with ``num_outputs = V``; the logits of the last ``F`` positions
-(the query tokens) predict the answer panel's ``F`` features.
-
-Loss and metrics (``sraven_loss_and_metrics``), for logits ``[B, F, V]`` and targets ``[B, F]``:
-
-  * ``loss``: cross-entropy averaged over the ``F`` features, then over real examples;
-  * ``whole_panel_accuracy``: share of problems whose ``F`` argmaxes all equal the targets;
-  * ``feature_accuracy``: share of correct features (the mean over ``F`` per problem, then over
-    problems).
-
-Training problems are generated on the fly (one jitted call per record: 0.27 ms on this 2-core
-CPU) or, with ``data.materialize_train``, generated up front in batches of ``data.chunk_size``
-(8192 problems in about 0.06 s) and stored compactly (tokens as int8): reading a record is then
-14 µs. The stored problems are exactly those of the stream, so the two modes train on the same
-data. (grain's own overhead, about 0.3 ms per record here, remains either way.)
+"""The sRAVEN study of "Attention as a Hypernetwork": compositional generalisation (OOD
+whole-panel accuracy) of HYLA against softmax and linear attention and the paper's ablations, with
+latent-code decoding, learning curves and training speed (``primal-dual reproduce sraven``). The
+fixed-setting grid and the paper's sweep protocol come from ``hyla_paper``; the task is
+``primal_dual/tasks/sraven.py``; the setup is compared with the paper's code in
+``docs/reproduction.md``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ splits, `evaluate_workdir`); this module is the loop and the workdir's bookkeepi
 
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import signal
@@ -98,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     try:
       return _train_in_workdir(config, workdir)
     except Exception as e:
-      if _is_disk_full(e):
+      if errors.is_disk_full(e):
         raise errors.DiskFullError(workdir) from e
       raise
 
@@ -108,17 +107,6 @@ def _workdir_lock(workdir: str):
   if jax.process_index() != 0:
     return contextlib.nullcontext()
   return workdir_lib.WorkdirLock(workdir)
-
-
-def _is_disk_full(error: BaseException | None) -> bool:
-  """Whether ENOSPC is anywhere in `error`'s chain (Orbax re-raises write errors wrapped)."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-      return True
-    error = error.__cause__ or error.__context__
-  return False
 
 
 def _read_final_metrics(workdir: str) -> dict | None:
