@@ -239,4 +239,9 @@ def test_the_summary_says_which_numbers_to_report():
   (line,) = train.which_to_report(final)
   assert line.startswith("report: selected/") and "test_accuracy" in line
   assert "max validation accuracy (step 40)" in line and "best/* is the best" in line
+  assert "optimistic too" not in line
   assert train.which_to_report({"test/accuracy": 0.9, "best/test_accuracy": 0.95}) == []
+  # Selected on the test split itself (UEA's best-test protocol): said to be optimistic too.
+  on_test = dict(final, **{"selected/rule": "max test accuracy; ties: lower test loss"})
+  (line,) = train.which_to_report(on_test)
+  assert "selected/test_accuracy is read on the split that chose it (test)" in line

@@ -73,8 +73,18 @@ def which_to_report(final: dict) -> list[str]:
   if not selected:
     return []
   rule = final.get("selected/rule", "the selection split")
+  # The rule reads "max validation accuracy; ties: ...": its second word is the split that chose.
+  words = rule.split()
+  chooser = words[1] if len(words) > 1 and words[0] in ("max", "min") else None
+  read_on_chooser = [name for name in selected if chooser and name.startswith(f"{chooser}_")]
+  caveat = (
+    f"; selected/{read_on_chooser[0]} is read on the split that chose it ({chooser}), so it is "
+    "optimistic too"
+    if read_on_chooser
+    else ""
+  )
   return [
     f"report: selected/<split>_<metric> ({', '.join(selected)}): the checkpoint chosen by "
     f"{rule} (step {final.get('selected/step')}); best/* is the best value over evaluations, "
-    "optimistic where its own split chose it"
+    f"optimistic where its own split chose it{caveat}"
   ]
