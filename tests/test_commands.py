@@ -245,3 +245,7 @@ def test_the_summary_says_which_numbers_to_report():
   on_test = dict(final, **{"selected/rule": "max test accuracy; ties: lower test loss"})
   (line,) = train.which_to_report(on_test)
   assert "selected/test_accuracy is read on the split that chose it (test)" in line
+  # A sweep's replicas: their names carry the replica's prefix.
+  sweep = {f"lr=0.1,seed=0/{name}": value for name, value in final.items()}
+  (line,) = train.which_to_report(sweep)
+  assert line.startswith("report: selected/") and "max validation accuracy;" in line

@@ -64,15 +64,17 @@ def main(argv: list[str]) -> int:
 def which_to_report(final: dict) -> list[str]:
   """Closing lines saying which of the printed numbers is the run's result: ``selected/*`` (the
   checkpoint chosen on the selection split) where the run selects one; ``best/*`` is the best
-  value over evaluations, optimistic when the split it is read on also picked the evaluation."""
-  selected = sorted(
-    name[len("selected/") :]
-    for name in final
-    if name.startswith("selected/") and name not in ("selected/step", "selected/rule")
-  )
+  value over evaluations, optimistic when the split it is read on also picked the evaluation. A
+  sweep's names carry their replica's prefix (``lr=0.001,seed=0/selected/...``)."""
+  fields = {
+    name.rpartition("selected/")[2]: value
+    for name, value in final.items()
+    if name.startswith("selected/") or "/selected/" in name
+  }
+  selected = sorted(set(fields) - {"step", "rule"})
   if not selected:
     return []
-  rule = final.get("selected/rule", "the selection split")
+  rule = fields.get("rule", "the selection split")
   # The rule reads "max validation accuracy; ties: ...": its second word is the split that chose.
   words = rule.split()
   chooser = words[1] if len(words) > 1 and words[0] in ("max", "min") else None
@@ -83,8 +85,9 @@ def which_to_report(final: dict) -> list[str]:
     if read_on_chooser
     else ""
   )
+  step = f" (step {final['selected/step']})" if "selected/step" in final else ""
   return [
     f"report: selected/<split>_<metric> ({', '.join(selected)}): the checkpoint chosen by "
-    f"{rule} (step {final.get('selected/step')}); best/* is the best value over evaluations, "
-    f"optimistic where its own split chose it{caveat}"
+    f"{rule}{step}; best/* is the best value over evaluations, optimistic where its own split "
+    f"chose it{caveat}"
   ]
