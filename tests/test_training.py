@@ -907,7 +907,10 @@ def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
   monkeypatch.setattr(metrics_logging.MetricWriter, "write_scalars", disk_full)
   with pytest.raises(errors.DiskFullError, match=f"no space left on the disk of {workdir}; "):
     trainer.train_and_evaluate(tiny_config(), workdir)
-  assert not trainer._is_disk_full(RuntimeError("wrapped"))
+  assert not errors.is_disk_full(RuntimeError("wrapped"))
+  wrapped = RuntimeError("orbax")
+  wrapped.__cause__ = OSError(errno.ENOSPC, "full")
+  assert errors.is_disk_full(wrapped)
 
 
 def test_train_cli_reports_user_errors_in_one_line(tmp_path):
