@@ -377,6 +377,43 @@ def _round_up(n: int, block: int) -> int:
   return -(-n // block) * block
 
 
+def check_tiled_call(
+  name: str,
+  query,
+  key,
+  value,
+  normalization: str,
+  value_network: str,
+  block_size,
+  *,
+  normalization_note: str = "",
+) -> C.QKVShapes:
+  """The checks every tiled HYLA entry point (``name``: this module's, the Pallas kernel's) makes
+  before tiling; returns the validated shapes.
+
+  Raises:
+    ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
+      ``normalization`` (its message ending in ``normalization_note``) or ``value_network``, or a
+      ``block_size`` that is not a positive int.
+  """
+  shapes = C.validate_qkv(query, key, value)
+  C.refuse_grouped_heads(
+    shapes, name, "its value network sums the values over heads with per-head weights"
+  )
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(
+      f"{name}: normalization must be one of {list(NORMALIZATIONS)}; got "
+      f"{normalization!r}{normalization_note}"
+    )
+  if value_network not in VALUE_NETWORKS:
+    raise ValueError(
+      f"{name}: value_network must be one of {list(VALUE_NETWORKS)}; got {value_network!r}"
+    )
+  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+  return shapes
+
+
 def hyla_blockwise_attention(
   query,
   key,
@@ -413,24 +450,9 @@ def hyla_blockwise_attention(
     ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
       ``normalization``/``value_network``, or a ``block_size`` that is not a positive int.
   """
-  shapes = C.validate_qkv(query, key, value)
-  C.refuse_grouped_heads(
-    shapes,
-    "hyla_blockwise_attention",
-    "its value network sums the values over heads with per-head weights",
+  shapes = check_tiled_call(
+    "hyla_blockwise_attention", query, key, value, normalization, value_network, block_size
   )
-  if normalization not in NORMALIZATIONS:
-    raise ValueError(
-      f"hyla_blockwise_attention: normalization must be one of "
-      f"{list(NORMALIZATIONS)}; got {normalization!r}"
-    )
-  if value_network not in VALUE_NETWORKS:
-    raise ValueError(
-      f"hyla_blockwise_attention: value_network must be one of "
-      f"{list(VALUE_NETWORKS)}; got {value_network!r}"
-    )
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-    raise ValueError(f"block_size must be a positive int; got {block_size!r}")
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
   q_block, k_block = min(block_size, shapes.q_len), min(block_size, shapes.kv_len)
   q_pad, k_pad = _round_up(shapes.q_len, q_block), _round_up(shapes.kv_len, k_block)

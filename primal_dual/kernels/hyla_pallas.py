@@ -564,24 +564,16 @@ def hyla_pallas_attention(
     ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
       ``normalization``/``value_network``, or a ``block_size`` that is not a positive int.
   """
-  shapes = C.validate_qkv(query, key, value)
-  C.refuse_grouped_heads(
-    shapes,
+  shapes = hb.check_tiled_call(
     "hyla_pallas_attention",
-    "its value network sums the values over heads with per-head weights",
+    query,
+    key,
+    value,
+    normalization,
+    value_network,
+    block_size,
+    normalization_note=" (softmax needs per-key running statistics: use the dense path)",
   )
-  if normalization not in NORMALIZATIONS:
-    raise ValueError(
-      f"hyla_pallas_attention: normalization must be one of {list(NORMALIZATIONS)}; got "
-      f"{normalization!r} (softmax needs per-key running statistics: use the dense path)"
-    )
-  if value_network not in VALUE_NETWORKS:
-    raise ValueError(
-      f"hyla_pallas_attention: value_network must be one of {list(VALUE_NETWORKS)}; got "
-      f"{value_network!r}"
-    )
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-    raise ValueError(f"block_size must be a positive int; got {block_size!r}")
   interpret = default_interpret() if interpret is None else bool(interpret)
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
 
