@@ -221,3 +221,9 @@ def test_per_seed_held_out_set_refuses_replica_seeds(task):
   assert family(one).split_seed == 2  # a single replica seed is the run's seed
   with pytest.raises(ValueError, match="cannot train the seeds"):
     module.build_data(config_lib.with_fields(config, {"seeds": (0, 1)}))
+  # A sweep over seeds shares one data pipeline too.
+  with pytest.raises(ValueError, match="cannot train the seeds"):
+    module.build_data(config_lib.with_fields(config, {"sweep.seed": (0, 1)}))
+  # Sweeping other settings at one seed keeps the per-seed split.
+  swept = config_lib.with_fields(config, {"sweep.optimizer.lr": (1e-3, 3e-4)})
+  assert family(swept).split_seed == 1

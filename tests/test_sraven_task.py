@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from primal_dual.configs import sraven as sraven_configs
+from primal_dual.data import generated
 from primal_dual.data import sraven
 from reproduce import grid
 from primal_dual.tasks import sraven as task
@@ -173,7 +174,7 @@ def test_paper_preset_is_the_spec_setup_and_steps_override():
     optimizer.weight_decay,
     optimizer.schedule,
   ) == ("adamw", 1e-3, 1000, None, 0.1, 0.1, "warmup_cosine")
-  assert config.data.split_seed == sraven.SPLIT_SEED_OF_RUN  # a held-out set per seed
+  assert config.data.split_seed == generated.SPLIT_SEED_OF_RUN  # a held-out set per seed
   assert sraven_configs.get_config("preset=cpu,steps=123").num_train_steps == 123
   with pytest.raises(ValueError, match="unknown sRAVEN preset"):
     sraven_configs.get_config("preset=huge")

@@ -61,6 +61,7 @@ is recorded there.
 """
 
 from primal_dual.configs import _base
+from primal_dual.data import generated
 from primal_dual.data import sraven
 from primal_dual.training import config_lib
 
@@ -135,7 +136,7 @@ END_LR_RULES = {
 # splits; 'fixed': split seed 0 for every seed (this library's earlier rule: seeds differ only in
 # the model and data order).
 HELD_OUT_RULES = {
-  "per_seed": dict(data=dict(split_seed=sraven.SPLIT_SEED_OF_RUN)),
+  "per_seed": dict(data=dict(split_seed=generated.SPLIT_SEED_OF_RUN)),
   "fixed": dict(data=dict(split_seed=0)),
 }
 

@@ -222,3 +222,34 @@ def _pool(task: GeneratedTask, config: Any, split: str) -> tuple[np.ndarray, int
   if len(ids) == 0:
     raise ValueError(task.empty_split_message(config, split))
   return padded_pool(ids, task.table_size(config))
+
+
+# ``split_seed`` value meaning "the run's seed": each training seed draws its own held-out set, as
+# the HYLA paper's code does (its generators permute the latents with the run's seed). The
+# generated tasks (``primal_dual/tasks/sraven.py``, ``logic.py``) resolve it with
+# ``run_split_seed``.
+SPLIT_SEED_OF_RUN = -1
+
+
+def run_split_seed(split_seed: int, seed: int, seeds: tuple[int, ...] = ()) -> int:
+  """The split seed a run uses: ``split_seed``, or for ``SPLIT_SEED_OF_RUN`` the run's seed.
+
+  Args:
+    split_seed: ``config.data.split_seed`` (≥ 0, or ``SPLIT_SEED_OF_RUN``).
+    seed: ``config.seed``. seeds: the seeds of replicas trained in one program (``config.seeds``
+      or ``config.sweep.seed``).
+
+  Raises:
+    ValueError: a per-run split with several replica seeds (they share one data pipeline, so one
+      held-out set; train them as separate runs).
+  """
+  if split_seed != SPLIT_SEED_OF_RUN:
+    return split_seed
+  seeds = tuple(seeds)
+  if len(seeds) > 1:
+    raise ValueError(
+      f"data.split_seed={SPLIT_SEED_OF_RUN} (a held-out set per seed) cannot train the seeds "
+      f"{seeds} as replicas of one program, whose data is shared: run one seed per program, or "
+      "set data.split_seed ≥ 0 (one held-out set for every seed)"
+    )
+  return seeds[0] if seeds else seed

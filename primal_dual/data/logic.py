@@ -61,7 +61,7 @@ class LogicConfig:
     seq_len: tokens per sequence, the last one being the query.
     ood_fraction: share of conjunctions held out (the last ones), rounded down.
     split_seed: seeds the train/test split of in-distribution term sets (≥ 0; a config's
-      ``sraven.SPLIT_SEED_OF_RUN`` is resolved to the run's seed by the task).
+      ``generated.SPLIT_SEED_OF_RUN`` is resolved to the run's seed by the task).
     test_fraction: share of in-distribution term sets given to ``test``, rounded down (0.5 as in
       the reference configs of Schug et al.).
     ood_term_sets: which term sets form the ``ood`` split, a key of ``OOD_TERM_SET_RULES``.

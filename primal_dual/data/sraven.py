@@ -317,35 +317,6 @@ class SRavenConfig:
     return NUM_PANELS * self.num_features
 
 
-# ``split_seed`` value meaning "the run's seed": each training seed draws its own held-out set, as
-# the HYLA paper's code does (its generators permute the latents with the run's seed). The tasks
-# (``primal_dual/tasks/sraven.py``, ``logic.py``) resolve it with ``run_split_seed``.
-SPLIT_SEED_OF_RUN = -1
-
-
-def run_split_seed(split_seed: int, seed: int, seeds: tuple[int, ...] = ()) -> int:
-  """The split seed a run uses: ``split_seed``, or for ``SPLIT_SEED_OF_RUN`` the run's seed.
-
-  Args:
-    split_seed: ``config.data.split_seed`` (≥ 0, or ``SPLIT_SEED_OF_RUN``).
-    seed: ``config.seed``. seeds: ``config.seeds`` (replicas trained in one program).
-
-  Raises:
-    ValueError: a per-run split with several replica seeds (they share one data pipeline, so one
-      held-out set; train them as separate runs).
-  """
-  if split_seed != SPLIT_SEED_OF_RUN:
-    return split_seed
-  seeds = tuple(seeds)
-  if len(seeds) > 1:
-    raise ValueError(
-      f"data.split_seed={SPLIT_SEED_OF_RUN} (a held-out set per seed) cannot train the seeds "
-      f"{seeds} as replicas of one program, whose data is shared: run one seed per program, or "
-      "set data.split_seed ≥ 0 (one held-out set for every seed)"
-    )
-  return seeds[0] if seeds else seed
-
-
 class _Split(NamedTuple):
   stream_id: int  # distinct per split, so splits never share a random stream
   held_out: bool  # draws held-out (OOD) latents instead of in-distribution ones

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from primal_dual.data import generated
 from primal_dual.training import task_registry
 
 DataclassT = TypeVar("DataclassT")
@@ -99,10 +100,28 @@ def plain(value: Any) -> Any:
   return value
 
 
-def config_dataclass(cls: type[DataclassT], values: ml_collections.ConfigDict) -> DataclassT:
+def config_dataclass(
+  cls: type[DataclassT], values: ml_collections.ConfigDict, **replacements: Any
+) -> DataclassT:
   """The dataclass ``cls`` from the entries of ``values`` named as its fields, as ``plain`` values
-  (lists made tuples, so the result stays hashable)."""
-  return cls(**{field.name: plain(values[field.name]) for field in dataclasses.fields(cls)})
+  (lists made tuples, so the result stays hashable), with ``replacements`` in place of some."""
+  fields = {field.name: plain(values[field.name]) for field in dataclasses.fields(cls)}
+  return cls(**{**fields, **replacements})
+
+
+def replica_seeds(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """The seeds of the replicas a config trains in one program: ``config.seeds`` or
+  ``config.sweep.seed`` (empty for a single seed)."""
+  sweep = config.get("sweep") or {}
+  return tuple(config.get("seeds") or ()) or tuple(sweep.get("seed") or ())
+
+
+def run_family(cls: type[DataclassT], config: ml_collections.ConfigDict) -> DataclassT:
+  """A generated task's problem family: ``config.data`` as the dataclass ``cls``, its held-out
+  split seed resolved for this run (``generated.run_split_seed``: ``SPLIT_SEED_OF_RUN`` is the
+  run's seed; refused for replicas of several seeds, which share one data pipeline)."""
+  split_seed = generated.run_split_seed(config.data.split_seed, config.seed, replica_seeds(config))
+  return config_dataclass(cls, config.data, split_seed=split_seed)
 
 
 def attention_kwargs(model_config: ml_collections.ConfigDict) -> dict[str, Any]:

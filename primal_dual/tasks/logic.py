@@ -30,7 +30,6 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable, Mapping
 
@@ -41,7 +40,6 @@ import numpy as np
 
 from primal_dual.data import generated
 from primal_dual.data import logic
-from primal_dual.data import sraven as split_rule  # run_split_seed, shared by both tasks
 from primal_dual.tasks import _common as common
 from primal_dual.models import SequenceTransformer
 from primal_dual.training import task_registry
@@ -178,28 +176,10 @@ class LogicTaskSource:
     )
 
 
-def logic_config(
-  data: ml_collections.ConfigDict, split_seed: int | None = None
-) -> logic.LogicConfig:
-  """The task family named by ``config.data``, with ``split_seed`` if given (the resolved
-  ``run_split_seed`` of a run; ``task_family``)."""
-  values = {
-    field.name: common.plain(data[field.name]) for field in dataclasses.fields(logic.LogicConfig)
-  }
-  if split_seed is not None:
-    values["split_seed"] = split_seed
-  return logic.LogicConfig(**values)
-
-
 def task_family(config: ml_collections.ConfigDict) -> logic.LogicConfig:
   """The run's task family: ``config.data`` with its held-out split seed resolved
-  (``data.split_seed = SPLIT_SEED_OF_RUN``: the run's ``config.seed``)."""
-  return logic_config(
-    config.data,
-    split_rule.run_split_seed(
-      config.data.split_seed, config.seed, tuple(config.get("seeds") or ())
-    ),
-  )
+  (``common.run_family``)."""
+  return common.run_family(logic.LogicConfig, config)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:

@@ -30,7 +30,6 @@ slice. The stored problems are exactly those of the stream, so every mode trains
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
@@ -209,26 +208,15 @@ class FieldsSource:
 # Task definition.
 
 
-def sraven_config(
-  data: ml_collections.ConfigDict, split_seed: int | None = None
-) -> sraven.SRavenConfig:
-  """The problem family named by ``config.data``, with ``split_seed`` if given (the resolved
-  ``run_split_seed`` of a run; ``problem_family``)."""
-  values = {
-    field.name: common.plain(data[field.name]) for field in dataclasses.fields(sraven.SRavenConfig)
-  }
-  if split_seed is not None:
-    values["split_seed"] = split_seed
-  return sraven.SRavenConfig(**values)
+def sraven_config(data: ml_collections.ConfigDict) -> sraven.SRavenConfig:
+  """The problem family named by ``config.data`` as it stands (split seed unresolved)."""
+  return common.config_dataclass(sraven.SRavenConfig, data)
 
 
 def problem_family(config: ml_collections.ConfigDict) -> sraven.SRavenConfig:
   """The run's problem family: ``config.data`` with its held-out split seed resolved
-  (``data.split_seed = sraven.SPLIT_SEED_OF_RUN``: the run's ``config.seed``)."""
-  return sraven_config(
-    config.data,
-    sraven.run_split_seed(config.data.split_seed, config.seed, tuple(config.get("seeds") or ())),
-  )
+  (``common.run_family``)."""
+  return common.run_family(sraven.SRavenConfig, config)
 
 
 def train_size(config: ml_collections.ConfigDict) -> int:
