@@ -315,7 +315,7 @@ def variant_options(model: ml_collections.ConfigDict) -> dict[str, Any]:
   ``get_config`` computes for its ``attention=`` argument, from what it stored in
   ``model.task_attention_options`` (``ratios`` for the variants that take them, and ``by_variant``:
   a variant's own options)."""
-  from primal_dual import registry
+  from primal_dual import registry  # imports JAX: the commands check configs before it loads
 
   given = dict(model.get("task_attention_options") or {})
   own = dict((given.get("by_variant") or {}).get(model.attention) or {})
