@@ -259,9 +259,9 @@ def build_sweep_runs(
   as_replicas: bool = True,
   seeds: Sequence[int] | None = None,
 ) -> list[grid.GridRun]:
-  """The runs of ``sweep_points`` (at ``seeds``, by default ``SEEDS``): the preset with each point's optimizer fields and the end rate
-  relative to the peak (``end_lr=relative``, as the official code, so each lr keeps the
-  schedule's shape).
+  """The runs of ``sweep_points`` (at ``seeds``, by default ``SEEDS``): the preset with each
+  point's optimizer fields and the end rate relative to the peak (``end_lr=relative``, as the
+  official code, so each lr keeps the schedule's shape).
 
   With ``as_replicas`` (``--sweep_programs=replicas``) one ``GridRun`` per variant and seed trains
   every point of the sweep as the replicas of one program (``config.sweep``; the points of one
