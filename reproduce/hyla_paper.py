@@ -138,7 +138,7 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
       args.steps_per_call,
       args.held_out,
       as_replicas=args.sweep_programs == "replicas",
-      seeds=args.sweep_seeds,
+      seeds=sweep_seeds(args),
     )
   if args.protocol == "points":
     return build_point_runs(
@@ -148,7 +148,7 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
       args.quick,
       args.steps,
       sweep_variants(args),
-      args.sweep_seeds,
+      sweep_seeds(args),
       args.points,
       args.steps_per_call,
       args.held_out,
@@ -245,6 +245,11 @@ def sweep_variants(args: argparse.Namespace) -> tuple[str, ...]:
     return QUICK_VARIANTS
   main, ablations = GRID_VARIANTS[args.preset]
   return main + ablations
+
+
+def sweep_seeds(args: argparse.Namespace) -> tuple[int, ...]:
+  """``--sweep_seeds``, by default ``SEEDS``."""
+  return SEEDS if args.sweep_seeds is None else tuple(args.sweep_seeds)
 
 
 def build_sweep_runs(
@@ -598,7 +603,7 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
   ),
   "--sweep_seeds": dict(
     type=grid.comma_list(int),
-    default=SEEDS,
+    default=None,
     help="with --protocol=paper_sweep or points: the seeds (comma list; default 0,1,2)",
   ),
   "--held_out": dict(
@@ -628,7 +633,7 @@ def check_sequence_arguments(args: argparse.Namespace) -> None:
     raise ValueError(f"--protocol={args.protocol} trains one run per seed; drop --seeds_together")
   if (args.protocol == "points") != bool(args.points):
     raise ValueError("--points and --protocol=points go together")
-  if not args.sweep_seeds:
+  if args.sweep_seeds is not None and not args.sweep_seeds:
     raise ValueError("--sweep_seeds: give at least one seed")
   per_seed = args.held_out == "per_seed" or (not args.held_out and args.preset == "paper")
   if args.seeds_together and per_seed:
@@ -638,7 +643,7 @@ def check_sequence_arguments(args: argparse.Namespace) -> None:
       "(the paper preset draws a held-out split per seed)"
     )
   if args.protocol not in SELECTING_PROTOCOLS and (
-    args.sweep_variants or tuple(args.sweep_seeds) != SEEDS
+    args.sweep_variants or args.sweep_seeds is not None
   ):
     raise ValueError("--sweep_variants and --sweep_seeds need --protocol=paper_sweep or points")
 

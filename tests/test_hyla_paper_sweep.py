@@ -288,6 +288,8 @@ def test_points_protocol_trains_the_listed_points_as_one_program_per_variant_and
     assert [tags["preset_setting"] for _, tags in run.replicas] == [False, False, True]
   assert grid.reproduce(sraven_study.REPRODUCTION, ["--points", PROBE_POINTS[0], "--dry_run"]) == 2
   assert "--points and --protocol=points go together" in capsys.readouterr().err
+  assert grid.reproduce(sraven_study.REPRODUCTION, ["--sweep_seeds=1", "--dry_run"]) == 2
+  assert "--sweep_seeds need --protocol=paper_sweep or points" in capsys.readouterr().err
   bad = ["--quick", "--protocol=points", "--points", "lr=0.001,depth=2", "--dry_run"]
   assert grid.reproduce(sraven_study.REPRODUCTION, bad) == 2
   (line,) = capsys.readouterr().err.strip().splitlines()
