@@ -334,6 +334,8 @@ def test_auto_on_a_gpu_backend_picks_xla_paths(monkeypatch, n, expected):
     (lambda q, k, v: hp.hyla_pallas_attention(q, k, v, block_size=0), "block_size"),
     (lambda q, k, v: hp.hyla_pallas_attention(q, k, v, normalization="softmax"), "normalization"),
     (lambda q, k, v: hp.hyla_pallas_attention(q, k, v, value_network="gelu"), "value_network"),
+    (lambda q, k, v: hp.hyla_pallas_attention(q, k, v, num_warps=0), "num_warps=0"),
+    (lambda q, k, v: hp.hyla_pallas_attention(q, k, v, num_stages=1.5), "num_stages=1.5"),
     (
       lambda q, k, v: hp.hyla_pallas_attention(q, k, v, mask=np.ones((3, 4, 5), bool)),
       r"mask of shape \(3, 4, 5\) does not broadcast to .*\(2, 2, 3, 4\)",

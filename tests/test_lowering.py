@@ -131,6 +131,15 @@ def test_pallas_hyla_lowers_to_triton_for_cuda(name, device_backend):
   assert text.count(f"@{TRITON_CALL}(") == 3, calls  # the forward, dq and dk/dv kernels
 
 
+def test_pallas_hyla_launch_parameters_reach_triton(device_backend):
+  device_backend("cuda")
+  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)
+  text = lowered_text(
+    lambda q, k, v: hp.hyla_pallas_attention(q, k, v, num_warps=8, num_stages=2), (q, q, q), "cuda"
+  )
+  assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
+
+
 # --- Every registered variant in the Linen and NNX layers ---------------------------------------
 
 LAYER_BATCH, LAYER_HEADS, LAYER_FEATURES = 2, 4, 64  # head size 16: cuDNN takes it
