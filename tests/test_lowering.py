@@ -45,13 +45,16 @@ STUB_CUDNN_VERSION = 90800
 def device_backend(monkeypatch):
   """``set(platform)``: from then on ``jax.default_backend()`` reports that platform's backend,
   and cuDNN's version check (which asks the CUDA libraries, absent here) reports a release that
-  supports fused attention."""
+  supports fused attention. Caches are cleared on each change of backend and at the end."""
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: STUB_CUDNN_VERSION)
 
   def report(platform: str) -> None:
     monkeypatch.setattr(jax, "default_backend", lambda: BACKENDS[platform])
+    # Traces cached under another reported backend would carry that backend's choices.
+    jax.clear_caches()
 
-  return report
+  yield report
+  jax.clear_caches()
 
 
 def lowered_text(fn, args, platform: str) -> str:
