@@ -260,11 +260,7 @@ def select_path(
   tile = blockwise_tile(call, normalization, block_size)
   if tile is None:
     return "dense", None
-  if (
-    implementation == "auto"
-    and block_size == "auto"
-    and jax.default_backend() in AUTO_PALLAS_BACKENDS
-  ):
+  if implementation == block_size == "auto" and jax.default_backend() in AUTO_PALLAS_BACKENDS:
     return "pallas", hyla_pallas.DEFAULT_BLOCK_SIZE
   return "blockwise", tile
 
