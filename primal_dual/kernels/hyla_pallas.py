@@ -41,15 +41,16 @@ GPU layout: head and value features are zero-padded to a power of two (at least 
 Triton's minimum dot size) and lengths to the tile; tiles are powers of two on a GPU. All matrix
 products are 2-D (Triton lowers no batched ``dot_general``), hence Python loops over heads.
 
-Backend: on a GPU every ``pl.pallas_call`` passes ``pallas.triton.CompilerParams`` (``num_warps``,
-``num_stages``), which is also what selects Triton: without compiler parameters this JAX lowers a
-GPU Pallas call with Mosaic GPU, which rejects the kernel (it cannot size ``jax.nn.relu``'s
-``custom_jvp`` call, and without relu it asks for more shared memory than the 227 KiB of an
-H100: 282 KiB for 4 heads of 64 features at 256 tokens, bfloat16, lowered for CUDA on a CPU). JAX deprecates Pallas's Triton backend; a kernel for the
-tensor cores (Mosaic GPU's warpgroup matrix products, or cuDNN) is separate work. Off a GPU the
-kernels run in interpret mode, which ignores these parameters. ``hyla_attention``'s
-``implementation='auto'`` does not pick this kernel (no GPU measurement shows it faster than the
-XLA blockwise path yet); ``implementation='pallas'`` does.
+Backend: every ``pl.pallas_call`` passes ``pallas.triton.CompilerParams`` (``num_warps``,
+``num_stages``), which on a GPU is also what selects Triton: without compiler parameters this JAX
+lowers a GPU Pallas call with Mosaic GPU, which rejects this kernel (it cannot size
+``jax.nn.relu``'s ``custom_jvp`` call, and without relu the kernel asks for more shared memory
+than the 227 KiB of an H100: 282 KiB for 4 heads of 64 features at 256 tokens in bfloat16, as
+lowered for CUDA on a CPU). JAX deprecates Pallas's Triton backend; a kernel for the tensor cores
+(Mosaic GPU's warpgroup matrix products, or cuDNN) is separate work. Off a GPU the kernels run in
+interpret mode, which ignores these parameters. ``hyla_attention``'s ``implementation='auto'``
+does not pick this kernel (no GPU measurement shows it faster than the XLA blockwise path yet);
+``implementation='pallas'`` does.
 
 Not covered (``ValueError``): softmax normalisation (per-key running statistics), and, through
 ``hyla_attention``, dropout and returned or sown weights. Reverse-mode differentiation only.
