@@ -99,7 +99,8 @@ PALLAS_CASES = {
 
 
 def pallas_program(case: dict):
-  """``(fn, args)``: the kernel's forward and its gradient w.r.t. q, k, v (and bias), one program."""
+  """``(fn, args)``: the kernel's forward and its gradient w.r.t. q, k, v (and bias) in one
+  program."""
   case = dict(case)
   dtype = case.pop("dtype", jnp.bfloat16)
   q_len, kv_len = case.pop("q_len", Q_LEN), case.pop("kv_len", KV_LEN)
