@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax._src.cudnn import fused_attention_stablehlo
+from jax._src.cudnn import fused_attention_stablehlo  # its cuDNN version check is stubbed
 
 from primal_dual import configs, registry
 from primal_dual import nnx as pd_nnx
@@ -43,7 +43,7 @@ STUB_CUDNN_VERSION = 90800
 
 @pytest.fixture
 def device_backend(monkeypatch):
-  """``set(platform)``: from then on ``jax.default_backend()`` reports that platform's backend,
+  """``report(platform)``: from then on ``jax.default_backend()`` reports that platform's backend,
   and cuDNN's version check (which asks the CUDA libraries, absent here) reports a release that
   supports fused attention. Caches are cleared on each change of backend and at the end."""
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: STUB_CUDNN_VERSION)
