@@ -1,0 +1,344 @@
+"""What runs on a GPU or TPU lowers there: programs lowered on this CPU for CUDA and TPU.
+
+``jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))`` builds the device program without
+a device. With ``jax.default_backend()`` reported as the device's (``device_backend``), every
+``implementation='auto'`` in the library chooses as it would on that device, so these tests see
+the failures a user would meet there: the fused HYLA kernel lowered through Mosaic GPU instead of
+Triton, a kernel path that does not lower for a platform, a softmax call that silently leaves
+cuDNN. Nothing is compiled or run; the arguments are abstract (``jax.ShapeDtypeStruct``).
+
+* the Pallas HYLA kernel, in every configuration it claims, forward and gradient, lowers for CUDA
+  to Triton custom calls (and no Mosaic GPU one);
+* every registered variant in the Linen and NNX layers, forward and gradient, bfloat16, lengths
+  256 and 1024, without a mask, with a key-padding mask and causal, lowers for CUDA and TPU; where
+  a variant can take the fused softmax path, the CUDA program holds cuDNN's attention calls;
+* the trainer's jitted train and evaluation programs of every packaged config (``runlocal``)
+  lower for CUDA and TPU.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo  # its cuDNN version check is stubbed
+
+from primal_dual import configs, registry
+from primal_dual import nnx as pd_nnx
+from primal_dual.kernels import hyla_pallas as hp
+from primal_dual.layers import MultiHeadAttention
+from primal_dual.training import setup, sharding
+
+# Lowering platform -> what jax.default_backend() says on such a device.
+BACKENDS = {"cuda": "gpu", "tpu": "tpu"}
+TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "mosaic_gpu"  # Mosaic GPU's custom calls are mosaic_gpu and mosaic_gpu_v2
+CUDNN_FORWARD, CUDNN_BACKWARD = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+# A cuDNN release the fused attention accepts (the CPU has none to report).
+STUB_CUDNN_VERSION = 90800
+
+
+@pytest.fixture
+def device_backend(monkeypatch):
+  """``report(platform)``: from then on ``jax.default_backend()`` reports that platform's backend,
+  and cuDNN's version check (which asks the CUDA libraries, absent here) reports a release that
+  supports fused attention. Caches are cleared on each change of backend and at the end."""
+  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: STUB_CUDNN_VERSION)
+
+  def report(platform: str) -> None:
+    monkeypatch.setattr(jax, "default_backend", lambda: BACKENDS[platform])
+    # Traces cached under another reported backend would carry that backend's choices.
+    jax.clear_caches()
+
+  yield report
+  jax.clear_caches()
+
+
+def lowered_text(fn, args, platform: str) -> str:
+  """StableHLO text of ``jax.jit(fn)(*args)`` lowered for ``platform`` (nothing compiled)."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def custom_calls(text: str) -> set[str]:
+  """Targets of the custom calls in lowered StableHLO text."""
+  return set(re.findall(r"custom_call @([^\s(]+)\(", text))
+
+
+# --- The Pallas HYLA kernel ----------------------------------------------------------------------
+
+BATCH, HEADS = 2, 3
+Q_LEN, KV_LEN, D, D_V = 40, 40, 8, 8
+# One change at a time from the base call (bfloat16, rms_head, mlp_relu, no mask or bias, tile 16).
+PALLAS_CASES = {
+  "base": {},
+  "float32": dict(dtype=jnp.float32),
+  "float16": dict(dtype=jnp.float16),
+  "norm_none": dict(normalization="none"),
+  "mlp_linear": dict(value_network="mlp_linear"),
+  "linear_value": dict(value_network="linear"),
+  "linear_value_norm_none": dict(value_network="linear", normalization="none"),
+  "key_padding_mask": dict(mask=(BATCH, 1, 1, KV_LEN)),
+  "full_mask": dict(mask=(BATCH, HEADS, Q_LEN, KV_LEN)),
+  "bias_full": dict(bias=(BATCH, HEADS, Q_LEN, KV_LEN)),
+  "bias_per_key": dict(bias=(1, HEADS, 1, KV_LEN)),
+  "bias_per_query": dict(bias=(BATCH, 1, Q_LEN, 1)),
+  "bias_scalar": dict(bias=(1, 1, 1, 1)),
+  "causal_top_left": dict(is_causal=True),
+  "causal_bottom_right": dict(is_causal=True, causal_alignment="bottom_right", q_len=24),
+  "causal_bias_per_key": dict(is_causal=True, bias=(1, HEADS, 1, KV_LEN)),
+  "causal_bias_full_mask": dict(
+    is_causal=True, bias=(BATCH, HEADS, Q_LEN, KV_LEN), mask=(BATCH, HEADS, Q_LEN, KV_LEN)
+  ),
+  "ragged_lengths": dict(q_len=37, kv_len=53, mask=(BATCH, 1, 1, 53)),
+  "tile_32": dict(block_size=32),
+  "tile_64_odd_features": dict(block_size=64, d=12, d_v=5),
+}
+
+
+def pallas_program(case: dict):
+  """``(fn, args)``: the kernel's forward and its gradient w.r.t. q, k, v (and bias) in one
+  program."""
+  case = dict(case)
+  dtype = case.pop("dtype", jnp.bfloat16)
+  q_len, kv_len = case.pop("q_len", Q_LEN), case.pop("kv_len", KV_LEN)
+  d, d_v = case.pop("d", D), case.pop("d_v", D_V)
+  bias_shape, mask_shape = case.pop("bias", None), case.pop("mask", None)
+  args = [
+    jax.ShapeDtypeStruct((BATCH, q_len, HEADS, d), dtype),
+    jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, d), dtype),
+    jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, d_v), dtype),
+    None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape, jnp.float32),
+    None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_),
+  ]
+  argnums = (0, 1, 2) if bias_shape is None else (0, 1, 2, 3)
+
+  def loss(q, k, v, bias, mask):
+    out = hp.hyla_pallas_attention(q, k, v, bias, mask, **case)
+    return jnp.sum(out.astype(jnp.float32)), out
+
+  def forward_and_gradient(*args):
+    return jax.grad(loss, argnums=argnums, has_aux=True)(*args)
+
+  return forward_and_gradient, args
+
+
+@pytest.mark.parametrize("name", list(PALLAS_CASES))
+def test_pallas_hyla_lowers_to_triton_for_cuda(name, device_backend):
+  device_backend("cuda")  # the kernel leaves interpret mode, as on a GPU
+  fn, args = pallas_program(PALLAS_CASES[name])
+  text = lowered_text(fn, args, "cuda")
+  calls = custom_calls(text)
+  assert not any(MOSAIC_GPU_CALL in call for call in calls), calls
+  assert text.count(f"@{TRITON_CALL}(") == 3, calls  # the forward, dq and dk/dv kernels
+
+
+def test_pallas_hyla_launch_parameters_reach_triton(device_backend):
+  device_backend("cuda")
+  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)
+  text = lowered_text(
+    lambda q, k, v: hp.hyla_pallas_attention(q, k, v, num_warps=8, num_stages=2), (q, q, q), "cuda"
+  )
+  assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
+
+
+# --- Every registered variant in the Linen and NNX layers ---------------------------------------
+
+LAYER_BATCH, LAYER_HEADS, LAYER_FEATURES = 2, 4, 64  # head size 16: cuDNN takes it
+LENGTHS = (256, 1024)
+MASKINGS = ("plain", "key_padding", "causal")
+
+
+def layer_options(name: str) -> dict:
+  """Constructor arguments shared by both layers for variant ``name``."""
+  return dict(
+    num_heads=LAYER_HEADS,
+    attention=name,
+    attention_options=registry.model_options(name, LAYER_HEADS),
+    dtype=jnp.bfloat16,
+  )
+
+
+def layer_inputs(length: int) -> tuple:
+  """Abstract bfloat16 inputs ``[B, length, F]`` and key-validity ``[B, length]``."""
+  return (
+    jax.ShapeDtypeStruct((LAYER_BATCH, length, LAYER_FEATURES), jnp.bfloat16),
+    jax.ShapeDtypeStruct((LAYER_BATCH, length), jnp.bool_),
+  )
+
+
+def constructor_arguments(masking: str) -> dict:
+  """Layer attributes of ``masking`` (causal is the layers' ``is_causal``, as a user sets it)."""
+  return {"is_causal": True} if masking == "causal" else {}
+
+
+def call_arguments(masking: str, valid) -> dict:
+  """Call arguments of ``masking``: a key-padding mask ``[B, 1, 1, length]`` from ``valid``."""
+  return {"mask": valid[:, None, None, :]} if masking == "key_padding" else {}
+
+
+def layer_program(apply_layer, params):
+  """``(fn, args)``: the layer's summed outputs and their gradient w.r.t. the parameters and the
+  inputs, over every length and masking, as one program. ``apply_layer(params, masking, x,
+  **call_arguments)`` runs the layer."""
+
+  def loss(params, xs, valids):
+    return sum(
+      jnp.sum(
+        apply_layer(params, masking, x, **call_arguments(masking, valids[length])).astype(
+          jnp.float32
+        )
+      )
+      for length, x in xs.items()
+      for masking in MASKINGS
+    )
+
+  xs = {length: layer_inputs(length)[0] for length in LENGTHS}
+  valids = {length: layer_inputs(length)[1] for length in LENGTHS}
+  return jax.value_and_grad(loss, argnums=(0, 1)), (params, xs, valids)
+
+
+def linen_program(name: str):
+  modules = {
+    m: MultiHeadAttention(**layer_options(name), **constructor_arguments(m)) for m in MASKINGS
+  }
+  x = layer_inputs(LENGTHS[0])[0]
+  params = jax.eval_shape(
+    lambda: nn.unbox(modules["plain"].init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))
+  )
+
+  def apply_layer(params, masking, x, **kwargs):
+    return modules[masking].apply(params, x, **kwargs)
+
+  return layer_program(apply_layer, params)
+
+
+def nnx_program(name: str):
+  graphdefs, states = {}, {}
+  for masking in MASKINGS:
+    module = nnx.eval_shape(
+      lambda m=masking: pd_nnx.MultiHeadAttention(
+        in_features=LAYER_FEATURES,
+        rngs=nnx.Rngs(0),
+        **layer_options(name),
+        **constructor_arguments(m),
+      )
+    )
+    graphdefs[masking], states[masking] = nnx.split(module)
+
+  def apply_layer(state, masking, x, **kwargs):
+    return nnx.merge(graphdefs[masking], state)(x, **kwargs)
+
+  return layer_program(apply_layer, states["plain"])
+
+
+LAYER_PROGRAMS = {"linen": linen_program, "nnx": nnx_program}
+
+
+def takes_fused_softmax(name: str) -> bool:
+  """Whether variant ``name`` can run its product through ``jax.nn.dot_product_attention``: its
+  layer accepts ``implementation='fused'`` for an unmasked bfloat16 call."""
+  module = MultiHeadAttention(
+    num_heads=LAYER_HEADS,
+    attention=name,
+    attention_options={**registry.model_options(name, LAYER_HEADS), "implementation": "fused"},
+    dtype=jnp.bfloat16,
+  )
+  x = jnp.zeros((1, 8, LAYER_FEATURES), jnp.bfloat16)
+  try:
+    jax.eval_shape(lambda: module.init_with_output(jax.random.key(0), x))
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+@pytest.mark.parametrize("platform", list(BACKENDS))
+@pytest.mark.parametrize("layer", list(LAYER_PROGRAMS))
+@pytest.mark.parametrize("name", sorted(registry.ATTENTION_REGISTRY))
+def test_every_variant_layer_lowers_for_cuda_and_tpu(name, layer, platform, device_backend):
+  """Forward and gradient, bfloat16, lengths 256 and 1024, unmasked / key padding / causal."""
+  device_backend(platform)
+  fn, args = LAYER_PROGRAMS[layer](name)
+  calls = custom_calls(lowered_text(fn, args, platform))
+  assert not any(MOSAIC_GPU_CALL in call for call in calls), calls
+  if platform == "cuda" and takes_fused_softmax(name):
+    # Unmasked and causal calls at head size 16 in bfloat16 are cuDNN's.
+    assert {CUDNN_FORWARD, CUDNN_BACKWARD} <= calls, calls
+
+
+# --- The trainer's programs of every packaged config --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runlocal_experiment(tmp_path_factory):
+  """``get(name)``: the experiment of packaged config ``name`` with ``runlocal``, built once (its
+  data are generated or shipped; a TFDS preparation goes to a temporary folder)."""
+  built = {}
+  data_dir = tmp_path_factory.mktemp("tfds")
+
+  def get(name: str) -> setup.Experiment:
+    if name not in built:
+      config = configs.load(name, "runlocal")
+      if "data_dir" in config.data:
+        config.data.data_dir = str(data_dir)
+      built[name] = setup.build_experiment(setup.resolve_config(config))
+    return built[name]
+
+  return get
+
+
+def abstract_batch(source, rows: int, *, leading=(), valid: bool = False) -> dict:
+  """Abstract ``[*leading, rows, ...]`` batch of ``source``'s records (plus eval's ``valid``)."""
+  batch = {
+    field: jax.ShapeDtypeStruct((*leading, rows, *np.shape(value)), np.asarray(value).dtype)
+    for field, value in source[0].items()
+  }
+  if valid:
+    batch["valid"] = jax.ShapeDtypeStruct((*leading, rows), jnp.bool_)
+  return batch
+
+
+def abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def trainer_programs(experiment: setup.Experiment) -> dict:
+  """``{'train' | 'eval': (jitted program, abstract args)}``: the program the trainer runs for
+  ``steps_per_call`` steps (``StepRunner``) and the evaluation step."""
+  runner = experiment.run_steps
+  state = jax.eval_shape(experiment.init_replicas.__wrapped__)
+  train_source = experiment.splits["train"]
+  steps = runner.steps_per_call
+  if runner.device_data:
+    train_args = (state, None, abstract(runner.data_seed), abstract(runner.hyperparameters))
+  elif steps == 1:
+    train_args = (
+      state,
+      abstract_batch(train_source, experiment.config.batch_size),
+      abstract(runner.hyperparameters),
+    )
+  else:
+    batches = abstract_batch(train_source, experiment.config.batch_size, leading=(steps,))
+    train_args = (state, batches, abstract(runner.data_seed), abstract(runner.hyperparameters))
+  eval_source = experiment.splits[experiment.eval_splits[0]]
+  eval_args = (state, abstract_batch(eval_source, experiment.eval_batch_size, valid=True))
+  return {
+    # The trainer's programs run inside the mesh context (setup._in_mesh); lower the jitted ones.
+    "train": (runner._compile(steps).__wrapped__, train_args),
+    "eval": (experiment.eval_step.__wrapped__, eval_args),
+  }
+
+
+@pytest.mark.parametrize("platform", list(BACKENDS))
+@pytest.mark.parametrize("name", configs.packaged_names())
+def test_every_packaged_config_trains_and_evaluates_on_cuda_and_tpu(
+  name, platform, device_backend, runlocal_experiment
+):
+  experiment = runlocal_experiment(name)
+  device_backend(platform)
+  with sharding.mesh_context(experiment.mesh):
+    for step, (program, args) in trainer_programs(experiment).items():
+      calls = custom_calls(program.trace(*args).lower(lowering_platforms=(platform,)).as_text())
+      assert not any(MOSAIC_GPU_CALL in call for call in calls), (step, calls)
