@@ -1,0 +1,215 @@
+"""What ptxas makes of a ``@triton.jit`` kernel for an H100 (sm_90a), on a machine without a GPU.
+
+:func:`compile_figures` compiles one kernel (named by module and attribute) with given constexpr
+constants and pointer dtypes through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, in a
+subprocess whose address space (``RLIMIT_AS``) and wall-clock time are capped (ptxas has taken
+15 GiB on a bad kernel). The figures: registers, spill stores/loads and stack frame (the ptxas
+Triton uses for sm_90a, ``-v``, on Triton's PTX), shared memory (Triton's metadata), and instruction counts of the
+SASS (the wheel's ``cuobjdump -sass``): ``HGMMA`` (wgmma), ``HMMA`` (mma.sync, the tensor-core
+products), ``FFMA`` (CUDA-core multiply-adds), local loads/stores — for the whole kernel and for
+its innermost loop body (the SASS between the last backward branch's target and that branch).
+
+Run as a script it records the fused Triton HYLA kernels (``primal_dual/kernels/
+hyla_tensorcore.py``) at the issue's shape (bfloat16, H = 8, d = d_v = 64) over their settings::
+
+  python -m benchmarks.triton_compile                 # benchmarks/results/hyla_tensorcore_compile.*
+  python -m benchmarks.triton_compile --out-dir /tmp/tc --block-sizes 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ARCH = "sm_90a"
+SHARED_MEMORY_LIMIT_BYTES = 227 * 1024  # an H100's shared memory per block
+SASS_PATTERNS = {
+  "hgmma": r"\bHGMMA\b",
+  "hmma": r"\bHMMA\b",
+  "ffma": r"\bFFMA\b",
+  "local_ld_st": r"\b(?:LDL|STL)\b",
+}
+
+
+# --- In the capped subprocess --------------------------------------------------------------------
+
+
+def _triton_tool(name: str) -> str:
+  import triton
+
+  return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def parse_ptxas(log: str) -> dict[str, int]:
+  """Registers, spill bytes and stack frame from ``ptxas -v`` output (the last function's)."""
+  figures = {}
+  for key, pattern in {
+    "registers": r"Used (\d+) registers",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "stack_frame_bytes": r"(\d+) bytes stack frame",
+  }.items():
+    found = re.findall(pattern, log)
+    figures[key] = int(found[-1]) if found else 0
+  return figures
+
+
+def innermost_loop(sass: str) -> str:
+  """The SASS lines of the innermost loop: from the target of the last backward branch to it
+  (empty when there is no loop)."""
+  lines = sass.splitlines()
+  address = {}
+  for n, line in enumerate(lines):
+    found = re.match(r"\s*/\*([0-9a-f]{4,})\*/", line)
+    if found:
+      address[int(found.group(1), 16)] = n
+  loop = ""
+  for n, line in enumerate(lines):
+    target = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
+    if target:
+      start = address.get(int(target.group(1), 16))
+      if start is not None and start < n:
+        loop = "\n".join(lines[start : n + 1])
+  return loop
+
+
+def count(text: str) -> dict[str, int]:
+  return {name: len(re.findall(p, text)) for name, p in SASS_PATTERNS.items()}
+
+
+def compile_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
+  """Compiles ``spec`` (see :func:`compile_figures`) and returns its figures."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import get_ptxas  # the one Triton uses for sm_90a
+  from triton.compiler import ASTSource
+
+  kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+  constants = spec["constants"]
+  signature = {
+    name: ("constexpr" if name in constants else spec["pointers"][name])
+    for name in kernel.arg_names
+  }
+  source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+  compiled = triton.compile(
+    source,
+    target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]},
+  )
+  with tempfile.TemporaryDirectory() as tmp:
+    ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+    ptx.write_text(compiled.asm["ptx"])
+    cubin.write_bytes(compiled.asm["cubin"])
+    log = subprocess.run(
+      [get_ptxas(90).path, f"-arch={ARCH}", "-v", str(ptx), "-o", str(Path(tmp) / "o.cubin")],
+      capture_output=True,
+      text=True,
+    )
+    if log.returncode != 0:
+      raise RuntimeError(f"ptxas: {(log.stderr or log.stdout).strip()[:300]}")
+    sass = subprocess.run(
+      [_triton_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+  return {
+    **parse_ptxas(log.stdout + log.stderr),
+    "shared_bytes": int(compiled.metadata.shared),
+    "sass": count(sass),
+    "sass_loop": count(innermost_loop(sass)),
+    "ptx_mma": len(re.findall(r"\b(?:mma|wgmma)\.", compiled.asm["ptx"])),
+  }
+
+
+# --- Caller side ---------------------------------------------------------------------------------
+
+
+def _limit_memory(limit_bytes: int):
+  def apply():
+    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+  return apply
+
+
+def compile_figures(
+  module: str,
+  kernel: str,
+  constants: Mapping[str, Any],
+  pointers: Mapping[str, str],
+  *,
+  num_warps: int = 4,
+  num_stages: int = 2,
+  memory_cap_gib: float = 6.0,
+  timeout_s: float = 600.0,
+) -> dict[str, Any]:
+  """Figures of ``module.kernel`` compiled for sm_90a in a capped subprocess.
+
+  Args:
+    module, kernel: where the ``@triton.jit`` function lives (importable from the repository).
+    constants: its constexpr arguments by name. pointers: Triton pointer types of the others
+      (``{"q_ptr": "*bf16", ...}``).
+    num_warps, num_stages: Triton's launch options.
+    memory_cap_gib, timeout_s: the subprocess's address-space cap and wall-clock limit.
+
+  Returns:
+    ``{"status": "ok", registers, spill_store_bytes, spill_load_bytes, stack_frame_bytes,
+    shared_bytes, sass: {hgmma, hmma, ffma, local_ld_st}, sass_loop: {...}, ptx_mma}``, or
+    ``{"status": "failed" | "timeout", "reason": ...}`` (never raises for a bad compilation).
+  """
+  spec = dict(
+    module=module,
+    kernel=kernel,
+    constants=dict(constants),
+    pointers=dict(pointers),
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
+  command = [sys.executable, "-m", "benchmarks.triton_compile", "--worker", json.dumps(spec)]
+  try:
+    done = subprocess.run(
+      command,
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout_s,
+      preexec_fn=_limit_memory(int(memory_cap_gib * 2**30)),
+    )
+  except subprocess.TimeoutExpired:
+    return {"status": "timeout", "reason": f"over {timeout_s:.0f} s"}
+  if done.returncode != 0:
+    return {"status": "failed", "reason": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+  return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def meets_targets(figures: Mapping[str, Any]) -> bool:
+  """0 spill bytes, shared memory within an H100's block, matrix instructions in the loop."""
+  return (
+    figures.get("status") == "ok"
+    and figures["spill_store_bytes"] == 0
+    and figures["spill_load_bytes"] == 0
+    and figures["shared_bytes"] <= SHARED_MEMORY_LIMIT_BYTES
+    and figures["sass_loop"]["hmma"] + figures["sass_loop"]["hgmma"] > 0
+  )
+
+
+# --- The fused HYLA kernels ----------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    print(json.dumps(compile_worker(json.loads(args.worker))))
+    return
+
+
+if __name__ == "__main__":
+  main()
