@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -199,16 +199,161 @@ def meets_targets(figures: Mapping[str, Any]) -> bool:
   )
 
 
-# --- The fused HYLA kernels ----------------------------------------------------------------------
+# --- The fused HYLA kernels ---------------------------------------------------------------------
+
+HYLA_MODULE = "primal_dual.kernels.hyla_tensorcore"
+# (kernel, extra constants, pointer types in argument order) of each launch of the HYLA kernels.
+HYLA_LAUNCHES = {
+  "forward": ("_forward_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32")),
+  "dq": ("_dq_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32", "fp32", "fp32")),
+  "dk": ("_dkv_kernel", {"WANT_DK": True}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
+  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
+}
+
+
+class Setting(NamedTuple):
+  value_network: str
+  normalization: str
+  block_size: int
+  value_chunk: int
+  num_warps: int  # the forward's
+  backward_num_warps: int
+  causal: bool = False
+
+
+def default_settings() -> list[Setting]:
+  """Every value network × normalisation at the default tile, chunk and warps; then larger tiles,
+  chunks and warps for the default HYLA (rms_head, mlp_relu), and a causal call."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  tile, chunk = ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK
+  warps = (ht.DEFAULT_NUM_WARPS, ht.DEFAULT_BACKWARD_NUM_WARPS)
+  settings = [
+    Setting(v, n, tile, chunk, *warps) for v in ht.VALUE_NETWORKS for n in ht.NORMALIZATIONS
+  ]
+  settings += [
+    Setting("mlp_relu", "rms_head", t, c, *w)
+    for t, c, w in (
+      (16, 16, (4, 4)),
+      (16, 32, warps),
+      (16, 64, warps),
+      (32, 16, warps),
+      (32, 16, (8, 8)),
+      (64, 16, (8, 8)),
+    )
+  ]
+  return settings + [Setting("mlp_relu", "rms_head", tile, chunk, *warps, causal=True)]
+
+
+def hyla_constants(setting: Setting, length=8192, heads=8, head_dim=64) -> dict[str, Any]:
+  """The kernels' constexpr constants for bfloat16 ``[1, length, heads, head_dim]`` inputs."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  cfg = ht.Config(
+    batch=1,
+    q_len=length,
+    kv_len=length,
+    heads=heads,
+    d_qk=head_dim,
+    d_v=head_dim,
+    scale=head_dim**-0.5,
+    normalization=setting.normalization,
+    value_network=setting.value_network,
+    block_size=setting.block_size,
+    value_chunk=setting.value_chunk,
+    causal_offset=0 if setting.causal else None,
+    precision=None,
+    bias_shape=None,
+    mask_shape=None,
+    num_warps=setting.num_warps,
+    backward_num_warps=setting.backward_num_warps,
+    interpret=False,
+  )
+  return ht._constants(cfg)
+
+
+def hyla_records(settings: Sequence[Setting], memory_cap_gib: float, timeout_s: float, log=print):
+  """One record per (setting, launch): the setting, the launch and its figures."""
+  import triton  # noqa: F401 (fail early, in this process, when the wheel is missing)
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  records = []
+  for setting in settings:
+    constants = hyla_constants(setting)
+    for launch, (kernel, extra, pointer_types) in HYLA_LAUNCHES.items():
+      names = [n for n in getattr(ht, kernel).arg_names if n not in constants and n not in extra]
+      figures = compile_figures(
+        HYLA_MODULE,
+        kernel,
+        {**constants, **extra},
+        {n: "*" + t for n, t in zip(names, pointer_types)},
+        num_warps=setting.num_warps if launch == "forward" else setting.backward_num_warps,
+        memory_cap_gib=memory_cap_gib,
+        timeout_s=timeout_s,
+      )
+      record = {**setting._asdict(), "launch": launch, **figures}
+      record["meets_targets"] = meets_targets(figures)
+      log(json.dumps(record))
+      records.append(record)
+  return records
+
+
+def render_markdown(payload: Mapping[str, Any]) -> str:
+  """The records as a Markdown table (rendered from the JSON as written)."""
+  lines = [
+    "# Fused Triton HYLA kernels compiled for sm_90a (no GPU)",
+    "",
+    payload["description"],
+    "",
+    "| value network | norm | tile | chunk | warps fwd/bwd | causal | kernel | regs | spills (st/ld B) "
+    "| shared KiB | HMMA loop / all | HGMMA | FFMA loop / all | targets |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in payload["records"]:
+    head = (
+      f"| {r['value_network']} | {r['normalization']} | {r['block_size']} | "
+      f"{r['value_chunk']} | {r['num_warps']}/{r['backward_num_warps']} | {r['causal']} | "
+      f"{r['launch']} |"
+    )
+    if r["status"] != "ok":
+      lines.append(f"{head} {r['status']}: {r['reason']} |||||| no |")
+      continue
+    lines.append(
+      f"{head} {r['registers']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "
+      f"{r['shared_bytes'] / 1024:.0f} | {r['sass_loop']['hmma']} / {r['sass']['hmma']} | "
+      f"{r['sass']['hgmma']} | {r['sass_loop']['ffma']} / {r['sass']['ffma']} | "
+      f"{'yes' if r['meets_targets'] else 'no'} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+DESCRIPTION = (
+  "Each launch of `primal_dual/kernels/hyla_tensorcore.py` compiled by `triton.compile` for "
+  "`GPUTarget('cuda', 90, 32)` (sm_90a) on a CPU: bfloat16 q, k, v `[1, 8192, 8, 64]`, no mask "
+  "or bias, heads padded to 16. Registers and spills from the `ptxas -v` Triton uses for sm_90a; "
+  "shared memory from Triton's metadata; SASS counts (`cuobjdump -sass`) per warp, in the "
+  "innermost loop (`loop`) and the whole kernel (`all`). HMMA: mma.sync tensor-core "
+  "instructions; HGMMA: wgmma; FFMA: CUDA-core float multiply-adds. Targets: 0 spill bytes, "
+  "shared memory <= 227 KiB, matrix instructions in the loop. No GPU ran these kernels: times "
+  "are unmeasured. Command: `python -m benchmarks.triton_compile`."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+  parser.add_argument("--memory-cap-gib", type=float, default=6.0)
+  parser.add_argument("--timeout-s", type=float, default=600.0)
   args = parser.parse_args(argv)
   if args.worker:
     print(json.dumps(compile_worker(json.loads(args.worker))))
     return
+  records = hyla_records(default_settings(), args.memory_cap_gib, args.timeout_s)
+  payload = {"description": DESCRIPTION, "records": records}
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  (args.out_dir / "hyla_tensorcore_compile.json").write_text(json.dumps(payload, indent=1) + "\n")
+  (args.out_dir / "hyla_tensorcore_compile.md").write_text(render_markdown(payload))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,10 @@ VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
 DEFAULT_VALUE_CHUNK = 16
+# Warps per program of the forward and of the backward kernels (the backward's per-program state
+# is larger: at 4 warps ptxas spills it).
 DEFAULT_NUM_WARPS = 4
+DEFAULT_BACKWARD_NUM_WARPS = 8
 
 
 # --- Tile maths (Triton) -------------------------------------------------------------------------
@@ -109,26 +112,27 @@ def _logit_offsets(b, rows, cols, S0: tl.constexpr, S1: tl.constexpr, S2: tl.con
 @triton.jit
 def _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols,
                  Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 HP: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                 HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, CAUSAL: tl.constexpr, OFFSET: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
                  BS3: tl.constexpr, HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
                  MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
                  PRECISION: tl.constexpr):  # fmt: skip
-  """``(s, r, a, valid)`` of one tile: float32 ``s, a [HP, bq, bk]``, ``r [bq, bk]`` (ones
-  unless RMS), bool ``valid [HP, bq, bk]``; ``q [HP, bq, DP]`` loaded by the caller."""
-  k_t = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HP, DP, True)
+  """``(s, r, a, valid)`` of one tile: float32 ``s, a [HB, bq, bk]``, ``r [bq, bk]`` (ones
+  unless RMS), bool ``valid [HB, bq, bk]``; ``q [HB, bq, DP]`` loaded by the caller."""
+  k_t = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, True)
   s = tl.dot(q, k_t, input_precision=PRECISION) * SCALE
-  h3 = tl.arange(0, HP)[:, None, None]
+  h3 = tl.arange(0, HB)[:, None, None]
   r3, c3 = rows[None, :, None], cols[None, None, :]
   valid = (h3 < H) & (r3 < Q_LEN) & (c3 < KV_LEN)
   if CAUSAL:
     valid = valid & (c3 <= r3 + OFFSET)
   if HAS_BIAS:
-    offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HP)
+    offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
     s += tl.load(bias_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
   if HAS_MASK:
-    offsets = _logit_offsets(b, rows, cols, MS0, MS1, MS2, MS3, HP)
+    offsets = _logit_offsets(b, rows, cols, MS0, MS1, MS2, MS3, HB)
     valid = valid & (tl.load(mask_ptr + offsets, mask=valid, other=0) != 0)
   s = tl.where(valid, s, 0.0)
   r = tl.full((BQ, BK), 1.0, tl.float32)
@@ -170,17 +174,37 @@ def _first_query_tile(kt, Q_LEN: tl.constexpr, BQ: tl.constexpr, BK: tl.constexp
   return first
 
 
+@triton.jit
+def _pad_heads(x, HX: tl.constexpr):
+  """``[n, m, k] -> [n·2^HX, m, k]``, zero heads appended (the head-coupled products contract
+  or stack the heads, and a matrix instruction takes at least 16)."""
+  for unused in tl.static_range(HX):
+    doubled = tl.permute(tl.join(x, tl.zeros_like(x)), (3, 0, 1, 2))  # [2, n, m, k]
+    x = tl.reshape(doubled, (2 * x.shape[0], x.shape[1], x.shape[2]))
+  return x
+
+
+@triton.jit
+def _cut_heads(x, HX: tl.constexpr):
+  """Inverse of :func:`_pad_heads`: the first ``n / 2^HX`` heads of ``[n, m, k]``."""
+  for unused in tl.static_range(HX):
+    halves = tl.reshape(x, (2, x.shape[0] // 2, x.shape[1], x.shape[2]))
+    x, padding = tl.split(tl.permute(halves, (1, 2, 3, 0)))
+  return x
+
+
 # --- Kernels -------------------------------------------------------------------------------------
 
 # The constants every kernel takes (constexpr keyword arguments; see ``_constants``).
-_TILE_PARAMS = """Q_LEN KV_LEN H D DV HP DP BQ BK BV SCALE CAUSAL OFFSET HAS_BIAS BS0 BS1 BS2 BS3
+_TILE_PARAMS = """Q_LEN KV_LEN H D DV HP HB HX DP BQ BK BV SCALE CAUSAL OFFSET HAS_BIAS BS0 BS1 BS2 BS3
 HAS_MASK MS0 MS1 MS2 MS3 RMS EPS MLP RELU PRECISION""".split()
 
 
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
                     Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                    DV: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                    DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                     CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
@@ -190,17 +214,17 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
   """Program ``(b, query tile, value chunk)``: float32 ``out [B, Q_LEN, H, DV]`` of the chunk."""
   b, qt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   rows = qt * BQ + tl.arange(0, BQ)
-  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HP, DP, False)
+  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
   n_key_tiles = _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)
   acc = tl.zeros((BQ, HP, BV), tl.float32)
   for kt in range(0, n_key_tiles):
     cols = kt * BK + tl.arange(0, BK)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
-                                  H, D, HP, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
-    v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
-    a_v = a.to(v.dtype)
     if MLP:
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+      a_v = _pad_heads(a, HX).to(v.dtype)
       z, u = _mix_heads(a_v, v, RELU, PRECISION)
       # out_i = A_i[H, bk] @ U_i[bk, chunk] per query.
       acc += tl.dot(
@@ -208,8 +232,10 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
         tl.permute(u.to(v.dtype), (1, 0, 2)),
         input_precision=PRECISION,
       )
-    else:
-      acc += tl.permute(tl.dot(a_v, v, input_precision=PRECISION), (1, 0, 2))
+    else:  # per head: out_h = A_h @ V_h
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
+      out = tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
+      acc += tl.permute(_pad_heads(out, HX), (1, 0, 2))
   hs = tl.arange(0, HP)[None, :, None]
   fs = chunk * BV + tl.arange(0, BV)[None, None, :]
   r3 = rows[:, None, None]
@@ -232,7 +258,8 @@ def _store_rows(ptr, x, b, idx, LEN: tl.constexpr, H: tl.constexpr, F: tl.conste
 def _chunk_backward(a, a_v, v, dout, RELU: tl.constexpr, PRECISION: tl.constexpr):
   """One value chunk of an MLP tile's backward: ``(da, dz)`` with float32 ``da [HP, bq, bk]``
   (this chunk's part) and ``dz [bk, bq, chunk]``; ``a`` float32 and ``a_v`` rounded to the value
-  dtype ``[HP, bq, bk]``, ``v [HP, bk, chunk]``, ``dout`` float32 ``[HP, bq, chunk]``."""
+  dtype ``[HP, bq, bk]`` (heads padded), ``v [HP, bk, chunk]``, ``dout`` float32
+  ``[HP, bq, chunk]``."""
   z, u = _mix_heads(a_v, v, RELU, PRECISION)  # [bk, bq, chunk], as in the forward
   v32 = v.to(tl.float32)
   dout_i = tl.permute(dout, (1, 0, 2))  # [bq, HP, chunk]
@@ -251,19 +278,26 @@ def _chunk_backward(a, a_v, v, dout, RELU: tl.constexpr, PRECISION: tl.constexpr
 @triton.jit
 def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
              Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, DV: tl.constexpr,
-             HP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             RMS: tl.constexpr, MLP: tl.constexpr, RELU: tl.constexpr,
+             HP: tl.constexpr, HB: tl.constexpr, HX: tl.constexpr, BQ: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, RMS: tl.constexpr, MLP: tl.constexpr, RELU: tl.constexpr,
              PRECISION: tl.constexpr):  # fmt: skip
-  """Float32 ``ds [HP, bq, bk]`` of one tile (0 where not valid): ``da`` summed over the value
+  """Float32 ``ds [HB, bq, bk]`` of one tile (0 where not valid): ``da`` summed over the value
   chunks, then through the normalisation."""
-  da = tl.zeros((HP, BQ, BK), tl.float32)
-  for chunk in range(0, (DV + BV - 1) // BV):
-    v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
-    dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
-    if MLP:
-      da_chunk, dz = _chunk_backward(a, a.to(v.dtype), v, dout, RELU, PRECISION)
-      da += da_chunk
-    else:  # da_hij = dout_hi · v_hj
+  n_chunks = (DV + BV - 1) // BV
+  if MLP:
+    a_p = _pad_heads(a, HX)
+    da_p = tl.zeros((HP, BQ, BK), tl.float32)
+    for chunk in range(0, n_chunks):
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+      dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
+      da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+      da_p += da_chunk
+    da = _cut_heads(da_p, HX)
+  else:  # da_hij = dout_hi · v_hj
+    da = tl.zeros((HB, BQ, BK), tl.float32)
+    for chunk in range(0, n_chunks):
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
+      dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
       da += tl.dot(dout, tl.permute(v.to(tl.float32), (0, 2, 1)), input_precision=PRECISION)
   if RMS:
     mean_sda = tl.sum(s * da, axis=0) / H
@@ -274,7 +308,8 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dbias_ptr,
                Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-               DV: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+               DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
@@ -285,27 +320,28 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dbias_
   added atomically into ``dbias`` (the bias's broadcast shape, float32, zeroed)."""
   b, qt = tl.program_id(0), tl.program_id(1)
   rows = qt * BQ + tl.arange(0, BQ)
-  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HP, DP, False)
-  dq = tl.zeros((HP, BQ, DP), tl.float32)
+  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
+  dq = tl.zeros((HB, BQ, DP), tl.float32)
   for kt in range(0, _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)):
     cols = kt * BK + tl.arange(0, BK)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
-                                  H, D, HP, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
-    ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP, BQ,
-                  BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
-    k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HP, DP, False).to(tl.float32)
+    ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP, HB,
+                  HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
+    k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
     dq += tl.dot(ds, k, input_precision=PRECISION)
     if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
-      offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HP)
+      offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
       tl.atomic_add(dbias_ptr + offsets, ds, mask=valid)
-  _store_rows(dq_ptr, dq * SCALE, b, rows, Q_LEN, H, D, HP, DP)
+  _store_rows(dq_ptr, dq * SCALE, b, rows, Q_LEN, H, D, HB, DP)
 
 
 @triton.jit
 def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_ptr,
                 Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                 CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
@@ -319,30 +355,32 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_pt
   chunk needs only that chunk (one launch would hold all of ``dv`` per program)."""
   b, kt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   cols = kt * BK + tl.arange(0, BK)
-  dk = tl.zeros((HP, BK, DP), tl.float32)
+  dk = tl.zeros((HB, BK, DP), tl.float32)
   dv = tl.zeros((BK, HP, BV), tl.float32)
   first = _first_query_tile(kt, Q_LEN, BQ, BK, CAUSAL, OFFSET)
   for qt in range(first, (Q_LEN + BQ - 1) // BQ):
     rows = qt * BQ + tl.arange(0, BQ)
-    q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HP, DP, False)
+    q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
-                                  H, D, HP, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
     if WANT_DK:
       ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP,
-                    BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
+                    HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
       dk += tl.dot(tl.permute(ds, (0, 2, 1)), q.to(tl.float32), input_precision=PRECISION)
     else:
-      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
-      dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
       if MLP:  # dv_j = A_j [H, bq] @ dz_j [bq, chunk] per key
-        da_chunk, dz = _chunk_backward(a, a.to(v.dtype), v, dout, RELU, PRECISION)
-        dv += tl.dot(tl.permute(a, (2, 0, 1)), dz, input_precision=PRECISION)
+        v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+        dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
+        a_p = _pad_heads(a, HX)
+        da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+        dv += tl.dot(tl.permute(a_p, (2, 0, 1)), dz, input_precision=PRECISION)
       else:  # dv_h = A_hᵀ @ dout_h per head
+        dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
         dv_h = tl.dot(tl.permute(a, (0, 2, 1)), dout, input_precision=PRECISION)
-        dv += tl.permute(dv_h, (1, 0, 2))
+        dv += tl.permute(_pad_heads(dv_h, HX), (1, 0, 2))
   if WANT_DK:
-    _store_rows(dk_ptr, dk * SCALE, b, cols, KV_LEN, H, D, HP, DP)
+    _store_rows(dk_ptr, dk * SCALE, b, cols, KV_LEN, H, D, HB, DP)
   else:
     h3 = tl.arange(0, HP)[None, :, None]
     c3, f3 = cols[:, None, None], chunk * BV + tl.arange(0, BV)[None, None, :]
@@ -372,6 +410,7 @@ class Config(NamedTuple):
   bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
   mask_shape: tuple[int, int, int, int] | None
   num_warps: int
+  backward_num_warps: int
   interpret: bool
 
 
@@ -398,13 +437,19 @@ def _input_precision(precision) -> str:
 def _constants(cfg: Config) -> dict:
   """The constexpr arguments of every kernel (names of ``_TILE_PARAMS``)."""
   bias, mask = _broadcast_strides(cfg.bias_shape), _broadcast_strides(cfg.mask_shape)
+  # Heads batch the per-head products (a power of two) and are padded further where the coupled
+  # products contract or stack them.
+  head_batch = _next_power_of_two(cfg.heads)
+  head_pad = max(HEAD_PAD, head_batch)
   constants = {
     "Q_LEN": cfg.q_len,
     "KV_LEN": cfg.kv_len,
     "H": cfg.heads,
     "D": cfg.d_qk,
     "DV": cfg.d_v,
-    "HP": max(HEAD_PAD, _next_power_of_two(cfg.heads)),
+    "HP": head_pad,
+    "HB": head_batch,
+    "HX": (head_pad // head_batch).bit_length() - 1,
     "DP": max(16, _next_power_of_two(cfg.d_qk)),
     "BQ": cfg.block_size,
     "BK": cfg.block_size,
@@ -471,10 +516,41 @@ def _helpers_interpreted():
     for ns, compiled in saved:
       ns.update({n: InterpretedFunction(f.fn) for n, f in compiled.items()})
     try:
-      yield
+      with _bfloat16_mended():
+        yield
     finally:
       for ns, compiled in saved:
         ns.update(compiled)
+
+
+@contextlib.contextmanager
+def _bfloat16_mended():
+  """Two bfloat16 faults of Triton 3.9's interpreter (which holds bfloat16 as uint16 bit
+  patterns), mended while active so that it computes what the GPU does: ``tl.dot`` multiplies
+  the bit patterns as integers (its bfloat16 operands are widened to float32 first, exactly), and
+  ``x.to(tl.bfloat16)`` truncates float32 (rounded to nearest even instead, as the GPU's
+  ``fptrunc`` does)."""
+  import ml_dtypes
+  from triton.runtime import interpreter
+
+  builder = interpreter.interpreter_builder
+  dot, truncate = builder.create_dot, builder.create_fp_trunc
+
+  def widened(x):
+    return builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+
+  def rounded(src, dst_type):
+    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+      return truncate(src, dst_type)
+    bits = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return interpreter.TensorHandle(bits, tl.bfloat16)
+
+  builder.create_dot = lambda a, b, *rest: dot(widened(a), widened(b), *rest)
+  builder.create_fp_trunc = rounded
+  try:
+    yield
+  finally:
+    del builder.create_dot, builder.create_fp_trunc  # back to the class's methods
 
 
 def _interpret(kernel, grid, out_shapes, constants, *inputs):
@@ -491,6 +567,7 @@ def _interpret(kernel, grid, out_shapes, constants, *inputs):
 
 def _launch(kernel, grid, out_shapes, cfg: Config, *inputs, **extra_constants):
   """``kernel(*inputs, *outputs)`` over ``grid``; outputs (float32) start as zeros."""
+  num_warps = cfg.num_warps if kernel is _forward_kernel else cfg.backward_num_warps
   constants = {**_constants(cfg), **extra_constants}
   if cfg.interpret:
     run = functools.partial(_interpret, kernel, grid, out_shapes, constants)
@@ -502,7 +579,7 @@ def _launch(kernel, grid, out_shapes, cfg: Config, *inputs, **extra_constants):
     kernel=kernel,
     out_shape=tuple(out_shapes),
     grid=grid,
-    num_warps=cfg.num_warps,
+    num_warps=num_warps,
     zeroed_outputs=tuple(range(len(out_shapes))),
     **constants,
   )
@@ -547,6 +624,7 @@ def hyla_tensorcore_attention(
   dtype=None,
   precision=None,
   num_warps: int = DEFAULT_NUM_WARPS,
+  backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
   interpret: bool | None = None,
 ):
   """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
@@ -563,7 +641,8 @@ def hyla_tensorcore_attention(
     is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
-    num_warps: warps per program on a GPU.
+    num_warps, backward_num_warps: warps per program of the forward and of the backward
+      kernels on a GPU.
     interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
 
   Returns:
@@ -607,6 +686,7 @@ def hyla_tensorcore_attention(
     bias_shape=None if bias is None else tuple(bias.shape),
     mask_shape=None if mask is None else tuple(mask.shape),
     num_warps=num_warps,
+    backward_num_warps=backward_num_warps,
     interpret=default_interpret() if interpret is None else bool(interpret),
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
