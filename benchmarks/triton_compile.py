@@ -272,25 +272,30 @@ def hyla_constants(setting: Setting, length=8192, heads=8, head_dim=64) -> dict[
   return ht._constants(cfg)
 
 
-def hyla_records(settings: Sequence[Setting], memory_cap_gib: float, timeout_s: float, log=print):
-  """One record per (setting, launch): the setting, the launch and its figures."""
-  import triton  # noqa: F401 (fail early, in this process, when the wheel is missing)
+def launch_figures(setting: Setting, launch: str, memory_cap_gib=6.0, timeout_s=600.0) -> dict:
+  """:func:`compile_figures` of one launch (a key of ``HYLA_LAUNCHES``) of the HYLA kernels."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
+  constants = hyla_constants(setting)
+  kernel, extra, pointer_types = HYLA_LAUNCHES[launch]
+  names = [n for n in getattr(ht, kernel).arg_names if n not in constants and n not in extra]
+  return compile_figures(
+    HYLA_MODULE,
+    kernel,
+    {**constants, **extra},
+    {n: "*" + t for n, t in zip(names, pointer_types)},
+    num_warps=setting.num_warps if launch == "forward" else setting.backward_num_warps,
+    memory_cap_gib=memory_cap_gib,
+    timeout_s=timeout_s,
+  )
+
+
+def hyla_records(settings: Sequence[Setting], memory_cap_gib: float, timeout_s: float, log=print):
+  """One record per (setting, launch): the setting, the launch and its figures."""
   records = []
   for setting in settings:
-    constants = hyla_constants(setting)
-    for launch, (kernel, extra, pointer_types) in HYLA_LAUNCHES.items():
-      names = [n for n in getattr(ht, kernel).arg_names if n not in constants and n not in extra]
-      figures = compile_figures(
-        HYLA_MODULE,
-        kernel,
-        {**constants, **extra},
-        {n: "*" + t for n, t in zip(names, pointer_types)},
-        num_warps=setting.num_warps if launch == "forward" else setting.backward_num_warps,
-        memory_cap_gib=memory_cap_gib,
-        timeout_s=timeout_s,
-      )
+    for launch in HYLA_LAUNCHES:
+      figures = launch_figures(setting, launch, memory_cap_gib, timeout_s)
       record = {**setting._asdict(), "launch": launch, **figures}
       record["meets_targets"] = meets_targets(figures)
       log(json.dumps(record))

@@ -144,3 +144,18 @@ def test_bad_input_raises_value_error_naming_it(call, message):
   q, k, v = helpers.random_qkv(np.random.default_rng(0), (1,), 4, 5, 2, d=4)
   with pytest.raises(ValueError, match=message):
     call(q, k, v)
+
+
+@pytest.mark.parametrize("launch", ["forward", "dk"])  # dk: the most registers of the backward
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch):
+  """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
+  shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
+  from benchmarks import triton_compile as tc
+
+  figures = tc.launch_figures(tc.default_settings()[0], launch, memory_cap_gib=6, timeout_s=300)
+  assert figures["status"] == "ok", figures
+  assert figures["spill_store_bytes"] == figures["spill_load_bytes"] == 0, figures
+  assert figures["shared_bytes"] <= tc.SHARED_MEMORY_LIMIT_BYTES
+  loop = figures["sass_loop"]
+  assert loop["hmma"] + loop["hgmma"] > loop["ffma"], loop
+  assert tc.meets_targets(figures)

@@ -10,10 +10,14 @@ on its matrix units (``mma``) instead of as elementwise multiply-adds::
   backward: da_i = dout_i [H, d_v] @ U_iᵀ,  du_i = A_iᵀ [bk, H] @ dout_i,
             da_j += dz_j [bq, d_v] @ V_jᵀ,  dv_j = A_j [H, bq] @ dz_j
 
-The head axis is zero-padded to ``HEAD_PAD`` (16, the smallest matrix-instruction dimension) where
-it is contracted or stacked; padded heads load zeros and contribute nothing (the RMS mean divides
-by the true head count). The value features run in chunks of ``value_chunk`` (the products above
-are independent per chunk), so a program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time.
+The heads batch the per-head products (``q·k``, ``dq``, ``dk``) at the next power of two of their
+number; where the coupled products contract or stack them they are zero-padded further to
+``HEAD_PAD`` (16, the smallest matrix-instruction dimension, ``tl.join`` in registers). Padded
+heads hold zeros and contribute nothing (the RMS mean divides by the true head count). The value
+features run in chunks of ``value_chunk`` (the products above are independent per chunk), so a
+program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time. Tiles, chunk and warps (4 forward, 8
+backward) are those with no spills in the sm_90a compile report at H = 8, d = 64
+(``benchmarks/results/hyla_tensorcore_compile.md``); no GPU has timed them.
 
 Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
 whose residuals are the inputs (tiles recomputed, as in flash attention):
@@ -28,22 +32,29 @@ whose residuals are the inputs (tiles recomputed, as in flash attention):
 Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
 are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
 
-Why Triton through jax-triton (and not the other two tools):
+Why Triton through jax-triton (and not the other two tools), as checked with jax 0.10.2 on a
+CPU-only machine:
 
 * Pallas on Triton (``pallas_call`` on GPU, :mod:`hyla_pallas`) lowers ``dot_general`` without
   batch dimensions, so the per-key and per-query products above cannot be written as batched
-  matrix products there; and JAX 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU.
-* Mosaic GPU (Pallas's Hopper backend, warpgroup ``wgmma``) has no interpreter that runs a
-  kernel's own code on a CPU here, and its lowering goes through the jaxlib CUDA plugin, so it can
-  neither be tested nor compile-reported on a CPU-only machine.
+  matrix products there (only as per-key 2-D dots in Python loops, or as the elementwise
+  multiply-adds that make that kernel spill); and JAX 0.11 deprecates Pallas's Triton backend in
+  favour of Mosaic GPU.
+* Mosaic GPU (Pallas's Hopper backend): its interpret mode runs ``jnp``-level kernel code, but not
+  its matrix instruction (``plgpu.wgmma`` fails in interpret mode), and a plain ``jnp.dot`` does
+  not lower (``dot_general`` is unimplemented in its lane semantics); ``wgmma`` needs swizzled and
+  tiled shared-memory operands. Its compilation to SASS happens inside the CUDA runtime, so no
+  register or spill figures come out of a CPU-only machine.
 * Triton has batched 3-D ``tl.dot``; its interpreter (``triton.runtime.interpreter``) runs the
   very same ``@triton.jit`` source on a CPU (NumPy for the maths, torch tensors as buffers), which
   is what the test-suite does; and ``triton.compile`` builds it for sm_90a on a CPU with the
   wheel's own ``ptxas``, giving registers, spills, shared memory and the matrix instructions
-  (:func:`compile_report`). From JAX, ``jax_triton.triton_call`` launches it on a GPU (jax-triton
-  imports only with a CUDA jaxlib, so lowering for CUDA cannot be checked on a CPU).
+  (``benchmarks/triton_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
+  jax-triton imports only with a CUDA jaxlib, so its lowering for CUDA cannot be checked on a
+  CPU (the one thing left to a GPU machine, with every timing).
 
-Off GPU the kernels run in Triton's interpreter inside ``jax.pure_callback`` (slow; for tests).
+Off GPU the kernels run in Triton's interpreter inside ``jax.pure_callback`` (slow; for tests),
+with two bfloat16 faults of the interpreter mended so that it computes what the GPU does.
 Dependencies: ``triton`` (and ``torch`` for the interpreter, ``jax-triton`` on a GPU), the
 ``gpu-dev`` extra; this module is imported only when ``implementation='tensorcore'`` is asked for.
 
