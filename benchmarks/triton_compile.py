@@ -7,7 +7,8 @@ subprocess whose address space (``RLIMIT_AS``) and wall-clock time are capped (p
 Triton uses for sm_90a, ``-v``, on Triton's PTX), shared memory (Triton's metadata), and instruction counts of the
 SASS (the wheel's ``cuobjdump -sass``): ``HGMMA`` (wgmma), ``HMMA`` (mma.sync, the tensor-core
 products), ``FFMA`` (CUDA-core multiply-adds), local loads/stores — for the whole kernel and for
-its innermost loop body (the SASS between the last backward branch's target and that branch).
+its main loop (the SASS from the target of the kernel's last backward branch to that branch: the
+tile loop, with any loop nested in it).
 
 Run as a script it records the fused Triton HYLA kernels (``primal_dual/kernels/
 hyla_tensorcore.py``) at the issue's shape (bfloat16, H = 8, d = d_v = 64) over their settings::
@@ -63,9 +64,9 @@ def parse_ptxas(log: str) -> dict[str, int]:
   return figures
 
 
-def innermost_loop(sass: str) -> str:
-  """The SASS lines of the innermost loop: from the target of the last backward branch to it
-  (empty when there is no loop)."""
+def main_loop(sass: str) -> str:
+  """The SASS lines from the target of the last backward branch to that branch (the kernel's
+  tile loop with its nested loops; empty when there is no loop)."""
   lines = sass.splitlines()
   address = {}
   for n, line in enumerate(lines):
@@ -123,7 +124,7 @@ def compile_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
     **parse_ptxas(log.stdout + log.stderr),
     "shared_bytes": int(compiled.metadata.shared),
     "sass": count(sass),
-    "sass_loop": count(innermost_loop(sass)),
+    "sass_loop": count(main_loop(sass)),
     "ptx_mma": len(re.findall(r"\b(?:mma|wgmma)\.", compiled.asm["ptx"])),
   }
 
@@ -336,8 +337,8 @@ DESCRIPTION = (
   "Each launch of `primal_dual/kernels/hyla_tensorcore.py` compiled by `triton.compile` for "
   "`GPUTarget('cuda', 90, 32)` (sm_90a) on a CPU: bfloat16 q, k, v `[1, 8192, 8, 64]`, no mask "
   "or bias, heads padded to 16. Registers and spills from the `ptxas -v` Triton uses for sm_90a; "
-  "shared memory from Triton's metadata; SASS counts (`cuobjdump -sass`) per warp, in the "
-  "innermost loop (`loop`) and the whole kernel (`all`). HMMA: mma.sync tensor-core "
+  "shared memory from Triton's metadata; SASS instruction counts (`cuobjdump -sass`, per warp) "
+  "in the main tile loop (`loop`, nested loops included) and in the whole kernel (`all`). HMMA: mma.sync tensor-core "
   "instructions; HGMMA: wgmma; FFMA: CUDA-core float multiply-adds. Targets: 0 spill bytes, "
   "shared memory <= 227 KiB, matrix instructions in the loop. No GPU ran these kernels: times "
   "are unmeasured. Command: `python -m benchmarks.triton_compile`."

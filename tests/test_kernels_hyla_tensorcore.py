@@ -54,7 +54,7 @@ def test_forward_and_gradients_equal_blockwise_and_float64_reference(case):
   """18 queries, 20 keys (two ragged tiles of 16 each), d_v = 17 (two value chunks); padding
   mask, a bias shared by the batch, causal in both alignments."""
   normalization, value_network = COMBINATIONS[case]
-  batch_shape = [(2,), (2, 1)][case % 2]
+  batch_shape = [(1,), (2, 1)][case % 2]
   alignment = ["top_left", "bottom_right"][case // 3]
   options = dict(
     normalization=normalization,
@@ -88,6 +88,22 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
   ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, None, mask)
   assert np.all(np.asarray(out)[:, 3] == 0) and np.all(np.asarray(out)[1] == 0)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+  assert_close(out, ref_out)
+  for grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
+
+
+def test_broadcast_bias_gets_its_own_shape_gradient():
+  """A bias per example and key (shared by heads and queries) and a mask per query and key: the
+  atomic adds of the bias gradient sum over the broadcast axes, as the blockwise path does."""
+  rng = np.random.default_rng(11)
+  q, k, v = helpers.random_qkv(rng, (2,), 17, 18, 2, d=4, d_v=3)
+  bias = rng.normal(size=(2, 1, 1, 18)).astype(np.float32)
+  mask = rng.random((1, 1, 17, 18)) > 0.2
+  options = dict(is_causal=True, causal_alignment="bottom_right")
+  out, grads = loss_and_grads(ht.hyla_tensorcore_attention, q, k, v, bias, mask, **options)
+  ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, bias, mask, **options)
+  assert grads[3].shape == bias.shape
   assert_close(out, ref_out)
   for grad, ref_grad in zip(grads, ref_grads, strict=True):
     assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
@@ -128,6 +144,22 @@ def test_hyla_attention_runs_it_only_when_asked():
   assert "pure_callback" in jaxpr  # the interpreter ran, not the XLA path
   auto = str(jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x, block_size=4))(q, k, v))
   assert "pure_callback" not in auto
+
+
+def test_auto_never_selects_it_on_a_gpu_backend(monkeypatch):
+  """Selection only (nothing runs): with the backend reported as a GPU, 'auto' keeps its own
+  choice; 'tensorcore' is chosen only by name, and refused like 'pallas' where tiles cannot serve."""
+  q, k, v = helpers.random_qkv(np.random.default_rng(39), (1,), 128, 128, 2)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  call = hyla.driver.AttentionCall(q, k, v)
+  for block_size in ("auto", 8):
+    assert hyla.select_path(call, "rms_head", block_size, "auto")[0] != "tensorcore"
+  assert hyla.select_path(call, "rms_head", "auto", "tensorcore") == ("tensorcore", None)
+  assert hyla.select_path(call, "none", 32, "tensorcore") == ("tensorcore", 32)
+  with pytest.raises(ValueError, match="implementation='tensorcore' cannot serve"):
+    hyla.select_path(call, "softmax", "auto", "tensorcore")
+  with pytest.raises(ValueError, match="implementation='tensorcore' is tiled"):
+    hyla.select_path(call, "rms_head", None, "tensorcore")
 
 
 @pytest.mark.parametrize(
