@@ -51,7 +51,9 @@ def _triton_tool(name: str) -> str:
 
 
 def parse_ptxas(log: str) -> dict[str, int]:
-  """Registers, spill bytes and stack frame from ``ptxas -v`` output (the last function's)."""
+  """Registers, spill bytes and stack frame of the entry function from ``ptxas -v`` output (a
+  large kernel can keep device functions whose own figures follow)."""
+  entry = log.split("Compiling entry function", 1)[-1].split("Compiling", 1)[0]
   figures = {}
   for key, pattern in {
     "registers": r"Used (\d+) registers",
@@ -59,8 +61,8 @@ def parse_ptxas(log: str) -> dict[str, int]:
     "spill_load_bytes": r"(\d+) bytes spill loads",
     "stack_frame_bytes": r"(\d+) bytes stack frame",
   }.items():
-    found = re.findall(pattern, log)
-    figures[key] = int(found[-1]) if found else 0
+    found = re.search(pattern, entry)
+    figures[key] = int(found.group(1)) if found else 0
   return figures
 
 
