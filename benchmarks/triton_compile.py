@@ -90,7 +90,11 @@ def count(text: str) -> dict[str, int]:
 
 
 def compile_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
-  """Compiles ``spec`` (see :func:`compile_figures`) and returns its figures."""
+  """Compiles ``spec`` (see :func:`compile_figures`) and returns its figures. The address-space
+  cap is set here, first, and holds for ptxas too (a child inherits it): the caller, often a
+  multithreaded JAX process, then needs no ``preexec_fn`` (which forks)."""
+  cap = int(spec["memory_cap_bytes"])
+  resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.backends.nvidia.compiler import get_ptxas  # the one Triton uses for sm_90a
@@ -134,13 +138,6 @@ def compile_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
 # --- Caller side ---------------------------------------------------------------------------------
 
 
-def _limit_memory(limit_bytes: int):
-  def apply():
-    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
-
-  return apply
-
-
 def compile_figures(
   module: str,
   kernel: str,
@@ -173,6 +170,7 @@ def compile_figures(
     pointers=dict(pointers),
     num_warps=num_warps,
     num_stages=num_stages,
+    memory_cap_bytes=int(memory_cap_gib * 2**30),
   )
   command = [sys.executable, "-m", "benchmarks.triton_compile", "--worker", json.dumps(spec)]
   try:
@@ -182,7 +180,6 @@ def compile_figures(
       capture_output=True,
       text=True,
       timeout=timeout_s,
-      preexec_fn=_limit_memory(int(memory_cap_gib * 2**30)),
     )
   except subprocess.TimeoutExpired:
     return {"status": "timeout", "reason": f"over {timeout_s:.0f} s"}
