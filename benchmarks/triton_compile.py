@@ -334,13 +334,15 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
 
 DESCRIPTION = (
   "Each launch of `primal_dual/kernels/hyla_tensorcore.py` compiled by `triton.compile` for "
-  "`GPUTarget('cuda', 90, 32)` (sm_90a) on a CPU: bfloat16 q, k, v `[1, 8192, 8, 64]`, no mask "
-  "or bias, heads padded to 16. Registers and spills from the `ptxas -v` Triton uses for sm_90a; "
-  "shared memory from Triton's metadata; SASS instruction counts (`cuobjdump -sass`, per warp) "
-  "in the main tile loop (`loop`, nested loops included) and in the whole kernel (`all`). HMMA: mma.sync tensor-core "
-  "instructions; HGMMA: wgmma; FFMA: CUDA-core float multiply-adds. Targets: 0 spill bytes, "
-  "shared memory <= 227 KiB, matrix instructions in the loop. No GPU ran these kernels: times "
-  "are unmeasured. Command: `python -m benchmarks.triton_compile`."
+  "`GPUTarget('cuda', 90, 32)` (sm_90a) on a CPU (triton 3.9.0): bfloat16 q, k, v "
+  "`[1, 8192, 8, 64]`, no mask or bias; the 8 heads batch the per-head products and are padded "
+  "to 16 for the head-coupled ones. Registers and spills from the `ptxas -v` Triton uses for "
+  "sm_90a; shared memory from Triton's metadata; SASS instruction counts (`cuobjdump -sass`, "
+  "per warp) in the main tile loop (`loop`, nested loops included) and in the whole kernel "
+  "(`all`). HMMA: mma.sync tensor-core instructions; HGMMA: wgmma; FFMA: CUDA-core float "
+  "multiply-adds. Targets: 0 spill bytes, shared memory <= 227 KiB, matrix instructions in the "
+  "loop. No GPU ran these kernels: times are unmeasured. Command: "
+  "`python -m benchmarks.triton_compile` (each compilation in a subprocess capped at 6 GiB)."
 )
 
 
