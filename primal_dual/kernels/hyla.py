@@ -33,6 +33,9 @@ dq and dk/dv Triton kernels; tiles of an int ``block_size``, ``hyla_pallas.DEFAU
 for ``'auto'``; Pallas interpret mode off GPU; ValueError for a call the tiled paths cannot
 serve). The Pallas kernel computes the blockwise function, with the same memory (nothing
 ``[q_len, kv_len]``-sized).
+``'tensorcore'`` runs the fused Triton kernels of :mod:`hyla_tensorcore` (head-coupled
+products on matrix units; Triton's interpreter off GPU; needs the ``gpu-dev`` extra), only when
+asked for.
 
 Numerics: scores, normalisation, value-network activations and accumulators are float32; the
 value network's operands are rounded to the value dtype. On CPU, narrower einsum operands are
@@ -221,7 +224,7 @@ def blockwise_tile(call: driver.AttentionCall, normalization: str, block_size) -
   return block_size
 
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "tensorcore")
 
 # Backends on which implementation='auto' runs the fused Pallas kernel where it would go
 # blockwise. None yet: add "gpu" only once a committed GPU benchmark row shows the fused kernel
@@ -234,7 +237,8 @@ def select_path(
   call: driver.AttentionCall, normalization: str, block_size, implementation: str
 ) -> tuple[str, int | None]:
   """``(path, tile)`` of a call: ``('dense', None)``, ``('blockwise', tile)`` or
-  ``('pallas', tile)`` (module docstring).
+  ``('pallas', tile)`` or ``('tensorcore', tile)`` (module docstring; tile None: the kernel's
+  default).
 
   Raises:
     ValueError: an unknown ``implementation``, ``block_size`` errors of :func:`blockwise_tile`,
@@ -245,24 +249,34 @@ def select_path(
       f"implementation must be one of {list(IMPLEMENTATIONS)}; got implementation="
       f"{implementation!r}"
     )
-  if implementation == "pallas":
+  if implementation in ("pallas", "tensorcore"):
     blockers = blockwise_blockers(call, normalization)
     if block_size is None:
-      raise ValueError("implementation='pallas' is tiled: block_size must be 'auto' or an int")
+      raise ValueError(
+        f"implementation={implementation!r} is tiled: block_size must be 'auto' or an int"
+      )
     if blockers:
       raise ValueError(
-        f"implementation='pallas' cannot serve this call ({', '.join(blockers)}); use "
+        f"implementation={implementation!r} cannot serve this call ({', '.join(blockers)}); use "
         "implementation='auto' or 'xla'"
       )
-    if block_size == "auto":
-      return "pallas", hyla_pallas.DEFAULT_BLOCK_SIZE
-    return "pallas", blockwise_tile(call, normalization, block_size)
+    if block_size == "auto":  # the kernel's default tile (the Triton module is imported lazily)
+      return implementation, hyla_pallas.DEFAULT_BLOCK_SIZE if implementation == "pallas" else None
+    return implementation, blockwise_tile(call, normalization, block_size)
   tile = blockwise_tile(call, normalization, block_size)
   if tile is None:
     return "dense", None
   if implementation == block_size == "auto" and jax.default_backend() in AUTO_PALLAS_BACKENDS:
     return "pallas", hyla_pallas.DEFAULT_BLOCK_SIZE
   return "blockwise", tile
+
+
+def _tensorcore_attention(*args, **kwargs):
+  """:func:`hyla_tensorcore.hyla_tensorcore_attention`, imported on first use (it needs Triton,
+  the ``gpu-dev`` extra)."""
+  from primal_dual.kernels import hyla_tensorcore
+
+  return hyla_tensorcore.hyla_tensorcore_attention(*args, **kwargs)
 
 
 @driver.attention_kernel
@@ -305,7 +319,9 @@ def hyla_attention(
       on every backend (``AUTO_PALLAS_BACKENDS``); ``'pallas'``: the fused Pallas kernel
       :func:`hyla_pallas.hyla_pallas_attention`, with tiles of ``block_size``
       (``hyla_pallas.DEFAULT_BLOCK_SIZE`` for ``'auto'``; Pallas interpret mode off GPU;
-      ValueError for a call it cannot serve or ``block_size=None``).
+      ValueError for a call it cannot serve or ``block_size=None``);
+      ``'tensorcore'``: :func:`hyla_tensorcore.hyla_tensorcore_attention`, likewise, never chosen
+      by ``'auto'``.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (and ``a`` if requested).
@@ -334,14 +350,16 @@ def hyla_attention(
     tiled = {
       "blockwise": hyla_blockwise.hyla_blockwise_attention,
       "pallas": hyla_pallas.hyla_pallas_attention,
+      "tensorcore": _tensorcore_attention,
     }[path]
+    tile_option = {} if tile is None else {"block_size": tile}
     return tiled(
       call.query,
       call.key,
       call.value,
       call.bias,
       call.mask,
-      block_size=tile,
+      **tile_option,
       is_causal=call.is_causal,
       causal_alignment=call.causal_alignment,
       normalization=normalization,

@@ -1,0 +1,756 @@
+"""Fused HYLA in Triton with the head-coupled products on tensor cores.
+
+Computes the function of :mod:`hyla_blockwise` (formulas there). For one example, heads ``h, g``,
+queries ``i``, keys ``j``, a tile holds the scores ``s, a [H, bq, bk]``; the products that couple
+the heads are written as batched matrix products (``tl.dot`` on 3-D blocks), so a GPU runs them
+on its matrix units (``mma``) instead of as elementwise multiply-adds::
+
+  z_j     = A_j [bq, H]  @ V_j [H, d_v]        batched over the tile's keys j
+  out_i   = A_i [H, bk]  @ U_i [bk, d_v]       batched over the tile's queries i
+  backward: da_i = dout_i [H, d_v] @ U_iᵀ,  du_i = A_iᵀ [bk, H] @ dout_i,
+            da_j += dz_j [bq, d_v] @ V_jᵀ,  dv_j = A_j [H, bq] @ dz_j
+
+The heads batch the per-head products (``q·k``, ``dq``, ``dk``) at the next power of two of their
+number; where the coupled products contract or stack them they are zero-padded further to
+``HEAD_PAD`` (16, the smallest matrix-instruction dimension, ``tl.join`` in registers). Padded
+heads hold zeros and contribute nothing (the RMS mean divides by the true head count). The value
+features run in chunks of ``value_chunk`` (the products above are independent per chunk), so a
+program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time. Tiles, chunk and warps (4 forward, 8
+backward) are those with no spills in the sm_90a compile report at H = 8, d = 64
+(``benchmarks/results/hyla_tensorcore_compile.md``); no GPU has timed them.
+
+Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
+whose residuals are the inputs (tiles recomputed, as in flash attention):
+
+* forward, grid ``(B, q tiles, value chunks)``: loop over key tiles, ``out`` accumulated in
+  float32 ``[bq, H, chunk]``;
+* dq, grid ``(B, q tiles)``: loop over key tiles, ``da`` summed over the value chunks, ``dq``
+  accumulated; the bias gradient is added atomically into an array of the bias's own broadcast
+  shape (float32; duplicates along broadcast axes sum, which is the gradient of a broadcast);
+* dk, grid ``(B, k tiles)``: loop over query tiles, ``dk`` accumulated;
+* dv, grid ``(B, k tiles, value chunks)``: loop over query tiles, ``dv`` of one chunk.
+Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
+are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
+
+Why Triton through jax-triton (and not the other two tools), as checked with jax 0.10.2 on a
+CPU-only machine:
+
+* Pallas on Triton (``pallas_call`` on GPU, :mod:`hyla_pallas`) lowers ``dot_general`` without
+  batch dimensions, so the per-key and per-query products above cannot be written as batched
+  matrix products there (only as per-key 2-D dots in Python loops, or as the elementwise
+  multiply-adds that make that kernel spill); and JAX 0.11 deprecates Pallas's Triton backend in
+  favour of Mosaic GPU.
+* Mosaic GPU (Pallas's Hopper backend): its interpret mode runs ``jnp``-level kernel code, but not
+  its matrix instruction (``plgpu.wgmma`` fails in interpret mode), and a plain ``jnp.dot`` does
+  not lower (``dot_general`` is unimplemented in its lane semantics); ``wgmma`` needs swizzled and
+  tiled shared-memory operands. Its compilation to SASS happens inside the CUDA runtime, so no
+  register or spill figures come out of a CPU-only machine.
+* Triton has batched 3-D ``tl.dot``; its interpreter (``triton.runtime.interpreter``) runs the
+  very same ``@triton.jit`` source on a CPU (NumPy for the maths, torch tensors as buffers), which
+  is what the test-suite does; and ``triton.compile`` builds it for sm_90a on a CPU with the
+  wheel's own ``ptxas``, giving registers, spills, shared memory and the matrix instructions
+  (``benchmarks/triton_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
+  jax-triton imports only with a CUDA jaxlib, so its lowering for CUDA cannot be checked on a
+  CPU (the one thing left to a GPU machine, with every timing).
+
+Off GPU the kernels run in Triton's interpreter inside ``jax.pure_callback`` (slow; for tests),
+with two bfloat16 faults of the interpreter mended so that it computes what the GPU does.
+Dependencies: ``triton`` (and ``torch`` for the interpreter, ``jax-triton`` on a GPU), the
+``gpu-dev`` extra; this module is imported only when ``implementation='tensorcore'`` is asked for.
+
+Numerics: scores, normalisation, ``z``, ``u``, gradients and accumulators are float32; as in the
+other paths the forward's value-network operands are rounded to the value dtype, and the
+backward's products take float32 operands. ``precision``: ``HIGHEST`` gives float32 products
+(``ieee``), anything else TF32 for float32 operands on a GPU (XLA's default there); the interpreter
+always multiplies exactly in float32. Not covered (``ValueError``): softmax normalisation; through
+``hyla_attention``: dropout, returned or sown weights. Reverse-mode differentiation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from primal_dual.kernels import _common as C
+from primal_dual.kernels import hyla_blockwise as hb
+
+NORMALIZATIONS = hb.NORMALIZATIONS
+VALUE_NETWORKS = hb.VALUE_NETWORKS
+HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
+DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
+DEFAULT_VALUE_CHUNK = 16
+# Warps per program of the forward and of the backward kernels (the backward's per-program state
+# is larger: at 4 warps ptxas spills it).
+DEFAULT_NUM_WARPS = 4
+DEFAULT_BACKWARD_NUM_WARPS = 8
+
+
+# --- Tile maths (Triton) -------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptr, b, idx, f0, LEN: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
+               HP: tl.constexpr, BF: tl.constexpr, TRANSPOSE: tl.constexpr):  # fmt: skip
+  """``[HP, len(idx), BF]`` of a contiguous ``[B, LEN, H, F]`` array at rows ``idx`` and features
+  ``f0 + arange(BF)`` (``[HP, BF, len(idx)]`` when ``TRANSPOSE``); zeros outside."""
+  hs = tl.arange(0, HP)
+  fs = f0 + tl.arange(0, BF)
+  if TRANSPOSE:
+    h3, f3, r3 = hs[:, None, None], fs[None, :, None], idx[None, None, :]
+  else:
+    h3, r3, f3 = hs[:, None, None], idx[None, :, None], fs[None, None, :]
+  offsets = b * LEN * H * F + r3 * H * F + h3 * F + f3
+  return tl.load(ptr + offsets, mask=(h3 < H) & (r3 < LEN) & (f3 < F), other=0.0)
+
+
+@triton.jit
+def _logit_offsets(b, rows, cols, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                   S3: tl.constexpr, HP: tl.constexpr):  # fmt: skip
+  """Offsets ``[HP, bq, bk]`` into a bias or mask with strides ``S*`` (0 on broadcast axes)."""
+  h3 = tl.arange(0, HP)[:, None, None]
+  return b * S0 + h3 * S1 + rows[None, :, None] * S2 + cols[None, None, :] * S3
+
+
+@triton.jit
+def _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols,
+                 Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                 SCALE: tl.constexpr, CAUSAL: tl.constexpr, OFFSET: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
+                 BS3: tl.constexpr, HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+                 MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+                 PRECISION: tl.constexpr):  # fmt: skip
+  """``(s, r, a, valid)`` of one tile: float32 ``s, a [HB, bq, bk]``, ``r [bq, bk]`` (ones
+  unless RMS), bool ``valid [HB, bq, bk]``; ``q [HB, bq, DP]`` loaded by the caller."""
+  k_t = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, True)
+  s = tl.dot(q, k_t, input_precision=PRECISION) * SCALE
+  h3 = tl.arange(0, HB)[:, None, None]
+  r3, c3 = rows[None, :, None], cols[None, None, :]
+  valid = (h3 < H) & (r3 < Q_LEN) & (c3 < KV_LEN)
+  if CAUSAL:
+    valid = valid & (c3 <= r3 + OFFSET)
+  if HAS_BIAS:
+    offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
+    s += tl.load(bias_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+  if HAS_MASK:
+    offsets = _logit_offsets(b, rows, cols, MS0, MS1, MS2, MS3, HB)
+    valid = valid & (tl.load(mask_ptr + offsets, mask=valid, other=0) != 0)
+  s = tl.where(valid, s, 0.0)
+  r = tl.full((BQ, BK), 1.0, tl.float32)
+  a = s
+  if RMS:
+    r = tl.rsqrt(tl.sum(s * s, axis=0) / H + EPS)
+    a = s * r[None, :, :]
+  return s, r, a, valid
+
+
+@triton.jit
+def _mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
+  """``(z, u)`` float32 ``[bk, bq, chunk]``: ``z_j = A_j[bq, H] @ V_j[H, chunk]`` per key, from
+  ``a_v [HP, bq, bk]`` and ``v [HP, bk, chunk]`` in the value dtype."""
+  z = tl.dot(tl.permute(a_v, (2, 1, 0)), tl.permute(v, (1, 0, 2)), input_precision=PRECISION)
+  u = tl.maximum(z, 0.0) if RELU else z
+  return z, u
+
+
+@triton.jit
+def _key_tiles_seen(qt, KV_LEN: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                    CAUSAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+  """Key tiles query tile ``qt`` sees: all, or (causal) up to its last visible column."""
+  # Written out rather than tl.cdiv: the interpreter runs only this module's helpers.
+  last = KV_LEN
+  if CAUSAL:
+    last = tl.minimum(tl.maximum(qt * BQ + BQ + OFFSET, 0), KV_LEN)
+  return (last + BK - 1) // BK
+
+
+@triton.jit
+def _first_query_tile(kt, Q_LEN: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                      CAUSAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+  """First query tile that sees key tile ``kt``: 0, or (causal) the one holding its first
+  visible row; past the last tile when no row sees it."""
+  first = 0
+  if CAUSAL:
+    first = tl.minimum(tl.maximum(kt * BK - OFFSET, 0), (Q_LEN + BQ - 1) // BQ * BQ) // BQ
+  return first
+
+
+@triton.jit
+def _pad_heads(x, HX: tl.constexpr):
+  """``[n, m, k] -> [n·2^HX, m, k]``, zero heads appended (the head-coupled products contract
+  or stack the heads, and a matrix instruction takes at least 16)."""
+  for unused in tl.static_range(HX):
+    doubled = tl.permute(tl.join(x, tl.zeros_like(x)), (3, 0, 1, 2))  # [2, n, m, k]
+    x = tl.reshape(doubled, (2 * x.shape[0], x.shape[1], x.shape[2]))
+  return x
+
+
+@triton.jit
+def _cut_heads(x, HX: tl.constexpr):
+  """Inverse of :func:`_pad_heads`: the first ``n / 2^HX`` heads of ``[n, m, k]``."""
+  for unused in tl.static_range(HX):
+    halves = tl.reshape(x, (2, x.shape[0] // 2, x.shape[1], x.shape[2]))
+    x, padding = tl.split(tl.permute(halves, (1, 2, 3, 0)))
+  return x
+
+
+# --- Kernels -------------------------------------------------------------------------------------
+
+# The constants every kernel takes (constexpr keyword arguments; see ``_constants``).
+_TILE_PARAMS = """Q_LEN KV_LEN H D DV HP HB HX DP BQ BK BV SCALE CAUSAL OFFSET HAS_BIAS BS0 BS1 BS2 BS3
+HAS_MASK MS0 MS1 MS2 MS3 RMS EPS MLP RELU PRECISION""".split()
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
+                    Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                    DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+                    CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+                    HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+                    MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+                    MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+  """Program ``(b, query tile, value chunk)``: float32 ``out [B, Q_LEN, H, DV]`` of the chunk."""
+  b, qt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  rows = qt * BQ + tl.arange(0, BQ)
+  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
+  n_key_tiles = _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)
+  acc = tl.zeros((BQ, HP, BV), tl.float32)
+  for kt in range(0, n_key_tiles):
+    cols = kt * BK + tl.arange(0, BK)
+    s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
+    if MLP:
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+      a_v = _pad_heads(a, HX).to(v.dtype)
+      z, u = _mix_heads(a_v, v, RELU, PRECISION)
+      # out_i = A_i[H, bk] @ U_i[bk, chunk] per query.
+      acc += tl.dot(
+        tl.permute(a_v, (1, 0, 2)),
+        tl.permute(u.to(v.dtype), (1, 0, 2)),
+        input_precision=PRECISION,
+      )
+    else:  # per head: out_h = A_h @ V_h
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
+      out = tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
+      acc += tl.permute(_pad_heads(out, HX), (1, 0, 2))
+  hs = tl.arange(0, HP)[None, :, None]
+  fs = chunk * BV + tl.arange(0, BV)[None, None, :]
+  r3 = rows[:, None, None]
+  offsets = b * Q_LEN * H * DV + r3 * H * DV + hs * DV + fs
+  tl.store(out_ptr + offsets, acc, mask=(r3 < Q_LEN) & (hs < H) & (fs < DV))
+
+
+@triton.jit
+def _store_rows(ptr, x, b, idx, LEN: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
+                HP: tl.constexpr, BF: tl.constexpr):  # fmt: skip
+  """Stores ``x [HP, len(idx), BF]`` into a contiguous ``[B, LEN, H, F]`` array (inverse of
+  :func:`_load_rows`), skipping padded heads, rows and features."""
+  h3 = tl.arange(0, HP)[:, None, None]
+  r3, f3 = idx[None, :, None], tl.arange(0, BF)[None, None, :]
+  offsets = b * LEN * H * F + r3 * H * F + h3 * F + f3
+  tl.store(ptr + offsets, x, mask=(h3 < H) & (r3 < LEN) & (f3 < F))
+
+
+@triton.jit
+def _chunk_backward(a, a_v, v, dout, RELU: tl.constexpr, PRECISION: tl.constexpr):
+  """One value chunk of an MLP tile's backward: ``(da, dz)`` with float32 ``da [HP, bq, bk]``
+  (this chunk's part) and ``dz [bk, bq, chunk]``; ``a`` float32 and ``a_v`` rounded to the value
+  dtype ``[HP, bq, bk]`` (heads padded), ``v [HP, bk, chunk]``, ``dout`` float32
+  ``[HP, bq, chunk]``."""
+  z, u = _mix_heads(a_v, v, RELU, PRECISION)  # [bk, bq, chunk], as in the forward
+  v32 = v.to(tl.float32)
+  dout_i = tl.permute(dout, (1, 0, 2))  # [bq, HP, chunk]
+  # da_i = dout_i [H, chunk] @ U_iᵀ [chunk, bk] per query.
+  da = tl.permute(tl.dot(dout_i, tl.permute(u, (1, 2, 0)), input_precision=PRECISION), (1, 0, 2))
+  # du_i = A_iᵀ [bk, H] @ dout_i [H, chunk] per query, then dz_j per key.
+  du = tl.dot(tl.permute(a, (1, 2, 0)), dout_i, input_precision=PRECISION)  # [bq, bk, chunk]
+  dz = tl.permute(du, (1, 0, 2))
+  if RELU:
+    dz = tl.where(z > 0, dz, 0.0)
+  # da_j += dz_j [bq, chunk] @ V_jᵀ [chunk, H] per key.
+  da += tl.permute(tl.dot(dz, tl.permute(v32, (1, 2, 0)), input_precision=PRECISION), (2, 1, 0))
+  return da, dz
+
+
+@triton.jit
+def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
+             Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, DV: tl.constexpr,
+             HP: tl.constexpr, HB: tl.constexpr, HX: tl.constexpr, BQ: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, RMS: tl.constexpr, MLP: tl.constexpr, RELU: tl.constexpr,
+             PRECISION: tl.constexpr):  # fmt: skip
+  """Float32 ``ds [HB, bq, bk]`` of one tile (0 where not valid): ``da`` summed over the value
+  chunks, then through the normalisation."""
+  n_chunks = (DV + BV - 1) // BV
+  if MLP:
+    a_p = _pad_heads(a, HX)
+    da_p = tl.zeros((HP, BQ, BK), tl.float32)
+    for chunk in range(0, n_chunks):
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+      dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
+      da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+      da_p += da_chunk
+    da = _cut_heads(da_p, HX)
+  else:  # da_hij = dout_hi · v_hj
+    da = tl.zeros((HB, BQ, BK), tl.float32)
+    for chunk in range(0, n_chunks):
+      v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
+      dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
+      da += tl.dot(dout, tl.permute(v.to(tl.float32), (0, 2, 1)), input_precision=PRECISION)
+  if RMS:
+    mean_sda = tl.sum(s * da, axis=0) / H
+    da = r[None, :, :] * da - s * (r * r * r)[None, :, :] * mean_sda[None, :, :]
+  return tl.where(valid, da, 0.0)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dbias_ptr,
+               Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+               DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+               CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+               HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+               MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+               MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+  """Program ``(b, query tile)``: float32 ``dq [B, Q_LEN, H, D]``; with a bias, its gradient
+  added atomically into ``dbias`` (the bias's broadcast shape, float32, zeroed)."""
+  b, qt = tl.program_id(0), tl.program_id(1)
+  rows = qt * BQ + tl.arange(0, BQ)
+  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
+  dq = tl.zeros((HB, BQ, DP), tl.float32)
+  for kt in range(0, _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)):
+    cols = kt * BK + tl.arange(0, BK)
+    s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
+    ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP, HB,
+                  HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
+    k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
+    dq += tl.dot(ds, k, input_precision=PRECISION)
+    if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
+      offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
+      tl.atomic_add(dbias_ptr + offsets, ds, mask=valid)
+  _store_rows(dq_ptr, dq * SCALE, b, rows, Q_LEN, H, D, HB, DP)
+
+
+@triton.jit
+def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_ptr,
+                Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+                CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+                HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+                MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+                MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+                WANT_DK: tl.constexpr):  # fmt: skip
+  """Program ``(b, key tile, value chunk)``. ``WANT_DK`` (launched with one chunk program): float32
+  ``dk [B, KV_LEN, H, D]``; otherwise ``dv [B, KV_LEN, H, DV]`` of the program's chunk. The two
+  are separate launches because ``dk`` needs ``da`` summed over every chunk while ``dv`` of a
+  chunk needs only that chunk (one launch would hold all of ``dv`` per program)."""
+  b, kt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  cols = kt * BK + tl.arange(0, BK)
+  dk = tl.zeros((HB, BK, DP), tl.float32)
+  dv = tl.zeros((BK, HP, BV), tl.float32)
+  first = _first_query_tile(kt, Q_LEN, BQ, BK, CAUSAL, OFFSET)
+  for qt in range(first, (Q_LEN + BQ - 1) // BQ):
+    rows = qt * BQ + tl.arange(0, BQ)
+    q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
+    s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
+                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
+                                  BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
+    if WANT_DK:
+      ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP,
+                    HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
+      dk += tl.dot(tl.permute(ds, (0, 2, 1)), q.to(tl.float32), input_precision=PRECISION)
+    else:
+      if MLP:  # dv_j = A_j [H, bq] @ dz_j [bq, chunk] per key
+        v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
+        dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
+        a_p = _pad_heads(a, HX)
+        da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+        dv += tl.dot(tl.permute(a_p, (2, 0, 1)), dz, input_precision=PRECISION)
+      else:  # dv_h = A_hᵀ @ dout_h per head
+        dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
+        dv_h = tl.dot(tl.permute(a, (0, 2, 1)), dout, input_precision=PRECISION)
+        dv += tl.permute(_pad_heads(dv_h, HX), (1, 0, 2))
+  if WANT_DK:
+    _store_rows(dk_ptr, dk * SCALE, b, cols, KV_LEN, H, D, HB, DP)
+  else:
+    h3 = tl.arange(0, HP)[None, :, None]
+    c3, f3 = cols[:, None, None], chunk * BV + tl.arange(0, BV)[None, None, :]
+    offsets = b * KV_LEN * H * DV + c3 * H * DV + h3 * DV + f3
+    tl.store(dv_ptr + offsets, dv, mask=(c3 < KV_LEN) & (h3 < H) & (f3 < DV))
+
+
+# --- Host side -----------------------------------------------------------------------------------
+
+
+class Config(NamedTuple):
+  """Static settings of one call."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  d_qk: int
+  d_v: int
+  scale: float
+  normalization: str
+  value_network: str
+  block_size: int
+  value_chunk: int
+  causal_offset: int | None  # query i sees keys j <= i + offset; None: not causal
+  precision: Any
+  bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
+  mask_shape: tuple[int, int, int, int] | None
+  num_warps: int
+  backward_num_warps: int
+  interpret: bool
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _broadcast_strides(shape) -> tuple[int, int, int, int]:
+  """Element strides of a contiguous ``[B', H', Q', K']`` array, 0 along its size-1 axes."""
+  if shape is None:
+    return (0, 0, 0, 0)
+  strides = np.cumprod((1, *shape[:0:-1]))[::-1]
+  return tuple(int(s) if n > 1 else 0 for s, n in zip(strides, shape))
+
+
+def _input_precision(precision) -> str:
+  """``tl.dot``'s input precision for float32 operands (bf16/f16 operands ignore it)."""
+  highest = precision in (jax.lax.Precision.HIGHEST, "highest", "float32")
+  if isinstance(precision, tuple):
+    highest = all(p in (jax.lax.Precision.HIGHEST, "highest", "float32") for p in precision)
+  return "ieee" if highest else "tf32"
+
+
+def _constants(cfg: Config) -> dict:
+  """The constexpr arguments of every kernel (names of ``_TILE_PARAMS``)."""
+  bias, mask = _broadcast_strides(cfg.bias_shape), _broadcast_strides(cfg.mask_shape)
+  # Heads batch the per-head products (a power of two) and are padded further where the coupled
+  # products contract or stack them.
+  head_batch = _next_power_of_two(cfg.heads)
+  head_pad = max(HEAD_PAD, head_batch)
+  constants = {
+    "Q_LEN": cfg.q_len,
+    "KV_LEN": cfg.kv_len,
+    "H": cfg.heads,
+    "D": cfg.d_qk,
+    "DV": cfg.d_v,
+    "HP": head_pad,
+    "HB": head_batch,
+    "HX": (head_pad // head_batch).bit_length() - 1,
+    "DP": max(16, _next_power_of_two(cfg.d_qk)),
+    "BQ": cfg.block_size,
+    "BK": cfg.block_size,
+    "BV": cfg.value_chunk,
+    "SCALE": float(cfg.scale),
+    "CAUSAL": cfg.causal_offset is not None,
+    "OFFSET": 0 if cfg.causal_offset is None else cfg.causal_offset,
+    "HAS_BIAS": cfg.bias_shape is not None,
+    **{f"BS{i}": s for i, s in enumerate(bias)},
+    "HAS_MASK": cfg.mask_shape is not None,
+    **{f"MS{i}": s for i, s in enumerate(mask)},
+    "RMS": cfg.normalization == "rms_head",
+    "EPS": hb.RMS_EPS,
+    "MLP": cfg.value_network != "linear",
+    "RELU": cfg.value_network == "mlp_relu",
+    "PRECISION": _input_precision(cfg.precision),
+  }
+  assert sorted(constants) == sorted(_TILE_PARAMS)
+  return constants
+
+
+def _value_chunks(cfg: Config) -> int:
+  return -(-cfg.d_v // cfg.value_chunk)
+
+
+def _tiles(length: int, cfg: Config) -> int:
+  return -(-length // cfg.block_size)
+
+
+# --- Launching: Triton's interpreter on a CPU, jax-triton on a GPU -------------------------------
+
+
+def _to_torch(x: np.ndarray):
+  import torch  # the interpreter's buffers; only needed off GPU
+
+  if x.dtype == jnp.bfloat16:
+    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+  return torch.from_numpy(np.ascontiguousarray(x))
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _helpers_interpreted():
+  """Every ``@triton.jit`` function a kernel may call (this module's helpers, Triton's standard
+  library such as ``tl.zeros``) swapped for an interpreted one while a kernel runs in the
+  interpreter, which resolves calls through module globals. Setting ``TRITON_INTERPRET=1``
+  before importing Triton does the same for the whole process, but would stop this process from
+  compiling kernels for a GPU."""
+  import triton.experimental.gluon.language  # noqa: F401 (imported by the interpreter; needs
+
+  # the compiled library in place when it first loads)
+  from triton.runtime.interpreter import InterpretedFunction
+
+  namespaces = [globals()] + [
+    vars(m) for name, m in list(sys.modules.items()) if name.startswith("triton.language")
+  ]
+  saved = [
+    (ns, {n: f for n, f in ns.items() if isinstance(f, triton.runtime.JITFunction)})
+    for ns in namespaces
+  ]
+  with _INTERPRETER_LOCK:
+    for ns, compiled in saved:
+      ns.update({n: InterpretedFunction(f.fn) for n, f in compiled.items()})
+    try:
+      with _bfloat16_mended():
+        yield
+    finally:
+      for ns, compiled in saved:
+        ns.update(compiled)
+
+
+@contextlib.contextmanager
+def _bfloat16_mended():
+  """Two bfloat16 faults of Triton 3.9's interpreter (which holds bfloat16 as uint16 bit
+  patterns), mended while active so that it computes what the GPU does: ``tl.dot`` multiplies
+  the bit patterns as integers (its bfloat16 operands are widened to float32 first, exactly), and
+  ``x.to(tl.bfloat16)`` truncates float32 (rounded to nearest even instead, as the GPU's
+  ``fptrunc`` does)."""
+  import ml_dtypes
+  from triton.runtime import interpreter
+
+  builder = interpreter.interpreter_builder
+  dot, truncate = builder.create_dot, builder.create_fp_trunc
+
+  def widened(x):
+    return builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+
+  def rounded(src, dst_type):
+    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+      return truncate(src, dst_type)
+    bits = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return interpreter.TensorHandle(bits, tl.bfloat16)
+
+  builder.create_dot = lambda a, b, *rest: dot(widened(a), widened(b), *rest)
+  builder.create_fp_trunc = rounded
+  try:
+    yield
+  finally:
+    del builder.create_dot, builder.create_fp_trunc  # back to the class's methods
+
+
+def _interpret(kernel, grid, out_shapes, constants, *inputs):
+  """Runs ``kernel``'s own source in Triton's interpreter; outputs start as zeros."""
+  from triton.runtime.interpreter import InterpretedFunction
+
+  outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
+  # torch tensors share the NumPy buffers, so the kernel's stores land in ``outs``.
+  args = [_to_torch(np.array(x)) for x in inputs] + [_to_torch(o) for o in outs]
+  with _helpers_interpreted():
+    InterpretedFunction(kernel.fn)[grid](*args, **constants)
+  return tuple(outs)
+
+
+def _launch(kernel, grid, out_shapes, cfg: Config, *inputs, **extra_constants):
+  """``kernel(*inputs, *outputs)`` over ``grid``; outputs (float32) start as zeros."""
+  num_warps = cfg.num_warps if kernel is _forward_kernel else cfg.backward_num_warps
+  constants = {**_constants(cfg), **extra_constants}
+  if cfg.interpret:
+    run = functools.partial(_interpret, kernel, grid, out_shapes, constants)
+    return jax.pure_callback(run, tuple(out_shapes), *inputs)
+  import jax_triton  # imports only with a CUDA jaxlib
+
+  return jax_triton.triton_call(
+    *inputs,
+    kernel=kernel,
+    out_shape=tuple(out_shapes),
+    grid=grid,
+    num_warps=num_warps,
+    zeroed_outputs=tuple(range(len(out_shapes))),
+    **constants,
+  )
+
+
+def forward(q, k, v, bias, mask, cfg: Config):
+  """Float32 ``out [B, Q, H, d_v]`` (Flax layout in and out; bias/mask at their broadcast
+  shapes, or ``[1]`` placeholders)."""
+  out_shape = jax.ShapeDtypeStruct((cfg.batch, cfg.q_len, cfg.heads, cfg.d_v), C.F32)
+  grid = (cfg.batch, _tiles(cfg.q_len, cfg), _value_chunks(cfg))
+  (out,) = _launch(_forward_kernel, grid, [out_shape], cfg, q, k, v, bias, mask)
+  return out
+
+
+# --- Entry point ---------------------------------------------------------------------------------
+
+
+def default_interpret() -> bool:
+  """Triton's interpreter unless the default backend is a GPU."""
+  return jax.default_backend() != "gpu"
+
+
+def _dot_size(n: int) -> int:
+  """A tile or chunk size ``tl.dot`` takes: a power of two, at least 16."""
+  return max(16, _next_power_of_two(n))
+
+
+def hyla_tensorcore_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  block_size: int = DEFAULT_BLOCK_SIZE,
+  value_chunk: int = DEFAULT_VALUE_CHUNK,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
+  normalization: str = "rms_head",
+  value_network: str = "mlp_relu",
+  scale: float | None = None,
+  dtype=None,
+  precision=None,
+  num_warps: int = DEFAULT_NUM_WARPS,
+  backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
+  interpret: bool | None = None,
+):
+  """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
+
+  Args:
+    query: ``[batch..., q_len, heads, d_qk]``. key: ``[batch..., kv_len, heads, d_qk]``.
+    value: ``[batch..., kv_len, heads, d_v]``.
+    bias: additive, broadcastable to ``[batch..., heads, q_len, kv_len]`` (kept at its own size;
+      its gradient too).
+    mask: any dtype, broadcastable like ``bias``; nonzero = may attend.
+    block_size: query and key tile, rounded up to a power of two of at least 16; ragged lengths
+      are masked by index.
+    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s).
+    is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
+      (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
+      ``hyla_attention``.
+    num_warps, backward_num_warps: warps per program of the forward and of the backward
+      kernels on a GPU.
+    interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
+
+  Returns:
+    ``[batch..., q_len, heads, d_v]`` in ``dtype`` (default ``query.dtype``).
+
+  Raises:
+    ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
+      ``normalization``/``value_network``, or a ``block_size``/``value_chunk`` that is not a
+      positive int.
+  """
+  shapes = hb.check_tiled_call(
+    "hyla_tensorcore_attention",
+    query,
+    key,
+    value,
+    normalization,
+    value_network,
+    block_size,
+    normalization_note=" (softmax needs per-key running statistics: use the dense path)",
+  )
+  if not isinstance(value_chunk, int) or isinstance(value_chunk, bool) or value_chunk < 1:
+    raise ValueError(f"value_chunk must be a positive int; got {value_chunk!r}")
+  offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
+  mask = hb.reduced_broadcast(C.as_bool_mask(mask), "mask", shapes)
+  bias = hb.reduced_broadcast(bias, "bias", shapes)
+  batch = int(np.prod(shapes.batch_shape, dtype=int))
+  cfg = Config(
+    batch=batch,
+    q_len=shapes.q_len,
+    kv_len=shapes.kv_len,
+    heads=shapes.heads,
+    d_qk=shapes.d_qk,
+    d_v=shapes.d_v,
+    scale=C.default_scale(shapes.d_qk) if scale is None else scale,
+    normalization=normalization,
+    value_network=value_network,
+    block_size=_dot_size(block_size),
+    value_chunk=min(_dot_size(value_chunk), _dot_size(shapes.d_v)),
+    causal_offset=offset if is_causal else None,
+    precision=precision,
+    bias_shape=None if bias is None else tuple(bias.shape),
+    mask_shape=None if mask is None else tuple(mask.shape),
+    num_warps=num_warps,
+    backward_num_warps=backward_num_warps,
+    interpret=default_interpret() if interpret is None else bool(interpret),
+  )
+  q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
+  # Placeholders keep one kernel signature when there is no bias or mask (never read).
+  bias = jnp.zeros((1,), C.F32) if bias is None else bias
+  mask = jnp.zeros((1,), jnp.int8) if mask is None else mask.astype(jnp.int8)
+  out = make_tensorcore(cfg)(q, k, v, bias, mask)
+  out = out.reshape((*shapes.batch_shape, *out.shape[1:]))
+  return out.astype(C.output_dtype(query, dtype))
+
+
+def make_tensorcore(cfg: Config):
+  """``(q, k, v, bias, mask) -> out`` (float32, Flax layout, batch flattened) with the Triton
+  backward as its VJP; the mask gets no gradient, nor a placeholder bias."""
+
+  @jax.custom_vjp
+  def attend(q, k, v, bias, mask):
+    return forward(q, k, v, bias, mask, cfg)
+
+  def attend_fwd(q, k, v, bias, mask):
+    return forward(q, k, v, bias, mask, cfg), (q, k, v, bias, mask)
+
+  def attend_bwd(residuals, dout):
+    q, k, v, bias, mask = residuals
+    dq, dk, dv, dbias = backward(q, k, v, bias, mask, dout, cfg)
+    dbias = jnp.zeros_like(bias) if dbias is None else dbias.astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+def backward(q, k, v, bias, mask, dout, cfg: Config):
+  """Float32 ``(dq, dk, dv, dbias)`` (Flax layout; ``dbias`` at the bias's broadcast shape, or
+  None without a bias)."""
+  dout = dout.astype(C.F32)
+  inputs = (q, k, v, bias, mask, dout)
+  f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
+  # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
+  bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
+  dq, dbias = _launch(
+    _dq_kernel, (cfg.batch, _tiles(cfg.q_len, cfg)), [f32(q.shape), bias_grad], cfg, *inputs
+  )
+  key_tiles = _tiles(cfg.kv_len, cfg)
+  (dk, _) = _launch(
+    _dkv_kernel, (cfg.batch, key_tiles, 1), [f32(k.shape), f32((1,))], cfg, *inputs, WANT_DK=True
+  )
+  (_, dv) = _launch(
+    _dkv_kernel,
+    (cfg.batch, key_tiles, _value_chunks(cfg)),
+    [f32((1,)), f32(v.shape)],
+    cfg,
+    *inputs,
+    WANT_DK=False,
+  )
+  return dq, dk, dv, (None if cfg.bias_shape is None else dbias)

@@ -1,0 +1,193 @@
+"""Fused Triton HYLA (primal_dual/kernels/hyla_tensorcore.py), its own kernel source run by Triton's
+interpreter on the CPU, against the blockwise path, the float64 loop reference and jax.grad; and
+its sm_90a compilation (no GPU needed)."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import helpers
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
+pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+
+from numpy_reference import hyla_ref  # noqa: E402
+from primal_dual.kernels import hyla  # noqa: E402
+from primal_dual.kernels import hyla_blockwise as hb  # noqa: E402
+from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
+
+COMBINATIONS = list(itertools.product(ht.NORMALIZATIONS, ht.VALUE_NETWORKS))
+HIGHEST = jax.lax.Precision.HIGHEST  # float32 products in the blockwise path too
+
+
+def assert_close(actual, expected, tol=2e-5, floor=0.05):
+  """Relative to each element and to the largest magnitude (float32 sums in another order)."""
+  expected = np.asarray(expected, np.float32)
+  np.testing.assert_allclose(
+    np.asarray(actual, np.float32),
+    expected,
+    rtol=tol,
+    atol=tol * max(np.abs(expected).max(), floor),
+  )
+
+
+def loss_and_grads(attention, q, k, v, bias, mask, **options):
+  """``(out, grads of Σ sin(out) w.r.t. q, k, v[, bias])``, jitted."""
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+
+  def loss(q, k, v, bias):
+    out = attention(q, k, v, bias, mask, precision=HIGHEST, **options)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
+  return out, grads
+
+
+blockwise = functools.partial(hb.hyla_blockwise_attention, block_size=8)
+
+
+@pytest.mark.parametrize("case", range(len(COMBINATIONS)))
+def test_forward_and_gradients_equal_blockwise_and_float64_reference(case):
+  """18 queries, 20 keys (two ragged tiles of 16 each), d_v = 17 (two value chunks); padding
+  mask, a bias shared by the batch, causal in both alignments."""
+  normalization, value_network = COMBINATIONS[case]
+  batch_shape = [(1,), (2, 1)][case % 2]
+  alignment = ["top_left", "bottom_right"][case // 3]
+  options = dict(
+    normalization=normalization,
+    value_network=value_network,
+    is_causal=case % 3 != 0,
+    causal_alignment=alignment,
+  )
+  rng = np.random.default_rng(case)
+  q, k, v = helpers.random_qkv(rng, batch_shape, 18, 20, 2, d=5, d_v=17)
+  mask = helpers.padding_mask(rng, batch_shape, 20, min_valid=10)
+  bias = rng.normal(size=(2, 18, 20)).astype(np.float32)
+  out, grads = loss_and_grads(ht.hyla_tensorcore_attention, q, k, v, bias, mask, **options)
+  ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, bias, mask, **options)
+  assert out.shape == ref_out.shape == q.shape[:-1] + (17,) and out.dtype == jnp.float32
+  assert_close(out, ref_out)
+  for grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert grad.shape == ref_grad.shape and grad.dtype == ref_grad.dtype
+    assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
+  assert_close(out, hyla_ref(q, k, v, bias, mask, **options)[0], 1e-4)
+  assert np.abs(out).max() > 0.1 and all(np.abs(g).max() > 1e-3 for g in grads)
+
+
+def test_fully_masked_rows_give_zeros_and_finite_gradients():
+  """A mask hiding every key from some queries (and all of one example): zeros, no NaN."""
+  rng = np.random.default_rng(7)
+  q, k, v = helpers.random_qkv(rng, (2,), 17, 9, 3, d=4, d_v=3)
+  mask = rng.random((2, 1, 17, 9)) > 0.4
+  mask[:, :, 3] = False
+  mask[1] = False
+  out, grads = loss_and_grads(ht.hyla_tensorcore_attention, q, k, v, None, mask)
+  ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, None, mask)
+  assert np.all(np.asarray(out)[:, 3] == 0) and np.all(np.asarray(out)[1] == 0)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+  assert_close(out, ref_out)
+  for grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
+
+
+def test_broadcast_bias_gets_its_own_shape_gradient():
+  """A bias per example and key (shared by heads and queries) and a mask per query and key: the
+  atomic adds of the bias gradient sum over the broadcast axes, as the blockwise path does."""
+  rng = np.random.default_rng(11)
+  q, k, v = helpers.random_qkv(rng, (2,), 17, 18, 2, d=4, d_v=3)
+  bias = rng.normal(size=(2, 1, 1, 18)).astype(np.float32)
+  mask = rng.random((1, 1, 17, 18)) > 0.2
+  options = dict(is_causal=True, causal_alignment="bottom_right")
+  out, grads = loss_and_grads(ht.hyla_tensorcore_attention, q, k, v, bias, mask, **options)
+  ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, bias, mask, **options)
+  assert grads[3].shape == bias.shape
+  assert_close(out, ref_out)
+  for grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients_close_to_blockwise():
+  """The same roundings of a and u as the blockwise path: equal up to float32 summation order and
+  one bfloat16 rounding (the interpreter mended to round and multiply bfloat16 as a GPU does)."""
+  rng = np.random.default_rng(3)
+  q, k, v = (
+    jnp.asarray(x, jnp.bfloat16) for x in helpers.random_qkv(rng, (1,), 12, 20, 3, d=8, d_v=8)
+  )
+  mask = helpers.padding_mask(rng, (1,), 20, min_valid=10)
+  cotangent = jnp.asarray(rng.normal(size=(1, 12, 3, 8)), jnp.bfloat16)
+
+  def out_and_grads(attention):  # a fixed cotangent: sin(out) would amplify out's rounding
+    out, vjp = jax.vjp(lambda *x: attention(*x, None, mask), q, k, v)
+    return out, vjp(cotangent)
+
+  out, grads = jax.jit(lambda: out_and_grads(ht.hyla_tensorcore_attention))()
+  ref_out, ref_grads = jax.jit(lambda: out_and_grads(blockwise))()
+  assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+  assert_close(out, ref_out, 5e-3)
+  for grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert_close(grad, ref_grad, 5e-3)
+
+
+def test_hyla_attention_runs_it_only_when_asked():
+  """``implementation='tensorcore'`` runs these kernels; ``'auto'`` never picks them."""
+  rng = np.random.default_rng(5)
+  q, k, v = helpers.random_qkv(rng, (1,), 6, 7, 2)
+  out = hyla.hyla_attention(q, k, v, implementation="tensorcore", block_size=4)
+  ref = hyla.hyla_attention(q, k, v, implementation="xla", block_size=4)
+  assert_close(out, ref, 1e-4)
+  jaxpr = str(
+    jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x, implementation="tensorcore"))(q, k, v)
+  )
+  assert "pure_callback" in jaxpr  # the interpreter ran, not the XLA path
+  auto = str(jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x, block_size=4))(q, k, v))
+  assert "pure_callback" not in auto
+
+
+def test_auto_never_selects_it_on_a_gpu_backend(monkeypatch):
+  """Selection only (nothing runs): with the backend reported as a GPU, 'auto' keeps its own
+  choice; 'tensorcore' is chosen only by name, and refused like 'pallas' where tiles cannot serve."""
+  q, k, v = helpers.random_qkv(np.random.default_rng(39), (1,), 128, 128, 2)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  call = hyla.driver.AttentionCall(q, k, v)
+  for block_size in ("auto", 8):
+    assert hyla.select_path(call, "rms_head", block_size, "auto")[0] != "tensorcore"
+  assert hyla.select_path(call, "rms_head", "auto", "tensorcore") == ("tensorcore", None)
+  assert hyla.select_path(call, "none", 32, "tensorcore") == ("tensorcore", 32)
+  with pytest.raises(ValueError, match="implementation='tensorcore' cannot serve"):
+    hyla.select_path(call, "softmax", "auto", "tensorcore")
+  with pytest.raises(ValueError, match="implementation='tensorcore' is tiled"):
+    hyla.select_path(call, "rms_head", None, "tensorcore")
+
+
+@pytest.mark.parametrize(
+  "call, message",
+  [
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k[:, :, :1], v), r"\(1, 5, 1, 4\)"),
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, normalization="softmax"), "softmax"),
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, value_chunk=0), "value_chunk"),
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, block_size=0), "block_size"),
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, mask=np.ones((3, 4))), "mask"),
+  ],
+)
+def test_bad_input_raises_value_error_naming_it(call, message):
+  q, k, v = helpers.random_qkv(np.random.default_rng(0), (1,), 4, 5, 2, d=4)
+  with pytest.raises(ValueError, match=message):
+    call(q, k, v)
+
+
+@pytest.mark.parametrize("launch", ["forward", "dk"])  # dk: the most registers of the backward
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch):
+  """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
+  shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
+  from benchmarks import triton_compile as tc
+
+  figures = tc.launch_figures(tc.default_settings()[0], launch, memory_cap_gib=6, timeout_s=300)
+  assert figures["status"] == "ok", figures
+  assert figures["spill_store_bytes"] == figures["spill_load_bytes"] == 0, figures
+  assert figures["shared_bytes"] <= tc.SHARED_MEMORY_LIMIT_BYTES
+  loop = figures["sass_loop"]
+  assert loop["hmma"] + loop["hgmma"] > loop["ffma"], loop
+  assert tc.meets_targets(figures)
