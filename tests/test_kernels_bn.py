@@ -48,10 +48,11 @@ def valid_key_statistics(key, key_valid):
 
 
 def min_valid_keys(query, key, mask):
-  """Fewest keys any (example, head) may see: the keys Attention-BN takes statistics over."""
+  """Fewest keys a query that sees any key may see: the keys Attention-BN takes its statistics
+  over."""
   batch_shape, (q_len, heads), kv_len = query.shape[:-3], query.shape[-3:-1], key.shape[-3]
-  full = np.broadcast_to(mask, (*batch_shape, heads, q_len, kv_len))
-  return int(full.any(axis=-2).sum(axis=-1).min())
+  seen = np.broadcast_to(mask, (*batch_shape, heads, q_len, kv_len)).sum(axis=-1)
+  return int(seen[seen > 0].min(initial=kv_len))
 
 
 @settings(max_examples=10)

@@ -386,3 +386,10 @@ def key_validity(mask: Array | None, kv_len: int) -> Array | None:
   if mask is None:
     return None
   return jnp.any(mask, axis=0)
+
+
+def is_key_only_mask(mask, q_len: int) -> bool:
+  """Whether ``mask`` (any dtype, or None) is the same for every query: None, of size 1 on the
+  q_len axis (e.g. ``masks.padding_mask(key_valid)``), or a call with one query. Static (shapes
+  only)."""
+  return mask is None or q_len == 1 or jnp.ndim(mask) < 2 or jnp.shape(mask)[-2] == 1

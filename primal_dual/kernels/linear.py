@@ -71,6 +71,12 @@ def linear_weights_one_head(q, k, bias, mask, *, eps: float = DEFAULT_EPS, preci
     float32 ``[q_len, kv_len]``.
   """
   scores = jnp.einsum("qd,kd->qk", elu_feature_map(q), elu_feature_map(k), precision=precision)
+  return normalize_linear_scores(scores, bias, mask, eps=eps)
+
+
+def normalize_linear_scores(scores, bias, mask, *, eps: float):
+  """Kernel values ``scores [q_len, kv_len]`` (float32, positive) to dual-form weights: times the
+  positional factor and the mask, divided by their row sum ``+ eps``."""
   if bias is not None:
     scores = scores * positional_factor(bias)
   if mask is not None:
@@ -78,7 +84,7 @@ def linear_weights_one_head(q, k, bias, mask, *, eps: float = DEFAULT_EPS, preci
   return scores / (jnp.sum(scores, axis=-1, keepdims=True) + eps)
 
 
-def _causal_prefix(x, q_len: int, offset: int):
+def causal_prefix(x, q_len: int, offset: int):
   """Inclusive prefix sums of ``x [kv_len, ...]`` along keys, read at each query's last visible key.
 
   Query ``i`` sees keys ``j <= i + offset`` (``_common.causal_offset``); a query that sees no key
@@ -116,10 +122,10 @@ def feature_primal_one_head(
   v = v.astype(C.F32)
   if causal_offset is not None:
     q_len = phi_q.shape[0]
-    states = _causal_prefix(
+    states = causal_prefix(
       jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len, causal_offset
     )
-    normalizers = _causal_prefix(phi_k, q_len, causal_offset)
+    normalizers = causal_prefix(phi_k, q_len, causal_offset)
     numerator = jnp.einsum("qf,qfd->qd", phi_q, states, precision=precision)
     denominator = jnp.einsum("qf,qf->q", phi_q, normalizers, precision=precision)
   else:

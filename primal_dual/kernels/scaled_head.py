@@ -260,7 +260,10 @@ def pool_keys_one_head(
     pooled_mask = None
   else:
     visible = mask[:, index] & real[None]  # [q_len, n, w]
-    pooled_mask = jnp.any(visible, axis=-1)
+    # A pooled key mixes the values of every valid key of its window: query i may see it only
+    # when it may see all of them, else a hidden key would reach it (module docstring).
+    sees_every_valid = jnp.all(visible | ~valid[None], axis=-1)
+    pooled_mask = sees_every_valid & pooled_valid[None]
   pooled_bias = None
   if bias is not None:
     # Mean over the entries query i may see; 0 where it sees none (then masked anyway).
@@ -275,20 +278,26 @@ def pool_keys_one_head(
 # One head of one ratio group.
 # ---------------------------------------------------------------------------------------------
 
-# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], PooledKeys) -> the keys
-# whose statistics normalise and their validity.
+# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], mask [q_len, kv_len] | None,
+# PooledKeys) -> (the keys whose statistics normalise, their validity, which query sees which).
 STATISTICS_SOURCES: dict[str, Callable] = {
-  "pooled": lambda k, key_valid, pooled: (pooled.key, pooled.key_valid),
-  "full": lambda k, key_valid, pooled: (k, key_valid),
+  "pooled": lambda k, key_valid, mask, pooled: (pooled.key, pooled.key_valid, pooled.mask),
+  "full": lambda k, key_valid, mask, pooled: (k, key_valid, mask),
 }
 
 
 class BatchNormOptions(NamedTuple):
-  """Attention-BN after pooling (``batchnorm_attention``'s names for ε and β)."""
+  """Attention-BN after pooling (``batchnorm_attention``'s names for ε and β).
+
+  ``per_query``: each query's statistics over the keys it may see (a causal or query-dependent
+  mask, ``batchnorm.statistics_scope``), else one set per sequence over the valid keys.
+  """
 
   statistics: str  # 'pooled' | 'full'
   eps: float
   mean_weight: float
+  kernel: str  # a key of batchnorm.KERNELS
+  per_query: bool
 
 
 def _attention_inputs_one_head(
@@ -306,7 +315,7 @@ def _attention_inputs_one_head(
 
   ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
   normalised with key statistics of the pooled keys (``statistics='pooled'``) or the full-length
-  keys.
+  keys: one set per sequence (``per_query=False``), else each query's over the keys it may see.
   """
   kv_len = k.shape[0]
   key_valid = C.key_validity(mask, kv_len)
@@ -317,7 +326,19 @@ def _attention_inputs_one_head(
     pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool)
   if batchnorm is None:
     return q, pooled
-  mean, var = bn_lib.key_statistics(*STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, pooled))
+  keys, valid, visible = STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, mask, pooled)
+  if batchnorm.per_query:
+    stats = bn_lib.masked_statistics(keys, visible)
+    q, pooled_key = bn_lib.per_query_inputs(
+      q,
+      pooled.key,
+      stats,
+      kernel=batchnorm.kernel,
+      eps=batchnorm.eps,
+      mean_weight=batchnorm.mean_weight,
+    )
+    return q, pooled._replace(key=pooled_key)
+  mean, var = bn_lib.key_statistics(keys, valid)
   q, pooled_key = (
     bn_lib.normalize_with_key_stats(
       x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
@@ -418,7 +439,10 @@ def scaled_head_attention(
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
   _refuse_ratios_above_length(ratios, shapes.kv_len, grid_shape, num_prefix_tokens)
-  bn_options = BatchNormOptions(statistics, eps, mean_weight) if batchnorm else None
+  scope = bn_lib.statistics_scope(call.mask, is_causal=call.is_causal, q_len=shapes.q_len)
+  bn_options = None
+  if batchnorm:
+    bn_options = BatchNormOptions(statistics, eps, mean_weight, kernel, scope != "sequence")
   q, k, v = call.heads_major()
   mask, bias = call.mask_and_bias()
 
