@@ -129,8 +129,9 @@ class MultiHeadAttention(nn.Module):
     decode: autoregressive decoding with a key/value cache (collection ``cache``: ``cached_key``,
       ``cached_value``, ``cache_index``), as ``flax.linen.MultiHeadDotProductAttention``: ``init``
       on the full-length input sizes the cache, then each ``apply(..., mutable=['cache'])`` feeds
-      one position ``[batch..., 1, in]``, which attends to the positions fed so far (see
-      ``primal_dual._decode`` for the Attention-BN/SH caveat).
+      one position ``[batch..., 1, in]``, which attends to the positions fed so far and gives
+      the row of the full causal pass. Refused (ValueError) for Attention-SH and BN+SH, whose
+      decoded rows would differ (``registry.AttentionVariant.decodes``, ``primal_dual._decode``).
   """
 
   num_heads: int

@@ -133,9 +133,10 @@ class QueryStatistics(NamedTuple):
   Attributes:
     mean: ``[q_len, d]``. var: ``[q_len, d]`` (population variance); ``0, 1`` for a query that
       sees no key.
-    shift: ``[d]``, a key every query that sees any key also sees (the first valid key); any row
-      constant subtracted from the keys leaves softmax unchanged, and this one keeps the folded
-      logits small (see :func:`per_query_inputs`).
+    shift: ``[d]``, the point the moments were taken about, the same for every query (under
+      ``is_causal``, the first valid key, which every query that sees a key sees; else 0). Any
+      row constant subtracted from the keys leaves softmax unchanged, and this one keeps the
+      folded logits small (see :func:`per_query_inputs`).
   """
 
   mean: jax.Array
@@ -179,13 +180,18 @@ def prefix_statistics(k, key_valid, *, q_len: int, offset: int) -> QueryStatisti
 
 def masked_statistics(k, mask, *, precision=None) -> QueryStatistics:
   """Per-query statistics of one head under any mask: query ``i`` takes those of the keys it may
-  attend to, ``mask [q_len, kv_len]`` bool (O(q_len·kv_len·d))."""
+  attend to, ``mask [q_len, kv_len]`` bool (O(q_len·kv_len·d) time, O(q_len·d) memory).
+
+  Masked sums of ``k`` and ``k²`` (``E[k²] − E[k]²``, as Flax's fast variance): a hidden key is
+  multiplied by an exact zero, so it cannot reach a query's statistics even through rounding. A
+  shift of the data would need a point every query sees, which a general mask does not provide.
+  """
   visible = mask.astype(C.F32)
-  shift = first_valid_key(k, C.key_validity(mask, k.shape[0]))
-  centred = k.astype(C.F32) - shift[None]
+  keys = k.astype(C.F32)
   first, second = (
-    jnp.einsum("qk,kd->qd", visible, x, precision=precision) for x in (centred, centred * centred)
+    jnp.einsum("qk,kd->qd", visible, x, precision=precision) for x in (keys, keys * keys)
   )
+  shift = jnp.zeros(k.shape[1:], C.F32)
   return QueryStatistics(*_moments(jnp.sum(visible, axis=-1), first, second, shift), shift)
 
 
