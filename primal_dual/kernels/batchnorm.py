@@ -12,6 +12,14 @@ kernel runs: ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ�
 would be wrong: centering the keys alone leaves softmax unchanged (``q_iᵀμ`` is constant over j),
 so the queries must be moved into the same coordinates. There are no running averages: training and
 evaluation compute the same thing.
+
+Under a causal or query-dependent mask each query takes the statistics of the keys *it* may see
+(docs/maths.md, "Under masks"): prefix sums under ``is_causal``, masked sums under any other mask.
+For the softmax kernel the per-query mean and scale fold into the query, ``a_i = (q_i −
+βμ_i)/(σ_i² + ε)``, the remaining term being constant along the keys, so the product stays one
+softmax attention of shared keys (``jax.nn.dot_product_attention``). Without a causal constraint and
+with a mask the same for every query (none, padding) this is the paper's per-sequence definition,
+computed as it always was.
 """
 
 from __future__ import annotations
@@ -296,11 +304,15 @@ def batchnorm_attention(
   For each example, head and channel: ``μ = mean_j k_j``, ``σ² = mean_j (k_j − μ)²`` over the
   valid keys (keys that some query may attend to; padded keys never enter), then
   ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)`` and the chosen kernel on ``(q̂, k̂)``;
-  values are untouched. With ``is_causal`` the statistics still pool every key (they are per
-  sequence, not per prefix), so early queries see statistics of later keys; for the same reason
-  decoding with a key/value cache (keys valid up to the current step) is not a full causal pass:
-  each step uses the statistics of the keys seen so far. With grouped key/value heads the shared
-  head's statistics serve every query head of its group.
+  values are untouched. That is the call without ``is_causal`` and with a mask the same for every
+  query (none, or padding). Otherwise each query ``i`` has its own statistics over the keys it may
+  see (:data:`STATISTICS_SCOPES`): with ``is_causal`` (either alignment) the valid keys
+  ``j <= i + offset``, through float32 prefix sums; under any other mask the keys of its mask
+  row. A hidden key therefore never reaches a query, and decoding with a key/value cache (keys
+  valid up to the current step) gives the rows of the full causal pass. The softmax kernel folds
+  the per-query statistics into the query and keeps the fused path; the linear kernel forms each
+  query's normalised keys, ``[q_len, kv_len, d]`` per head. With grouped key/value heads the
+  shared head's statistics serve every query head of its group.
 
   Args:
     query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
@@ -311,7 +323,8 @@ def batchnorm_attention(
     eps: ε of the normalisation.
     mean_weight: β, how much of the mean is removed (0 = scale only).
     statistics: whose statistics normalise: ``'keys'`` (docs/maths.md), ``'queries'`` or
-      ``'queries_and_keys'`` (pooled), each over its valid rows.
+      ``'queries_and_keys'`` (pooled), each over its valid rows. The last two pool rows a
+      causal or query-dependent mask hides from some queries: ValueError with such a mask.
     scale: softmax logits scale, default ``1/√d_qk``.
     linear_eps: denominator guard of the linear kernel.
     implementation: ``'auto'`` (softmax kernel: normalise, then ``jax.nn.dot_product_attention``

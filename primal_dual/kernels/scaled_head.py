@@ -24,9 +24,15 @@ Conventions (chosen here, where docs/maths.md is silent):
 * **Validity.** A key is valid for a head if some query of that head may see it
   (``_common.key_validity``; for padding masks this is the padding). Pooling only uses valid keys;
   a window with no valid key is masked out.
-* **Pooled mask.** Query ``i`` may see a pooled key iff it may see at least one key of the window.
-  With causal or local masks a pooled key therefore summarises keys that query ``i`` could not see
-  individually (up to ``r - 1`` future positions under a causal mask).
+* **Pooled mask.** Query ``i`` may see a pooled key iff it may see *every* valid key of the window
+  (and the window has one): a pooled key mixes its keys' values, so this is what keeps a key the
+  mask hides from query ``i`` out of query ``i``'s row (docs/maths.md, "Under masks"). Under a
+  causal mask (``is_causal``, either alignment, or an explicit one) query ``i`` sees the windows
+  whose last key it may see; the first ``r − 1`` queries of a top-left causal call see no pooled
+  key of a head with ratio ``r`` and get zeros from it. Padding alone hides nothing valid.
+* **BN+SH statistics.** One set per sequence without a causal constraint and with a mask the same
+  for every query (as Attention-BN); otherwise each query's, over the pooled keys (or the keys,
+  ``statistics='full'``) it may see.
 * **Pooled bias.** The bias of a pooled key is the mean of ``bias_ij`` over the window's keys that
   query ``i`` may see (whatever the pool type); it is 0 (and masked) where none is visible.
 * **Pool types.** ``avg``: mean of the valid keys; ``max``: channel-wise max of the valid keys;
@@ -396,9 +402,10 @@ def scaled_head_attention(
     dropout_rng: a single group uses it itself (so all-1 ratios reproduce ``softmax_attention``
       exactly); several groups use ``fold_in(dropout_rng, ratio)``, and ``broadcast_dropout``
       shares a pattern across the examples and heads of one group.
-    is_causal: applied before pooling (see "Pooled mask"). Decoding with a key/value cache is
-      therefore not a full causal pass: a cached step pools only the keys seen so far, the full
-      pass pools whole windows.
+    is_causal: applied before pooling (see "Pooled mask": a window is visible once all its
+      keys are). Decoding with a key/value cache is not a full causal pass: a cached step cannot
+      tell the keys not yet fed from padding and pools the incomplete window; the layers refuse
+      ``decode=True`` for SH.
     return_weights, module: the weights are a tuple of float32 arrays, one per distinct ratio in
       increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
       map rows to heads with :func:`head_groups`.
