@@ -121,3 +121,64 @@ def test_fused_equals_reference_without_and_with_a_mask(variant, masked):
     for impl in ("fused", "reference")
   ]
   np.testing.assert_allclose(outs[0], outs[1], rtol=2e-5, atol=2e-5)
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """How many equations of ``jaxpr`` (nested ones included) apply primitive ``name``."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _count_primitive(sub, name)
+  return count
+
+
+SINGLE_LAUNCH_CASES = {
+  "no mask": {},
+  "padding": {"mask": np.arange(10)[None, None, None, :] < np.array([10, 6])[:, None, None, None]},
+  "causal": {"is_causal": True},
+  "bias and query padding": {
+    "bias": np.random.default_rng(3).normal(size=(4, 10, 10)).astype(np.float32),
+    "mask": (np.arange(10) < 7)[None, None, :, None] & (np.arange(10) < 8)[None, None, None, :],
+  },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", sorted(SINGLE_LAUNCH_CASES))
+def test_every_ratio_group_in_one_launch_is_the_same_function(variant, case):
+  """``single_launch=True``: one ``jax.nn.dot_product_attention`` (two products, logits and
+  values, where the per-group path has two per group) with heads folded into the batch and each
+  row's pooled length as its key length; the reference path's outputs and gradients."""
+  ratios = (1, 2, 3, 2)
+  q, k, v = _qkv(10, 10, len(ratios))
+  q, k, v = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v))  # batch of 2
+  run = {
+    implementation: functools.partial(
+      sh.scaled_head_attention,
+      ratios=ratios,
+      implementation=implementation,
+      **VARIANTS[variant],
+      **SINGLE_LAUNCH_CASES[case],
+    )
+    for implementation in ("fused", "reference")
+  }
+  single = functools.partial(run["fused"], single_launch=True)
+  np.testing.assert_allclose(single(q, k, v), run["reference"](q, k, v), atol=2e-6)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+  grads = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
+  expected = jax.grad(loss(run["reference"]), argnums=(0, 1, 2))(q, k, v)
+  for grad, want in zip(grads, expected):
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5)
+  products = {
+    launch: _count_primitive(
+      jax.make_jaxpr(functools.partial(run["fused"], single_launch=launch))(q, k, v).jaxpr,
+      "dot_general",
+    )
+    for launch in (True, False)
+  }
+  groups = len(set(ratios))
+  assert products[False] - products[True] == 2 * (groups - 1), products

@@ -368,6 +368,63 @@ def _select_heads(x, heads: np.ndarray, num_heads: int):
   return x[:, heads]
 
 
+def _attend_groups_one_by_one(groups, *, scale: float, dtype) -> list[jax.Array]:
+  """One ``jax.nn.dot_product_attention`` call per ratio group; ``groups``: ``(q [B, H_g,
+  q_len, d], PooledKeys)`` each. Returns each group's ``[B, H_g, q_len, d_v]``."""
+  return [
+    fused.attend(q, p.key, p.value, p.bias, p.mask, scale=scale, dtype=dtype) for q, p in groups
+  ]
+
+
+def _pad_keys(x, length: int, axis: int, fill):
+  """``x`` padded with ``fill`` to ``length`` along ``axis`` (the pooled-key axis)."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _stack_pairwise(groups, field: str, length: int, absent, padding):
+  """The groups' pooled ``bias`` or ``mask`` (``field``), each ``[B, H_g, q_len, n_g]`` (``absent``
+  where a group has none), padded with ``padding`` to ``length`` keys and concatenated along the
+  heads; None when no group has one."""
+  parts = [getattr(pooled, field) for _, pooled in groups]
+  if all(x is None for x in parts):
+    return None
+  padded = []
+  for (q, pooled), x in zip(groups, parts):
+    shape = (*q.shape[:3], pooled.key.shape[2])
+    x = jnp.full(shape, absent) if x is None else jnp.broadcast_to(x, shape)
+    padded.append(_pad_keys(x, length, 3, padding))
+  return jnp.concatenate(padded, axis=1)
+
+
+def _attend_groups_at_once(groups, *, scale: float, dtype) -> list[jax.Array]:
+  """Every ratio group in one ``jax.nn.dot_product_attention`` call: the groups' pooled keys and
+  values padded to the longest, concatenated along the heads in group order, each head's pooled
+  length passed as its key length (the padding is never seen). Returns ``[[B, H, q_len, d_v]]``,
+  the groups' outputs already concatenated in group order."""
+  length = max(pooled.key.shape[2] for _, pooled in groups)
+  batch = groups[0][0].shape[0]
+  keys, values = (
+    jnp.concatenate([_pad_keys(getattr(p, field), length, 2, 0) for _, p in groups], axis=1)
+    for field in ("key", "value")
+  )
+  key_lengths = jnp.concatenate(
+    [jnp.full((batch, q.shape[1]), p.key.shape[2], jnp.int32) for q, p in groups], axis=1
+  )
+  out = fused.attend(
+    jnp.concatenate([q for q, _ in groups], axis=1),
+    keys,
+    values,
+    _stack_pairwise(groups, "bias", length, absent=0.0, padding=0.0),
+    _stack_pairwise(groups, "mask", length, absent=True, padding=False),
+    scale=scale,
+    dtype=dtype,
+    key_lengths=key_lengths,
+  )
+  return [out]
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +446,7 @@ def scaled_head_attention(
   num_prefix_tokens: int = 0,
   scale: float | None = None,
   implementation: str = "auto",
+  single_launch: bool | None = None,
 ):
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
@@ -424,6 +482,11 @@ def scaled_head_attention(
     implementation: ``'auto'`` (softmax kernel: each group's pooled keys and values go to
       ``jax.nn.dot_product_attention`` when no weights or dropout are needed, see
       ``kernels.fused``), ``'fused'`` or ``'reference'``.
+    single_launch: on the fused path, every ratio group in one ``jax.nn.dot_product_attention``
+      call (heads folded into the batch, pooled keys padded to the longest group, each row's
+      pooled length as ``key_value_seq_lengths``) instead of one call per group. None (default):
+      on a GPU only, where one cuDNN launch replaces several; elsewhere XLA's dense product would
+      pay for the padding.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights tuple if requested).
@@ -455,7 +518,7 @@ def scaled_head_attention(
 
   groups = head_groups(ratios)
   take_fused = call.takes_fused(implementation, softmax_kernel=kernel == "softmax")
-  outputs, weights = [], []
+  outputs, weights, fused_groups = [], [], []
   for ratio, heads in groups:
     windows = (
       None if ratio == 1 else key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
@@ -467,18 +530,7 @@ def scaled_head_attention(
       _select_heads(x, np.asarray(heads), shapes.heads) for x in (q, k, v, bias, mask)
     ]
     if take_fused:
-      group_q, pooled = C.map_heads(inputs_one_head, *group_inputs)
-      outputs.append(
-        fused.attend(
-          group_q,
-          pooled.key,
-          pooled.value,
-          pooled.bias,
-          pooled.mask,
-          scale=scale,
-          dtype=call.compute_dtype,
-        )
-      )
+      fused_groups.append(C.map_heads(inputs_one_head, *group_inputs))
       continue
     group_rng = call.dropout_rng
     if group_rng is not None and len(groups) > 1:
@@ -490,6 +542,11 @@ def scaled_head_attention(
     )
     outputs.append(group_out)
     weights.append(group_weights)
+
+  if fused_groups:
+    single = jax.default_backend() == "gpu" if single_launch is None else single_launch
+    attend_groups = _attend_groups_at_once if single else _attend_groups_one_by_one
+    outputs = attend_groups(fused_groups, scale=scale, dtype=call.compute_dtype)
 
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
   order = np.concatenate([np.asarray(heads) for _, heads in groups])
