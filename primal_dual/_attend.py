@@ -58,6 +58,7 @@ def attend(
   decoding: bool,
   kernel_params: Mapping[str, jax.Array],
   is_causal: bool | None = None,
+  seq_lengths: Mapping[str, jax.Array | None] | None = None,
 ) -> jax.Array:
   """Runs ``layer``'s kernel on projected ``query [batch..., q_len, heads, d]`` and ``key/value
   [batch..., kv_len, kv_heads, d]``; returns ``[batch..., q_len, heads, d_v]``.
@@ -66,7 +67,8 @@ def attend(
   decoding, where the cache's mask of the keys seen so far is already causal (a one-row top-left
   mask would hide all but the first key). It is passed only when set, so kernels registered with
   Flax's plain ``attention_fn`` signature keep working. ``decoding`` with a variant whose registry
-  entry says ``decodes=False`` raises ValueError. Dropout is on exactly when ``dropout_rng`` is given
+  entry says ``decodes=False`` raises ValueError. ``seq_lengths`` (``query_seq_lengths``,
+  ``key_value_seq_lengths``, as ``jax.nn.dot_product_attention``) are passed when given. Dropout is on exactly when ``dropout_rng`` is given
   (the layers give one only when not deterministic and ``dropout_rate > 0``).
   """
   if decoding:
@@ -76,6 +78,7 @@ def attend(
   )
   is_causal = layer.is_causal if is_causal is None else is_causal
   causal = {"is_causal": True} if is_causal and not decoding else {}
+  lengths = {name: x for name, x in (seq_lengths or {}).items() if x is not None}
   return attention_fn(
     query,
     key,
@@ -90,5 +93,6 @@ def attend(
     precision=layer.precision,
     module=layer if sow_weights else None,
     **causal,
+    **lengths,
     **kernel_params,
   )

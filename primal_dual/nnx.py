@@ -200,6 +200,8 @@ class MultiHeadAttention(nnx.Module):
     sow_weights: bool = False,
     decode: bool | None = None,
     is_causal: bool | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len,
     in_kv]``.
@@ -219,6 +221,9 @@ class MultiHeadAttention(nnx.Module):
       is_causal: this call only, as in ``flax.nnx.MultiHeadAttention``: query ``i`` attends to
         keys ``j <= i`` (default: the attribute). Ignored while decoding, where the cache's mask
         is causal already.
+      query_seq_lengths, key_value_seq_lengths: int ``[batch...]``, as
+        ``jax.nn.dot_product_attention``: only each example's first queries and keys are real
+        (the same as a padding mask; Attention-SH keeps them as lengths on its fused path).
 
     Returns:
       ``[batch..., q_len, out_features]``.
@@ -245,6 +250,10 @@ class MultiHeadAttention(nnx.Module):
       decoding,
       kernel_params,
       is_causal=is_causal,
+      seq_lengths={
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+      },
     )
     return self.out(x)
 

@@ -398,19 +398,32 @@ def _stack_pairwise(groups, field: str, length: int, absent, padding):
   return jnp.concatenate(padded, axis=1)
 
 
-def _attend_groups_at_once(groups, *, scale: float, dtype) -> list[jax.Array]:
+def pooled_key_lengths(key_lengths, ratio: int, num_prefix_tokens: int = 0):
+  """Valid pooled keys (1-D windows) when each example's valid keys are its first
+  ``key_lengths`` (int ``[B]``): the prefix tokens, then one window per ``ratio`` of the rest,
+  a partial last window included. Returns int32 ``[B]``."""
+  key_lengths = jnp.asarray(key_lengths, jnp.int32)
+  prefix = jnp.minimum(key_lengths, num_prefix_tokens)
+  rest = jnp.maximum(key_lengths - num_prefix_tokens, 0)
+  return prefix + (rest + ratio - 1) // ratio
+
+
+def _attend_groups_at_once(groups, *, scale: float, dtype, key_lengths=None) -> list[jax.Array]:
   """Every ratio group in one ``jax.nn.dot_product_attention`` call: the groups' pooled keys and
   values padded to the longest, concatenated along the heads in group order, each head's pooled
   length passed as its key length (the padding is never seen). Returns ``[[B, H, q_len, d_v]]``,
-  the groups' outputs already concatenated in group order."""
+  the groups' outputs already concatenated in group order. ``key_lengths``: one int ``[B]`` per
+  group, its valid pooled keys per example (padding given as lengths), else every pooled key."""
   length = max(pooled.key.shape[2] for _, pooled in groups)
   batch = groups[0][0].shape[0]
   keys, values = (
     jnp.concatenate([_pad_keys(getattr(p, field), length, 2, 0) for _, p in groups], axis=1)
     for field in ("key", "value")
   )
+  if key_lengths is None:
+    key_lengths = [jnp.full((batch,), p.key.shape[2], jnp.int32) for _, p in groups]
   key_lengths = jnp.concatenate(
-    [jnp.full((batch, q.shape[1]), p.key.shape[2], jnp.int32) for q, p in groups], axis=1
+    [jnp.repeat(n[:, None], q.shape[1], axis=1) for (q, _), n in zip(groups, key_lengths)], axis=1
   )
   out = fused.attend(
     jnp.concatenate([q for q, _ in groups], axis=1),
@@ -422,6 +435,28 @@ def _attend_groups_at_once(groups, *, scale: float, dtype) -> list[jax.Array]:
     dtype=dtype,
     key_lengths=key_lengths,
   )
+  return [out]
+
+
+def _attend_groups_by_lengths(call, fused_groups, groups, *, num_prefix_tokens: int, scale):
+  """Padding given as lengths alone (1-D windows, no causal constraint): the valid pooled keys of
+  each group are a prefix, so they go to the one launch as lengths and no mask (cuDNN keeps the
+  call); padded queries are zeroed after it. The same rows as the pooled masks give."""
+  batch = fused_groups[0][0].shape[0]
+  key_lengths = call.key_value_seq_lengths
+  if key_lengths is None:
+    key_lengths = call.shapes.kv_len
+  key_lengths = jnp.broadcast_to(jnp.asarray(key_lengths, jnp.int32), call.shapes.batch_shape)
+  key_lengths = key_lengths.reshape(batch)
+  per_group = [pooled_key_lengths(key_lengths, ratio, num_prefix_tokens) for ratio, _ in groups]
+  unmasked = [(q, pooled._replace(mask=None)) for q, pooled in fused_groups]
+  (out,) = _attend_groups_at_once(
+    unmasked, scale=scale, dtype=call.compute_dtype, key_lengths=per_group
+  )
+  if call.query_seq_lengths is not None:
+    query_lengths = jnp.asarray(call.query_seq_lengths).reshape(batch)
+    real = jnp.arange(call.shapes.q_len)[None, :] < query_lengths[:, None]  # [B, q_len]
+    out = jnp.where(real[:, None, :, None], out, jnp.zeros((), out.dtype))
   return [out]
 
 
@@ -545,8 +580,13 @@ def scaled_head_attention(
 
   if fused_groups:
     single = jax.default_backend() == "gpu" if single_launch is None else single_launch
-    attend_groups = _attend_groups_at_once if single else _attend_groups_one_by_one
-    outputs = attend_groups(fused_groups, scale=scale, dtype=call.compute_dtype)
+    if single and call.lengths_only and not call.is_causal and grid_shape is None:
+      outputs = _attend_groups_by_lengths(
+        call, fused_groups, groups, num_prefix_tokens=num_prefix_tokens, scale=scale
+      )
+    else:
+      attend_groups = _attend_groups_at_once if single else _attend_groups_one_by_one
+      outputs = attend_groups(fused_groups, scale=scale, dtype=call.compute_dtype)
 
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
   order = np.concatenate([np.asarray(heads) for _, heads in groups])
