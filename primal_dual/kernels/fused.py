@@ -12,7 +12,10 @@ float16), head size (≤ 128, a multiple of 8, the same for keys and values) and
 only a top-left causal mask) allow, and XLA's implementation elsewhere. Otherwise, or with
 ``implementation='reference'``, the kernels take their own path (``_common`` + one-head maths);
 the two agree within the dtype's rounding (tests). Rows with no visible key give zeros on both
-paths (XLA's implementation alone would average every value there).
+paths (XLA's implementation alone would average every value there). Attention-SH can send all its
+ratio groups in one call (``attend``'s ``key_lengths``: heads folded into the batch, each row's
+pooled length as ``key_value_seq_lengths``), and padding given as lengths then stays a length,
+not a mask, so cuDNN keeps the call.
 
 Two rules of the fused path, exactly:
 
