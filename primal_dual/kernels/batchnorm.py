@@ -206,7 +206,7 @@ def masked_statistics(k, mask, *, precision=None) -> QueryStatistics:
 def _fold_into_query(q, k, stats: QueryStatistics, *, eps: float, mean_weight: float):
   """Softmax: ``q̂_iᵀk̂_ij = a_iᵀk_j − β a_iᵀμ_i`` with ``a_i = (q_i − βμ_i)/(σ_i² + ε)``; the
   second term is constant along the keys, so the softmax takes ``(a_i, k_j − shift)`` and the
-  keys stay shared by the queries (docs/maths.md, "Attention-BN under a mask")."""
+  keys stay shared by the queries (docs/maths.md, "Under masks")."""
   folded = (q.astype(C.F32) - mean_weight * stats.mean) / (stats.var + eps)
   return folded, k.astype(C.F32) - stats.shift[None]
 
