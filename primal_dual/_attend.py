@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import jax
 
+from primal_dual import _decode
 from primal_dual.registry import make_attention_fn
 
 
@@ -56,20 +57,28 @@ def attend(
   sow_weights: bool,
   decoding: bool,
   kernel_params: Mapping[str, jax.Array],
+  is_causal: bool | None = None,
+  seq_lengths: Mapping[str, jax.Array | None] | None = None,
 ) -> jax.Array:
   """Runs ``layer``'s kernel on projected ``query [batch..., q_len, heads, d]`` and ``key/value
   [batch..., kv_len, kv_heads, d]``; returns ``[batch..., q_len, heads, d_v]``.
 
-  ``layer.is_causal`` adds Flax's top-left causal mask, except while decoding, where the cache's
-  mask of the keys seen so far is already causal (a one-row top-left mask would hide all but the
-  first key). It is passed only when set, so kernels registered with Flax's plain
-  ``attention_fn`` signature keep working. Dropout is on exactly when ``dropout_rng`` is given
+  ``is_causal`` (default ``layer.is_causal``) adds Flax's top-left causal mask, except while
+  decoding, where the cache's mask of the keys seen so far is already causal (a one-row top-left
+  mask would hide all but the first key). It is passed only when set, so kernels registered with
+  Flax's plain ``attention_fn`` signature keep working. ``decoding`` with a variant whose registry
+  entry says ``decodes=False`` raises ValueError. ``seq_lengths`` (``query_seq_lengths``,
+  ``key_value_seq_lengths``, as ``jax.nn.dot_product_attention``) are passed when given. Dropout is on exactly when ``dropout_rng`` is given
   (the layers give one only when not deterministic and ``dropout_rate > 0``).
   """
+  if decoding:
+    _decode.check_variant_decodes(layer.attention)
   attention_fn = make_attention_fn(
     layer.attention, dict(layer.attention_options), dict(layer.attention_context)
   )
-  causal = {"is_causal": True} if layer.is_causal and not decoding else {}
+  is_causal = layer.is_causal if is_causal is None else is_causal
+  causal = {"is_causal": True} if is_causal and not decoding else {}
+  lengths = {name: x for name, x in (seq_lengths or {}).items() if x is not None}
   return attention_fn(
     query,
     key,
@@ -84,5 +93,6 @@ def attend(
     precision=layer.precision,
     module=layer if sow_weights else None,
     **causal,
+    **lengths,
     **kernel_params,
   )

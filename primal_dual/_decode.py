@@ -2,17 +2,30 @@
 
 The cache holds the projected keys and values of the whole sequence, ``[batch..., max_length,
 heads, head_dim]``, filled up to ``index``. A step writes the new position's key and value at
-``index`` and lets its single query attend to the positions ``0..index`` only. Every step thus
-attends to the keys seen so far: for a kernel whose row depends only on those keys (softmax,
-linear, HYLA) that is the row of the full causal pass; Attention-BN's statistics and
-Attention-SH's pooled windows are computed from the keys seen so far instead of the whole
-sequence, so those rows differ from a full causal pass before the last position.
+``index`` and lets its single query attend to the positions ``0..index`` only. For every variant
+whose row depends only on the keys it may see (softmax, linear, random features, HYLA, and
+Attention-BN, whose statistics under a causal mask are those of the keys seen so far) the step
+gives the row of the full causal pass. Attention-SH and BN+SH cannot: a step cannot tell the keys
+not yet fed from padding, so it would pool the incomplete window that the full causal pass hides;
+their registry entries say ``decodes=False`` and the layers refuse ``decode=True``
+(:func:`check_variant_decodes`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from primal_dual.registry import lookup
+
+
+def check_variant_decodes(name: str) -> None:
+  """Raises ValueError when the registered variant ``name`` cannot decode exactly."""
+  if not lookup(name).decodes:
+    raise ValueError(
+      f"attention variant {name!r} cannot decode with a key/value cache (its rows would differ "
+      "from the full causal pass); run the whole sequence with is_causal=True instead"
+    )
 
 
 def check_step_shape(cached: jax.Array, new: jax.Array) -> None:

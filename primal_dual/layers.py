@@ -130,8 +130,9 @@ class MultiHeadAttention(nn.Module):
     decode: autoregressive decoding with a key/value cache (collection ``cache``: ``cached_key``,
       ``cached_value``, ``cache_index``), as ``flax.linen.MultiHeadDotProductAttention``: ``init``
       on the full-length input sizes the cache, then each ``apply(..., mutable=['cache'])`` feeds
-      one position ``[batch..., 1, in]``, which attends to the positions fed so far (see
-      ``primal_dual._decode`` for the Attention-BN/SH caveat).
+      one position ``[batch..., 1, in]``, which attends to the positions fed so far and gives
+      the row of the full causal pass. Refused (ValueError) for Attention-SH and BN+SH, whose
+      decoded rows would differ (``registry.AttentionVariant.decodes``, ``primal_dual._decode``).
   """
 
   num_heads: int
@@ -195,6 +196,8 @@ class MultiHeadAttention(nn.Module):
     deterministic: bool | None = None,
     dropout_rng: jax.Array | None = None,
     sow_weights: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len, in]``.
 
@@ -206,6 +209,9 @@ class MultiHeadAttention(nn.Module):
       deterministic: disables dropout (default: the attribute, else True).
       dropout_rng: explicit dropout key (default: the module's ``dropout`` rng stream).
       sow_weights: sow the attention weights into ``intermediates``.
+      query_seq_lengths, key_value_seq_lengths: int ``[batch...]``, as
+        ``jax.nn.dot_product_attention``: only each example's first queries and keys are real
+        (the same as a padding mask; Attention-SH keeps them as lengths on its fused path).
 
     Returns:
       ``[batch..., q_len, out_features]``.
@@ -241,7 +247,20 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     kernel_params = self._kernel_params(head_dim)
     x = _attend.attend(
-      self, query, key, value, mask, bias, dropout_rng, sow_weights, self.decode, kernel_params
+      self,
+      query,
+      key,
+      value,
+      mask,
+      bias,
+      dropout_rng,
+      sow_weights,
+      self.decode,
+      kernel_params,
+      seq_lengths={
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+      },
     )
     return _Projection(
       features=(features,),

@@ -58,7 +58,8 @@ class MultiHeadAttention(nnx.Module):
     broadcast_dropout: share the dropout pattern across batch and heads.
     deterministic: default for ``__call__``'s ``deterministic`` (None: True, dropout off).
     is_causal: query ``i`` attends to keys ``j <= i`` only (top-left, as Flax and
-      ``jax.nn.dot_product_attention``), on top of ``mask``.
+      ``jax.nn.dot_product_attention``), on top of ``mask``; ``__call__``'s ``is_causal``
+      overrides it for one call.
     decode: default for ``__call__``'s ``decode``: one position per call through the key/value
       cache made by :meth:`init_cache`.
     dtype, param_dtype, precision, kernel_init, bias_init, use_bias: as in Flax.
@@ -198,6 +199,9 @@ class MultiHeadAttention(nnx.Module):
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     sow_weights: bool = False,
     decode: bool | None = None,
+    is_causal: bool | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Attends from ``inputs_q [batch..., q_len, in]`` to ``inputs_k/inputs_v [batch..., kv_len,
     in_kv]``.
@@ -212,6 +216,14 @@ class MultiHeadAttention(nnx.Module):
       rngs: dropout stream for this call (default: the one kept at construction).
       sow_weights: sow the attention weights as ``nnx.Intermediate`` ``attention_weights``.
       decode: one position ``[batch..., 1, in]`` through the cache (default: the attribute).
+        Refused (ValueError) for variants whose decoded rows would differ from the full causal
+        pass (Attention-SH, BN+SH: ``registry.AttentionVariant.decodes``).
+      is_causal: this call only, as in ``flax.nnx.MultiHeadAttention``: query ``i`` attends to
+        keys ``j <= i`` (default: the attribute). Ignored while decoding, where the cache's mask
+        is causal already.
+      query_seq_lengths, key_value_seq_lengths: int ``[batch...]``, as
+        ``jax.nn.dot_product_attention``: only each example's first queries and keys are real
+        (the same as a padding mask; Attention-SH keeps them as lengths on its fused path).
 
     Returns:
       ``[batch..., q_len, out_features]``.
@@ -227,7 +239,21 @@ class MultiHeadAttention(nnx.Module):
     dropout_rng = self._dropout_rng(deterministic, rngs)
     kernel_params = {name: getattr(self, name)[...] for name in self.kernel_param_names}
     x = _attend.attend(
-      self, query, key, value, mask, bias, dropout_rng, sow_weights, decoding, kernel_params
+      self,
+      query,
+      key,
+      value,
+      mask,
+      bias,
+      dropout_rng,
+      sow_weights,
+      decoding,
+      kernel_params,
+      is_causal=is_causal,
+      seq_lengths={
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+      },
     )
     return self.out(x)
 

@@ -10,7 +10,9 @@ An entry (:class:`AttentionVariant`) says everything the library needs to know a
 * ``params``: learned parameters the kernel owns (:class:`KernelParam`). The layers
   (``primal_dual.layers.MultiHeadAttention``) create them under the attention module and pass them
   to the kernel as keyword arguments of the same name;
-* ``description``: one line for docs and error messages.
+* ``description``: one line for docs and error messages;
+* ``decodes``: whether decoding with a key/value cache (the layers' ``decode=True``) gives the
+  rows of the full causal pass; the layers refuse ``decode=True`` for a variant without it.
 
 Adding a variant is one call of :func:`register_attention` (see ``docs/new_variant.md``).
 """
@@ -79,6 +81,7 @@ class AttentionVariant:
   description: str = ""
   takes_ratios: bool = False
   params: Mapping[str, KernelParam] = dataclasses.field(default_factory=dict)
+  decodes: bool = True
 
 
 ATTENTION_REGISTRY: dict[str, AttentionVariant] = {}
@@ -92,6 +95,7 @@ def register_attention(
   flops: FlopCounter | None = None,
   takes_ratios: bool = False,
   params: Mapping[str, KernelParam] | None = None,
+  decodes: bool = True,
   overwrite: bool = False,
 ) -> AttentionVariant:
   """Adds a variant under ``name`` and returns its entry.
@@ -103,12 +107,14 @@ def register_attention(
     flops: FLOP formula; default: softmax's ``4·N²·D`` (two N×N×D products).
     takes_ratios: the variant needs ``ratios`` (one per head) from the task.
     params: learned parameters the layers create and pass to the kernel by name.
+    decodes: decoding through a key/value cache equals the full causal pass (False: the layers
+      refuse ``decode=True``).
     overwrite: replace an existing entry.
   """
   if name in ATTENTION_REGISTRY and not overwrite:
     raise ValueError(f"attention variant {name!r} is already registered; pass overwrite=True")
   entry = AttentionVariant(
-    factory, flops or quadratic_flops(2), description, takes_ratios, dict(params or {})
+    factory, flops or quadratic_flops(2), description, takes_ratios, dict(params or {}), decodes
   )
   ATTENTION_REGISTRY[name] = entry
   return entry
@@ -277,12 +283,16 @@ _BUILT_IN: dict[str, dict[str, Any]] = {
     factory=_partial(kernels.scaled_head_attention),
     flops=_scaled_head_flops,
     takes_ratios=True,
+    # A decoding step cannot tell the keys not yet fed from padding, so it would pool the
+    # incomplete window that the full causal pass hides.
+    decodes=False,
     description="Attention-SH (heads on pooled keys)",
   ),
   "bn_sh": dict(
     factory=_partial(kernels.scaled_head_attention, batchnorm=True),
     flops=_scaled_head_flops,
     takes_ratios=True,
+    decodes=False,
     description="Attention-BN+SH",
   ),
   "hyla": _hyla("HYLA: rms-head normalisation + relu value MLP"),

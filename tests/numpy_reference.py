@@ -130,24 +130,29 @@ def batchnorm_attention_ref(
   mean_weight=1.0,
   linear_eps=1e-6,
 ):
-  """Attention-BN: per example and head, μ and σ² (population) of the keys over the valid keys
-  (keys some query may attend to), per channel; q̂ = (q − βμ)/√(σ²+ε), k̂ likewise; then the kernel
-  ('softmax' with 1/√D and bias, or 'linear' dual) on q̂, k̂. Returns (out, weights)."""
+  """Attention-BN: per example, head and query i, μ_i and σ_i² (population) of the keys query i may
+  attend to, per channel; q̂_i = (q_i − βμ_i)/√(σ_i²+ε), k̂_ij = (k_j − βμ_i)/√(σ_i²+ε); then the
+  kernel ('softmax' with 1/√D and bias, or 'linear' dual) on q̂_i, k̂_ij. Under a mask that is the
+  same for every query (padding) these are the valid keys' statistics. Returns (out, weights)."""
 
   def one_head(q, k, bias, mask):
-    valid = [j for j in range(k.shape[0]) if mask[:, j].any()]
     d = k.shape[1]
-    mean, var = np.zeros(d), np.ones(d)
-    if valid:
-      for c in range(d):
-        column = [k[j, c] for j in valid]
-        mean[c] = sum(column) / len(column)
-        var[c] = sum((x - mean[c]) ** 2 for x in column) / len(column)
-    q_hat = (q - mean_weight * mean) / np.sqrt(var + eps)
-    k_hat = (k - mean_weight * mean) / np.sqrt(var + eps)
-    if kernel == "softmax":
-      return _softmax_weights_one_head(q_hat, k_hat, bias, mask, 1.0 / np.sqrt(d))
-    return _linear_weights_one_head(q_hat, k_hat, mask, linear_eps, bias)
+    weights = np.zeros(mask.shape)
+    for i in range(q.shape[0]):
+      seen = [j for j in range(k.shape[0]) if mask[i, j]]
+      if not seen:
+        continue
+      shift, div = _stats_ref([k[j] for j in seen], eps, mean_weight)
+      q_hat = ((q[i] - shift) / div)[None]
+      k_hat = (k - shift) / div
+      if kernel == "softmax":
+        row = _softmax_weights_one_head(
+          q_hat, k_hat, bias[i : i + 1], mask[i : i + 1], 1 / np.sqrt(d)
+        )
+      else:
+        row = _linear_weights_one_head(q_hat, k_hat, mask[i : i + 1], linear_eps, bias[i : i + 1])
+      weights[i] = row[0]
+    return weights
 
   return _loop_heads(query, key, value, bias, mask, one_head)
 
@@ -259,29 +264,31 @@ def scaled_head_ref(
         pvalid.append(bool(keys))
         pk.append(_pool_ref(keys, pool) if keys else np.zeros(d))
         pv.append(_pool_ref(vals, pool) if vals else np.zeros(d_v))
-      qs = [q[b + (i, h)] for i in range(q_len)]
-      if batchnorm:
-        src = (
-          [pk[w] for w in range(n) if pvalid[w]]
-          if statistics == "pooled"
-          else [k[b + (j, h)] for j in range(kv_len) if valid[j]]
-        )
-        shift, div = _stats_ref(src, eps, mean_weight)
-        qs = [(x - shift) / div for x in qs]
-        pk = [(x - shift) / div for x in pk]
       for i in range(q_len):
-        visible = [w for w, win in enumerate(windows) if any(m[i, j] for j in win)]
+        # A pooled key is visible when every valid key of its window is.
+        visible = [
+          w for w, win in enumerate(windows) if pvalid[w] and all(m[i, j] for j in win if valid[j])
+        ]
         if not visible:
           continue
+        qi, pki = q[b + (i, h)], pk
+        if batchnorm:
+          src = (
+            [pk[w] for w in visible]
+            if statistics == "pooled"
+            else [k[b + (j, h)] for j in range(kv_len) if m[i, j]]
+          )
+          shift, div = _stats_ref(src, eps, mean_weight)
+          qi, pki = (qi - shift) / div, [(x - shift) / div for x in pk]
         pooled_bias = np.array(
           [np.mean([bias[b + (h, i, j)] for j in windows[w] if m[i, j]]) for w in visible]
         )
         if kernel == "softmax":
-          logits = np.array([qs[i] @ pk[w] / np.sqrt(d) for w in visible]) + pooled_bias
+          logits = np.array([qi @ pki[w] / np.sqrt(d) for w in visible]) + pooled_bias
           p = np.exp(logits - logits.max())
           p /= p.sum()
         else:  # the bias is a factor exp(b - max b) on the kernel
-          s = np.array([_elu_plus_one(qs[i]) @ _elu_plus_one(pk[w]) for w in visible])
+          s = np.array([_elu_plus_one(qi) @ _elu_plus_one(pki[w]) for w in visible])
           s = s * np.exp(pooled_bias - pooled_bias.max())
           p = s / (s.sum() + LINEAR_EPS)
         for pw, w in zip(p, visible):

@@ -48,10 +48,11 @@ def valid_key_statistics(key, key_valid):
 
 
 def min_valid_keys(query, key, mask):
-  """Fewest keys any (example, head) may see: the keys Attention-BN takes statistics over."""
+  """Fewest keys a query that sees any key may see: the keys Attention-BN takes its statistics
+  over."""
   batch_shape, (q_len, heads), kv_len = query.shape[:-3], query.shape[-3:-1], key.shape[-3]
-  full = np.broadcast_to(mask, (*batch_shape, heads, q_len, kv_len))
-  return int(full.any(axis=-2).sum(axis=-1).min())
+  seen = np.broadcast_to(mask, (*batch_shape, heads, q_len, kv_len)).sum(axis=-1)
+  return int(seen[seen > 0].min(initial=kv_len))
 
 
 @settings(max_examples=10)
@@ -208,3 +209,32 @@ def test_option_errors():
     batchnorm_attention(query, key, value, kernel="cosine")
   with pytest.raises(ValueError, match="statistics must be one of.*'values'"):
     batchnorm_attention(query, key, value, statistics="values")
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_statistics_are_those_of_the_keys_each_query_sees(kernel, alignment):
+  """``is_causal`` (with key padding): query i's statistics over the valid keys j <= i + offset
+  (prefix sums), against the per-query NumPy reference; the softmax kernel's fused and reference
+  paths agree, and an explicit causal mask (masked sums) gives the same rows."""
+  query, key, value, mask = fixed_inputs(9)
+  query = query[:, -4:]  # q_len < kv_len: the alignments differ
+  q_len, kv_len = query.shape[-3], key.shape[-3]
+  causal = ref._causal(q_len, kv_len, alignment)
+  expected, _ = ref.batchnorm_attention_ref(
+    query, key, value, mask=np.asarray(mask) & causal, kernel=kernel
+  )
+  run = functools.partial(batchnorm_attention, kernel=kernel, causal_alignment=alignment)
+  implementations = ("auto", "reference") if kernel == "softmax" else ("reference",)
+  for implementation in implementations:
+    out = run(query, key, value, mask=mask, is_causal=True, implementation=implementation)
+    np.testing.assert_allclose(out, expected, atol=5e-5, rtol=5e-4)
+  explicit = np.asarray(mask) & causal
+  np.testing.assert_allclose(run(query, key, value, mask=explicit), expected, atol=5e-5, rtol=5e-4)
+
+
+def test_pooled_statistics_sources_are_refused_under_causal_masks():
+  query, _, value, _ = fixed_inputs(10)
+  for statistics in ("queries", "queries_and_keys"):
+    with pytest.raises(ValueError, match="use statistics='keys'"):
+      batchnorm_attention(query, query, value[:, :4], statistics=statistics, is_causal=True)

@@ -121,3 +121,126 @@ def test_fused_equals_reference_without_and_with_a_mask(variant, masked):
     for impl in ("fused", "reference")
   ]
   np.testing.assert_allclose(outs[0], outs[1], rtol=2e-5, atol=2e-5)
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """How many equations of ``jaxpr`` (nested ones included) apply primitive ``name``."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _count_primitive(sub, name)
+  return count
+
+
+SINGLE_LAUNCH_CASES = {
+  "no mask": {},
+  "padding": {"mask": np.arange(10)[None, None, None, :] < np.array([10, 6])[:, None, None, None]},
+  "causal": {"is_causal": True},
+  "bias and query padding": {
+    "bias": np.random.default_rng(3).normal(size=(4, 10, 10)).astype(np.float32),
+    "mask": (np.arange(10) < 7)[None, None, :, None] & (np.arange(10) < 8)[None, None, None, :],
+  },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", sorted(SINGLE_LAUNCH_CASES))
+def test_every_ratio_group_in_one_launch_is_the_same_function(variant, case):
+  """``single_launch=True``: one ``jax.nn.dot_product_attention`` (two products, logits and
+  values, where the per-group path has two per group) with heads folded into the batch and each
+  row's pooled length as its key length; the reference path's outputs and gradients."""
+  ratios = (1, 2, 3, 2)
+  q, k, v = _qkv(10, 10, len(ratios))
+  q, k, v = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v))  # batch of 2
+  run = {
+    implementation: functools.partial(
+      sh.scaled_head_attention,
+      ratios=ratios,
+      implementation=implementation,
+      **VARIANTS[variant],
+      **SINGLE_LAUNCH_CASES[case],
+    )
+    for implementation in ("fused", "reference")
+  }
+  single = functools.partial(run["fused"], single_launch=True)
+  np.testing.assert_allclose(single(q, k, v), run["reference"](q, k, v), atol=2e-6)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+  grads = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
+  expected = jax.grad(loss(run["reference"]), argnums=(0, 1, 2))(q, k, v)
+  for grad, want in zip(grads, expected):
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5)
+  products = {
+    launch: _count_primitive(
+      jax.make_jaxpr(functools.partial(run["fused"], single_launch=launch))(q, k, v).jaxpr,
+      "dot_general",
+    )
+    for launch in (True, False)
+  }
+  groups = len(set(ratios))
+  assert products[False] - products[True] == 2 * (groups - 1), products
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_padding_given_as_lengths_stays_unmasked_in_one_launch(variant, monkeypatch):
+  """Key and query lengths (``jax.nn.dot_product_attention``'s arguments) mean the padding mask
+  they describe; on the one-launch path they reach ``jax.nn.dot_product_attention`` as per-row
+  pooled key lengths with no mask, which cuDNN takes."""
+  ratios, prefix = (1, 2, 3, 4), 1
+  q, k, v = (jnp.concatenate([x, x * 0.5, -x]) for x in _qkv(10, 10, len(ratios)))
+  key_lengths, query_lengths = jnp.array([10, 4, 7]), jnp.array([10, 5, 9])
+  mask = (np.arange(10)[None, :] < np.asarray(key_lengths)[:, None])[:, None, None, :] & (
+    np.arange(10)[None, :] < np.asarray(query_lengths)[:, None]
+  )[:, None, :, None]
+  attention = functools.partial(
+    sh.scaled_head_attention, ratios=ratios, num_prefix_tokens=prefix, **VARIANTS[variant]
+  )
+  expected = attention(q, k, v, mask=mask, implementation="reference")
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  lengths = {"key_value_seq_lengths": key_lengths, "query_seq_lengths": query_lengths}
+  for single_launch in (True, False):
+    out = attention(q, k, v, single_launch=single_launch, implementation="fused", **lengths)
+    np.testing.assert_allclose(out, expected, atol=2e-6)
+  single_call = calls[0]
+  assert single_call["mask"] is None and single_call["bias"] is None
+  # One row per (example, head): the pooled lengths of each head's ratio.
+  rows = np.asarray(single_call["key_value_seq_lengths"]).reshape(3, len(ratios))
+  expected_rows = [[1 + -(-(n - 1) // r) for r in ratios] for n in (10, 4, 7)]
+  np.testing.assert_array_equal(rows, expected_rows)
+  # The per-group path has the padding as a mask instead.
+  assert len(calls) == 1 + len(set(ratios)) and all(c["mask"] is not None for c in calls[1:])
+
+
+def test_lengths_mean_their_padding_mask_for_every_kernel_and_layer():
+  from primal_dual import nnx as pd_nnx
+  from primal_dual import registry
+  from flax import nnx
+
+  q, k, v = (jnp.concatenate([x, x * 0.5]) for x in _qkv(6, 6, 2))
+  key_lengths = jnp.array([6, 3])
+  mask = (np.arange(6)[None, :] < np.asarray(key_lengths)[:, None])[:, None, None, :]
+  for name in sorted(registry.ATTENTION_REGISTRY):
+    options = {"ratios": (1, 2)} if registry.lookup(name).takes_ratios else {}
+    fn = registry.make_attention_fn(name, options)
+    np.testing.assert_allclose(
+      fn(q, k, v, key_value_seq_lengths=key_lengths), fn(q, k, v, mask=mask), atol=1e-6
+    )
+  layer = pd_nnx.MultiHeadAttention(
+    2, 8, attention="sh", attention_options={"ratios": (1, 2)}, rngs=nnx.Rngs(0)
+  )
+  x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+  np.testing.assert_allclose(
+    layer(x, key_value_seq_lengths=key_lengths), layer(x, mask=mask), atol=1e-6
+  )
+  with pytest.raises(ValueError, match="key_value_seq_lengths must be an int array"):
+    registry.make_attention_fn("softmax")(q, k, v, key_value_seq_lengths=jnp.array([6.0, 3.0]))

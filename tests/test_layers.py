@@ -157,7 +157,7 @@ def test_context_options_reach_only_kernels_that_declare_them():
   assert fn.keywords["num_prefix_tokens"] == 1
 
 
-@pytest.mark.parametrize("name", ["softmax", "hyla"])
+@pytest.mark.parametrize("name", ["softmax", "hyla", "bn", "linear_bn"])
 def test_decoding_with_a_cache_equals_the_full_causal_pass(name, inputs):
   x, _ = inputs
   params = _layer(name).init(jax.random.key(0), x)["params"]

@@ -115,7 +115,7 @@ def test_learned_kernel_parameter_in_both_layouts(learned_temperature):
 
 @nnx.jit
 def _causal_pass(module, x):
-  return module(x, mask=nn.make_causal_mask(x[..., 0]))
+  return module(x, is_causal=True)  # per call, as flax.nnx.MultiHeadAttention
 
 
 @nnx.jit
@@ -123,7 +123,10 @@ def _decode_step(module, token):
   return module(token, decode=True)
 
 
-@pytest.mark.parametrize("name", ["softmax", "hyla"])
+DECODING = sorted(name for name, entry in registry.ATTENTION_REGISTRY.items() if entry.decodes)
+
+
+@pytest.mark.parametrize("name", DECODING)
 def test_decoding_equals_the_full_causal_pass(name):
   module = _nnx(name)
   full = _causal_pass(module, X)
@@ -135,25 +138,25 @@ def test_decoding_equals_the_full_causal_pass(name):
   assert not np.allclose(full[:, 0], module(X)[:, 0], atol=1e-4)
 
 
-def test_sh_decoding_attends_to_the_keys_seen_so_far_in_both_layers():
-  """Attention-SH pools the keys seen so far, not whole windows of the sequence: decoded rows
-  differ from the full causal pass before the last position, agree at it, and the Linen and NNX
-  caches give the same rows."""
-  module = _nnx("sh")
-  full = _causal_pass(module, X)
-  module.init_cache(X.shape)
-  decoded = jnp.concatenate([_decode_step(module, X[:, t : t + 1]) for t in range(LENGTH)], axis=1)
-  np.testing.assert_allclose(decoded[:, -1], full[:, -1], rtol=1e-5, atol=1e-6)
-  assert not np.allclose(decoded[:, :-1], full[:, :-1], atol=1e-4)
+def test_per_call_is_causal_overrides_the_attribute():
+  causal = _nnx("softmax", is_causal=True)
+  plain = _nnx("softmax")
+  np.testing.assert_allclose(causal(X), plain(X, is_causal=True), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(causal(X, is_causal=False), plain(X), rtol=1e-6, atol=1e-6)
+  assert not np.allclose(plain(X), plain(X, is_causal=True), atol=1e-4)
 
-  linen = _linen("sh", decode=True)
-  cache = linen.init(jax.random.key(0), X)["cache"]
-  variables = {"params": pd_nnx.linen_params(module), "cache": cache}
-  step = jax.jit(lambda v, token: linen.apply(v, token, mutable=["cache"]))
-  for t in range(LENGTH):
-    out, updated = step(variables, X[:, t : t + 1])
-    variables = {**variables, **updated}
-    np.testing.assert_allclose(out[:, 0], decoded[:, t], rtol=1e-5, atol=1e-6)
+
+@pytest.mark.parametrize("name", ["sh", "bn_sh"])
+def test_pooled_variants_refuse_to_decode_in_both_layers(name):
+  """A decoding step cannot tell the keys not yet fed from padding, so SH would pool the
+  incomplete window that the full causal pass hides: both layers refuse, in one line."""
+  assert not registry.lookup(name).decodes
+  module = _nnx(name)
+  module.init_cache(X.shape)
+  with pytest.raises(ValueError, match="cannot decode with a key/value cache"):
+    module(X[:, :1], decode=True)
+  with pytest.raises(ValueError, match="cannot decode with a key/value cache"):
+    _linen(name, decode=True).init(jax.random.key(0), X)
 
 
 def test_decoding_needs_a_cache_and_one_position():

@@ -401,3 +401,41 @@ def key_validity(mask: Array | None, kv_len: int) -> Array | None:
   if mask is None:
     return None
   return jnp.any(mask, axis=0)
+
+
+def is_key_only_mask(mask, q_len: int) -> bool:
+  """Whether ``mask`` (any dtype, or None) is the same for every query: None, of size 1 on the
+  q_len axis (e.g. ``masks.padding_mask(key_valid)``), or a call with one query. Static (shapes
+  only)."""
+  return mask is None or q_len == 1 or jnp.ndim(mask) < 2 or jnp.shape(mask)[-2] == 1
+
+
+def lengths_mask(query_lengths, key_lengths, shapes: QKVShapes) -> Array | None:
+  """bool ``[batch..., 1, q_len | 1, kv_len]`` from per-example lengths (``jax.nn``'s
+  ``query_seq_lengths``/``key_value_seq_lengths``, int ``[batch...]``): query ``i < query_lengths``
+  and key ``j < key_lengths``. None when both are None; key-only (size 1 on q_len) without query
+  lengths.
+
+  Raises:
+    ValueError: lengths of another shape than the batch dimensions.
+  """
+  parts = []
+  # name, lengths, axis size, the new axes around it: [batch..., 1, q_len, 1] or [..., 1, 1, kv].
+  for name, lengths, size, new_axes in (
+    ("query_seq_lengths", query_lengths, shapes.q_len, (-3, -1)),
+    ("key_value_seq_lengths", key_lengths, shapes.kv_len, (-3, -2)),
+  ):
+    if lengths is None:
+      continue
+    lengths = jnp.asarray(lengths)
+    if tuple(lengths.shape) != shapes.batch_shape or not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise ValueError(
+        f"{name} must be an int array of the batch shape {shapes.batch_shape}; got "
+        f"shape {tuple(lengths.shape)}, dtype {lengths.dtype}"
+      )
+    positions = with_rank(jnp.arange(size), lengths.ndim + 1)
+    valid = positions < lengths[..., None]  # [batch..., size]
+    parts.append(jnp.expand_dims(valid, new_axes))
+  if not parts:
+    return None
+  return parts[0] if len(parts) == 1 else jnp.logical_and(*parts)

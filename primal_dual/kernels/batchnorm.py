@@ -12,19 +12,34 @@ kernel runs: ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ�
 would be wrong: centering the keys alone leaves softmax unchanged (``q_iᵀμ`` is constant over j),
 so the queries must be moved into the same coordinates. There are no running averages: training and
 evaluation compute the same thing.
+
+Under a causal or query-dependent mask each query takes the statistics of the keys *it* may see
+(docs/maths.md, "Under masks"): prefix sums under ``is_causal``, masked sums under any other mask.
+For the softmax kernel the per-query mean and scale fold into the query, ``a_i = (q_i −
+βμ_i)/(σ_i² + ε)``, the remaining term being constant along the keys, so the product stays one
+softmax attention of shared keys (``jax.nn.dot_product_attention``). Without a causal constraint and
+with a mask the same for every query (none, padding) this is the paper's per-sequence definition,
+computed as it always was.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import driver, fused
 from primal_dual.kernels.linear import DEFAULT_EPS as LINEAR_EPS
-from primal_dual.kernels.linear import linear_weights_one_head
+from primal_dual.kernels.linear import (
+  causal_prefix,
+  elu_feature_map,
+  key_only_validity,
+  linear_weights_one_head,
+  normalize_linear_scores,
+)
 from primal_dual.kernels.softmax import softmax_weights_one_head
 
 DEFAULT_EPS = 1e-5
@@ -98,8 +113,13 @@ def _softmax_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
 
 
 def _linear_kernel(q, k, bias, mask, *, scale, linear_eps, precision):
+  """Dual-form linear weights; ``k`` is ``[kv_len, d]`` (shared by the queries) or ``[q_len,
+  kv_len, d]`` (each query's own normalised keys, see :func:`per_query_inputs`)."""
   del scale  # Φ = elu + 1 has no temperature; a bias multiplies the kernel by exp(bias).
-  return linear_weights_one_head(q, k, bias, mask, eps=linear_eps, precision=precision)
+  if k.ndim == 2:
+    return linear_weights_one_head(q, k, bias, mask, eps=linear_eps, precision=precision)
+  scores = jnp.einsum("qd,qkd->qk", elu_feature_map(q), elu_feature_map(k), precision=precision)
+  return normalize_linear_scores(scores, bias, mask, eps=linear_eps)
 
 
 # The kernels of Attention-BN and Attention-SH, run on one head's normalised and/or pooled queries
@@ -110,6 +130,109 @@ KERNELS: dict[str, Callable] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# Statistics of the keys each query may see (causal and query-dependent masks).
+# ---------------------------------------------------------------------------------------------
+
+
+class QueryStatistics(NamedTuple):
+  """Key statistics of one head, one row per query (float32).
+
+  Attributes:
+    mean: ``[q_len, d]``. var: ``[q_len, d]`` (population variance); ``0, 1`` for a query that
+      sees no key.
+    shift: ``[d]``, the point the moments were taken about, the same for every query (under
+      ``is_causal``, the first valid key, which every query that sees a key sees; else 0). Any
+      row constant subtracted from the keys leaves softmax unchanged, and this one keeps the
+      folded logits small (see :func:`per_query_inputs`).
+  """
+
+  mean: jax.Array
+  var: jax.Array
+  shift: jax.Array
+
+
+def first_valid_key(k, key_valid):
+  """The first row of ``k [kv_len, d]`` with ``key_valid`` (row 0 when none), float32, without a
+  gradient: it only shifts the data the moments are taken of, which they do not depend on."""
+  first = 0 if key_valid is None else jnp.argmax(key_valid)
+  return jax.lax.stop_gradient(k[first].astype(C.F32))
+
+
+def _moments(count, first, second, shift):
+  """Mean and variance from the count and the first two moments about ``shift`` (shifted-data
+  sums: no cancellation when the keys share a large offset)."""
+  safe = jnp.maximum(count, 1.0)[:, None]
+  centred_mean = first / safe
+  var = jnp.maximum(second / safe - centred_mean**2, 0.0)
+  seen = (count > 0)[:, None]
+  return jnp.where(seen, shift[None] + centred_mean, 0.0), jnp.where(seen, var, 1.0)
+
+
+def prefix_statistics(k, key_valid, *, q_len: int, offset: int) -> QueryStatistics:
+  """Causal statistics of one head: query ``i`` takes those of the valid keys ``j <= i + offset``
+  (prefix sums in float32, O(kv_len·d)).
+
+  Args:
+    k: ``[kv_len, d]``. key_valid: bool ``[kv_len]`` or None (all valid; a key-only mask).
+    q_len, offset: query ``i`` sees keys ``j <= i + offset`` (``_common.causal_offset``).
+  """
+  weights = jnp.ones(k.shape[:1], C.F32) if key_valid is None else key_valid.astype(C.F32)
+  shift = first_valid_key(k, key_valid)
+  centred = (k.astype(C.F32) - shift[None]) * weights[:, None]
+  count, first, second = (
+    causal_prefix(x, q_len, offset) for x in (weights, centred, centred * centred)
+  )
+  return QueryStatistics(*_moments(count, first, second, shift), shift)
+
+
+def masked_statistics(k, mask, *, precision=None) -> QueryStatistics:
+  """Per-query statistics of one head under any mask: query ``i`` takes those of the keys it may
+  attend to, ``mask [q_len, kv_len]`` bool (O(q_len·kv_len·d) time, O(q_len·d) memory).
+
+  Masked sums of ``k`` and ``k²`` (``E[k²] − E[k]²``, as Flax's fast variance): a hidden key is
+  multiplied by an exact zero, so it cannot reach a query's statistics even through rounding. A
+  shift of the data would need a point every query sees, which a general mask does not provide.
+  """
+  visible = mask.astype(C.F32)
+  keys = k.astype(C.F32)
+  first, second = (
+    jnp.einsum("qk,kd->qd", visible, x, precision=precision) for x in (keys, keys * keys)
+  )
+  shift = jnp.zeros(k.shape[1:], C.F32)
+  return QueryStatistics(*_moments(jnp.sum(visible, axis=-1), first, second, shift), shift)
+
+
+def _fold_into_query(q, k, stats: QueryStatistics, *, eps: float, mean_weight: float):
+  """Softmax: ``q̂_iᵀk̂_ij = a_iᵀk_j − β a_iᵀμ_i`` with ``a_i = (q_i − βμ_i)/(σ_i² + ε)``; the
+  second term is constant along the keys, so the softmax takes ``(a_i, k_j − shift)`` and the
+  keys stay shared by the queries (docs/maths.md, "Under masks")."""
+  folded = (q.astype(C.F32) - mean_weight * stats.mean) / (stats.var + eps)
+  return folded, k.astype(C.F32) - stats.shift[None]
+
+
+def _normalize_keys_per_query(q, k, stats: QueryStatistics, *, eps: float, mean_weight: float):
+  """Linear kernel: ``q̂_i`` ``[q_len, d]`` and each query's own ``k̂_ij`` ``[q_len, kv_len, d]``
+  (Φ does not commute with the per-query normalisation)."""
+  scale = jnp.sqrt(stats.var + eps)
+  q_hat = (q.astype(C.F32) - mean_weight * stats.mean) / scale
+  k_hat = (k.astype(C.F32)[None] - mean_weight * stats.mean[:, None]) / scale[:, None]
+  return q_hat, k_hat
+
+
+# kernel -> (q [q_len, d], k [kv_len, d], QueryStatistics, *, eps, mean_weight) -> the (q, k) the
+# kernel runs on.
+PER_QUERY_INPUTS: dict[str, Callable] = {
+  "softmax": _fold_into_query,
+  "linear": _normalize_keys_per_query,
+}
+
+
+def per_query_inputs(q, k, stats: QueryStatistics, *, kernel: str, eps: float, mean_weight: float):
+  """What ``kernel`` runs on when each query has its own key statistics (``PER_QUERY_INPUTS``)."""
+  return PER_QUERY_INPUTS[kernel](q, k, stats, eps=eps, mean_weight=mean_weight)
+
+
 def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistics: str):
   """``(q̂ [q_len, d], k̂ [kv_len, d])`` float32 of one head: both normalised with the statistics
   named by ``statistics`` (``STATISTICS_SOURCES``), over valid rows only."""
@@ -117,6 +240,51 @@ def normalized_one_head(q, k, mask, *, eps: float, mean_weight: float, statistic
   return tuple(
     normalize_with_key_stats(x, mean, var, eps=eps, mean_weight=mean_weight) for x in (q, k)
   )
+
+
+def _sequence_inputs(q, k, mask, key_valid, *, kernel, eps, mean_weight, statistics, offset):
+  del key_valid, kernel, offset
+  return normalized_one_head(q, k, mask, eps=eps, mean_weight=mean_weight, statistics=statistics)
+
+
+def _prefix_inputs(q, k, mask, key_valid, *, kernel, eps, mean_weight, statistics, offset):
+  del mask, statistics
+  stats = prefix_statistics(k, key_valid, q_len=q.shape[0], offset=offset)
+  return per_query_inputs(q, k, stats, kernel=kernel, eps=eps, mean_weight=mean_weight)
+
+
+def _query_inputs(q, k, mask, key_valid, *, kernel, eps, mean_weight, statistics, offset):
+  del key_valid, statistics, offset
+  stats = masked_statistics(k, mask)
+  return per_query_inputs(q, k, stats, kernel=kernel, eps=eps, mean_weight=mean_weight)
+
+
+# Whose keys a query's statistics come from -> (q, k, mask, key_valid, *, kernel, eps,
+# mean_weight, statistics, offset) -> the (q, k) the kernel runs on, for one head.
+#   'sequence': no causal constraint and a mask the same for every query (none, padding): one
+#     set of statistics per sequence, over the valid keys (the paper's definition).
+#   'prefix': is_causal with such a mask: query i's statistics over the valid keys j <= i + offset.
+#   'query': any mask that depends on the query: each query's over the keys it may attend to.
+STATISTICS_SCOPES: dict[str, Callable] = {
+  "sequence": _sequence_inputs,
+  "prefix": _prefix_inputs,
+  "query": _query_inputs,
+}
+
+
+def statistics_scope(mask, *, is_causal: bool, q_len: int) -> str:
+  """The ``STATISTICS_SCOPES`` entry of a call (static: from shapes and flags only)."""
+  if not C.is_key_only_mask(mask, q_len):
+    return "query"
+  return "prefix" if is_causal else "sequence"
+
+
+def _refuse_pooled_statistics_under_masks(statistics: str, scope: str) -> None:
+  if statistics != "keys" and scope != "sequence":
+    raise ValueError(
+      f"statistics={statistics!r} pools rows that a causal or query-dependent mask hides from "
+      "some queries; use statistics='keys' (each query's own visible keys) with such masks"
+    )
 
 
 @driver.attention_kernel
@@ -136,11 +304,15 @@ def batchnorm_attention(
   For each example, head and channel: ``μ = mean_j k_j``, ``σ² = mean_j (k_j − μ)²`` over the
   valid keys (keys that some query may attend to; padded keys never enter), then
   ``q̂ = (q − βμ)/√(σ² + ε)``, ``k̂ = (k − βμ)/√(σ² + ε)`` and the chosen kernel on ``(q̂, k̂)``;
-  values are untouched. With ``is_causal`` the statistics still pool every key (they are per
-  sequence, not per prefix), so early queries see statistics of later keys; for the same reason
-  decoding with a key/value cache (keys valid up to the current step) is not a full causal pass:
-  each step uses the statistics of the keys seen so far. With grouped key/value heads the shared
-  head's statistics serve every query head of its group.
+  values are untouched. That is the call without ``is_causal`` and with a mask the same for every
+  query (none, or padding). Otherwise each query ``i`` has its own statistics over the keys it may
+  see (:data:`STATISTICS_SCOPES`): with ``is_causal`` (either alignment) the valid keys
+  ``j <= i + offset``, through float32 prefix sums; under any other mask the keys of its mask
+  row. A hidden key therefore never reaches a query, and decoding with a key/value cache (keys
+  valid up to the current step) gives the rows of the full causal pass. The softmax kernel folds
+  the per-query statistics into the query and keeps the fused path; the linear kernel forms each
+  query's normalised keys, ``[q_len, kv_len, d]`` per head. With grouped key/value heads the
+  shared head's statistics serve every query head of its group.
 
   Args:
     query, key, value, bias, mask and Flax's other ``attention_fn`` arguments: see
@@ -151,7 +323,8 @@ def batchnorm_attention(
     eps: ε of the normalisation.
     mean_weight: β, how much of the mean is removed (0 = scale only).
     statistics: whose statistics normalise: ``'keys'`` (docs/maths.md), ``'queries'`` or
-      ``'queries_and_keys'`` (pooled), each over its valid rows.
+      ``'queries_and_keys'`` (pooled), each over its valid rows. The last two pool rows a
+      causal or query-dependent mask hides from some queries: ValueError with such a mask.
     scale: softmax logits scale, default ``1/√d_qk``.
     linear_eps: denominator guard of the linear kernel.
     implementation: ``'auto'`` (softmax kernel: normalise, then ``jax.nn.dot_product_attention``
@@ -169,18 +342,39 @@ def batchnorm_attention(
     precision=call.precision,
   )
   C.lookup(STATISTICS_SOURCES, statistics, "statistics")
-  normalize = functools.partial(
-    normalized_one_head, eps=eps, mean_weight=mean_weight, statistics=statistics
+  scope = statistics_scope(call.mask, is_causal=call.is_causal, q_len=call.shapes.q_len)
+  _refuse_pooled_statistics_under_masks(statistics, scope)
+  inputs = functools.partial(
+    STATISTICS_SCOPES[scope],
+    kernel=kernel,
+    eps=eps,
+    mean_weight=mean_weight,
+    statistics=statistics,
+    offset=C.causal_offset(call.causal_alignment, call.shapes.q_len, call.shapes.kv_len),
   )
+  q, k, v = call.heads_major()
+  mask, bias = call.mask_and_bias()
+  key_valid = None
+  if scope == "prefix":
+    key_valid = key_only_validity(call.mask, call.shapes, "")
   if call.takes_fused(implementation, softmax_kernel=kernel == "softmax"):
-    q, k, v = call.heads_major()
-    mask, bias = call.mask_and_bias()
-    q_hat, k_hat = C.map_heads(normalize, q, k, mask)
+    q_in, k_in = C.map_heads(inputs, q, k, mask, key_valid)
+    # A causal constraint alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
+    causal_apart = call.is_causal and call.mask is None and call.causal_alignment == "top_left"
     return call.finish(
-      fused.attend(q_hat, k_hat, v, bias, mask, scale=scale, dtype=call.compute_dtype)
+      fused.attend(
+        q_in,
+        k_in,
+        v,
+        bias,
+        None if causal_apart else mask,
+        scale=scale,
+        is_causal=causal_apart,
+        dtype=call.compute_dtype,
+      )
     )
 
-  def weights_one_head(q, k, bias, mask):
-    return kernel_one_head(*normalize(q, k, mask), bias, mask)
+  def one_head(q, k, v, bias, mask, key_valid):
+    return kernel_one_head(*inputs(q, k, mask, key_valid), bias, mask), v
 
-  return call.attend(weights_one_head)
+  return call.finish(*call.weigh_values(one_head, q, k, v, bias, mask, key_valid))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import fused
+from primal_dual.kernels import fused, masks
 
 Array = jax.Array
 
@@ -53,6 +53,11 @@ class AttentionCall:
     causal_alignment: ``'top_left'`` (default, as Flax: query ``i`` sees keys ``j <= i``) or
       ``'bottom_right'`` (``j <= i + kv_len - q_len``).
     return_weights: also return the float32 weights ``[batch..., heads, q_len, kv_len]``.
+    query_seq_lengths, key_value_seq_lengths: int ``[batch...]`` or None, as
+      ``jax.nn.dot_product_attention`` takes them: only the first ``query_seq_lengths[b]`` queries
+      and ``key_value_seq_lengths[b]`` keys of example ``b`` are real (padded queries get zeros,
+      padded keys are never seen). They are folded into ``mask`` here, so every kernel honours
+      them; Attention-SH also keeps them as lengths on its fused path (``lengths_only``).
     force_fp32_for_softmax: Flax's flag, accepted and without effect: the statistics and the
       softmax are float32 always.
     einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: Flax's hooks for
@@ -61,6 +66,7 @@ class AttentionCall:
       ValueError messages), and refused with a ValueError when not None: the kernels' products
       are their own (fused or per-head), not Flax's two einsums.
     shapes: the validated sizes (:func:`_common.validate_qkv`).
+    lengths_only: the call's mask comes from the lengths alone (no ``mask`` given).
   """
 
   query: Array
@@ -79,15 +85,26 @@ class AttentionCall:
   is_causal: bool = False
   causal_alignment: str = "top_left"
   return_weights: bool = False
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
   force_fp32_for_softmax: bool = False
   einsum_dot_general: Any = None
   qk_attn_weights_einsum: Any = None
   attn_weights_value_einsum: Any = None
   shapes: C.QKVShapes = dataclasses.field(init=False)
+  lengths_only: bool = dataclasses.field(init=False)
 
   def __post_init__(self):
     _check_flax_einsums(self)
     self.shapes = C.validate_qkv(self.query, self.key, self.value)
+    lengths = (self.query_seq_lengths, self.key_value_seq_lengths)
+    self.lengths_only = self.mask is None and any(x is not None for x in lengths)
+    from_lengths = C.lengths_mask(*lengths, self.shapes)
+    if from_lengths is not None and self.mask is not None:
+      rank = max(jnp.ndim(self.mask), from_lengths.ndim)
+      self.mask = masks.combine_masks(C.with_rank(jnp.asarray(self.mask), rank), from_lengths)
+    elif from_lengths is not None:
+      self.mask = from_lengths
 
   @property
   def out_dtype(self):

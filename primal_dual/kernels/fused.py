@@ -12,7 +12,10 @@ float16), head size (≤ 128, a multiple of 8, the same for keys and values) and
 only a top-left causal mask) allow, and XLA's implementation elsewhere. Otherwise, or with
 ``implementation='reference'``, the kernels take their own path (``_common`` + one-head maths);
 the two agree within the dtype's rounding (tests). Rows with no visible key give zeros on both
-paths (XLA's implementation alone would average every value there).
+paths (XLA's implementation alone would average every value there). Attention-SH can send all its
+ratio groups in one call (``attend``'s ``key_lengths``: heads folded into the batch, each row's
+pooled length as ``key_value_seq_lengths``), and padding given as lengths then stays a length,
+not a mask, so cuDNN keeps the call.
 
 Two rules of the fused path, exactly:
 
@@ -113,7 +116,9 @@ def backend_implementation(query: jax.Array, *, head_size: int, masked: bool) ->
   return "xla"
 
 
-def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=None):
+def attend(
+  q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=None, key_lengths=None
+):
   """Softmax attention of heads-major arrays through ``jax.nn.dot_product_attention``.
 
   Args:
@@ -123,6 +128,10 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=
     is_causal: a top-left causal mask on top of ``mask`` (query i sees keys j ≤ i).
     dtype: the dtype the product runs in (q, k and v are cast to it); default ``v``'s. The
       kernels pass the call's promoted input dtype (module docstring, "Dtype").
+    key_lengths: int ``[B, H]`` or None: head ``h`` of example ``b`` sees only its first
+      ``key_lengths[b, h]`` keys. The heads are then folded into the batch (one row per
+      example and head) and the lengths go to ``jax.nn.dot_product_attention`` as
+      ``key_value_seq_lengths``, which cuDNN takes without a mask.
 
   Returns:
     ``[B, H, q_len, d]`` in ``dtype``; rows with no visible key are 0.
@@ -132,6 +141,20 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=
   implementation = backend_implementation(
     q, head_size=q.shape[-1], masked=mask is not None or bias is not None
   )
+  batch, heads, q_len = q.shape[:3]
+  lengths = {}
+  if key_lengths is not None:
+    # One row per (example, head): [B·H, 1, L, d], and a mask or bias broadcast to match.
+    q, k, v = (x.reshape((batch * heads, 1, *x.shape[2:])) for x in (q, k, v))
+    bias, mask = (
+      None
+      if x is None
+      else jnp.broadcast_to(x, (batch, heads, *x.shape[2:])).reshape(
+        (batch * heads, 1, *x.shape[2:])
+      )
+      for x in (bias, mask)
+    )
+    lengths = {"key_value_seq_lengths": jnp.asarray(key_lengths, jnp.int32).reshape(-1)}
   out = jax.nn.dot_product_attention(
     *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
     bias=bias,
@@ -139,8 +162,9 @@ def attend(q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=
     scale=scale,
     is_causal=is_causal,
     implementation=implementation,
+    **lengths,
   )
   out = jnp.swapaxes(out, 1, 2)
   if mask is not None:
     out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
-  return out
+  return out.reshape((batch, heads, q_len, out.shape[-1]))

@@ -71,6 +71,12 @@ def linear_weights_one_head(q, k, bias, mask, *, eps: float = DEFAULT_EPS, preci
     float32 ``[q_len, kv_len]``.
   """
   scores = jnp.einsum("qd,kd->qk", elu_feature_map(q), elu_feature_map(k), precision=precision)
+  return normalize_linear_scores(scores, bias, mask, eps=eps)
+
+
+def normalize_linear_scores(scores, bias, mask, *, eps: float):
+  """Kernel values ``scores [q_len, kv_len]`` (float32, positive) to dual-form weights: times the
+  positional factor and the mask, divided by their row sum ``+ eps``."""
   if bias is not None:
     scores = scores * positional_factor(bias)
   if mask is not None:
@@ -78,7 +84,7 @@ def linear_weights_one_head(q, k, bias, mask, *, eps: float = DEFAULT_EPS, preci
   return scores / (jnp.sum(scores, axis=-1, keepdims=True) + eps)
 
 
-def _causal_prefix(x, q_len: int, offset: int):
+def causal_prefix(x, q_len: int, offset: int):
   """Inclusive prefix sums of ``x [kv_len, ...]`` along keys, read at each query's last visible key.
 
   Query ``i`` sees keys ``j <= i + offset`` (``_common.causal_offset``); a query that sees no key
@@ -116,10 +122,10 @@ def feature_primal_one_head(
   v = v.astype(C.F32)
   if causal_offset is not None:
     q_len = phi_q.shape[0]
-    states = _causal_prefix(
+    states = causal_prefix(
       jnp.einsum("kf,kd->kfd", phi_k, v, precision=precision), q_len, causal_offset
     )
-    normalizers = _causal_prefix(phi_k, q_len, causal_offset)
+    normalizers = causal_prefix(phi_k, q_len, causal_offset)
     numerator = jnp.einsum("qf,qfd->qd", phi_q, states, precision=precision)
     denominator = jnp.einsum("qf,qf->q", phi_q, normalizers, precision=precision)
   else:
@@ -195,6 +201,10 @@ def random_feature_primal_one_head(
   if key_valid is not None:
     # exp(-inf) = 0: padded keys, however large, can neither overflow nor set the shift.
     log_k = jnp.where(key_valid[:, None], log_k, -jnp.inf)
+  if causal_offset is not None:
+    return _causal_random_feature_primal(
+      jnp.exp(log_q), log_k, v, causal_offset=causal_offset, precision=precision
+    )
   key_shift = jnp.max(log_k)
   key_shift = jnp.where(jnp.isfinite(key_shift), key_shift, 0.0)  # no valid key: any shift works
   log_k = log_k - jax.lax.stop_gradient(key_shift)
@@ -207,6 +217,52 @@ def random_feature_primal_one_head(
     causal_offset=causal_offset,
     precision=precision,
   )
+
+
+def _finite_or_zero(x):
+  return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _merge_rescaled_sums(earlier, later):
+  """Associative merge of ``(log_scale, state, normalizer)`` sums, each stored divided by
+  ``exp(log_scale)``: both are brought to the larger scale (``-inf``: an empty sum)."""
+  (scale_a, state_a, norm_a), (scale_b, state_b, norm_b) = earlier, later
+  scale = jnp.maximum(scale_a, scale_b)
+  factor_a, factor_b = (
+    jnp.where(jnp.isfinite(s), jnp.exp(s - _finite_or_zero(scale)), 0.0) for s in (scale_a, scale_b)
+  )
+  return (
+    scale,
+    factor_a[:, None, None] * state_a + factor_b[:, None, None] * state_b,
+    factor_a[:, None] * norm_a + factor_b[:, None] * norm_b,
+  )
+
+
+def _causal_random_feature_primal(phi_q, log_k, v, *, causal_offset: int, precision=None):
+  """The causal primal form of random features: prefix sums of ``Φ(k_j) v_jᵀ`` and ``Φ(k_j)``,
+  each prefix scaled by the largest key feature *of that prefix* (a running maximum through an
+  associative scan), so that no later key sets the scale a query's sums are rounded at.
+
+  Args:
+    phi_q: float32 ``[q_len, m]``. log_k: float32 ``[kv_len, m]`` log-features, ``-inf`` for
+      invalid keys. v: ``[kv_len, d_v]``. causal_offset: query ``i`` sees keys ``j <= i + offset``.
+
+  Returns:
+    float32 ``[q_len, d_v]``; zeros for a query that sees no valid key.
+  """
+  row_scale = jax.lax.stop_gradient(jnp.max(log_k, axis=-1))  # [kv_len], -inf when invalid
+  phi_k = jnp.exp(log_k - _finite_or_zero(row_scale)[:, None])
+  states = jnp.einsum("kf,kd->kfd", phi_k, v.astype(C.F32), precision=precision)
+  _, states, normalizers = jax.lax.associative_scan(
+    _merge_rescaled_sums, (row_scale, states, phi_k)
+  )
+  q_len = phi_q.shape[0]
+  last = jnp.clip(jnp.arange(q_len) + causal_offset, 0, log_k.shape[0] - 1)
+  sees_any = (jnp.arange(q_len) + causal_offset >= 0)[:, None]
+  numerator = jnp.einsum("qf,qfd->qd", phi_q, states[last], precision=precision)
+  denominator = jnp.einsum("qf,qf->q", phi_q, normalizers[last], precision=precision)
+  out = numerator / jnp.where(denominator > 0, denominator, 1.0)[:, None]
+  return jnp.where(sees_any, out, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

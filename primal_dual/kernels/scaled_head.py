@@ -24,9 +24,15 @@ Conventions (chosen here, where docs/maths.md is silent):
 * **Validity.** A key is valid for a head if some query of that head may see it
   (``_common.key_validity``; for padding masks this is the padding). Pooling only uses valid keys;
   a window with no valid key is masked out.
-* **Pooled mask.** Query ``i`` may see a pooled key iff it may see at least one key of the window.
-  With causal or local masks a pooled key therefore summarises keys that query ``i`` could not see
-  individually (up to ``r - 1`` future positions under a causal mask).
+* **Pooled mask.** Query ``i`` may see a pooled key iff it may see *every* valid key of the window
+  (and the window has one): a pooled key mixes its keys' values, so this is what keeps a key the
+  mask hides from query ``i`` out of query ``i``'s row (docs/maths.md, "Under masks"). Under a
+  causal mask (``is_causal``, either alignment, or an explicit one) query ``i`` sees the windows
+  whose last key it may see; the first ``r − 1`` queries of a top-left causal call see no pooled
+  key of a head with ratio ``r`` and get zeros from it. Padding alone hides nothing valid.
+* **BN+SH statistics.** One set per sequence without a causal constraint and with a mask the same
+  for every query (as Attention-BN); otherwise each query's, over the pooled keys (or the keys,
+  ``statistics='full'``) it may see.
 * **Pooled bias.** The bias of a pooled key is the mean of ``bias_ij`` over the window's keys that
   query ``i`` may see (whatever the pool type); it is 0 (and masked) where none is visible.
 * **Pool types.** ``avg``: mean of the valid keys; ``max``: channel-wise max of the valid keys;
@@ -260,7 +266,10 @@ def pool_keys_one_head(
     pooled_mask = None
   else:
     visible = mask[:, index] & real[None]  # [q_len, n, w]
-    pooled_mask = jnp.any(visible, axis=-1)
+    # A pooled key mixes the values of every valid key of its window: query i may see it only
+    # when it may see all of them, else a hidden key would reach it (module docstring).
+    sees_every_valid = jnp.all(visible | ~valid[None], axis=-1)
+    pooled_mask = sees_every_valid & pooled_valid[None]
   pooled_bias = None
   if bias is not None:
     # Mean over the entries query i may see; 0 where it sees none (then masked anyway).
@@ -275,20 +284,26 @@ def pool_keys_one_head(
 # One head of one ratio group.
 # ---------------------------------------------------------------------------------------------
 
-# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], PooledKeys) -> the keys
-# whose statistics normalise and their validity.
+# statistics option of BN+SH -> (keys [kv_len, d], key_valid [kv_len], mask [q_len, kv_len] | None,
+# PooledKeys) -> (the keys whose statistics normalise, their validity, which query sees which).
 STATISTICS_SOURCES: dict[str, Callable] = {
-  "pooled": lambda k, key_valid, pooled: (pooled.key, pooled.key_valid),
-  "full": lambda k, key_valid, pooled: (k, key_valid),
+  "pooled": lambda k, key_valid, mask, pooled: (pooled.key, pooled.key_valid, pooled.mask),
+  "full": lambda k, key_valid, mask, pooled: (k, key_valid, mask),
 }
 
 
 class BatchNormOptions(NamedTuple):
-  """Attention-BN after pooling (``batchnorm_attention``'s names for ε and β)."""
+  """Attention-BN after pooling (``batchnorm_attention``'s names for ε and β).
+
+  ``per_query``: each query's statistics over the keys it may see (a causal or query-dependent
+  mask, ``batchnorm.statistics_scope``), else one set per sequence over the valid keys.
+  """
 
   statistics: str  # 'pooled' | 'full'
   eps: float
   mean_weight: float
+  kernel: str  # a key of batchnorm.KERNELS
+  per_query: bool
 
 
 def _attention_inputs_one_head(
@@ -306,7 +321,7 @@ def _attention_inputs_one_head(
 
   ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
   normalised with key statistics of the pooled keys (``statistics='pooled'``) or the full-length
-  keys.
+  keys: one set per sequence (``per_query=False``), else each query's over the keys it may see.
   """
   kv_len = k.shape[0]
   key_valid = C.key_validity(mask, kv_len)
@@ -317,7 +332,19 @@ def _attention_inputs_one_head(
     pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool)
   if batchnorm is None:
     return q, pooled
-  mean, var = bn_lib.key_statistics(*STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, pooled))
+  keys, valid, visible = STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, mask, pooled)
+  if batchnorm.per_query:
+    stats = bn_lib.masked_statistics(keys, visible)
+    q, pooled_key = bn_lib.per_query_inputs(
+      q,
+      pooled.key,
+      stats,
+      kernel=batchnorm.kernel,
+      eps=batchnorm.eps,
+      mean_weight=batchnorm.mean_weight,
+    )
+    return q, pooled._replace(key=pooled_key)
+  mean, var = bn_lib.key_statistics(keys, valid)
   q, pooled_key = (
     bn_lib.normalize_with_key_stats(
       x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
@@ -341,6 +368,98 @@ def _select_heads(x, heads: np.ndarray, num_heads: int):
   return x[:, heads]
 
 
+def _attend_groups_one_by_one(groups, *, scale: float, dtype) -> list[jax.Array]:
+  """One ``jax.nn.dot_product_attention`` call per ratio group; ``groups``: ``(q [B, H_g,
+  q_len, d], PooledKeys)`` each. Returns each group's ``[B, H_g, q_len, d_v]``."""
+  return [
+    fused.attend(q, p.key, p.value, p.bias, p.mask, scale=scale, dtype=dtype) for q, p in groups
+  ]
+
+
+def _pad_keys(x, length: int, axis: int, fill):
+  """``x`` padded with ``fill`` to ``length`` along ``axis`` (the pooled-key axis)."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _stack_pairwise(groups, field: str, length: int, absent, padding):
+  """The groups' pooled ``bias`` or ``mask`` (``field``), each ``[B, H_g, q_len, n_g]`` (``absent``
+  where a group has none), padded with ``padding`` to ``length`` keys and concatenated along the
+  heads; None when no group has one."""
+  parts = [getattr(pooled, field) for _, pooled in groups]
+  if all(x is None for x in parts):
+    return None
+  padded = []
+  for (q, pooled), x in zip(groups, parts):
+    shape = (*q.shape[:3], pooled.key.shape[2])
+    x = jnp.full(shape, absent) if x is None else jnp.broadcast_to(x, shape)
+    padded.append(_pad_keys(x, length, 3, padding))
+  return jnp.concatenate(padded, axis=1)
+
+
+def pooled_key_lengths(key_lengths, ratio: int, num_prefix_tokens: int = 0):
+  """Valid pooled keys (1-D windows) when each example's valid keys are its first
+  ``key_lengths`` (int ``[B]``): the prefix tokens, then one window per ``ratio`` of the rest,
+  a partial last window included. Returns int32 ``[B]``."""
+  key_lengths = jnp.asarray(key_lengths, jnp.int32)
+  prefix = jnp.minimum(key_lengths, num_prefix_tokens)
+  rest = jnp.maximum(key_lengths - num_prefix_tokens, 0)
+  return prefix + (rest + ratio - 1) // ratio
+
+
+def _attend_groups_at_once(groups, *, scale: float, dtype, key_lengths=None) -> list[jax.Array]:
+  """Every ratio group in one ``jax.nn.dot_product_attention`` call: the groups' pooled keys and
+  values padded to the longest, concatenated along the heads in group order, each head's pooled
+  length passed as its key length (the padding is never seen). Returns ``[[B, H, q_len, d_v]]``,
+  the groups' outputs already concatenated in group order. ``key_lengths``: one int ``[B]`` per
+  group, its valid pooled keys per example (padding given as lengths), else every pooled key."""
+  length = max(pooled.key.shape[2] for _, pooled in groups)
+  batch = groups[0][0].shape[0]
+  keys, values = (
+    jnp.concatenate([_pad_keys(getattr(p, field), length, 2, 0) for _, p in groups], axis=1)
+    for field in ("key", "value")
+  )
+  if key_lengths is None:
+    key_lengths = [jnp.full((batch,), p.key.shape[2], jnp.int32) for _, p in groups]
+  key_lengths = jnp.concatenate(
+    [jnp.repeat(n[:, None], q.shape[1], axis=1) for (q, _), n in zip(groups, key_lengths)], axis=1
+  )
+  out = fused.attend(
+    jnp.concatenate([q for q, _ in groups], axis=1),
+    keys,
+    values,
+    _stack_pairwise(groups, "bias", length, absent=0.0, padding=0.0),
+    _stack_pairwise(groups, "mask", length, absent=True, padding=False),
+    scale=scale,
+    dtype=dtype,
+    key_lengths=key_lengths,
+  )
+  return [out]
+
+
+def _attend_groups_by_lengths(call, fused_groups, groups, *, num_prefix_tokens: int, scale):
+  """Padding given as lengths alone (1-D windows, no causal constraint): the valid pooled keys of
+  each group are a prefix, so they go to the one launch as lengths and no mask (cuDNN keeps the
+  call); padded queries are zeroed after it. The same rows as the pooled masks give."""
+  batch = fused_groups[0][0].shape[0]
+  key_lengths = call.key_value_seq_lengths
+  if key_lengths is None:
+    key_lengths = call.shapes.kv_len
+  key_lengths = jnp.broadcast_to(jnp.asarray(key_lengths, jnp.int32), call.shapes.batch_shape)
+  key_lengths = key_lengths.reshape(batch)
+  per_group = [pooled_key_lengths(key_lengths, ratio, num_prefix_tokens) for ratio, _ in groups]
+  unmasked = [(q, pooled._replace(mask=None)) for q, pooled in fused_groups]
+  (out,) = _attend_groups_at_once(
+    unmasked, scale=scale, dtype=call.compute_dtype, key_lengths=per_group
+  )
+  if call.query_seq_lengths is not None:
+    query_lengths = jnp.asarray(call.query_seq_lengths).reshape(batch)
+    real = jnp.arange(call.shapes.q_len)[None, :] < query_lengths[:, None]  # [B, q_len]
+    out = jnp.where(real[:, None, :, None], out, jnp.zeros((), out.dtype))
+  return [out]
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +481,7 @@ def scaled_head_attention(
   num_prefix_tokens: int = 0,
   scale: float | None = None,
   implementation: str = "auto",
+  single_launch: bool | None = None,
 ):
   """Attention-SH, and Attention-BN+SH with ``batchnorm=True`` (see the module docstring).
 
@@ -375,9 +495,10 @@ def scaled_head_attention(
     dropout_rng: a single group uses it itself (so all-1 ratios reproduce ``softmax_attention``
       exactly); several groups use ``fold_in(dropout_rng, ratio)``, and ``broadcast_dropout``
       shares a pattern across the examples and heads of one group.
-    is_causal: applied before pooling (see "Pooled mask"). Decoding with a key/value cache is
-      therefore not a full causal pass: a cached step pools only the keys seen so far, the full
-      pass pools whole windows.
+    is_causal: applied before pooling (see "Pooled mask": a window is visible once all its
+      keys are). Decoding with a key/value cache is not a full causal pass: a cached step cannot
+      tell the keys not yet fed from padding and pools the incomplete window; the layers refuse
+      ``decode=True`` for SH.
     return_weights, module: the weights are a tuple of float32 arrays, one per distinct ratio in
       increasing order, each ``[batch..., heads_in_group, q_len, pooled_length(kv_len, ratio)]``;
       map rows to heads with :func:`head_groups`.
@@ -396,6 +517,11 @@ def scaled_head_attention(
     implementation: ``'auto'`` (softmax kernel: each group's pooled keys and values go to
       ``jax.nn.dot_product_attention`` when no weights or dropout are needed, see
       ``kernels.fused``), ``'fused'`` or ``'reference'``.
+    single_launch: on the fused path, every ratio group in one ``jax.nn.dot_product_attention``
+      call (heads folded into the batch, pooled keys padded to the longest group, each row's
+      pooled length as ``key_value_seq_lengths``) instead of one call per group. None (default):
+      on a GPU only, where one cuDNN launch replaces several; elsewhere XLA's dense product would
+      pay for the padding.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights tuple if requested).
@@ -418,13 +544,16 @@ def scaled_head_attention(
   grid_shape = None if grid_shape is None else tuple(grid_shape)
   _validate_layout(shapes.kv_len, grid_shape, num_prefix_tokens)
   _refuse_ratios_above_length(ratios, shapes.kv_len, grid_shape, num_prefix_tokens)
-  bn_options = BatchNormOptions(statistics, eps, mean_weight) if batchnorm else None
+  scope = bn_lib.statistics_scope(call.mask, is_causal=call.is_causal, q_len=shapes.q_len)
+  bn_options = None
+  if batchnorm:
+    bn_options = BatchNormOptions(statistics, eps, mean_weight, kernel, scope != "sequence")
   q, k, v = call.heads_major()
   mask, bias = call.mask_and_bias()
 
   groups = head_groups(ratios)
   take_fused = call.takes_fused(implementation, softmax_kernel=kernel == "softmax")
-  outputs, weights = [], []
+  outputs, weights, fused_groups = [], [], []
   for ratio, heads in groups:
     windows = (
       None if ratio == 1 else key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
@@ -436,18 +565,7 @@ def scaled_head_attention(
       _select_heads(x, np.asarray(heads), shapes.heads) for x in (q, k, v, bias, mask)
     ]
     if take_fused:
-      group_q, pooled = C.map_heads(inputs_one_head, *group_inputs)
-      outputs.append(
-        fused.attend(
-          group_q,
-          pooled.key,
-          pooled.value,
-          pooled.bias,
-          pooled.mask,
-          scale=scale,
-          dtype=call.compute_dtype,
-        )
-      )
+      fused_groups.append(C.map_heads(inputs_one_head, *group_inputs))
       continue
     group_rng = call.dropout_rng
     if group_rng is not None and len(groups) > 1:
@@ -459,6 +577,16 @@ def scaled_head_attention(
     )
     outputs.append(group_out)
     weights.append(group_weights)
+
+  if fused_groups:
+    single = jax.default_backend() == "gpu" if single_launch is None else single_launch
+    if single and call.lengths_only and not call.is_causal and grid_shape is None:
+      outputs = _attend_groups_by_lengths(
+        call, fused_groups, groups, num_prefix_tokens=num_prefix_tokens, scale=scale
+      )
+    else:
+      attend_groups = _attend_groups_at_once if single else _attend_groups_one_by_one
+      outputs = attend_groups(fused_groups, scale=scale, dtype=call.compute_dtype)
 
   # Scatter the groups back into head order: position p of the concatenation is head order[p].
   order = np.concatenate([np.asarray(heads) for _, heads in groups])
