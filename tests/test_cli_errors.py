@@ -274,6 +274,21 @@ sys.path.insert(0, os.getcwd())
 from primal_dual.commands import main
 sys.exit(main(sys.argv[1:]))
 """
+# How tensorstore (under Orbax) reports a full disk: a ValueError, raised by the save and raised
+# again when the checkpoint manager is closed.
+TENSORSTORE_FULL_DISK = """
+import os, sys
+from primal_dual.training import checkpointing
+def disk_full(self, *args, **kwargs):
+  raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "' + self.directory + '/1/_sharding": '
+                   "Failed to write 20532 bytes to file 14: No space left on device "
+                   "[os_error_code='28']")
+checkpointing.Checkpointer.save = disk_full
+checkpointing.Checkpointer.wait = disk_full
+checkpointing.Checkpointer.close = disk_full
+from primal_dual.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
 # `primal-dual train` where ml_collections (of the [train] extra) is not installed.
 WITHOUT_TRAIN_EXTRA = """
 import sys
@@ -345,6 +360,17 @@ COMMAND_CASES = {
     lambda t: ["-c", FULL_DISK, "reproduce", "uea", *_UEA_QUICK, f"--root={t}/grid"],
     r"no space left on the disk of .*grid.*; free space there and re-run the same command",
   ),
+  "a full disk under tensorstore": (
+    lambda t: [
+      "-c",
+      TENSORSTORE_FULL_DISK,
+      "train",
+      "--config=default:runlocal",
+      "--config.progress_bar=False",
+      f"--workdir={t}/r",
+    ],
+    r"no space left on the disk of .*/r; free space there and re-run the same command to resume",
+  ),
   "train without the train extra": (
     lambda t: ["-c", WITHOUT_TRAIN_EXTRA, "train", "--config=default", f"--workdir={t}/run"],
     r"`primal-dual train` needs ml_collections; install the train extra: "
@@ -382,3 +408,45 @@ def _run_python_code(code: str, args: list[str]) -> subprocess.CompletedProcess:
     cwd=REPO_ROOT,
     timeout=120,
   )
+
+
+@pytest.fixture
+def nearly_full_disk(tmp_path, request):
+  """A 3 MB tmpfs mounted at `tmp_path/disk` with `request.param` KiB left free (root only: the
+  test is skipped where mounting is impossible; the tensorstore case above runs everywhere)."""
+  folder = tmp_path / "disk"
+  folder.mkdir()
+  mounted = os.geteuid() == 0 and (
+    subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True
+    ).returncode
+    == 0
+  )
+  if not mounted:
+    pytest.skip("mounting a small tmpfs needs root (the tensorstore full-disk case still runs)")
+  try:
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    (folder / "filler").write_bytes(bytes(free - request.param * 1024))
+    yield folder
+  finally:
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+# 150 KiB: tensorstore's array writes fail (its ValueError); 400 KiB: Orbax's metadata writes
+# fail (OSError ENOSPC) while other saves are in flight.
+@pytest.mark.parametrize("nearly_full_disk", [150, 400], indirect=True)
+def test_a_really_full_disk_is_one_line(nearly_full_disk):
+  result = _run(
+    "train.py",
+    [
+      "--config=default:runlocal",
+      "--config.progress_bar=False",
+      f"--workdir={nearly_full_disk}/run",
+    ],
+  )
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines() == [
+    f"error: no space left on the disk of {nearly_full_disk}/run; free space there and re-run the "
+    "same command to resume"
+  ], result.stderr

@@ -913,6 +913,58 @@ def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
   assert errors.is_disk_full(wrapped)
 
 
+TENSORSTORE_DISK_FULL = (
+  'RESOURCE_EXHAUSTED: Error writing local file "checkpoints/4/_sharding": Failed to write 20532 '
+  "bytes to file 14: No space left on device [os_error_code='28']"
+)
+
+
+def test_a_full_disk_under_tensorstore_is_one_error_even_when_closing_raises_it_again(
+  tmp_path, monkeypatch
+):
+  """tensorstore says ENOSPC as a ValueError; the checkpoint manager raises its failed save
+  again when closed, which must neither hide the full disk nor leave the other managers open."""
+  workdir = str(tmp_path)
+  closed = []
+  original_close = checkpointing.Checkpointer.close
+
+  def close_then_fail(self):
+    original_close(self)
+    closed.append(self.directory)
+    _tensorstore_disk_full()
+
+  monkeypatch.setattr(
+    metrics_logging.MetricWriter, "write_scalars", lambda *a, **k: _tensorstore_disk_full()
+  )
+  monkeypatch.setattr(checkpointing.Checkpointer, "close", close_then_fail)
+  with pytest.raises(errors.DiskFullError, match=f"no space left on the disk of {workdir}; "):
+    trainer.train_and_evaluate(tiny_config(), workdir)
+  assert len(closed) == 2  # the latest and the selected checkpoints' managers
+  assert errors.is_disk_full(ValueError(TENSORSTORE_DISK_FULL))
+  assert not errors.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+
+
+def test_closing_keeps_the_error_that_ended_the_run():
+  def fails(message):
+    def close():
+      raise RuntimeError(message)
+
+    return close
+
+  calls = []
+  stopped = errors.StoppedError(3, None)
+  errors.close_all([fails("first"), lambda: calls.append(1)], pending=stopped)  # keeps `stopped`
+  assert calls == [1]
+  with pytest.raises(RuntimeError, match="first"):
+    errors.close_all([fails("first"), fails("second")])
+  with pytest.raises(ValueError, match="No space left"):  # a full disk says more than Ctrl-C
+    errors.close_all([_tensorstore_disk_full], pending=stopped)
+
+
+def _tensorstore_disk_full():
+  raise ValueError(TENSORSTORE_DISK_FULL)
+
+
 def test_train_cli_reports_user_errors_in_one_line(tmp_path):
   config_file = tmp_path / "config.py"
   config_file.write_text(

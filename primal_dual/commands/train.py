@@ -47,6 +47,8 @@ def main(argv: list[str]) -> int:
     from primal_dual.training import trainer
 
     final = trainer.train_and_evaluate(config, workdir)
+  except errors.DiskFullError as e:
+    cli.report_and_exit_now(str(e))
   except errors.UserError as e:
     return cli.report(str(e))
   except KeyboardInterrupt:  # during set-up; the training loop reports its own step

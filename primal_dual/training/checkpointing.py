@@ -169,8 +169,11 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves (raising a failed one's error), then closes the manager."""
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def __enter__(self):
     return self
