@@ -124,6 +124,15 @@ CASES = {
     lambda c, t: [f"--config={_broken_config_file(t)}", f"--workdir={t}/run"],
     r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'",
   ),
+  "unknown attention variant as an override": (
+    "train.py",
+    lambda c, t: [
+      "--config=default:runlocal",
+      "--config.model.attention=flash",
+      f"--workdir={t}/run",
+    ],
+    r"unknown attention variant \(--config\.model\.attention\) 'flash'; known: .*, softmax",
+  ),
   "zero model size": (
     "train.py",
     lambda c, t: [f"--config={c}", "--config.model.hidden=0", f"--workdir={t}/run"],
