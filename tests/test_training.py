@@ -668,6 +668,7 @@ def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
   else:
     assert bad_step < 4 and kept == [] and "no checkpoint was saved" in str(info.value)
+    assert "continue from that checkpoint" not in str(info.value)  # there is none
 
 
 # ------------------------------------------------------------------------------------------------
@@ -942,6 +943,15 @@ def test_a_full_disk_under_tensorstore_is_one_error_even_when_closing_raises_it_
   assert len(closed) == 2  # the latest and the selected checkpoints' managers
   assert errors.is_disk_full(ValueError(TENSORSTORE_DISK_FULL))
   assert not errors.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+
+
+def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume():
+  message = str(errors.StoppedError(12, None))
+  assert message == (
+    "stopped at step 12; no checkpoint was saved yet, so a re-run of the same command starts "
+    "again from step 0"
+  )
+  assert "resume" not in message
 
 
 def test_closing_keeps_the_error_that_ended_the_run():

@@ -35,17 +35,20 @@ class NonFiniteLossError(UserError):
   """
 
   def __init__(self, step: int, loss: float, last_checkpoint_step: int | None = None):
-    kept = (
-      "no checkpoint was saved"
-      if last_checkpoint_step is None
-      else f"the last good checkpoint (step {last_checkpoint_step}) is kept"
-    )
+    if last_checkpoint_step is None:
+      what_next = (
+        "no checkpoint was saved. Check the inputs for NaN, or start again in a new --workdir "
+        "with a lower optimizer.lr or an optimizer.grad_clip_norm."
+      )
+    else:
+      what_next = (
+        f"the last good checkpoint (step {last_checkpoint_step}) is kept. Check the inputs for "
+        "NaN, or continue from that checkpoint with a lower optimizer.lr or another "
+        "optimizer.grad_clip_norm by re-running with --config.resume_with_changed_optimizer=True "
+        "(turning clipping on or off needs a new --workdir)."
+      )
     super().__init__(
-      f"training loss became non-finite ({loss}) at step {step}; the run stopped and {kept}. "
-      "Check the inputs for NaN, or continue from that checkpoint with a lower optimizer.lr or "
-      "another optimizer.grad_clip_norm by re-running with "
-      "--config.resume_with_changed_optimizer=True (turning clipping on or off needs a new "
-      "--workdir)."
+      f"training loss became non-finite ({loss}) at step {step}; the run stopped and {what_next}"
     )
     self.step = step
     self.loss = loss
@@ -80,11 +83,11 @@ class StoppedError(UserError):
 
   def __init__(self, step: int, last_checkpoint_step: int | None):
     kept = (
-      "no checkpoint was saved yet"
+      "no checkpoint was saved yet, so a re-run of the same command starts again from step 0"
       if last_checkpoint_step is None
-      else f"last checkpoint step {last_checkpoint_step}"
+      else f"last checkpoint step {last_checkpoint_step}; re-run the same command to resume"
     )
-    super().__init__(f"stopped at step {step}; {kept}; re-run the same command to resume")
+    super().__init__(f"stopped at step {step}; {kept}")
     self.step = step
     self.last_checkpoint_step = last_checkpoint_step
 
