@@ -64,32 +64,27 @@ def main(argv: list[str]) -> int:
 
 
 def which_to_report(final: dict) -> list[str]:
-  """Closing lines saying which of the printed numbers is the run's result: ``selected/*`` (the
-  checkpoint chosen on the selection split) where the run selects one; ``best/*`` is the best
-  value over evaluations, optimistic when the split it is read on also picked the evaluation. A
-  sweep's names carry their replica's prefix (``lr=0.001,seed=0/selected/...``)."""
-  fields = {
-    name.rpartition("selected/")[2]: value
-    for name, value in final.items()
-    if name.startswith("selected/") or "/selected/" in name
-  }
-  selected = sorted(set(fields) - {"step", "rule"})
-  if not selected:
+  """The closing line naming the one number to report: ``selected/<split>_<metric>``, read at the
+  checkpoint the run selected, on the test split where there is one and for the metric that
+  selected it (``best/*`` are best values over evaluations, optimistic). A sweep's names carry
+  their replica's prefix (``lr=0.001,seed=0/selected/...``); its line names the field."""
+  names = [name for name in final if name.startswith("selected/") or "/selected/" in name]
+  fields = {name.rpartition("selected/")[2]: name for name in names}
+  rule = final.get(fields.get("rule"), "") if "rule" in fields else ""
+  words = rule.partition(";")[0].split()  # "max validation accuracy"
+  if len(words) != 3 or words[0] not in ("max", "min"):
     return []
-  rule = fields.get("rule", "the selection split")
-  # The rule reads "max validation accuracy; ties: ...": its second word is the split that chose.
-  words = rule.split()
-  chooser = words[1] if len(words) > 1 and words[0] in ("max", "min") else None
-  read_on_chooser = [name for name in selected if chooser and name.startswith(f"{chooser}_")]
-  caveat = (
-    f"; selected/{read_on_chooser[0]} is read on the split that chose it ({chooser}), so it is "
-    "optimistic too"
-    if read_on_chooser
-    else ""
-  )
-  step = f" (step {final['selected/step']})" if "selected/step" in final else ""
+  _, chooser, metric = words
+  splits = sorted(name.removesuffix(f"_{metric}") for name in fields if name.endswith(f"_{metric}"))
+  if not splits:
+    return []
+  split = "test" if "test" in splits else splits[0]
+  field = f"selected/{split}_{metric}"
+  caveat = f"; optimistic: {chooser} also chose it" if split == chooser else ""
+  step = final.get(fields.get("step"))
+  if any(name != f"selected/{key}" for key, name in fields.items()):  # a sweep's replicas
+    return [f"report: <replica>/{field} of each replica (chosen by {' '.join(words)}{caveat})"]
   return [
-    f"report: selected/<split>_<metric> ({', '.join(selected)}): the checkpoint chosen by "
-    f"{rule}{step}; best/* is the best value over evaluations, optimistic where its own split "
-    f"chose it{caveat}"
+    f"report: {field} = {final[field]:.4g} (the step {step} checkpoint, chosen by "
+    f"{' '.join(words)}{caveat})"
   ]
