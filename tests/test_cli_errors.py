@@ -470,3 +470,32 @@ def test_a_really_full_disk_is_one_line(nearly_full_disk):
     f"error: no space left on the disk of {nearly_full_disk}/run; free space there and re-run the "
     "same command to resume"
   ], result.stderr
+
+
+def _make_read_only(folder: str) -> None:
+  """Makes `folder` unwritable even for root: a read-only bind mount of itself (else mode 0555)."""
+  os.chmod(folder, 0o555)
+  if os.geteuid() != 0:
+    return
+  bind = subprocess.run(["mount", "--bind", folder, folder], capture_output=True)
+  if bind.returncode != 0:
+    pytest.skip("root ignores folder modes, and a read-only bind mount failed here")
+  _MOUNTS.append(folder)
+  subprocess.run(["mount", "-o", "remount,bind,ro", folder], check=True)
+
+
+def test_eval_of_a_read_only_workdir_prints_its_metrics_and_one_error_line(tmp_path):
+  workdir = _trained_uea_workdir(tmp_path)
+  try:
+    _make_read_only(workdir)
+    result = _run("eval.py", [f"--workdir={workdir}"])
+  finally:
+    while _MOUNTS:
+      subprocess.run(["umount", "-l", _MOUNTS.pop()], check=True)
+  assert result.returncode == 2, result.stderr
+  reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+  assert result.stderr.splitlines() == [
+    f"error: could not write {workdir}/eval.json: {reason}; the results printed above were not "
+    "saved (make the folder writable, or copy the workdir somewhere writable, and re-run)"
+  ], result.stderr
+  assert re.search(r"^test\s+\d\.\d+\s+\d\.\d+$", result.stdout, re.M), result.stdout

@@ -191,3 +191,18 @@ class DiskFullError(UserError):
       f"no space left on the disk of {folder}; free space there and re-run the "
       "same command to resume"
     )
+
+
+class ReportNotSavedError(UserError):
+  """A result was computed but its file could not be written (a read-only workdir, a full disk).
+
+  Attributes:
+    report: what was to be written, for the command to print before its one-line error.
+  """
+
+  def __init__(self, path: str, error: OSError, report):
+    super().__init__(
+      f"could not write {path}: {error.strerror or error}; the results printed above were not "
+      "saved (make the folder writable, or copy the workdir somewhere writable, and re-run)"
+    )
+    self.report = report
