@@ -3,6 +3,7 @@ eval.py and the reproduce grids, run from any folder; user errors are one line w
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -254,3 +255,32 @@ def test_the_summary_says_which_numbers_to_report():
     "report: <replica>/selected/test_accuracy of each replica (chosen by max validation accuracy)"
   )
   assert all(len(line) <= 120 for line in train.which_to_report(final))
+
+
+def test_a_sweep_ends_with_a_table_and_a_summary_file(tmp_path, capsys):
+  from primal_dual.commands import train
+  from primal_dual.training import sweep
+
+  final = {}
+  for lr in ("0.001", "0.0003"):
+    for seed in range(6):
+      replica = f"lr={lr},seed={seed}"
+      final.update(
+        {
+          f"{replica}/step": 100,
+          f"{replica}/train/loss": 0.5,
+          f"{replica}/test/accuracy": 0.8,
+          f"{replica}/selected/test_accuracy": 0.9 + seed / 100,
+          f"{replica}/selected/step": 40,
+          f"{replica}/selected/rule": "max validation accuracy; ties: lower validation loss",
+        }
+      )
+  train.print_final(final, str(tmp_path))
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].split() == ["replica", "selected/step", "selected/test_accuracy"]
+  assert lines[1].split() == ["lr=0.0003,seed=0", "40", "0.9000"]
+  assert len(lines) == 1 + 12 + 2  # header, 12 replicas, the summary file, the report line
+  summary = json.loads((tmp_path / sweep.SUMMARY_FILE).read_text())
+  assert lines[13] == f"every replica's final metrics: {tmp_path / sweep.SUMMARY_FILE}"
+  assert len(summary) == 12 and summary["lr=0.001,seed=5"]["selected/test_accuracy"] == 0.9 + 5 / 100
+  assert lines[14].startswith("report: <replica>/selected/test_accuracy of each replica")

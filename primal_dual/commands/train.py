@@ -10,6 +10,8 @@ data, diverged loss) are printed as one line `error: ...` with exit status 2.
 Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
 """
 
+import os
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -56,11 +58,28 @@ def main(argv: list[str]) -> int:
   import jax
 
   if jax.process_index() == 0:
+    print_final(final, workdir)
+  return 0
+
+
+def print_final(final: dict, workdir: str) -> None:
+  """A single run's final metrics one per line; a sweep's as a table of its replicas' selected
+  numbers, all its metrics written to `<workdir>/sweep_summary.json`. Then the report line."""
+  from primal_dual import atomic
+  from primal_dual.training import metrics_logging
+  from primal_dual.training import sweep
+
+  if not sweep.is_sweep_result(final):
     for name, value in final.items():
       print(f"{name:40s} {value}")
-    for line in which_to_report(final):
-      print(line)
-  return 0
+  else:
+    print(metrics_logging.format_table(sweep.summary_rows(final), row_title="replica"))
+    path = atomic.write_json(
+      os.path.join(os.path.abspath(workdir), sweep.SUMMARY_FILE), sweep.per_replica(final)
+    )
+    print(f"every replica's final metrics: {path}")
+  for line in which_to_report(final):
+    print(line)
 
 
 def which_to_report(final: dict) -> list[str]:
