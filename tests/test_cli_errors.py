@@ -144,6 +144,17 @@ CASES = {
     ],
     r"unknown attention variant \(--config\.model\.attention\) 'flash'; known: .*, softmax",
   ),
+  "an extra positional argument": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={t}/run", "extra"],
+    r"unexpected arguments: extra; give every flag as --name=value \(`.*train\.py --help` "
+    r"lists them\)",
+  ),
+  "eval of a step never saved": (
+    "eval.py",
+    lambda c, t: [f"--workdir={_trained_uea_workdir(t)}", "--checkpoint=7"],
+    r"no checkpoint at step 7 in .*/uea/checkpoints; its checkpoints: steps 33, 66",
+  ),
   "zero model size": (
     "train.py",
     lambda c, t: [f"--config={c}", "--config.model.hidden=0", f"--workdir={t}/run"],

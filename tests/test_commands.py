@@ -282,5 +282,7 @@ def test_a_sweep_ends_with_a_table_and_a_summary_file(tmp_path, capsys):
   assert len(lines) == 1 + 12 + 2  # header, 12 replicas, the summary file, the report line
   summary = json.loads((tmp_path / sweep.SUMMARY_FILE).read_text())
   assert lines[13] == f"every replica's final metrics: {tmp_path / sweep.SUMMARY_FILE}"
-  assert len(summary) == 12 and summary["lr=0.001,seed=5"]["selected/test_accuracy"] == 0.9 + 5 / 100
+  assert (
+    len(summary) == 12 and summary["lr=0.001,seed=5"]["selected/test_accuracy"] == 0.9 + 5 / 100
+  )
   assert lines[14].startswith("report: <replica>/selected/test_accuracy of each replica")

@@ -58,3 +58,15 @@ def test_readme_and_training_doc_train_the_reference_model_alike():
     }
 
   assert jv_bn_sh("README.md") == jv_bn_sh("docs/training.md") == {"3e-4"}
+
+
+def test_every_doc_the_code_and_readme_cite_exists():
+  cited = set()
+  for folder, _, files in os.walk(os.path.join(REPO_ROOT, "primal_dual")):
+    for name in files:
+      if name.endswith(".py"):
+        with open(os.path.join(folder, name)) as f:
+          cited.update(re.findall(r"docs/[\w/]+\.md", f.read()))
+  cited.update(re.findall(r"docs/[\w/]+\.md", _read("README.md")))
+  missing = sorted(path for path in cited if not os.path.exists(os.path.join(REPO_ROOT, path)))
+  assert not missing

@@ -53,7 +53,10 @@ def start_main(argv: list[str]) -> None:
   per-save INFO logs hidden unless `--verbosity` was given, and libraries' logs of a full disk
   hidden (the command reports it in one line)."""
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(
+      f"unexpected arguments: {' '.join(argv[1:])}; give every flag as --name=value "
+      f"(`{argv[0]} --help` lists them)"
+    )
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   errors.hide_disk_full_logs()

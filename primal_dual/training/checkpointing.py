@@ -144,8 +144,10 @@ class Checkpointer:
     if step is None:
       step = self.latest_step()
     if step is None or step not in self.all_steps():
+      saved = ", ".join(map(str, sorted(self.all_steps())))
       raise errors.CheckpointNotFoundError(
         f"no checkpoint{'' if step is None else f' at step {step}'} in {self.directory}"
+        + (f"; its checkpoints: steps {saved}" if saved else "")
       )
     items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
     if data_iterator is not None:

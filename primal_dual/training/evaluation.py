@@ -133,23 +133,24 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
 
 
 def _refuse_multi_seed_workdir(workdir: str) -> None:
-  """A workdir of `config.seeds` holds one workdir per seed (`seed_<s>/`) and no config of its
-  own: say which folders to evaluate instead of "config.json not found".
+  """A sweep's workdir (`config.sweep`, `config.seeds`) holds one workdir per replica
+  (`lr=0.001,seed=0/`, `seed_<s>/`) and no config of its own: say which folders to evaluate
+  instead of "config.json not found".
 
   Raises:
-    errors.WorkdirError: `workdir` has no config.json but `seed_<s>` sub-workdirs.
+    errors.WorkdirError: `workdir` has no config.json but sub-workdirs that have one.
   """
   if os.path.exists(os.path.join(workdir, "config.json")) or not os.path.isdir(workdir):
     return
-  seeds = sorted(
+  replicas = sorted(
     name
     for name in os.listdir(workdir)
-    if name.startswith("seed_") and os.path.exists(os.path.join(workdir, name, "config.json"))
+    if os.path.exists(os.path.join(workdir, name, "config.json"))
   )
-  if seeds:
+  if replicas:
     raise errors.WorkdirError(
-      f"workdir {workdir} holds one run per seed ({', '.join(seeds)}); evaluate one of them, "
-      f"e.g. --workdir={os.path.join(workdir, seeds[0])}"
+      f"workdir {workdir} holds one run per replica ({', '.join(replicas)}); evaluate one of "
+      f"them, e.g. --workdir={os.path.join(workdir, replicas[0])}"
     )
 
 
