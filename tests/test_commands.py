@@ -223,6 +223,12 @@ def test_list_names_every_variant_config_argument_and_study(tmp_path):
   assert all(study in result.stdout for study in reproduce.study_names())
   only = _run(["list", "configs"], tmp_path)
   assert only.returncode == 0 and "attention variants" not in only.stdout
+  # Each text argument with its allowed values, as the config's own refusal lists them.
+  assert "  sraven: attention=softmax (a variant: list variants) " in only.stdout
+  assert " preset=cpu (cpu|paper) " in only.stdout and " protocol=best_test (best_test|clean) " in (
+    only.stdout
+  )
+  assert "data_dir='' (" not in only.stdout  # a folder has no list of values
   wrong = _run(["list", "knobs"], tmp_path)
   assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "configs" in wrong.stderr
 
