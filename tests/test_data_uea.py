@@ -293,3 +293,13 @@ def test_changed_source_files_never_replace_data_a_reader_holds(tmp_path):
   del reader  # the job ended: now the data are prepared again from the new files
   again = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual)
   assert _stack(again["train"])["label"].tolist() == [0, 1]
+
+
+def test_a_data_set_that_cannot_be_prepared_leaves_no_folder(tmp_path):
+  """Source files missing from an existing manual folder: preparing fails, and the data folder
+  it had created (with TFDS's metadata and the preparation's lock files) is gone."""
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  with pytest.raises(FileNotFoundError, match="Heartbeat_TRAIN.ts"):
+    builders.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
+  assert not (tmp_path / "tfds").exists()
