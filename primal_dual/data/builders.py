@@ -25,9 +25,11 @@ once into the same ``data_dir``: prepare once (e.g. on process 0) before a multi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -163,6 +165,30 @@ def prepared_builder(
       file_format=FILE_FORMAT,
     )
 
+  with _quiet_tfds():
+    return _open_or_prepare(open_builder, data_dir, manual_dir, source_fingerprint)
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+  """Hides TFDS's progress bars, its 'Downloading and preparing' lines (stdout) and its warnings
+  about the folder it is about to fill: the one line ``preparing X into Y`` says what happens."""
+  from absl import logging as absl_logging
+  from tensorflow_datasets.core.utils import tqdm_utils
+
+  verbosity, bars = absl_logging.get_verbosity(), getattr(tqdm_utils, "_active", True)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  tfds.display_progress_bar(False)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
+  finally:
+    tfds.display_progress_bar(bars)
+    absl_logging.set_verbosity(verbosity)
+
+
+def _open_or_prepare(open_builder, data_dir, manual_dir, source_fingerprint):
+  """``prepared_builder``'s work: the builder, prepared first unless current."""
   fingerprint = None if source_fingerprint is None else source_fingerprint()
   builder = open_builder()
   if _is_current(builder, fingerprint):
