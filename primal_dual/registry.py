@@ -150,26 +150,30 @@ def make_attention_fn(
   return functools.partial(fn, **extra) if extra else fn
 
 
-def option_names(name: str) -> tuple[str, ...]:
-  """The options variant ``name`` takes: its factory's own keywords and its kernel's keyword-only
-  options, less the arguments Flax passes every kernel (``driver.CALL_PARAMETERS``)."""
+def option_names(name: str) -> tuple[str, ...] | None:
+  """The options variant ``name`` takes: its factory's own keywords and its kernel's options,
+  less the arguments Flax passes every kernel (``driver.CALL_PARAMETERS``). None where they
+  cannot be known: a kernel taking ``**options``, or a factory that needs options to build one."""
   from primal_dual.kernels import driver
 
   entry = lookup(name)
-  flax_arguments = {parameter.name for parameter in driver.CALL_PARAMETERS}
-  found = set()
-  for parameters in (
-    inspect.signature(entry.factory).parameters.values(),
-    inspect.signature(entry.factory()).parameters.values(),
-  ):
-    found.update(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
-  return tuple(sorted(found - flax_arguments))
+  try:
+    kernel = entry.factory()
+  except (TypeError, ValueError):
+    return None
+  kernel_parameters = inspect.signature(kernel).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in kernel_parameters):
+    return None
+  named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  factory_parameters = inspect.signature(entry.factory).parameters.values()
+  found = {p.name for p in (*factory_parameters, *kernel_parameters) if p.kind in named}
+  return tuple(sorted(found - {parameter.name for parameter in driver.CALL_PARAMETERS}))
 
 
 def _check_option_names(name: str, options: Mapping[str, Any]) -> None:
   """ValueError in one line for an option ``name`` does not take, naming those it takes."""
   known = option_names(name)
-  unknown = sorted(set(options) - set(known))
+  unknown = sorted(set(options) - set(known)) if known is not None else []
   if not unknown:
     return
   close = difflib.get_close_matches(unknown[0], known, n=1)
