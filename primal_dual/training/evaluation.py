@@ -18,6 +18,8 @@ from primal_dual.training import steps
 from primal_dual.training.setup import Experiment, build_experiment, resolve_config
 from primal_dual.training.steps import TrainState
 
+EVAL_FILE = "eval.json"
+
 
 def sum_metrics(
   metric_list: list[Mapping[str, tuple]], replicas: bool = False
@@ -131,23 +133,24 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
 
 
 def _refuse_multi_seed_workdir(workdir: str) -> None:
-  """A workdir of `config.seeds` holds one workdir per seed (`seed_<s>/`) and no config of its
-  own: say which folders to evaluate instead of "config.json not found".
+  """A sweep's workdir (`config.sweep`, `config.seeds`) holds one workdir per replica
+  (`lr=0.001,seed=0/`, `seed_<s>/`) and no config of its own: say which folders to evaluate
+  instead of "config.json not found".
 
   Raises:
-    errors.WorkdirError: `workdir` has no config.json but `seed_<s>` sub-workdirs.
+    errors.WorkdirError: `workdir` has no config.json but sub-workdirs that have one.
   """
   if os.path.exists(os.path.join(workdir, "config.json")) or not os.path.isdir(workdir):
     return
-  seeds = sorted(
+  replicas = sorted(
     name
     for name in os.listdir(workdir)
-    if name.startswith("seed_") and os.path.exists(os.path.join(workdir, name, "config.json"))
+    if os.path.exists(os.path.join(workdir, name, "config.json"))
   )
-  if seeds:
+  if replicas:
     raise errors.WorkdirError(
-      f"workdir {workdir} holds one run per seed ({', '.join(seeds)}); evaluate one of them, "
-      f"e.g. --workdir={os.path.join(workdir, seeds[0])}"
+      f"workdir {workdir} holds one run per replica ({', '.join(replicas)}); evaluate one of "
+      f"them, e.g. --workdir={os.path.join(workdir, replicas[0])}"
     )
 
 
@@ -205,5 +208,19 @@ def evaluate_workdir(
     "results": results,
   }
   if jax.process_index() == 0:
-    atomic.write_json(os.path.join(workdir, "eval.json"), report)
+    write_eval_report(workdir, report)
   return report
+
+
+def write_eval_report(workdir: str, report: dict) -> str:
+  """Writes ``report`` to ``<workdir>/eval.json``; returns the path.
+
+  Raises:
+    errors.ReportNotSavedError: the file could not be written (read-only workdir, full disk); it
+      carries ``report``, so that the metrics computed are still shown.
+  """
+  path = os.path.join(os.path.abspath(workdir), EVAL_FILE)
+  try:
+    return atomic.write_json(path, report)
+  except OSError as e:
+    raise errors.ReportNotSavedError(path, e, report) from e

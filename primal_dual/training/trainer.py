@@ -133,11 +133,9 @@ class _Run:
   last_eval: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
   def close(self) -> None:
-    if self.writer is not None:
-      self.writer.close()
-    for manager in (self.checkpointer, self.selected_checkpointer):
-      if manager is not None:
-        manager.close()
+    """Closes the writer and both checkpoint managers, each even if another fails."""
+    parts = (self.writer, self.checkpointer, self.selected_checkpointer)
+    errors.close_all([part.close for part in parts if part is not None])
 
 
 def _runs_of(experiment: Experiment, workdir: str) -> list[_Run]:
@@ -191,11 +189,14 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
     config, experiment.task, evaluation.reported_metrics(experiment)
   )
   runs = _runs_of(experiment, workdir)
+  closers = [run.close for run in runs]
   try:
-    return _train_runs(experiment, workdir, runs, num_parameters)
-  finally:
-    for run in runs:
-      run.close()
+    final = _train_runs(experiment, workdir, runs, num_parameters)
+  except BaseException as e:
+    errors.close_all(closers, pending=e)  # a failed save re-raised on closing hides e
+    raise
+  errors.close_all(closers)
+  return final
 
 
 def _train_runs(
