@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
+.PHONY: install install-gpu-compile gpu-compile device-suite lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The [gpu-compile] extra (the triton wheel): `make gpu-compile`, and the real compilation in
+# tests/test_gpu_compile.py (CI installs it; without it that one test is skipped).
+GPU_COMPILE_STAMP := $(VENV)/.installed-gpu-compile
+$(GPU_COMPILE_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[gpu-compile]"
+	touch $(GPU_COMPILE_STAMP)
+
+install-gpu-compile: $(GPU_COMPILE_STAMP)
 
 # The formatter and the pyflakes checks (pyproject [tool.ruff]); `ruff format .` fixes the first.
 lint: $(STAMP)
@@ -35,6 +44,16 @@ eval: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.attention --out-dir benchmarks/results
 	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
+
+# Registers, spills, shared memory and matrix instructions of the GPU kernels compiled for sm_90a,
+# without a GPU (benchmarks/results/gpu_compile.{json,md}; each ptxas capped in memory and time).
+gpu-compile: $(GPU_COMPILE_STAMP)
+	$(PY) -m benchmarks.gpu_compile --out-dir benchmarks/results
+
+# Every GPU figure the targets read, within 8 minutes of one GPU (benchmarks/README.md says how to
+# run it through a lent device): benchmarks/results/device_suite_<label>.{json,md}.
+device-suite: $(STAMP)
+	$(PY) -m benchmarks.device_suite --budget-s 480 --out-dir benchmarks/results
 
 # Paper reproductions (resume where they stopped; write results/*.json|md).
 # Runs trained at once by the reproduce-* grids (one process each; e.g. JOBS=11 on a GPU).
