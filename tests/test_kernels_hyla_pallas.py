@@ -290,20 +290,26 @@ def test_auto_on_cpu_never_picks_pallas():
     assert not _has_pallas(hyla.hyla_attention, q, k, v)
 
 
-@pytest.mark.parametrize("n,expected", [(32, "dense"), (128, "pallas")])
-def test_auto_on_a_gpu_backend_picks_pallas_for_long_sequences(monkeypatch, n, expected):
-  """Selection only (nothing is compiled): the backend is reported as a GPU."""
+@pytest.mark.parametrize("n,expected", [(32, "dense"), (128, "blockwise")])
+def test_auto_on_a_gpu_backend_picks_xla_paths(monkeypatch, n, expected):
+  """Selection only (nothing is compiled): the backend is reported as a GPU; 'auto' stays on the
+  XLA paths there until the fused kernel is measured faster, and 'pallas' is still explicit."""
   q, k, v = random_qkv(np.random.default_rng(39), (1,), n, n, 2)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   call = hyla.driver.AttentionCall(q, k, v)
   assert hyla.select_path(call, "rms_head", "auto", "auto")[0] == expected
-  assert hyla.select_path(call, "rms_head", "auto", "xla")[0] == expected.replace(
-    "pallas", "blockwise"
+  assert hyla.select_path(call, "rms_head", "auto", "xla")[0] == expected
+  assert hyla.select_path(call, "rms_head", "auto", "pallas") == (
+    "pallas",
+    hyla.hyla_pallas.DEFAULT_BLOCK_SIZE,
   )
-  assert hyla.select_path(call, "rms_head", 8, "auto") == (
-    "blockwise",
-    8,
-  )  # an explicit tile stays blockwise
+  assert hyla.select_path(call, "rms_head", 8, "auto") == ("blockwise", 8)
+  # The switch to the fused kernel is one setting.
+  monkeypatch.setattr(hyla, "AUTO_PALLAS_BACKENDS", ("gpu",))
+  assert hyla.select_path(call, "rms_head", "auto", "auto")[0] == expected.replace(
+    "blockwise", "pallas"
+  )
+  assert hyla.select_path(call, "rms_head", 8, "auto") == ("blockwise", 8)  # explicit tile
   assert hyla.select_path(call, "softmax", "auto", "auto")[0] == "dense"
 
 

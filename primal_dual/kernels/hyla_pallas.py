@@ -41,6 +41,16 @@ GPU layout: head and value features are zero-padded to a power of two (at least 
 Triton's minimum dot size) and lengths to the tile; tiles are powers of two on a GPU. All matrix
 products are 2-D (Triton lowers no batched ``dot_general``), hence Python loops over heads.
 
+Backend: on a GPU every ``pl.pallas_call`` passes ``pallas.triton.CompilerParams`` (``num_warps``,
+``num_stages``), which is also what selects Triton: without compiler parameters this JAX lowers a
+GPU Pallas call with Mosaic GPU, which rejects the kernel (it cannot size ``jax.nn.relu``'s
+``custom_jvp`` call, and without relu it asks for more shared memory than the 227 KiB of an
+H100: 282 KiB for 4 heads of 64 features at 256 tokens, bfloat16, lowered for CUDA on a CPU). JAX deprecates Pallas's Triton backend; a kernel for the
+tensor cores (Mosaic GPU's warpgroup matrix products, or cuDNN) is separate work. Off a GPU the
+kernels run in interpret mode, which ignores these parameters. ``hyla_attention``'s
+``implementation='auto'`` does not pick this kernel (no GPU measurement shows it faster than the
+XLA blockwise path yet); ``implementation='pallas'`` does.
+
 Not covered (``ValueError``): softmax normalisation (per-key running statistics), and, through
 ``hyla_attention``, dropout and returned or sown weights. Reverse-mode differentiation only.
 Interpret mode (``interpret=None``: automatic when the default backend is not a GPU) runs the same
@@ -55,6 +65,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import hyla_blockwise as hb
@@ -62,6 +73,9 @@ from primal_dual.kernels import hyla_blockwise as hb
 NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
 DEFAULT_BLOCK_SIZE = 16  # [bq, bk, d_v] float32 of u must fit a GPU program (untuned: no GPU here)
+# Triton's own defaults (untuned: no GPU measurement yet).
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
 
 
 class Config(NamedTuple):
@@ -82,6 +96,8 @@ class Config(NamedTuple):
   bias_full: tuple[bool, bool, bool, bool] | None  # (B', H', Q', K') > 1; None: no bias
   mask_full: tuple[bool, bool, bool, bool] | None
   interpret: bool
+  num_warps: int  # Triton launch parameters (GPU only)
+  num_stages: int
 
 
 # --- Tile maths on per-head lists of 2-D arrays ------------------------------------------------
@@ -306,11 +322,11 @@ def _dq_kernel(*refs, cfg: Config):
   if dbias_ref is not None:
     if k_full:  # tiles above the causal diagonal were skipped: their gradient is 0
 
-      def zero(ki, _):
+      def zero(ki, carry):  # the loop carry is unused; returning it keeps its type
         cols = pl.ds(ki * cfg.k_block, cfg.k_block)
         for h in range(n_bias_heads):
           dbias_ref[h, :, cols] = jnp.zeros((cfg.q_block, cfg.k_block), dbias_ref.dtype)
-        return 0
+        return carry
 
       jax.lax.fori_loop(seen, cfg.k_blocks, zero, 0)
     else:
@@ -397,6 +413,10 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, cfg: Config, name: str):
     out_shape=out_shape,
     interpret=cfg.interpret,
     name=name,
+    # Triton parameters also select the Triton backend on a GPU (without them this JAX lowers
+    # to Mosaic GPU, which this kernel cannot use: see the module docstring). Interpret mode
+    # ignores them.
+    compiler_params=pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
   )
 
 
@@ -542,6 +562,8 @@ def hyla_pallas_attention(
   dtype=None,
   precision=None,
   interpret: bool | None = None,
+  num_warps: int = DEFAULT_NUM_WARPS,
+  num_stages: int = DEFAULT_NUM_STAGES,
 ):
   """HYLA as fused Pallas kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
 
@@ -556,13 +578,16 @@ def hyla_pallas_attention(
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
     interpret: run the kernels in Pallas interpret mode; None: when the backend is not a GPU.
+    num_warps, num_stages: Triton's warps per program and software-pipelining stages (GPU only;
+      ignored in interpret mode).
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (default ``query.dtype``).
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
-      ``normalization``/``value_network``, or a ``block_size`` that is not a positive int.
+      ``normalization``/``value_network``, or a ``block_size``, ``num_warps`` or
+      ``num_stages`` that is not a positive int.
   """
   shapes = hb.check_tiled_call(
     "hyla_pallas_attention",
@@ -574,6 +599,9 @@ def hyla_pallas_attention(
     block_size,
     normalization_note=" (softmax needs per-key running statistics: use the dense path)",
   )
+  for name, count in (("num_warps", num_warps), ("num_stages", num_stages)):
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+      raise ValueError(f"{name} must be a positive int; got {name}={count!r}")
   interpret = default_interpret() if interpret is None else bool(interpret)
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
 
@@ -602,6 +630,8 @@ def hyla_pallas_attention(
     bias_full=None if bias is None else tuple(n > 1 for n in bias.shape),
     mask_full=None if mask is None else tuple(n > 1 for n in mask.shape),
     interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
   )
   minimum = 1 if interpret else 16
   d_pad = max(minimum, _next_power_of_two(shapes.d_qk))
