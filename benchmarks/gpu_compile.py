@@ -99,23 +99,8 @@ def lower_for_cuda(setting: Setting, shape: Shape):
     return jnp.sum(out.astype(jnp.float32))
 
   qkv = jax.ShapeDtypeStruct(tuple(shape), jnp.bfloat16)
-  # Without Triton compiler params this JAX would pick Mosaic GPU for pallas_call; the flag only
-  # sets the default, so a kernel that passes its own params is lowered as it says.
-  with _triton_by_default():
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv)
-    return traced.lower(lowering_platforms=("cuda",))
-
-
-@contextlib.contextmanager
-def _triton_by_default():
-  import jax
-
-  previous = jax.config.jax_pallas_use_mosaic_gpu
-  jax.config.update("jax_pallas_use_mosaic_gpu", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_pallas_use_mosaic_gpu", previous)
+  traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv)
+  return traced.lower(lowering_platforms=("cuda",))
 
 
 class TritonKernel(NamedTuple):
