@@ -5,11 +5,12 @@ first), each as one *row*:
 
 1. attention, bfloat16, forward + backward (``benchmarks.attention.measure``): the fused reference
    (cuDNN on a GPU), softmax, bn, sh, bn_sh, HYLA blockwise and HYLA fused (Pallas; on a GPU only)
-   at N = 4k, 8k, 32k; then every other attention row at 4k;
+   at N = 4k, 8k, 32k (the rows the attention targets read);
 2. small-model throughput (``benchmarks.small_models.time_steps``): the sRAVEN and logic paper
    models with softmax, linear_plain and hyla, K = 100 steps per call, 1, 4, 12 and 24 replicas;
 3. where the sRAVEN step's time goes: on-device data generation, forward, forward + backward +
-   update on a fixed batch, the whole trainer step, and one evaluation pass, each timed alone.
+   update on ready batches, the whole trainer step, and an evaluation pass, each timed alone;
+4. every other attention row (other variants, reference and dense paths) at 4k.
 
 Before each row the suite compares its estimated cost (the slowest row of its group so far, else
 a prior) with the time left in ``--budget-s``: a row that does not fit is recorded as ``skipped``
@@ -63,12 +64,14 @@ TINY = Sizes((16, 32), 2, 8, 8, 2, (1, 2), True, 1)
 # Prior estimates (seconds) of one row on an H100, by group; replaced by the slowest row measured
 # in the same group. Rows of a group not listed fall back to DEFAULT_ESTIMATE_S.
 PRIOR_ESTIMATES_S = {
-  "attention/32768": 15.0,
-  "small_models/12": 30.0,
-  "small_models/24": 40.0,
-  "step_breakdown": 60.0,
+  "attention/32768": 10.0,
+  "small_models/1": 15.0,
+  "small_models/4": 15.0,
+  "small_models/12": 20.0,
+  "small_models/24": 25.0,
+  "step_breakdown": 45.0,
 }
-DEFAULT_ESTIMATE_S = 10.0
+DEFAULT_ESTIMATE_S = 5.0
 
 # --- Rows ----------------------------------------------------------------------------------------
 
@@ -111,8 +114,8 @@ def _measure_attention(case, length, sizes: Sizes, previous: dict) -> dict[str, 
   return record
 
 
-def attention_rows(sizes: Sizes, variants: Sequence[str]) -> list[Row]:
-  """The target rows at every length, then the other rows of ``variants`` at the first length."""
+def attention_rows(sizes: Sizes, variants: Sequence[str]) -> tuple[list[Row], list[Row]]:
+  """The target rows at every length, and the other rows of ``variants`` at the first length."""
   cases = attention.all_cases(
     sizes.heads, attention.default_sh_ratios(sizes.heads), sizes.hyla_block, variants
   )
@@ -122,12 +125,11 @@ def attention_rows(sizes: Sizes, variants: Sequence[str]) -> list[Row]:
   targets = [c for c in cases if c.name in target_names]
   others = [c for c in cases if c.name not in target_names]
   previous: dict[str, tuple[int, float]] = {}
-  rows = []
-  for length in sizes.lengths:
-    for case in targets:
-      rows.append(_attention_row(case, length, sizes, previous))
-  rows += [_attention_row(case, sizes.lengths[0], sizes, previous) for case in others]
-  return rows
+  target_rows = [
+    _attention_row(case, length, sizes, previous) for length in sizes.lengths for case in targets
+  ]
+  other_rows = [_attention_row(case, sizes.lengths[0], sizes, previous) for case in others]
+  return target_rows, other_rows
 
 
 def _attention_row(case, length, sizes, previous) -> Row:
@@ -231,17 +233,24 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
   per_step = {key: 1e3 * seconds / k for key, seconds in per_step.items()}
   per_step["backward_update_ms"] = per_step["forward_backward_update_ms"] - per_step["forward_ms"]
   whole = small_models.time_steps(measurement, sizes.repeats)
-  evaluation.evaluate_runs(experiment, replicas_state)  # compiles the eval step
+  # The selection split (the others are larger: the report gives examples/s to scale by); the
+  # first pass builds the split and compiles the eval step.
+  split = (config.selection.split,)
+  evaluation.evaluate_runs(experiment, replicas_state, split)
   start = time.perf_counter()
-  evaluation.evaluate_runs(experiment, replicas_state)
+  evaluation.evaluate_runs(experiment, replicas_state, split)
+  evaluation_s = time.perf_counter() - start
+  examples = len(experiment.splits[config.selection.split])
   return {
     "model": model,
     "variant": "softmax",
     "steps_per_call": k,
     **per_step,
     "trainer_step_ms": whole["ms_per_step"],
-    "evaluation_s": time.perf_counter() - start,
-    "eval_splits": list(experiment.eval_splits),
+    "evaluation_split": config.selection.split,
+    "evaluation_examples": examples,
+    "evaluation_s": evaluation_s,
+    "evaluation_examples_per_s": examples / evaluation_s,
   }
 
 
@@ -364,6 +373,7 @@ BREAKDOWN_COLUMNS = (
     for part in ("data", "forward", "backward_update", "forward_backward_update", "trainer_step")
   ),
   common.Column("evaluation s", "evaluation_s", lambda v: f"{v:.3g}"),
+  common.Column("eval examples/s", "evaluation_examples_per_s", lambda v: f"{v:.4g}"),
   common.Column("status", "status"),
   common.Column("reason", "reason"),
 )
@@ -447,14 +457,17 @@ def sizes_of(args) -> Sizes:
 
 
 def build_rows(args, sizes: Sizes) -> list[Row]:
-  builders = {
-    "attention": lambda: attention_rows(sizes, args.variants),
-    "small_models": lambda: small_model_rows(
-      sizes, args.models or list(small_models.MODELS), args.model_variants
-    ),
-    "step_breakdown": lambda: breakdown_rows(sizes),
-  }
-  return [row for section in args.sections for row in builders[section]()]
+  """The rows of ``args.sections``: the attention target rows, small models, the step breakdown,
+  then the other attention rows (which no target reads)."""
+  wanted = set(args.sections)
+  targets, others = attention_rows(sizes, args.variants) if "attention" in wanted else ([], [])
+  models = args.models or list(small_models.MODELS)
+  rows = list(targets)
+  if "small_models" in wanted:
+    rows += small_model_rows(sizes, models, args.model_variants)
+  if "step_breakdown" in wanted:
+    rows += breakdown_rows(sizes)
+  return rows + others
 
 
 def run(
