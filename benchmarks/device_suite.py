@@ -27,6 +27,7 @@ same rows at toy sizes (the CPU test); benchmarks/README.md says how to run it o
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import sys
 import time
@@ -389,12 +390,13 @@ TARGET_COLUMNS = tuple(c for c in attention.TARGET_COLUMNS if c.key != "descript
 
 def render_markdown(payload) -> str:
   records, config = payload["records"], payload["config"]
-  counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "failed", "skipped")}
+  statuses = collections.Counter(r["status"] for r in records)
+  counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
   parts = [
     *common.report_header("Device suite", payload["metadata"]),
     "",
     f"Budget {config['budget_s']:g} s; {len(records)} of {config['rows']} rows written "
-    f"({counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped); "
+    f"({counts or 'none'}); "
     f"{payload['elapsed_s']:.0f} s elapsed. Sizes: {config['sizes']}. Definitions: "
     "benchmarks/README.md.",
   ]
