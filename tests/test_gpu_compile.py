@@ -120,3 +120,33 @@ def test_real_compile_of_a_tiny_kernel(tiny_kernels, tmp_path):
   assert record["registers"] > 0 and record["shared_bytes"] > 0
   assert record["matrix_instructions"] > 0  # the q·k products run on the tensor cores
   assert record["ptxas_version"].startswith("Build cuda_")
+
+
+def test_report_renders_measured_and_failed_kernels():
+  settings = [
+    gpu_compile.Setting("mlp_relu", "rms_head", 16),
+    gpu_compile.Setting("linear", "none", 64),
+  ]
+  ok = {
+    **settings[0]._asdict(),
+    "kernel": "hyla_forward",
+    "num_warps": 4,
+    "status": "ok",
+    "reason": "",
+    **gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX),
+  }
+  capped = {**settings[1]._asdict(), "kernel": "hyla_forward", "status": "timeout"}
+  capped["reason"] = "over 420 s (killed)"
+  payload = {
+    "metadata": {"command": "python -m benchmarks.gpu_compile"},
+    "config": {"shape": [1, 1024, 8, 64], "memory_cap_gib": 6, "timeout_s": 420},
+    "records": [ok, capped],
+  }
+  payload["config"]["settings"] = [s._asdict() for s in settings * 2]
+  markdown = gpu_compile.render_markdown(payload)
+  assert "Settings compiled: 2 of 4" in markdown and "0 of 2 kernels" in markdown
+  assert (
+    "| hyla_forward | mlp_relu | rms_head | 16 | 4 | 32 | 9400 | 11512 | 5968 | 50.0 | 3 |"
+    in (markdown)
+  )
+  assert "over 420 s (killed)" in markdown
