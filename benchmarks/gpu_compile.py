@@ -448,7 +448,7 @@ def run(args, log=print) -> dict[str, Path]:
     for key in ("triton_version", "ptxas_version"):
       metadata[key] = next((r[key] for r in records if r.get(key)), None)
     payload = dict(metadata=metadata, config=config, records=records)
-    paths = common.write_reports(args.out_dir, "gpu_compile", "cpu", payload, render_markdown)
+    paths = common.write_reports(args.out_dir, args.name, "cpu", payload, render_markdown)
   return paths
 
 
@@ -484,6 +484,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--memory-cap-gib", type=float, default=6.0)
   parser.add_argument("--timeout-s", type=float, default=420.0)
   parser.add_argument("--out-dir", default="benchmarks/results")
+  parser.add_argument("--name", default="gpu_compile", help="stem of the result files")
   return parser.parse_args(argv)
 
 
