@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
+.PHONY: install install-gpu-dev gpu-compile device-suite lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,12 +17,22 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP)
 
+# The [gpu-dev] extra (triton, torch, jax-triton): the sm_90a compile report and tests, and the
+# fused Triton HYLA kernels run by Triton's interpreter in the test suite. torch 2.13.0 is pinned:
+# where a CPU build of it lies in pip's find-links (as on the CI machines) pip takes that one.
+GPU_DEV_STAMP := $(VENV)/.installed-gpu-dev
+$(GPU_DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[gpu-dev]" "torch==2.13.0"
+	touch $(GPU_DEV_STAMP)
+
+install-gpu-dev: $(GPU_DEV_STAMP)
+
 # The formatter and the pyflakes checks (pyproject [tool.ruff]); `ruff format .` fixes the first.
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP)
+test: $(GPU_DEV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 train: $(STAMP)
@@ -35,6 +45,16 @@ eval: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.attention --out-dir benchmarks/results
 	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
+
+# Registers, spills, shared memory and matrix instructions of the GPU kernels compiled for sm_90a,
+# without a GPU (benchmarks/results/gpu_compile.{json,md}; each ptxas capped in memory and time).
+gpu-compile: $(GPU_DEV_STAMP)
+	$(PY) -m benchmarks.gpu_compile --out-dir benchmarks/results
+
+# Every GPU figure the targets read, within 8 minutes of one GPU (benchmarks/README.md says how to
+# run it through a lent device): benchmarks/results/device_suite_<label>.{json,md}.
+device-suite: $(STAMP)
+	$(PY) -m benchmarks.device_suite --budget-s 480 --out-dir benchmarks/results
 
 # Paper reproductions (resume where they stopped; write results/*.json|md).
 # Runs trained at once by the reproduce-* grids (one process each; e.g. JOBS=11 on a GPU).

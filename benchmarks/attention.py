@@ -122,13 +122,19 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
 
 
 def _serves(name: str, options: dict[str, Any], heads: int) -> bool:
-  """Whether variant ``name`` runs with ``options`` at all (e.g. the blockwise HYLA path refuses
-  the ablations it cannot compute), tried on a tiny input."""
+  """Whether variant ``name`` accepts ``options`` at all (e.g. the blockwise HYLA path refuses
+  the ablations it cannot compute: a ``ValueError``), tried on a tiny input.
+
+  Any other error (a kernel that fails to build on this backend) keeps the case: it claims to
+  serve the call, so :func:`measure` records its failure as the row's ``error``.
+  """
   x = jnp.ones((1, 16, heads, 2), jnp.float32)  # long enough for the default SH ratios
   try:
     registry.make_attention_fn(name, options)(x, x, x)
   except ValueError:
     return False
+  except Exception:  # reported by measure(), not here
+    return True
   return True
 
 
@@ -282,8 +288,11 @@ def measure(
   }
   if case.name == FUSED_REFERENCE:
     record["options"] = {"implementation": reference_implementation(dtype)}
-  inputs = make_inputs(shape, dtype)
-  function = transform(build_attention(case, shape, dtype))
+  try:
+    inputs = make_inputs(shape, dtype)
+    function = transform(build_attention(case, shape, dtype))
+  except Exception as error:  # A kernel that cannot be built here is reported, not fatal.
+    return _failed(record, "build", error)
   try:
     largest = largest_buffer_bytes(function, *inputs)
   except Exception as error:  # A kernel that cannot run here is reported, not fatal.
