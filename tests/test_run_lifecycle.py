@@ -105,11 +105,11 @@ def test_evaluation_leaves_unfinished_checkpoints_alone(tmp_path):
 
 
 def _final_params(workdir: str, config):
-  experiment = setup.build_experiment(setup.resolve_config(config), for_training=False)
+  program = setup.build_program(setup.resolve_config(config), for_training=False)
   with checkpointing.Checkpointer(
     os.path.join(workdir, checkpointing.CHECKPOINT_DIR), read_only=True
   ) as checkpointer:
-    state, _ = checkpointer.restore(None, experiment.restore_target())
+    state, _ = checkpointer.restore(None, program.restore_target())
   return jax.device_get(state.params)
 
 
@@ -149,18 +149,18 @@ def test_evaluating_while_training_leaves_the_run_as_it_would_have_been(tmp_path
   )
 
 
-def test_evaluating_a_multi_seed_workdir_names_its_seed_folders(tmp_path):
-  """The layout `config.seeds` leaves: a workdir per seed, `seed_<s>`, and none at the top."""
+def test_evaluating_a_sweep_workdir_names_its_replica_folders(tmp_path):
+  """The layout a sweep leaves: a workdir per replica (`seed=0`, ...) and none at the top."""
   workdir = str(tmp_path)
-  trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, "seed_0"))
-  shutil.copytree(os.path.join(workdir, "seed_0"), os.path.join(workdir, "seed_3"))
+  trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, "seed=0"))
+  shutil.copytree(os.path.join(workdir, "seed=0"), os.path.join(workdir, "seed=3"))
   with pytest.raises(errors.WorkdirError) as info:
     evaluation.evaluate_workdir(workdir)
   assert str(info.value) == (
-    f"workdir {workdir} holds one run per seed (seed_0, seed_3); evaluate one of them, "
-    f"e.g. --workdir={workdir}/seed_0"
+    f"workdir {workdir} holds one run per replica (seed=0, seed=3); evaluate one of them, "
+    f"e.g. --workdir={workdir}/seed=0"
   )
-  assert evaluation.evaluate_workdir(os.path.join(workdir, "seed_3"))["step"] == 2
+  assert evaluation.evaluate_workdir(os.path.join(workdir, "seed=3"))["step"] == 2
 
 
 # ------------------------------------------------------------------------------------------------

@@ -221,7 +221,7 @@ def test_seeds_and_learning_rates_on_device_batches_equal_runs_alone(tmp_path):
     ({"sweep.optimizer.lr": (0.1, 0.1)}, r"must be distinct"),
     ({"sweep.optimizer.lr": (0.1, -0.1)}, r"optimizer\.lr must be > 0"),
     ({"sweep.seed": (0, 1)}, r"train_data_on_device=True"),
-    ({"sweep.seed": (0, 1), "seeds": (2, 3)}, r"config\.seeds or config\.sweep\.seed"),
+    ({"seeds": (2, 3)}, r"^config\.seeds is now config\.sweep\.seed: set --config\.sweep\.seed="),
   ],
 )
 def test_settings_that_change_the_program_are_config_errors(overrides, message, tmp_path):
@@ -243,15 +243,11 @@ def test_replica_names_configs_and_product_order():
     "lr=3e-05,seed=1",
   ]
   last = replicas[-1].config
-  assert (last.seed, last.optimizer.lr, tuple(last.sweep.seed), tuple(last.seeds)) == (
-    1,
-    3e-05,
-    (),
-    (),
-  )
-  # config.seeds is the seed-only sweep, with the sub-workdir names of earlier versions.
-  seeds_only = sweep.replicas_of(setup.resolve_config(_synthetic(seeds=(4, 2))))
-  assert [r.name for r in seeds_only] == ["seed_4", "seed_2"]
+  assert (last.seed, last.optimizer.lr, tuple(last.sweep.seed)) == (1, 3e-05, ())
+  assert "seeds" not in last
+  # A seed-only sweep is named by the same rule.
+  seeds_only = sweep.replicas_of(setup.resolve_config(_synthetic(**{"sweep.seed": (4, 2)})))
+  assert [r.name for r in seeds_only] == ["seed=4", "seed=2"]
   # No sweep: one replica, the config itself, in the workdir itself.
   (single,) = sweep.replicas_of(setup.resolve_config(_synthetic()))
   assert single.name == "" and single.values == {}

@@ -197,9 +197,6 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Generated tasks (sRAVEN, logic): make each training batch on the device inside the step
   # from a counter-based key, instead of reading it from the host loader.
   config.train_data_on_device = False
-  # Several seeds in one program: the replicas (same config, these seeds) train as one vmapped
-  # step; each keeps its own `<workdir>/seed_<s>` as if run alone. Empty: one run of `seed`.
-  config.seeds = ()
   # A sweep in one program (`training/sweep.py`): value lists of `SWEEPABLE` fields, e.g.
   # sweep.optimizer.lr = (1e-3, 3e-4); the replicas are their product. All empty: no sweep.
   config.sweep = sweep_defaults()
@@ -272,6 +269,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
       f"config.selection.mode={mode!r} must be 'max', 'min' or '' (the metric's own: 'min' for "
       "losses)"
     )
+
+
+def without_retired_seeds(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` without `seeds`, the field earlier versions had for a seed sweep: an empty one (in a
+  config.json they wrote) is dropped; one that names seeds is refused (`config.sweep.seed` is the
+  one spelling of several seeds).
+
+  Raises:
+    errors.ConfigError: `config.seeds` is not empty.
+  """
+  if "seeds" not in config:
+    return config
+  seeds = tuple(config.seeds or ())
+  if seeds:
+    raise errors.ConfigError(
+      f"config.seeds is now config.sweep.seed: set --config.sweep.seed='{seeds}' instead"
+    )
+  kept = ml_collections.ConfigDict(config.to_dict())
+  del kept["seeds"]
+  return kept
 
 
 def with_fields(

@@ -41,13 +41,16 @@ DEFINING_FIELDS = (
   "model",
   "optimizer",
   "seed",
-  "seeds",
   "sweep",  # a sweep's workdir holds its replicas
   "batch_size",
   "loader.batch_reads",  # decides the order of the training examples
   "train_data_on_device",  # decides which generated examples a run trains on
   "selection",  # decides which checkpoint checkpoints_selected/ holds
 )
+
+# Defining fields of earlier versions, with the value that meant what no field means now (a
+# definition stored then still matches): `seeds`, whose seeds are now `sweep.seed`'s.
+RETIRED_FIELDS = {"seeds": []}
 
 # Fields inside DEFINING_FIELDS sections that only say where files are, not what they hold.
 LOCATION_FIELDS = ("data.data_dir", "data.manual_dir")
@@ -101,11 +104,17 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
 
   Fields the stored definition does not name are not compared: the workdir's runs predate them
   (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
+  Nor are `RETIRED_FIELDS` stored with the value that meant nothing.
   """
+  compared = {
+    name: value
+    for name, value in stored.items()
+    if name not in RETIRED_FIELDS or value != RETIRED_FIELDS[name]
+  }
   return [
-    f"{name} {stored[name]!r} != {current.get(name, _UNSET)!r}"
-    for name in sorted(stored)
-    if stored[name] != current.get(name, _UNSET)
+    f"{name} {compared[name]!r} != {current.get(name, _UNSET)!r}"
+    for name in sorted(compared)
+    if compared[name] != current.get(name, _UNSET)
   ]
 
 
