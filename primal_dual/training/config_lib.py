@@ -271,23 +271,35 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def without_retired_seeds(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config` without `seeds`, the field earlier versions had for a seed sweep: an empty one (in a
-  config.json they wrote) is dropped; one that names seeds is refused (`config.sweep.seed` is the
-  one spelling of several seeds).
+# Fields of earlier versions → the field that now says the same. An empty value (in a config.json
+# or experiment.json they wrote) meant nothing and is dropped; any other is refused in one line.
+RETIRED_FIELDS = {"seeds": "sweep.seed"}
+
+
+def retired_field_message(name: str, value: Any = None) -> str:
+  """'config.seeds is now config.sweep.seed: ...', the one line refusing a retired field."""
+  given = f"='{tuple(value)}'" if value else "='(<values>)'"
+  return (
+    f"config.{name} is now config.{RETIRED_FIELDS[name]}: set "
+    f"--config.{RETIRED_FIELDS[name]}{given} instead"
+  )
+
+
+def without_retired_fields(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` without the `RETIRED_FIELDS` (an empty one, as earlier versions wrote, is dropped).
 
   Raises:
-    errors.ConfigError: `config.seeds` is not empty.
+    errors.ConfigError: a retired field that is set, e.g. `config.seeds=(0, 1)`.
   """
-  if "seeds" not in config:
+  present = [name for name in RETIRED_FIELDS if name in config]
+  if not present:
     return config
-  seeds = tuple(config.seeds or ())
-  if seeds:
-    raise errors.ConfigError(
-      f"config.seeds is now config.sweep.seed: set --config.sweep.seed='{seeds}' instead"
-    )
+  for name in present:
+    if config[name]:
+      raise errors.ConfigError(retired_field_message(name, config[name]))
   kept = ml_collections.ConfigDict(config.to_dict())
-  del kept["seeds"]
+  for name in present:
+    del kept[name]
   return kept
 
 

@@ -41,12 +41,12 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenCo
   """The effective config: `training_defaults()` overridden by `config`, frozen.
 
   Raises:
-    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`), or seeds given
-      as `config.seeds` (`config_lib.without_retired_seeds`).
+    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`), or a field of
+      earlier versions that is set (`config_lib.RETIRED_FIELDS`, e.g. `config.seeds`).
   """
   if isinstance(config, ml_collections.FrozenConfigDict):
     config = config.as_configdict()
-  config = config_lib.without_retired_seeds(config)
+  config = config_lib.without_retired_fields(config)
   config_lib.validate(config)
   config = config_lib.with_variant_options(config)
   return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))

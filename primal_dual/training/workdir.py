@@ -25,6 +25,7 @@ import filelock
 import ml_collections
 
 from primal_dual import atomic
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 EXPERIMENT_FILE = "experiment.json"
@@ -47,10 +48,6 @@ DEFINING_FIELDS = (
   "train_data_on_device",  # decides which generated examples a run trains on
   "selection",  # decides which checkpoint checkpoints_selected/ holds
 )
-
-# Defining fields of earlier versions, with the value that meant what no field means now (a
-# definition stored then still matches): `seeds`, whose seeds are now `sweep.seed`'s.
-RETIRED_FIELDS = {"seeds": []}
 
 # Fields inside DEFINING_FIELDS sections that only say where files are, not what they hold.
 LOCATION_FIELDS = ("data.data_dir", "data.manual_dir")
@@ -104,12 +101,10 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
 
   Fields the stored definition does not name are not compared: the workdir's runs predate them
   (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
-  Nor are `RETIRED_FIELDS` stored with the value that meant nothing.
+  Nor are `config_lib.RETIRED_FIELDS` stored empty (they meant nothing).
   """
   compared = {
-    name: value
-    for name, value in stored.items()
-    if name not in RETIRED_FIELDS or value != RETIRED_FIELDS[name]
+    name: value for name, value in stored.items() if name not in config_lib.RETIRED_FIELDS or value
   }
   return [
     f"{name} {compared[name]!r} != {current.get(name, _UNSET)!r}"
