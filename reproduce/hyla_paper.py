@@ -116,7 +116,7 @@ def build_runs(
           config_file=config_file,
           config_arg=config_arg,
           tags=dict(attention=attention, preset=label, **({} if together else {"seed": group[0]})),
-          overrides={**overrides, **({"sweep.seed": group} if together else {})},
+          overrides={**overrides, **({"sweep.seed": list(group)} if together else {})},
           replicas=_seed_replicas(group) if together else (),
         )
       )

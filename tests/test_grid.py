@@ -165,7 +165,7 @@ def test_replica_runs_give_one_record_per_seed(tmp_path):
     config_file="sraven",
     config_arg="runlocal",
     tags={"attention": "softmax"},
-    overrides={"steps_per_call": 2, "train_data_on_device": True, "sweep.seed": (0, 5)},
+    overrides={"steps_per_call": 2, "train_data_on_device": True, "sweep.seed": [0, 5]},
     replicas=hyla_paper._seed_replicas((0, 5)),
   )
   config = run.config()
@@ -196,7 +196,7 @@ def test_hyla_grids_group_seeds_into_replica_runs():
   main, ablations = sraven_task.GRID_VARIANTS["paper"]
   assert [r.tags["attention"] for r in runs[:3]] == list(main)
   device = {"train_data_on_device": True, "steps_per_call": 125}
-  assert all(r.overrides == {**device, "sweep.seed": (0, 1, 2)} for r in runs[:3])
+  assert all(r.overrides == {**device, "sweep.seed": [0, 1, 2]} for r in runs[:3])
   assert all([name for name, _ in r.replicas] == ["seed=0", "seed=1", "seed=2"] for r in runs[:3])
   assert [(r.tags["attention"], r.tags["seed"], r.replicas) for r in runs[3:]] == [
     (name, 0, ()) for name in ablations
