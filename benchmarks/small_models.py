@@ -1,6 +1,6 @@
 """Model-steps per second of the HYLA paper's small models through the trainer's own step.
 
-What is timed is ``Program.run_steps`` of ``primal_dual.training.trainer``: the exact program a
+What is timed is ``setup.Program.run_steps`` (``primal_dual.training``): the exact program a
 training run executes, K optimizer steps per jitted call (``config.steps_per_call``), N replicas
 of one program (``config.sweep``, docs/training.md: ``--sweep seeds`` N seeds, ``--sweep
 lr_wd_seeds`` 2 learning rates × 2 weight decays × N/4 seeds), with the training batches made on
