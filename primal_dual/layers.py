@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from primal_dual import _attend, _decode
+from primal_dual.kernels import dropout_on
 from primal_dual.registry import (
   ATTENTION_REGISTRY,
   AttentionVariant,
@@ -234,7 +235,7 @@ class MultiHeadAttention(nn.Module):
 
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic
-    if deterministic or self.dropout_rate == 0.0:
+    if not dropout_on(self.dropout_rate, deterministic):
       dropout_rng = None
     elif dropout_rng is None:
       dropout_rng = self.make_rng("dropout")

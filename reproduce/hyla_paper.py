@@ -124,8 +124,9 @@ def build_runs(
 
 
 def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun]:
-  """``build_runs`` (or with ``--protocol=paper_sweep`` ``build_sweep_runs``) of the task's
-  packaged config with the flags of ``SEQUENCE_GRID_FLAGS``."""
+  """``build_runs`` (with ``--protocol=paper_sweep`` ``build_sweep_runs``, with
+  ``--protocol=points`` ``build_point_runs``) of the task's packaged config with the flags of
+  ``SEQUENCE_GRID_FLAGS``."""
   if args.protocol == "paper_sweep":
     return build_sweep_runs(
       task,
@@ -137,6 +138,20 @@ def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun
       args.steps_per_call,
       args.held_out,
       as_replicas=args.sweep_programs == "replicas",
+      seeds=sweep_seeds(args),
+    )
+  if args.protocol == "points":
+    return build_point_runs(
+      task,
+      task,
+      args.preset,
+      args.quick,
+      args.steps,
+      sweep_variants(args),
+      sweep_seeds(args),
+      args.points,
+      args.steps_per_call,
+      args.held_out,
     )
   return build_runs(
     task,
@@ -232,6 +247,11 @@ def sweep_variants(args: argparse.Namespace) -> tuple[str, ...]:
   return main + ablations
 
 
+def sweep_seeds(args: argparse.Namespace) -> tuple[int, ...]:
+  """``--sweep_seeds``, by default ``SEEDS``."""
+  return SEEDS if args.sweep_seeds is None else tuple(args.sweep_seeds)
+
+
 def build_sweep_runs(
   config_file: str,
   task: str,
@@ -242,10 +262,11 @@ def build_sweep_runs(
   steps_per_call: int = 1,
   held_out: str = "",
   as_replicas: bool = True,
+  seeds: Sequence[int] | None = None,
 ) -> list[grid.GridRun]:
-  """The runs of ``sweep_points``: the preset with each point's optimizer fields and the end rate
-  relative to the peak (``end_lr=relative``, as the official code, so each lr keeps the
-  schedule's shape).
+  """The runs of ``sweep_points`` (at ``seeds``, by default ``SEEDS``): the preset with each
+  point's optimizer fields and the end rate relative to the peak (``end_lr=relative``, as the
+  official code, so each lr keeps the schedule's shape).
 
   With ``as_replicas`` (``--sweep_programs=replicas``) one ``GridRun`` per variant and seed trains
   every point of the sweep as the replicas of one program (``config.sweep``; the points of one
@@ -259,7 +280,7 @@ def build_sweep_runs(
   defaults: dict[str, Any] = {}
   points: dict[tuple[str, int], list[tuple[SweepSetting, dict[str, Any]]]] = {}
   config_args: dict[tuple[str, int], str] = {}
-  for attention, setting, seed in sweep_points(task, variants):
+  for attention, setting, seed in sweep_points(task, variants, seeds):
     config_arg = grid.config_argument(
       dict(preset=preset, attention=attention, seed=seed, end_lr="relative"),
       dict(steps=steps, held_out=held_out),
@@ -339,9 +360,84 @@ def _replica_name(setting: SweepSetting) -> str:
   return sweep.replica_name({k: values[k] for k in sweep.SWEEPABLE if k in values})
 
 
-def sweep_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-  """The records of ``--protocol=paper_sweep`` runs."""
-  return [r for r in records if r.get("protocol") == "paper_sweep"]
+# Fields of a replica's config that a listed point may set, as its record's tags: tag → field.
+POINT_TAGS = {
+  "lr": "optimizer.lr",
+  "weight_decay": "optimizer.weight_decay",
+  "warmup_steps": "optimizer.warmup_steps",
+  "attention_dropout_rate": "model.attention_dropout_rate",
+  "dropout_rate": "model.dropout_rate",
+}
+
+
+def _field(config, dotted: str) -> Any:
+  for part in dotted.split("."):
+    config = config[part]
+  return config
+
+
+def build_point_runs(
+  config_file: str,
+  task: str,
+  preset: str,
+  quick: bool,
+  steps: int,
+  variants: Sequence[str],
+  seeds: Sequence[int],
+  points: Sequence[str],
+  steps_per_call: int = 1,
+  held_out: str = "",
+) -> list[grid.GridRun]:
+  """``--protocol=points``: per variant and seed one ``GridRun`` training exactly ``points``
+  (``config.sweep.points``, e.g. ``'lr=0.001,wd=0.1,attn_dropout=0.0'``) as the replicas of one
+  program, with the end rate relative to the peak as ``build_sweep_runs``.
+
+  A record's tags: attention, preset, seed, protocol ('points'), setting (the replica's
+  sub-workdir name), the fields of ``POINT_TAGS`` (the replica's) and preset_setting (they are
+  the preset's own).
+
+  Raises:
+    errors.UserError: a point the config refuses (``sweep.listed_points``).
+  """
+  from primal_dual.training import config_lib, sweep
+
+  label = "quick" if quick else preset
+  on_device = {"train_data_on_device": True, "steps_per_call": steps_per_call}
+  overrides = {"sweep.points": tuple(points), **(on_device if steps_per_call > 1 else {})}
+  runs = []
+  for attention in variants:
+    for seed in seeds:
+      config_arg = grid.config_argument(
+        dict(preset=preset, attention=attention, seed=seed, end_lr="relative"),
+        dict(steps=steps, held_out=held_out),
+        runlocal=quick,
+      )
+      config = config_lib.with_fields(grid.load_config(config_file, config_arg), overrides)
+      preset_values = {tag: _field(config, dotted) for tag, dotted in POINT_TAGS.items()}
+      replicas = []
+      for values in sweep.listed_points(config):
+        replica = sweep.replica_config(config, values)
+        tags = {tag: _field(replica, dotted) for tag, dotted in POINT_TAGS.items()}
+        name = sweep.replica_name(values)
+        replicas.append((name, dict(setting=name, **tags, preset_setting=tags == preset_values)))
+      runs.append(
+        grid.GridRun(
+          name=f"{task}_{label}_points_{attention}_s{seed}",
+          config_file=config_file,
+          config_arg=config_arg,
+          tags=dict(attention=attention, preset=label, seed=seed, protocol="points"),
+          overrides=overrides,
+          replicas=tuple(replicas),
+        )
+      )
+  return runs
+
+
+def sweep_records(
+  records: Sequence[Mapping[str, Any]], protocol: str = "paper_sweep"
+) -> list[Mapping[str, Any]]:
+  """The records of ``--protocol=<protocol>`` runs (``paper_sweep`` or ``points``)."""
+  return [r for r in records if r.get("protocol") == protocol]
 
 
 def fixed_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -375,14 +471,15 @@ class Selection(NamedTuple):
 
 
 def select_settings(
-  records: Sequence[Mapping[str, Any]], validation_field: str
+  records: Sequence[Mapping[str, Any]], validation_field: str, protocol: str = "paper_sweep"
 ) -> dict[str, Selection]:
-  """Per variant, the sweep setting with the highest mean of ``validation_field`` over its seeds.
+  """Per variant, the setting of ``protocol``'s records with the highest mean of
+  ``validation_field`` over its seeds.
 
   Only the validation metric decides (test and OOD fields are never read); a tie keeps the first
   setting in record order. Settings whose validation values are all missing are skipped.
   """
-  by_setting = grid.group_records(sweep_records(records), ("attention", "setting"))
+  by_setting = grid.group_records(sweep_records(records, protocol), ("attention", "setting"))
   chosen: dict[str, Selection] = {}
   for (attention, setting), group in by_setting.items():
     mean, _, count = grid.mean_std(r.get(validation_field) for r in group)
@@ -393,6 +490,20 @@ def select_settings(
   return chosen
 
 
+# A selecting protocol's report section: protocol → (its title, which points it runs).
+SELECTING_PROTOCOLS = {
+  "paper_sweep": (
+    "The paper's protocol",
+    "Every variant at each point of the official sweep (lr × weight decay, × warm-up where the "
+    "official sweep has it; end rate 0.1 × lr) × seeds 0, 1, 2 (n: the seeds run).",
+  ),
+  "points": (
+    "Listed points",
+    "Every variant at each listed point (`--points`; end rate 0.1 × lr) × the seeds run (n).",
+  ),
+}
+
+
 def sweep_report(
   records: Sequence[Mapping[str, Any]],
   *,
@@ -401,10 +512,11 @@ def sweep_report(
   references: Mapping[str, str],
   reference_column: str,
   scale: float = 100.0,
+  protocol: str = "paper_sweep",
 ) -> str:
-  """The ``--protocol=paper_sweep`` part of a report: per variant the selected setting's mean ±
-  s.e. over seeds beside the preset's own point (the fixed setting) and the published reference,
-  then every setting's row.
+  """The ``--protocol=<protocol>`` part of a report (a protocol of ``SELECTING_PROTOCOLS``): per
+  variant the selected setting's mean ± s.e. over seeds beside the preset's own point (the fixed
+  setting) and the published reference, then every setting's row.
 
   Args:
     records: the grid's records (those of other protocols are left out).
@@ -412,16 +524,17 @@ def sweep_report(
     columns: header → record field, reported for the selected and the fixed setting.
     references: attention → the published number (as printed), under ``reference_column``.
     scale: display multiplier (100: percentages).
+    protocol: whose records are reported.
   """
-  sweep = sweep_records(records)
+  sweep = sweep_records(records, protocol)
   if not sweep:
     return ""
-  chosen = select_settings(sweep, validation_field)
+  chosen = select_settings(sweep, validation_field, protocol)
   first, *_ = columns
+  title, points = SELECTING_PROTOCOLS[protocol]
   lines = [
-    "\n## The paper's protocol (`--protocol=paper_sweep`)\n",
-    "Every variant at each point of the official sweep (lr × weight decay, × warm-up where the "
-    "official sweep has it; end rate 0.1 × lr) × seeds 0, 1, 2. Per variant, the setting with the "
+    f"\n## {title} (`--protocol={protocol}`)\n",
+    f"{points} Per variant, the setting with the "
     f"best mean validation metric (`{validation_field}`) is selected; test and OOD values never "
     "select. Cells: mean ± standard error over seeds; *fixed setting* = the preset's own lr, "
     "weight decay and warm-up (the fixed-setting protocol); *reference* = the paper, as "
@@ -482,11 +595,24 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
     help="train each variant's seeds as replicas of one program (config.sweep.seed)",
   ),
   "--protocol": dict(
-    choices=("fixed", "paper_sweep"),
+    choices=("fixed", "paper_sweep", "points"),
     default="fixed",
     help="fixed: the preset's one setting (main variants × seeds 0, 1, 2, ablations × seed 0); "
     "paper_sweep: every variant × the official lr × weight-decay (× warm-up) sweep × seeds 0, 1, "
-    "2, the best mean validation setting reported per variant",
+    "2, the best mean validation setting reported per variant; points: every variant × the "
+    "--points × --sweep_seeds, one program per variant and seed, reported as paper_sweep",
+  ),
+  "--points": dict(
+    nargs="+",
+    default=(),
+    metavar="POINT",
+    help="with --protocol=points: the points trained as the replicas of one program, each as a "
+    "sweep's sub-workdir is named (config.sweep.points), e.g. lr=0.001,wd=0.1,attn_dropout=0.0",
+  ),
+  "--sweep_seeds": dict(
+    type=grid.comma_list(int),
+    default=None,
+    help="with --protocol=paper_sweep or points: the seeds (comma list; default 0,1,2)",
   ),
   "--held_out": dict(
     choices=("", "per_seed", "fixed"),
@@ -503,16 +629,20 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
   "--sweep_variants": dict(
     type=grid.comma_list(),
     default=(),
-    help="with --protocol=paper_sweep: the variants swept (default: all of the preset's; "
-    "--quick: softmax, hyla)",
+    help="with --protocol=paper_sweep or points: the variants swept (default: all of the "
+    "preset's; --quick: softmax, hyla)",
   ),
 }
 
 
 def check_sequence_arguments(args: argparse.Namespace) -> None:
   """ValueError for flags that do not go together."""
-  if args.protocol == "paper_sweep" and args.seeds_together:
-    raise ValueError("--protocol=paper_sweep trains one run per point; drop --seeds_together")
+  if args.protocol in SELECTING_PROTOCOLS and args.seeds_together:
+    raise ValueError(f"--protocol={args.protocol} trains one run per seed; drop --seeds_together")
+  if (args.protocol == "points") != bool(args.points):
+    raise ValueError("--points and --protocol=points go together")
+  if args.sweep_seeds is not None and not args.sweep_seeds:
+    raise ValueError("--sweep_seeds: give at least one seed")
   per_seed = args.held_out == "per_seed" or (not args.held_out and args.preset == "paper")
   if args.seeds_together and per_seed:
     # Replicas of one program share its data, so one held-out set: not the per-seed rule.
@@ -520,8 +650,10 @@ def check_sequence_arguments(args: argparse.Namespace) -> None:
       "--seeds_together trains seeds on one shared held-out split: it needs --held_out=fixed "
       "(the paper preset draws a held-out split per seed)"
     )
-  if args.sweep_variants and args.protocol != "paper_sweep":
-    raise ValueError("--sweep_variants needs --protocol=paper_sweep")
+  if args.protocol not in SELECTING_PROTOCOLS and (
+    args.sweep_variants or args.sweep_seeds is not None
+  ):
+    raise ValueError("--sweep_variants and --sweep_seeds need --protocol=paper_sweep or points")
 
 
 # ------------------------------------------------------------------------------------------------

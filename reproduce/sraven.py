@@ -127,13 +127,18 @@ SWEEP_COLUMNS = {
 
 
 def sweep_section(records: Sequence[Mapping[str, Any]]) -> str:
-  """The ``--protocol=paper_sweep`` part of the report (empty without sweep records)."""
-  return hyla_paper.sweep_report(
-    records,
-    validation_field="validation_whole_panel",
-    columns=SWEEP_COLUMNS,
-    references=REFERENCES,
-    reference_column="OOD whole-panel % (Table A1)",
+  """The ``--protocol=paper_sweep`` and ``--protocol=points`` parts of the report (empty without
+  their records)."""
+  return "".join(
+    hyla_paper.sweep_report(
+      records,
+      validation_field="validation_whole_panel",
+      columns=SWEEP_COLUMNS,
+      references=REFERENCES,
+      reference_column="OOD whole-panel % (Table A1)",
+      protocol=protocol,
+    )
+    for protocol in hyla_paper.SELECTING_PROTOCOLS
   )
 
 

@@ -239,3 +239,70 @@ def test_logic_sweep_report_selects_on_validation_r2():
     "| hyla | lr0.001_wd0.1 | 2 | 90.00 ± 0.00 | 50.00 ± 0.00" in report
     and "81.13 ± 7.77" in report
   )
+
+
+PROBE_POINTS = ("lr=0.001,wd=0.1,attn_dropout=0.0", "lr=0.0003,wd=0.1,attn_dropout=0.1")
+
+
+def test_points_protocol_trains_the_listed_points_as_one_program_per_variant_and_seed(capsys):
+  from primal_dual.training import setup, sweep
+
+  args = grid.parse_arguments(
+    sraven_study.REPRODUCTION,
+    [
+      "--scale=paper",
+      "--protocol=points",
+      "--points",
+      *PROBE_POINTS,
+      "lr=0.001,wd=0.1,attn_dropout=0.1",  # the paper preset's own point
+      "--sweep_variants=hyla,softmax",
+      "--sweep_seeds=1,2",
+      "--steps_per_call=125",
+    ],
+  )
+  runs = sraven_study.REPRODUCTION.build_runs(args)
+  assert [(r.tags["attention"], r.tags["seed"]) for r in runs] == [
+    ("hyla", 1),
+    ("hyla", 2),
+    ("softmax", 1),
+    ("softmax", 2),
+  ]
+  for run in runs:
+    config = setup.resolve_config(run.config())
+    assert config.train_data_on_device and config.steps_per_call == 125
+    replicas = sweep.replicas_of(config)
+    # Exactly the listed points, in their order, in the sub-workdirs the grid reads.
+    assert (
+      [r.name for r in replicas]
+      == [name for name, _ in run.replicas]
+      == [
+        "lr=0.001,wd=0.1,attn_dropout=0.0",
+        "lr=0.0003,wd=0.1,attn_dropout=0.1",
+        "lr=0.001,wd=0.1,attn_dropout=0.1",
+      ]
+    )
+    for replica, (_, tags) in zip(replicas, run.replicas):
+      assert replica.config.model.attention_dropout_rate == tags["attention_dropout_rate"]
+      assert replica.config.optimizer.lr == tags["lr"] and replica.config.seed == run.tags["seed"]
+      assert replica.config.optimizer.end_lr_factor == 0.1
+    assert [tags["preset_setting"] for _, tags in run.replicas] == [False, False, True]
+  assert grid.reproduce(sraven_study.REPRODUCTION, ["--points", PROBE_POINTS[0], "--dry_run"]) == 2
+  assert "--points and --protocol=points go together" in capsys.readouterr().err
+  assert grid.reproduce(sraven_study.REPRODUCTION, ["--sweep_seeds=1", "--dry_run"]) == 2
+  assert "--sweep_seeds need --protocol=paper_sweep or points" in capsys.readouterr().err
+  bad = ["--quick", "--protocol=points", "--points", "lr=0.001,depth=2", "--dry_run"]
+  assert grid.reproduce(sraven_study.REPRODUCTION, bad) == 2
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert "'depth=2' is not <field>=<number>" in line
+
+
+def test_points_report_selects_on_validation_beside_the_paper_sweep():
+  points = [dict(r, protocol="points") for r in FAKE[:6]]
+  markdown = sraven_study.sweep_section(points)
+  assert "## Listed points (`--protocol=points`)" in markdown
+  assert "The paper's protocol" not in markdown
+  assert (
+    hyla_paper.select_settings(points, "validation_whole_panel", "points")["hyla"].setting == "B"
+  )
+  both = sraven_study.sweep_section(points + FAKE)
+  assert both.index("The paper's protocol") < both.index("Listed points")

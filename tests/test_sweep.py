@@ -5,16 +5,21 @@ The synthetic task (host batches shared by the replicas, one step per call) and 
 model (batches made on the device, two steps per call, seeds swept too), with tiny shapes.
 """
 
+import functools
 import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 import helpers
 from primal_dual.configs import sraven as sraven_configs
+from primal_dual.kernels import _common as kernel_common
+from primal_dual.models import blocks
+from primal_dual.tasks import synthetic
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import evaluation
@@ -204,6 +209,107 @@ def test_seeds_and_learning_rates_on_device_batches_equal_runs_alone(tmp_path):
   _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
 
 
+def test_dropout_points_on_device_batches_equal_runs_alone(tmp_path):
+  """Listed points that set the dropout rates apart: each replica (its rates traced inside the
+  program, 0 included) equals its setting trained alone (rates constants of the model)."""
+  points = ("attn_dropout=0.0,dropout=0.2", "lr=0.02,attn_dropout=0.3")
+  final = trainer.train_and_evaluate(_sraven(**{"sweep.points": points}), str(tmp_path / "sweep"))
+  base_lr = _sraven().optimizer.lr
+  alone_values = {
+    f"lr={base_lr},dropout=0.2,attn_dropout=0.0": dict(
+      attention_dropout_rate=0.0, dropout_rate=0.2
+    ),
+    "lr=0.02,dropout=0.0,attn_dropout=0.3": dict(
+      attention_dropout_rate=0.3, dropout_rate=0.0, lr=0.02
+    ),
+  }
+  assert {k.split("/")[0] for k in final} == set(alone_values)
+  for index, (name, values) in enumerate(alone_values.items()):
+    lr = values.pop("lr", base_lr)
+    fields = {f"model.{k}": v for k, v in values.items()}
+    alone = tmp_path / f"alone{index}"
+    alone_final = trainer.train_and_evaluate(_sraven(**fields, **{"optimizer.lr": lr}), str(alone))
+    _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
+
+
+def test_points_are_exactly_the_listed_replicas():
+  config = setup.resolve_config(
+    _synthetic(
+      **{
+        "sweep.points": ("lr=0.001,wd=0.1,dropout=0", "wd=0.3,warmup=3", "lr=3e-4,dropout=0.2"),
+        "sweep.seed": (0, 1),
+      }
+    )
+  )
+  replicas = sweep.replicas_of(config)
+  # Every point at every seed (points first); a field a point leaves out keeps the config's
+  # value (lr 0.05, warm-up 2, weight decay 0.01, dropout 0.1); names in SWEEPABLE order.
+  assert [r.name for r in replicas] == [
+    f"lr={lr},warmup={w},wd={wd},dropout={d},seed={s}"
+    for lr, w, wd, d in ((0.001, 2, 0.1, 0.0), (0.05, 3, 0.3, 0.1), (0.0003, 2, 0.01, 0.2))
+    for s in (0, 1)
+  ]
+  third = replicas[4].config
+  assert (third.optimizer.lr, third.model.dropout_rate, third.seed, tuple(third.sweep.points)) == (
+    3e-4,
+    0.2,
+    0,
+    (),
+  )
+  assert type(replicas[2].config.optimizer.warmup_steps) is int
+  # Seeds alone as points are named by the same rule.
+  seeds = sweep.replicas_of(setup.resolve_config(_synthetic(**{"sweep.points": ("seed=4",)})))
+  assert [r.name for r in seeds] == ["seed=4"]
+
+
+def test_only_the_dropout_rates_that_differ_are_traced():
+  model = synthetic.SyntheticClassifier(num_classes=2, hidden=4, dropout_rate=0.1)
+
+  def numbers(**overrides):
+    config = setup.resolve_config(_synthetic(**overrides))
+    return sweep.model_numbers(config, sweep.replicas_of(config), model)
+
+  assert numbers(**{"sweep.optimizer.lr": (0.1, 0.2)}) == {}
+  # The config's own rate at every replica stays a constant of the model.
+  assert numbers(**{"sweep.points": ("lr=0.1,dropout=0.1", "lr=0.2")}) == {}
+  traced = numbers(**{"sweep.points": ("dropout=0.0", "dropout=0.3")})
+  np.testing.assert_allclose(traced["model.dropout_rate"], [0.0, 0.3])
+  # One replica whose rate is not the config's: traced too (the model is built from the config).
+  np.testing.assert_allclose(
+    numbers(**{"sweep.points": ("dropout=0.3",)})["model.dropout_rate"], [0.3]
+  )
+  replica = sweep.replica_model(model, {"model.dropout_rate": np.float32(0.3), "b1": 0.5})
+  assert replica.dropout_rate == np.float32(0.3) and replica.hidden == 4
+  assert sweep.replica_model(model, {"b1": 0.5}) is model
+
+
+def test_a_traced_dropout_rate_drops_as_the_constant_rate():
+  x = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  rngs = {"dropout": jax.random.key(1)}
+
+  def dropped(rate):
+    return blocks.Dropout(rate).apply({}, x, deterministic=False, rngs=rngs)
+
+  traced = jax.jit(dropped)
+  for rate in (0.0, 0.25):
+    np.testing.assert_allclose(traced(np.float32(rate)), dropped(rate), rtol=1e-6)
+  np.testing.assert_array_equal(traced(np.float32(0.0)), x)
+  assert bool(jnp.any(dropped(0.25) == 0.0))
+  # The attention weights' dropout (the kernels') takes a traced rate the same way.
+  weights = jax.nn.softmax(x[None], axis=-1)
+  drop = functools.partial(
+    kernel_common.apply_dropout,
+    dropout_rng=jax.random.key(2),
+    broadcast_dropout=False,
+    deterministic=False,
+  )
+  np.testing.assert_allclose(
+    jax.jit(lambda r: drop(weights, dropout_rate=r))(np.float32(0.25)),
+    drop(weights, dropout_rate=0.25),
+    rtol=1e-6,
+  )
+
+
 # ------------------------------------------------------------------------------------------------
 # What cannot be replicated: one-line config errors, before anything is trained.
 
@@ -222,6 +328,16 @@ def test_seeds_and_learning_rates_on_device_batches_equal_runs_alone(tmp_path):
     ({"sweep.optimizer.lr": (0.1, -0.1)}, r"optimizer\.lr must be > 0"),
     ({"sweep.seed": (0, 1)}, r"train_data_on_device=True"),
     ({"seeds": (2, 3)}, r"^config\.seeds is now config\.sweep\.seed: set --config\.sweep\.seed="),
+    ({"sweep.model.attention_dropout_rate": (0.0, 0.1)}, r"attention_dropout_rate is not a field"),
+    ({"sweep.model.dropout_rate": (0.1, 1.0)}, r"dropout_rate=1\.0 must be in \[0, 1\)"),
+    ({"sweep.points": ("lr=0.1,width=2",)}, r"'width=2' is not <field>=<number>"),
+    ({"sweep.points": ("lr=0.1,lr=0.2",)}, r"sets lr twice"),
+    ({"sweep.points": ("lr=fast",)}, r"'fast' is not a number"),
+    ({"sweep.points": ("warmup=1.5",)}, r"1\.5 is not an integer"),
+    ({"sweep.points": ("lr=0.1,wd=0.01", "lr=0.1")}, r"points\[0\] and \[1\] are the same"),
+    ({"sweep.points": ("lr=0.1",), "sweep.optimizer.lr": (0.2,)}, r"both set lr"),
+    ({"sweep.points": ("seed=1", "seed=2"), "sweep.seed": (2, 3)}, r"both set seed"),
+    ({"sweep.points": ("wd=0.0", "wd=0.1")}, r"weight_decay 0 and > 0"),
   ],
 )
 def test_settings_that_change_the_program_are_config_errors(overrides, message, tmp_path):
@@ -316,6 +432,15 @@ def test_train_command_takes_the_sweep_as_config_flags(tmp_path):
     .startswith("error: replicas with optimizer.weight_decay 0 and > 0")
   )
   assert "Traceback" not in refused.stderr
+  refused = train("--config.sweep.points=('lr=0.01,width=2',)", f"--workdir={tmp_path / 'bad'}")
+  assert refused.returncode == 2, refused.stderr
+  assert (
+    refused.stderr.strip()
+    .splitlines()[-1]
+    .startswith(
+      "error: config.sweep.points[0]='lr=0.01,width=2': 'width=2' is not <field>=<number>"
+    )
+  )
   done = train(
     "--config.sweep.optimizer.lr=(0.01,0.02)",
     "--config.sweep.optimizer.warmup_steps=(1,)",

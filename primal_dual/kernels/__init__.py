@@ -1,5 +1,6 @@
 """Attention kernels: pure functions with Flax's ``attention_fn`` contract (docs/maths.md §1, §3)."""
 
+from primal_dual.kernels._common import dropout_on
 from primal_dual.kernels.batchnorm import batchnorm_attention
 from primal_dual.kernels.hyla import hyla_attention
 from primal_dual.kernels.linear import linear_attention, random_feature_attention
@@ -17,6 +18,7 @@ __all__ = [
   "batchnorm_attention",
   "causal_mask",
   "combine_masks",
+  "dropout_on",
   "hyla_attention",
   "linear_attention",
   "local_mask",

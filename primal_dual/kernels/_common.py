@@ -311,16 +311,31 @@ def masked_softmax(logits: Array, mask: Array | None) -> Array:
   return unnormalized / jnp.where(total > 0, total, 1.0)
 
 
+def dropout_on(rate: float | Array, deterministic: bool) -> bool:
+  """Whether dropout at ``rate`` acts: in training, at a rate other than a constant 0.
+
+  A traced rate ``[]`` (replicas of a sweep set it apart inside one program) always acts; at 0 it
+  keeps every entry (``uniform < 1``) and divides by 1, which is no dropout.
+  """
+  return not deterministic and (isinstance(rate, jax.Array) or rate != 0.0)
+
+
 def apply_dropout(
-  weights: Array, *, dropout_rng, dropout_rate: float, broadcast_dropout: bool, deterministic: bool
+  weights: Array,
+  *,
+  dropout_rng,
+  dropout_rate: float | Array,
+  broadcast_dropout: bool,
+  deterministic: bool,
 ) -> Array:
-  """Dropout on attention weights ``[B, H, q_len, kv_len]``, following Flax.
+  """Dropout on attention weights ``[B, H, q_len, kv_len]``, following Flax; ``dropout_rate`` a
+  number or a traced float32 ``[]`` (see ``dropout_on``).
 
   With ``broadcast_dropout`` the same drop pattern is used for every example and head.
   """
-  if deterministic or dropout_rate == 0.0:
+  if not dropout_on(dropout_rate, deterministic):
     return weights
-  if not 0.0 <= dropout_rate < 1.0:
+  if not isinstance(dropout_rate, jax.Array) and not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}")
   if dropout_rng is None:
     raise ValueError("dropout_rng is required when deterministic=False and dropout_rate > 0")

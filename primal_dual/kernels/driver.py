@@ -102,7 +102,7 @@ class AttentionCall:
 
   @property
   def dropout_active(self) -> bool:
-    return not self.deterministic and self.dropout_rate != 0.0
+    return C.dropout_on(self.dropout_rate, self.deterministic)
 
   def heads_major(self) -> tuple[Array, Array, Array]:
     """``q [B, H, q_len, d_qk]``, ``k [B, H, kv_len, d_qk]``, ``v [B, H, kv_len, d_v]`` with

@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from primal_dual.kernels import _common
+
 
 IMPLEMENTATIONS = ("auto", "fused", "reference")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -64,7 +66,7 @@ def use_fused(
     for reason, present in (
       ("return_weights=True", return_weights),
       ("sowing weights (module given)", module is not None),
-      ("dropout on the weights", not deterministic and dropout_rate > 0.0),
+      ("dropout on the weights", _common.dropout_on(dropout_rate, deterministic)),
       ("key and value head sizes differ", not same_head_size),
       ("kernel is not softmax", not softmax_kernel),
       (

@@ -9,7 +9,30 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from primal_dual.kernels import dropout_on
 from primal_dual.layers import MultiHeadAttention
+
+
+class Dropout(nn.Module):
+  """Flax's ``nn.Dropout`` (same key, same mask: a constant rate gives its result exactly) whose
+  ``rate`` may also be a traced float32 ``[]``, which replicas of a sweep set apart inside one
+  program (``kernels.dropout_on``). Named ``Dropout`` so that its scope names, and with them its
+  keys, are those of ``nn.Dropout``."""
+
+  rate: float | jax.Array
+
+  def __call__(self, inputs: jax.Array, deterministic: bool) -> jax.Array:
+    """``inputs`` of any shape: each entry zeroed with probability ``rate`` or scaled by
+    ``1 / (1 - rate)``; unchanged when ``deterministic``."""
+    if not dropout_on(self.rate, deterministic):
+      return inputs
+    keep = 1.0 - self.rate
+    if not isinstance(keep, jax.Array) and keep == 0.0:
+      return jnp.zeros_like(inputs)
+    kept = jax.random.bernoulli(self.make_rng("dropout"), keep, inputs.shape)
+    # A traced keep probability would promote low-precision inputs; a constant one does not.
+    scale = keep.astype(inputs.dtype) if isinstance(keep, jax.Array) else keep
+    return jax.lax.select(kept, inputs / scale, jnp.zeros_like(inputs))
 
 
 class MaskedBatchNorm(nn.Module):
@@ -81,17 +104,18 @@ class MlpBlock(nn.Module):
       kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
     )(x)
     x = nn.gelu(x)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = Dropout(self.dropout_rate)(x, deterministic=not train)
     x = nn.Dense(
       width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"))
     )(x)
-    return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    return Dropout(self.dropout_rate)(x, deterministic=not train)
 
 
 class AttentionFields(nn.Module):
   """Keyword-only fields of every model and of its ``EncoderBlock``: the attention kernel by
   registry name (``attention``, ``attention_options``), dropout on residual branches
-  (``dropout_rate``) and on the attention weights (``attention_dropout_rate``), ``dtype``."""
+  (``dropout_rate``) and on the attention weights (``attention_dropout_rate``), each a number or
+  a traced ``[]`` (``Dropout``), ``dtype``."""
 
   _: dataclasses.KW_ONLY
   attention: str = "softmax"
@@ -147,7 +171,7 @@ class EncoderBlock(AttentionFields):
 
     def attend(y):
       y = attention(y, mask=mask, bias=bias, deterministic=not train, sow_weights=sow_weights)
-      return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+      return Dropout(self.dropout_rate)(y, deterministic=not train)
 
     mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.mlp_kernel_init, name="mlp")
     if self.pre_norm:

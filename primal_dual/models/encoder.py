@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from primal_dual.kernels.masks import padding_mask
 from primal_dual.models.blocks import (
   AttentionFields,
+  Dropout,
   EncoderBlock,
   PositionEmbedding,
   apply_norm,
@@ -100,7 +101,7 @@ class EncoderClassifier(AttentionFields):
       if mask is not None:
         mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
       prefix = 1
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = Dropout(self.dropout_rate)(x, deterministic=not train)
     attention_mask = None if mask is None else padding_mask(mask)
     for i in range(self.num_layers):
       x = EncoderBlock(
@@ -115,5 +116,5 @@ class EncoderClassifier(AttentionFields):
     if self.pre_norm:
       x = apply_norm(make_norm(self.norm, self.dtype), x, mask, train)
     x = POOLINGS[self.pooling](x, mask)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = Dropout(self.dropout_rate)(x, deterministic=not train)
     return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x).astype(jnp.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from primal_dual.models.blocks import AttentionFields, EncoderBlock
+from primal_dual.models.blocks import AttentionFields, Dropout, EncoderBlock
 
 # Sizes of the published DeiT models (Touvron et al. 2021) and a micro size for CPU demos.
 VIT_PRESETS: dict[str, dict[str, int]] = {
@@ -62,7 +62,7 @@ class ViT(AttentionFields):
     positions = self.param(
       "positions", nn.initializers.normal(0.02), (1, x.shape[1], self.model_dim)
     )
-    x = nn.Dropout(self.dropout_rate)(x + positions.astype(x.dtype), deterministic=not train)
+    x = Dropout(self.dropout_rate)(x + positions.astype(x.dtype), deterministic=not train)
     context = {"grid_shape": (grid_h, grid_w), "num_prefix_tokens": 1}
     for i in range(self.num_layers):
       x = EncoderBlock(

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from primal_dual.models import blocks
 from primal_dual.tasks import _common
 from primal_dual.training import errors
 
@@ -127,7 +128,7 @@ class SyntheticClassifier(nn.Module):
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=mask[..., None])
     weights = mask.astype(x.dtype)[..., None]
     pooled = (x * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1.0)
-    pooled = nn.Dropout(self.dropout_rate)(pooled, deterministic=not train)
+    pooled = blocks.Dropout(self.dropout_rate)(pooled, deterministic=not train)
     return nn.Dense(
       self.num_classes,
       kernel_init=partitioned(nn.initializers.lecun_normal(), ("mlp", "classes")),

@@ -138,9 +138,10 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
 
 
 # Config fields a sweep may vary (`config.sweep.<field>`): scalars that leave the program's shapes
-# and operations alone, with their short names in sub-workdir names. Their order is that of the
-# names and of the product (the last varies fastest). Everything else (model sizes, batch size,
-# schedule kind, run length, optimizer name) would change the program.
+# and operations alone, with their short names in sub-workdir names and in `config.sweep.points`.
+# Their order is that of the names and of the product (the last varies fastest). Everything else
+# (model sizes, batch size, schedule kind, run length, optimizer name) would change the program.
+# The model's dropout rates enter its program as traced numbers when they differ (`sweep.py`).
 SWEEPABLE: dict[str, str] = {
   "optimizer.lr": "lr",
   "optimizer.end_lr": "end_lr",
@@ -151,12 +152,15 @@ SWEEPABLE: dict[str, str] = {
   "optimizer.b2": "b2",
   "optimizer.eps": "eps",
   "optimizer.momentum": "momentum",
+  "model.dropout_rate": "dropout",
+  "model.attention_dropout_rate": "attn_dropout",
   "seed": "seed",
 }
 
 
 def sweep_defaults() -> ml_collections.ConfigDict:
-  """`config.sweep`: every `SWEEPABLE` field, nested, empty (so `--config.sweep.<field>` works)."""
+  """`config.sweep`: every `SWEEPABLE` field, nested, empty (so `--config.sweep.<field>` works),
+  and `points`, the explicit list of points (empty)."""
   sweep = ml_collections.ConfigDict()
   for dotted in SWEEPABLE:
     node = sweep
@@ -166,6 +170,7 @@ def sweep_defaults() -> ml_collections.ConfigDict:
         node[parent] = ml_collections.ConfigDict()
       node = node[parent]
     node[leaf] = ()
+  sweep.points = ()
   return sweep
 
 
@@ -198,7 +203,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   # from a counter-based key, instead of reading it from the host loader.
   config.train_data_on_device = False
   # A sweep in one program (`training/sweep.py`): value lists of `SWEEPABLE` fields, e.g.
-  # sweep.optimizer.lr = (1e-3, 3e-4); the replicas are their product. All empty: no sweep.
+  # sweep.optimizer.lr = (1e-3, 3e-4), whose product is the replicas, and/or sweep.points, the
+  # replicas listed one by one ("lr=0.001,wd=0.1", ...). All empty: no sweep.
   config.sweep = sweep_defaults()
   config.checkpoint_every_epochs = 0
   config.keep_checkpoints = 3

@@ -204,19 +204,32 @@ class ReplicaAxis:
     return sharding.with_leading_axis(shardings, mesh) if self._stacked else shardings
 
 
-def _replica_step(state, batch, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **step):
-  """`train_step` of one replica with its `hyperparameters` (`[]` each): losses `[1]` (K = 1)."""
+def _replica_step(
+  state, batch, hyperparameters, *, optimizer: optim.ReplicaOptimizer, model: nn.Module, **step
+):
+  """`train_step` of one replica with its `hyperparameters` (`[]` each: its optimizer's and its
+  model's numbers): losses `[1]` (K = 1)."""
   tx = optimizer.transformation(hyperparameters)
-  state, loss, metrics = train_step(state, batch, tx=tx, **step)
+  model = sweep.replica_model(model, hyperparameters)
+  state, loss, metrics = train_step(state, batch, model=model, tx=tx, **step)
   return state, loss[None], metrics
 
 
 def _replica_steps(
-  state, batches, data_seed, hyperparameters, *, optimizer: optim.ReplicaOptimizer, **steps
+  state,
+  batches,
+  data_seed,
+  hyperparameters,
+  *,
+  optimizer: optim.ReplicaOptimizer,
+  model: nn.Module,
+  **steps,
 ):
-  """`train_steps` of one replica with its `hyperparameters` (`[]` each) and `data_seed` `[]`."""
+  """`train_steps` of one replica with its `hyperparameters` (`[]` each: its optimizer's and its
+  model's numbers) and `data_seed` `[]`."""
   tx = optimizer.transformation(hyperparameters)
-  return train_steps(state, batches, data_seed, tx=tx, **steps)
+  model = sweep.replica_model(model, hyperparameters)
+  return train_steps(state, batches, data_seed, model=model, tx=tx, **steps)
 
 
 class StepRunner:
@@ -235,7 +248,8 @@ class StepRunner:
     mesh: the device mesh.
     run_shardings: of the stacked state.
     replica_axis: the layout of the state and of every per-replica argument.
-    optimizer: the replicas' optimizer (its `hyperparameters` go to every call).
+    hyperparameters: `[R]` arrays of the replicas' numbers (`ReplicaOptimizer.hyperparameters`
+      and `sweep.model_numbers`), which go to every call.
     steps_per_call: K.
     data_seed: int32 `[R]`: the seed of each replica's generated stream.
   """
@@ -248,7 +262,7 @@ class StepRunner:
     *,
     run_shardings: TrainState,
     replica_axis: ReplicaAxis,
-    optimizer: optim.ReplicaOptimizer,
+    hyperparameters: Mapping[str, np.ndarray],
     steps_per_call: int,
     data_seed: np.ndarray,
   ):
@@ -259,9 +273,7 @@ class StepRunner:
     # Placed once: host arrays would be transferred again by every call.
     replicated = sharding.replicated(mesh)
     self.data_seed = jax.device_put(replica_axis.from_host(data_seed), replicated)
-    self.hyperparameters = jax.device_put(
-      replica_axis.from_host(optimizer.hyperparameters), replicated
-    )
+    self.hyperparameters = jax.device_put(replica_axis.from_host(hyperparameters), replicated)
     self.device_data = scanned_steps.keywords.get("device_batch") is not None
     self._step_per_call = steps_per_call == 1 and not self.device_data
 
@@ -525,6 +537,7 @@ def _step_runner(
   the batches are made on the device."""
   seeds = [replica.config.seed for replica in replicas]
   device_batch = _device_batch(task, config, metadata, set(seeds)) if for_training else None
+  model_numbers = sweep.model_numbers(config, replicas, model)
   scanned_steps = functools.partial(
     _replica_steps,
     optimizer=optimizer,
@@ -543,7 +556,7 @@ def _step_runner(
     mesh,
     run_shardings=run_shardings,
     replica_axis=replica_axis,
-    optimizer=optimizer,
+    hyperparameters={**optimizer.hyperparameters, **model_numbers},
     steps_per_call=int(config.get("steps_per_call", 1)),
     data_seed=np.asarray(seeds, np.int32),
   )

@@ -1,0 +1,274 @@
+"""A job that outlives the device call that started it, and its files brought back in `$OUT`.
+
+A lent accelerator runs one command at a time, for at most 10 minutes, and brings back only what
+the command leaves under `$OUT` (at most 8 files of at most 16 MiB, two folders deep); between the
+calls of one lease the machine, its disk and its processes stay. So a run longer than one call
+starts in a session of its own (`setsid`, which the end of the call does not stop), a later call
+waits for it, and the last one packs its metrics (and, when it has not finished, what resuming
+needs) into `$OUT`::
+
+  python3 -m reproduce.lease start NAME -- COMMAND ...   # returns at once
+  python3 -m reproduce.lease wait NAME SECONDS           # until the job ends or SECONDS pass
+  python3 -m reproduce.lease collect NAME ROOT [FILE ...]
+  python3 -m reproduce.lease restore NAME                # in a later lease: unpack the state
+
+`collect` writes `NAME_metrics.tar.gz` (every run's metrics.jsonl, final_metrics.json, config.json,
+experiment.json and grid_run.json under ROOT, the FILEs, e.g. the grid's results JSON, and the
+job's log) and, unless the job ended with status 0, `NAME_state.tar.NN` parts (ROOT without
+TensorBoard files and without checkpoints older than each folder's newest): carried back to the
+device, `restore` unpacks them and the same command resumes from the checkpoints. The job's files
+(`NAME.log`, `NAME.pid`, `NAME.rc` with its exit status once it ends) are in `--jobs_dir`
+(default `workdirs/lease`). docs/reproduction.md has the lease recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from typing import Sequence
+
+JOBS_DIR = os.path.join("workdirs", "lease")
+# The device tool's limits on what comes back: files, and the size of each.
+MAX_FILES = 8
+PART_BYTES = 15 * 2**20
+# Files of a workdir the metrics archive takes (the trainer's and the grid's records of a run).
+RUN_FILES = (
+  "metrics.jsonl",
+  "final_metrics.json",
+  "config.json",
+  "experiment.json",
+  "grid_run.json",
+)
+POLL_SECONDS = 5.0
+
+
+class LeaseError(Exception):
+  """A refusal, reported in one line."""
+
+
+def job_paths(jobs_dir: str, name: str) -> dict[str, str]:
+  """The job's log, process id and exit-status files."""
+  return {kind: os.path.join(jobs_dir, f"{name}.{kind}") for kind in ("log", "pid", "rc")}
+
+
+def detached_command(command: Sequence[str], log: str, rc: str) -> list[str]:
+  """The argv that runs ``command`` in a session of its own (``setsid``), its output in ``log``
+  and its exit status written to ``rc`` when it ends."""
+  script = (
+    f"{shlex.join(command)} > {shlex.quote(log)} 2>&1 < /dev/null; echo $? > {shlex.quote(rc)}"
+  )
+  return ["setsid", "bash", "-c", script]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def status(jobs_dir: str, name: str) -> str:
+  """``'absent'``, ``'running'``, ``'done <exit status>'`` or ``'lost'`` (its process gone
+  without an exit status: the machine was given back, or it was killed)."""
+  paths = job_paths(jobs_dir, name)
+  if os.path.exists(paths["rc"]):
+    with open(paths["rc"]) as f:
+      return f"done {f.read().strip()}"
+  if not os.path.exists(paths["pid"]):
+    return "absent"
+  with open(paths["pid"]) as f:
+    return "running" if _alive(int(f.read())) else "lost"
+
+
+def start(jobs_dir: str, name: str, command: Sequence[str]) -> int:
+  """Starts ``command`` detached and returns its process id (the session leader's).
+
+  Raises:
+    LeaseError: no command, or a job of this name is still running.
+  """
+  if not command:
+    raise LeaseError("give the command after --: lease start NAME -- COMMAND ...")
+  if status(jobs_dir, name) == "running":
+    raise LeaseError(f"job {name!r} is still running; wait for it or pick another name")
+  os.makedirs(jobs_dir, exist_ok=True)
+  paths = job_paths(jobs_dir, name)
+  for stale in (paths["rc"], paths["pid"]):
+    if os.path.exists(stale):
+      os.remove(stale)
+  # No inherited output: the device tool would wait for the job to close it.
+  process = subprocess.Popen(
+    detached_command(command, paths["log"], paths["rc"]),
+    stdin=subprocess.DEVNULL,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  with open(paths["pid"], "w") as f:
+    f.write(str(process.pid))
+  return process.pid
+
+
+def wait(jobs_dir: str, name: str, seconds: float, poll: float = POLL_SECONDS) -> str:
+  """The job's status once it is no longer running, or after ``seconds``."""
+  deadline = time.monotonic() + seconds
+  while (state := status(jobs_dir, name)) == "running" and time.monotonic() < deadline:
+    time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+  return state
+
+
+def log_tail(jobs_dir: str, name: str, lines: int = 20) -> str:
+  path = job_paths(jobs_dir, name)["log"]
+  if not os.path.exists(path):
+    return ""
+  with open(path, errors="replace") as f:
+    return "".join(f.readlines()[-lines:])
+
+
+def _files_under(root: str, keep) -> list[str]:
+  found = []
+  for folder, subfolders, files in os.walk(root):
+    subfolders.sort()
+    found += [os.path.join(folder, f) for f in sorted(files) if keep(os.path.join(folder, f))]
+  return found
+
+
+def _is_stale_or_tensorboard(path: str) -> bool:
+  """A TensorBoard file, or a file of a checkpoint older than its folder's newest (``.../
+  checkpoints/<step>/...``): what resuming does not need."""
+  parts = path.split(os.sep)
+  if "tensorboard" in parts:
+    return True
+  for index, part in enumerate(parts[:-2]):
+    if part == "checkpoints" and parts[index + 1].isdigit():
+      folder = os.sep.join(parts[: index + 1])
+      steps = [int(s) for s in os.listdir(folder) if s.isdigit()]
+      return int(parts[index + 1]) != max(steps)
+  return False
+
+
+def metrics_files(root: str) -> list[str]:
+  """The records of every run under ``root`` (``RUN_FILES``)."""
+  return _files_under(root, lambda path: os.path.basename(path) in RUN_FILES)
+
+
+def state_files(root: str) -> list[str]:
+  """What resuming the runs under ``root`` needs: everything but TensorBoard files and
+  checkpoints older than each folder's newest."""
+  return _files_under(root, lambda path: not _is_stale_or_tensorboard(path))
+
+
+def _tar_bytes(paths: Sequence[str], mode: str) -> bytes:
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode=mode) as archive:
+    for path in paths:
+      archive.add(path)
+  return buffer.getvalue()
+
+
+def collect(
+  jobs_dir: str,
+  name: str,
+  root: str,
+  extra: Sequence[str],
+  out: str,
+  part_bytes: int = PART_BYTES,
+) -> list[str]:
+  """Writes the job's metrics archive, and the state parts unless it ended with status 0, into
+  ``out``; returns their paths.
+
+  Raises:
+    LeaseError: more files than the device tool brings back (``MAX_FILES``).
+  """
+  os.makedirs(out, exist_ok=True)
+  log = job_paths(jobs_dir, name)["log"]
+  given = [path for path in [*extra, log] if os.path.exists(path)]
+  written = [os.path.join(out, f"{name}_metrics.tar.gz")]
+  with open(written[0], "wb") as f:
+    f.write(_tar_bytes(metrics_files(root) + given, "w:gz"))
+  if status(jobs_dir, name) != "done 0":
+    state = _tar_bytes(state_files(root), "w")
+    parts = [state[i : i + part_bytes] for i in range(0, len(state), part_bytes)]
+    if 1 + len(parts) > MAX_FILES:
+      raise LeaseError(
+        f"the state of {root} is {len(state):,} bytes: more than the {MAX_FILES - 1} parts "
+        f"of {part_bytes:,} bytes $OUT can bring back"
+      )
+    for index, part in enumerate(parts):
+      written.append(os.path.join(out, f"{name}_state.tar.{index:02d}"))
+      with open(written[-1], "wb") as f:
+        f.write(part)
+  return written
+
+
+def restore(name: str, source: str, destination: str = ".") -> list[str]:
+  """Unpacks the state parts ``source/NAME_state.tar.NN`` under ``destination``; returns the
+  files written.
+
+  Raises:
+    LeaseError: no parts.
+  """
+  parts = sorted(glob.glob(os.path.join(source, f"{name}_state.tar.[0-9][0-9]")))
+  if not parts:
+    raise LeaseError(f"no {name}_state.tar.NN parts in {source}")
+  data = b"".join(open(part, "rb").read() for part in parts)
+  with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
+    archive.extractall(destination, filter="data")
+    return [member.name for member in archive.getmembers() if member.isfile()]
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python3 -m reproduce.lease", description=__doc__.split("\n")[0]
+  )
+  parser.add_argument("--jobs_dir", default=JOBS_DIR, help="where the job's log, pid and rc go")
+  commands = parser.add_subparsers(dest="action", required=True)
+  started = commands.add_parser("start", help="start COMMAND (after --) in its own session")
+  started.add_argument("name")
+  started.add_argument("command", nargs=argparse.REMAINDER)
+  waited = commands.add_parser("wait", help="wait until the job ends or SECONDS pass")
+  waited.add_argument("name")
+  waited.add_argument("seconds", type=float)
+  collected = commands.add_parser("collect", help="pack the job's metrics (and state) into $OUT")
+  collected.add_argument("name")
+  collected.add_argument("root", help="the folder of the job's workdirs (a grid's --root)")
+  collected.add_argument("files", nargs="*", help="more files, e.g. the grid's --results")
+  collected.add_argument("--out", default=os.environ.get("OUT", ""))
+  restored = commands.add_parser("restore", help="unpack NAME_state.tar.NN parts")
+  restored.add_argument("name")
+  restored.add_argument("--source", default=os.path.join(JOBS_DIR, "state"))
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    if args.action == "start":
+      command = args.command[1:] if args.command[:1] == ["--"] else args.command
+      print(f"started {args.name}: process {start(args.jobs_dir, args.name, command)}")
+    elif args.action == "wait":
+      state = wait(args.jobs_dir, args.name, args.seconds)
+      print(f"{args.name}: {state}\n{log_tail(args.jobs_dir, args.name)}", end="")
+    elif args.action == "collect":
+      if not args.out:
+        raise LeaseError("no --out and no $OUT: give the folder the files go to")
+      for path in collect(args.jobs_dir, args.name, args.root, args.files, args.out):
+        print(f"{path}: {os.path.getsize(path)} bytes")
+    else:
+      print(f"restored {len(restore(args.name, args.source))} files")
+  except LeaseError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,124 @@
+"""reproduce/lease.py: a job detached from the call that starts it, and what `collect` packs into
+`$OUT` within the device tool's limits (docs/reproduction.md, the lease recipe)."""
+
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from reproduce import lease
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_detached_command_runs_in_its_own_session_and_records_its_status():
+  argv = lease.detached_command(["python3", "-m", "x", "a b"], "d/j.log", "d/j.rc")
+  assert argv[:3] == ["setsid", "bash", "-c"]
+  assert argv[3] == "python3 -m x 'a b' > d/j.log 2>&1 < /dev/null; echo $? > d/j.rc"
+
+
+def test_a_job_outlives_the_process_that_started_it(tmp_path):
+  jobs = str(tmp_path / "jobs")
+  starter = (
+    "import sys; from reproduce import lease; "
+    f"lease.start({jobs!r}, 'slow', [sys.executable, '-c', "
+    "'import time; time.sleep(1); print(\"finished\")'])"
+  )
+  # The starting process returns at once and its output closes: the job keeps running.
+  subprocess.run([sys.executable, "-c", starter], cwd=REPO_ROOT, check=True, timeout=30)
+  assert lease.status(jobs, "slow") == "running"
+  with pytest.raises(lease.LeaseError, match="still running"):
+    lease.start(jobs, "slow", ["true"])
+  assert lease.wait(jobs, "slow", 60, poll=0.1) == "done 0"
+  assert "finished" in lease.log_tail(jobs, "slow")
+  lease.start(jobs, "failing", ["bash", "-c", "exit 3"])
+  assert lease.wait(jobs, "failing", 60, poll=0.1) == "done 3"
+  assert lease.status(jobs, "never") == "absent"
+
+
+def _fake_runs(root):
+  """A grid root with one sweep of two replicas, each with checkpoints at steps 4 and 8."""
+  for replica in ("lr=0.1", "lr=0.2"):
+    workdir = root / "grid_run" / replica
+    for step in (4, 8):
+      (workdir / "checkpoints" / str(step)).mkdir(parents=True)
+      (workdir / "checkpoints" / str(step) / "state").write_bytes(os.urandom(3000))
+    (workdir / "checkpoints_selected" / "4").mkdir(parents=True)
+    (workdir / "checkpoints_selected" / "4" / "state").write_bytes(b"s")
+    (workdir / "tensorboard").mkdir()
+    (workdir / "tensorboard" / "events").write_text("e")
+    (workdir / "metrics.jsonl").write_text('{"step": 8}\n')
+    (workdir / "config.json").write_text("{}")
+
+
+def test_collect_packs_metrics_and_the_newest_state_in_parts_that_restore(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # archives hold paths relative to the repository root
+  _fake_runs(tmp_path / "runs")
+  jobs, out = "jobs", str(tmp_path / "out")
+  os.makedirs(jobs)
+  (tmp_path / "results.json").write_text("[]")
+  # A job that is not done (no exit status): its state comes back too, in parts.
+  written = lease.collect(jobs, "probe", "runs", ["results.json"], out, part_bytes=8192)
+  names = [os.path.basename(path) for path in written]
+  assert names[0] == "probe_metrics.tar.gz" and 3 <= len(names) <= lease.MAX_FILES
+  assert names[1:] == [f"probe_state.tar.{i:02d}" for i in range(len(names) - 1)]
+  with tarfile.open(written[0]) as archive:
+    assert sorted(archive.getnames()) == [
+      "results.json",
+      "runs/grid_run/lr=0.1/config.json",
+      "runs/grid_run/lr=0.1/metrics.jsonl",
+      "runs/grid_run/lr=0.2/config.json",
+      "runs/grid_run/lr=0.2/metrics.jsonl",
+    ]
+  restored = sorted(lease.restore("probe", out, str(tmp_path / "again")))
+  assert "runs/grid_run/lr=0.1/checkpoints/8/state" in restored
+  assert "runs/grid_run/lr=0.1/checkpoints_selected/4/state" in restored
+  assert not [p for p in restored if "checkpoints/4/" in p or "tensorboard" in p]
+  again = tmp_path / "again" / "runs/grid_run/lr=0.2/checkpoints/8/state"
+  assert again.read_bytes() == (tmp_path / "runs/grid_run/lr=0.2/checkpoints/8/state").read_bytes()
+  # More parts than the device tool brings back: refused in one line.
+  with pytest.raises(lease.LeaseError, match="more than the 7 parts"):
+    lease.collect(jobs, "probe", "runs", [], out, part_bytes=500)
+
+
+def test_a_tiny_training_run_through_the_lease_commands(tmp_path):
+  """start → wait → collect of a 2-step synthetic run, as the device calls run them."""
+  config = tmp_path / "config.py"
+  config.write_text(
+    "from primal_dual.training import config_lib\n"
+    "def get_config(arg=None):\n"
+    "  config = config_lib.training_defaults()\n"
+    "  config.update(num_train_steps=2, batch_size=8, progress_bar=False)\n"
+    "  config.data.update(dict(num_train=16, num_eval=8, seq_len=4, num_features=2, num_classes=2))\n"
+    "  return config_lib.lock(config)\n"
+  )
+  jobs, root, out = tmp_path / "jobs", tmp_path / "runs", tmp_path / "out"
+  train = [sys.executable, os.path.join(REPO_ROOT, "train.py"), f"--config={config}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+  def call(*argv):
+    return subprocess.run(
+      [sys.executable, "-m", "reproduce.lease", f"--jobs_dir={jobs}", *argv],
+      cwd=REPO_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+
+  started = call("start", "tiny", "--", *train, f"--workdir={root / 'run'}")
+  assert started.returncode == 0 and started.stdout.startswith("started tiny"), started.stderr
+  waited = call("wait", "tiny", "240")
+  assert waited.stdout.startswith("tiny: done 0"), waited.stdout + lease.log_tail(str(jobs), "tiny")
+  collected = call("collect", "tiny", str(root), f"--out={out}")
+  assert collected.returncode == 0, collected.stderr
+  # Finished: the metrics only, no state to resume.
+  assert sorted(os.listdir(out)) == ["tiny_metrics.tar.gz"]
+  with tarfile.open(out / "tiny_metrics.tar.gz") as archive:
+    names = [name.rsplit("/", 2)[-2:] for name in archive.getnames()]
+  assert ["run", "final_metrics.json"] in names and ["run", "metrics.jsonl"] in names
+  assert ["jobs", "tiny.log"] in names
+  refused = call("collect", "tiny", str(root), "--out=")
+  assert refused.returncode == 2 and refused.stderr.startswith("error: no --out and no $OUT")
