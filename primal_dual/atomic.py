@@ -18,7 +18,11 @@ def replacing(path: str) -> Iterator[str]:
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-  os.close(fd)
+  try:
+    # mkstemp creates 0600; a result file gets what `open` would give it (0644 under umask 022).
+    os.fchmod(fd, 0o666 & ~_current_umask())
+  finally:
+    os.close(fd)
   try:
     yield tmp
     os.replace(tmp, path)
@@ -26,6 +30,13 @@ def replacing(path: str) -> Iterator[str]:
     with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
     raise
+
+
+def _current_umask() -> int:
+  """The process's umask (reading it means setting it: it is set back at once)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def write_with(path: str, write: Callable[[str], Any]) -> str:

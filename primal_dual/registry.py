@@ -18,6 +18,7 @@ Adding a variant is one call of :func:`register_attention` (see ``docs/new_varia
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 from typing import Any, Callable, Mapping
@@ -139,6 +140,7 @@ def make_attention_fn(
   """
   entry = lookup(name)
   options = dict(options or {})
+  _check_option_names(name, options)
   try:
     fn = entry.factory(**options)
   except TypeError as e:
@@ -146,6 +148,40 @@ def make_attention_fn(
   params = inspect.signature(fn).parameters
   extra = {k: v for k, v in (context or {}).items() if k in params and k not in options}
   return functools.partial(fn, **extra) if extra else fn
+
+
+def option_names(name: str) -> tuple[str, ...] | None:
+  """The options variant ``name`` takes: its factory's own keywords and its kernel's options,
+  less the arguments Flax passes every kernel (``driver.CALL_PARAMETERS``). None where they
+  cannot be known: a kernel taking ``**options``, or a factory that needs options to build one."""
+  from primal_dual.kernels import driver
+
+  entry = lookup(name)
+  try:
+    kernel = entry.factory()
+  except (TypeError, ValueError):
+    return None
+  kernel_parameters = inspect.signature(kernel).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in kernel_parameters):
+    return None
+  named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  factory_parameters = inspect.signature(entry.factory).parameters.values()
+  found = {p.name for p in (*factory_parameters, *kernel_parameters) if p.kind in named}
+  return tuple(sorted(found - {parameter.name for parameter in driver.CALL_PARAMETERS}))
+
+
+def _check_option_names(name: str, options: Mapping[str, Any]) -> None:
+  """ValueError in one line for an option ``name`` does not take, naming those it takes."""
+  known = option_names(name)
+  unknown = sorted(set(options) - set(known)) if known is not None else []
+  if not unknown:
+    return
+  close = difflib.get_close_matches(unknown[0], known, n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  raise ValueError(
+    f"unknown option {', '.join(map(repr, unknown))} for attention variant {name!r}{hint}; "
+    f"its options: {', '.join(known)}"
+  )
 
 
 def default_ratios(num_heads: int) -> tuple[int, ...]:

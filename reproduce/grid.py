@@ -710,8 +710,9 @@ class Reproduction:
   ``flags``.
 
   Attributes:
-    task: the task's name; the defaults are ``--results=results/<task>.json`` and
-      ``--root=workdirs/<task>_grid`` (``<task>_quick`` for both with ``--quick``).
+    task: the task's name; the defaults are ``--root=workdirs/<task>_grid`` and
+      ``--results=results/<task>.json`` (with ``--quick``: ``workdirs/<task>_quick`` and
+      ``<root>/<task>_quick.json``, out of the committed ``results/``).
     summary: what the grid measures (the first line of ``--help``).
     commands: the commands for each scale and what they cost (the end of ``--help``).
     quick: what ``--quick`` runs (its help).
@@ -819,7 +820,10 @@ def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> a
     check_variants_and_seeds(parser, args, choice.default, choice.quick, choice.seeds)
   stem = reproduction.task + ("_quick" if args.quick else "")
   args.root = args.root or os.path.join("workdirs", stem if args.quick else f"{stem}_grid")
-  args.results = args.results or os.path.join("results", f"{stem}.json")
+  # A smoke test's report stays beside its runs, out of the committed results/.
+  args.results = args.results or os.path.join(
+    args.root if args.quick else "results", f"{stem}.json"
+  )
   return args
 
 

@@ -396,6 +396,9 @@ def write_figures(records: Sequence[Mapping[str, Any]], args: argparse.Namespace
   return written
 
 
+# The data set --quick trains unless --datasets is given (softmax, both protocols: 2 runs).
+QUICK_DATASET = "JapaneseVowels"
+
 # The grid's own flags: flag → add_argument options.
 FLAGS: dict[str, dict[str, Any]] = {
   "--datasets": dict(
@@ -430,6 +433,9 @@ def check_arguments(args: argparse.Namespace) -> None:
   the published grid's unless --quick (its runlocal config's) or given."""
   if args.epochs is None:
     args.epochs = -1 if args.quick else PUBLISHED_EPOCHS
+  # A smoke test (--quick) trains 2 runs, as the other grids' do: one data set and variant.
+  if args.quick and not args.datasets:
+    args.datasets = (QUICK_DATASET,)
   unknown = [p for p in args.protocols if p not in PROTOCOLS]
   if unknown or not args.protocols:
     raise ValueError(
@@ -445,6 +451,8 @@ REPRODUCTION = grid.module_reproduction(
   __name__,
   task="uea",
   summary="UEA accuracy and head redundancy of softmax, BN, SH and BN+SH (the time-series claims).",
-  quick="tiny model, 2 epochs (the config's runlocal)",
-  variants=grid.VariantChoice(("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn")),
+  quick=f"tiny model, 2 epochs (the config's runlocal), {QUICK_DATASET}, softmax",
+  variants=grid.VariantChoice(
+    ("softmax", "bn", "sh", "bn_sh", "linear", "linear_bn"), ("softmax",)
+  ),
 )

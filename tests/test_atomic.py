@@ -30,3 +30,13 @@ def test_each_write_uses_its_own_temporary(tmp_path):
   assert seen[0] != seen[1] and all(os.path.dirname(t) == str(tmp_path) for t in seen)
   atomic.write_json(path, {"b": 1, "a": 2})
   assert open(path).read() == '{\n  "a": 2,\n  "b": 1\n}'
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_a_written_file_has_the_mode_open_would_give_it(tmp_path, umask, mode):
+  previous = os.umask(umask)
+  try:
+    path = atomic.write_json(str(tmp_path / "final_metrics.json"), {"a": 1})
+  finally:
+    os.umask(previous)
+  assert os.stat(path).st_mode & 0o777 == mode

@@ -83,10 +83,21 @@ def _busy_workdir(tmp_path) -> str:
   return str(workdir)
 
 
+# Folders this test process mounted, unmounted after each case.
+_MOUNTS = []
+
+
 def _read_only_workdir(tmp_path) -> str:
+  """A folder nobody may write into: mode 0555, and for root (who ignores modes) a read-only
+  tmpfs mounted on it."""
   workdir = tmp_path / "read_only"
   workdir.mkdir()
   workdir.chmod(0o555)
+  if os.geteuid() == 0:
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=64k,mode=0555", "tmpfs", str(workdir)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+      pytest.skip("root ignores folder modes, and mounting a read-only tmpfs failed here")
+    _MOUNTS.append(str(workdir))
   return str(workdir)
 
 
@@ -124,6 +135,26 @@ CASES = {
     lambda c, t: [f"--config={_broken_config_file(t)}", f"--workdir={t}/run"],
     r"loading the config failed at .*broken\.py:3: AttributeError: .*'foo'",
   ),
+  "unknown attention variant as an override": (
+    "train.py",
+    lambda c, t: [
+      "--config=default:runlocal",
+      "--config.model.attention=flash",
+      f"--workdir={t}/run",
+    ],
+    r"unknown attention variant \(--config\.model\.attention\) 'flash'; known: .*, softmax",
+  ),
+  "an extra positional argument": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={t}/run", "extra"],
+    r"unexpected arguments: extra; give every flag as --name=value \(`.*train\.py --help` "
+    r"lists them\)",
+  ),
+  "eval of a step never saved": (
+    "eval.py",
+    lambda c, t: [f"--workdir={_trained_uea_workdir(t)}", "--checkpoint=7"],
+    r"no checkpoint at step 7 in .*/uea/checkpoints; its checkpoints: steps 33, 66",
+  ),
   "zero model size": (
     "train.py",
     lambda c, t: [f"--config={c}", "--config.model.hidden=0", f"--workdir={t}/run"],
@@ -156,7 +187,7 @@ CASES = {
   "workdir is read-only": (
     "train.py",
     lambda c, t: [f"--config={c}", f"--workdir={_read_only_workdir(t)}/run"],
-    r"cannot create workdir .*read_only/run: Permission denied",
+    r"cannot create workdir .*read_only/run: (Permission denied|Read-only file system)",
   ),
   "workdir of another experiment": (
     "train.py",
@@ -201,15 +232,15 @@ CASES = {
   ),
 }
 
-_ROOT_IGNORES_PERMISSIONS = {"workdir is read-only"}
-
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_user_error_is_one_line_with_exit_status_2(name, tmp_path):
-  if name in _ROOT_IGNORES_PERMISSIONS and os.geteuid() == 0:
-    pytest.skip("root writes into read-only folders")
   script, make_args, expected = CASES[name]
-  result = _run(script, make_args(_synthetic_config_file(tmp_path), tmp_path))
+  try:
+    result = _run(script, make_args(_synthetic_config_file(tmp_path), tmp_path))
+  finally:
+    while _MOUNTS:
+      subprocess.run(["umount", "-l", _MOUNTS.pop()], check=True)
   lines = result.stderr.splitlines()
   assert result.returncode == 2, result.stderr
   assert len(lines) == 1, result.stderr
@@ -271,6 +302,21 @@ def disk_full(config, workdir):
   raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(workdir, 'checkpoints'))
 trainer._train_in_workdir = disk_full
 sys.path.insert(0, os.getcwd())
+from primal_dual.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
+# How tensorstore (under Orbax) reports a full disk: a ValueError, raised by the save and raised
+# again when the checkpoint manager is closed.
+TENSORSTORE_FULL_DISK = """
+import os, sys
+from primal_dual.training import checkpointing
+def disk_full(self, *args, **kwargs):
+  raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "' + self.directory + '/1/_sharding": '
+                   "Failed to write 20532 bytes to file 14: No space left on device "
+                   "[os_error_code='28']")
+checkpointing.Checkpointer.save = disk_full
+checkpointing.Checkpointer.wait = disk_full
+checkpointing.Checkpointer.close = disk_full
 from primal_dual.commands import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -345,6 +391,17 @@ COMMAND_CASES = {
     lambda t: ["-c", FULL_DISK, "reproduce", "uea", *_UEA_QUICK, f"--root={t}/grid"],
     r"no space left on the disk of .*grid.*; free space there and re-run the same command",
   ),
+  "a full disk under tensorstore": (
+    lambda t: [
+      "-c",
+      TENSORSTORE_FULL_DISK,
+      "train",
+      "--config=default:runlocal",
+      "--config.progress_bar=False",
+      f"--workdir={t}/r",
+    ],
+    r"no space left on the disk of .*/r; free space there and re-run the same command to resume",
+  ),
   "train without the train extra": (
     lambda t: ["-c", WITHOUT_TRAIN_EXTRA, "train", "--config=default", f"--workdir={t}/run"],
     r"`primal-dual train` needs ml_collections; install the train extra: "
@@ -382,3 +439,74 @@ def _run_python_code(code: str, args: list[str]) -> subprocess.CompletedProcess:
     cwd=REPO_ROOT,
     timeout=120,
   )
+
+
+@pytest.fixture
+def nearly_full_disk(tmp_path, request):
+  """A 3 MB tmpfs mounted at `tmp_path/disk` with `request.param` KiB left free (root only: the
+  test is skipped where mounting is impossible; the tensorstore case above runs everywhere)."""
+  folder = tmp_path / "disk"
+  folder.mkdir()
+  mounted = os.geteuid() == 0 and (
+    subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True
+    ).returncode
+    == 0
+  )
+  if not mounted:
+    pytest.skip("mounting a small tmpfs needs root (the tensorstore full-disk case still runs)")
+  try:
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    (folder / "filler").write_bytes(bytes(free - request.param * 1024))
+    yield folder
+  finally:
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+# 150 KiB: tensorstore's array writes fail (its ValueError); 400 KiB: Orbax's metadata writes
+# fail (OSError ENOSPC) while other saves are in flight.
+@pytest.mark.parametrize("nearly_full_disk", [150, 400], indirect=True)
+def test_a_really_full_disk_is_one_line(nearly_full_disk):
+  result = _run(
+    "train.py",
+    [
+      "--config=default:runlocal",
+      "--config.progress_bar=False",
+      f"--workdir={nearly_full_disk}/run",
+    ],
+  )
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines() == [
+    f"error: no space left on the disk of {nearly_full_disk}/run; free space there and re-run the "
+    "same command to resume"
+  ], result.stderr
+
+
+def _make_read_only(folder: str) -> None:
+  """Makes `folder` unwritable even for root: a read-only bind mount of itself (else mode 0555)."""
+  os.chmod(folder, 0o555)
+  if os.geteuid() != 0:
+    return
+  bind = subprocess.run(["mount", "--bind", folder, folder], capture_output=True)
+  if bind.returncode != 0:
+    pytest.skip("root ignores folder modes, and a read-only bind mount failed here")
+  _MOUNTS.append(folder)
+  subprocess.run(["mount", "-o", "remount,bind,ro", folder], check=True)
+
+
+def test_eval_of_a_read_only_workdir_prints_its_metrics_and_one_error_line(tmp_path):
+  workdir = _trained_uea_workdir(tmp_path)
+  try:
+    _make_read_only(workdir)
+    result = _run("eval.py", [f"--workdir={workdir}"])
+  finally:
+    while _MOUNTS:
+      subprocess.run(["umount", "-l", _MOUNTS.pop()], check=True)
+  assert result.returncode == 2, result.stderr
+  reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+  assert result.stderr.splitlines() == [
+    f"error: could not write {workdir}/eval.json: {reason}; the results printed above were not "
+    "saved (make the folder writable, or copy the workdir somewhere writable, and re-run)"
+  ], result.stderr
+  assert re.search(r"^test\s+\d\.\d+\s+\d\.\d+$", result.stdout, re.M), result.stdout

@@ -3,6 +3,7 @@ eval.py and the reproduce grids, run from any folder; user errors are one line w
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -222,6 +223,12 @@ def test_list_names_every_variant_config_argument_and_study(tmp_path):
   assert all(study in result.stdout for study in reproduce.study_names())
   only = _run(["list", "configs"], tmp_path)
   assert only.returncode == 0 and "attention variants" not in only.stdout
+  # Each text argument with its allowed values, as the config's own refusal lists them.
+  assert "  sraven: attention=softmax (a variant: list variants) " in only.stdout
+  assert " preset=cpu (cpu|paper) " in only.stdout and " protocol=best_test (best_test|clean) " in (
+    only.stdout
+  )
+  assert "data_dir='' (" not in only.stdout  # a folder has no list of values
   wrong = _run(["list", "knobs"], tmp_path)
   assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "configs" in wrong.stderr
 
@@ -237,15 +244,51 @@ def test_the_summary_says_which_numbers_to_report():
     "selected/rule": "max validation accuracy",
   }
   (line,) = train.which_to_report(final)
-  assert line.startswith("report: selected/") and "test_accuracy" in line
-  assert "max validation accuracy (step 40)" in line and "best/* is the best" in line
-  assert "optimistic too" not in line
+  # One short line naming the number, its value, its checkpoint and the rule that chose it.
+  assert line == (
+    "report: selected/test_accuracy = 0.91 (the step 40 checkpoint, chosen by max validation "
+    "accuracy)"
+  )
   assert train.which_to_report({"test/accuracy": 0.9, "best/test_accuracy": 0.95}) == []
-  # Selected on the test split itself (UEA's best-test protocol): said to be optimistic too.
+  # Selected on the test split itself (UEA's best-test protocol): said to be optimistic.
   on_test = dict(final, **{"selected/rule": "max test accuracy; ties: lower test loss"})
   (line,) = train.which_to_report(on_test)
-  assert "selected/test_accuracy is read on the split that chose it (test)" in line
+  assert line.endswith("chosen by max test accuracy; optimistic: test also chose it)")
   # A sweep's replicas: their names carry the replica's prefix.
   sweep = {f"lr=0.1,seed=0/{name}": value for name, value in final.items()}
   (line,) = train.which_to_report(sweep)
-  assert line.startswith("report: selected/") and "max validation accuracy;" in line
+  assert line == (
+    "report: <replica>/selected/test_accuracy of each replica (chosen by max validation accuracy)"
+  )
+  assert all(len(line) <= 120 for line in train.which_to_report(final))
+
+
+def test_a_sweep_ends_with_a_table_and_a_summary_file(tmp_path, capsys):
+  from primal_dual.commands import train
+  from primal_dual.training import sweep
+
+  final = {}
+  for lr in ("0.001", "0.0003"):
+    for seed in range(6):
+      replica = f"lr={lr},seed={seed}"
+      final.update(
+        {
+          f"{replica}/step": 100,
+          f"{replica}/train/loss": 0.5,
+          f"{replica}/test/accuracy": 0.8,
+          f"{replica}/selected/test_accuracy": 0.9 + seed / 100,
+          f"{replica}/selected/step": 40,
+          f"{replica}/selected/rule": "max validation accuracy; ties: lower validation loss",
+        }
+      )
+  train.print_final(final, str(tmp_path))
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].split() == ["replica", "selected/step", "selected/test_accuracy"]
+  assert lines[1].split() == ["lr=0.0003,seed=0", "40", "0.9000"]
+  assert len(lines) == 1 + 12 + 2  # header, 12 replicas, the summary file, the report line
+  summary = json.loads((tmp_path / sweep.SUMMARY_FILE).read_text())
+  assert lines[13] == f"every replica's final metrics: {tmp_path / sweep.SUMMARY_FILE}"
+  assert (
+    len(summary) == 12 and summary["lr=0.001,seed=5"]["selected/test_accuracy"] == 0.9 + 5 / 100
+  )
+  assert lines[14].startswith("report: <replica>/selected/test_accuracy of each replica")

@@ -293,3 +293,28 @@ def test_changed_source_files_never_replace_data_a_reader_holds(tmp_path):
   del reader  # the job ended: now the data are prepared again from the new files
   again = builders.uea_sources("Heartbeat", data_dir=tfds_dir, manual_dir=manual)
   assert _stack(again["train"])["label"].tolist() == [0, 1]
+
+
+def test_a_data_set_that_cannot_be_prepared_leaves_no_folder(tmp_path):
+  """Source files missing from an existing manual folder: preparing fails, and the data folder
+  it had created (with TFDS's metadata and the preparation's lock files) is gone."""
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  with pytest.raises(FileNotFoundError, match="Heartbeat_TRAIN.ts"):
+    builders.uea_sources("Heartbeat", data_dir=tmp_path / "tfds", manual_dir=manual)
+  assert not (tmp_path / "tfds").exists()
+
+
+def test_preparing_says_one_line(tmp_path, capfd):
+  """TFDS's progress bars, 'Downloading and preparing' lines and folder warnings are hidden."""
+  from absl import logging as absl_logging
+
+  verbosity = absl_logging.get_verbosity()
+  builders.uea_sources("JapaneseVowels", data_dir=tmp_path / "tfds")
+  out, err = capfd.readouterr()
+  assert out == ""
+  assert err.splitlines() == [
+    f"preparing uea_multivariate/JapaneseVowels/1.0.0 into {tmp_path}/tfds/uea_multivariate/"
+    "JapaneseVowels/1.0.0 (once; later runs reuse it; `make clean-data` removes prepared data)"
+  ]
+  assert absl_logging.get_verbosity() == verbosity

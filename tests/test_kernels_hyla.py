@@ -202,3 +202,18 @@ def test_bfloat16_dense_runs_at_a_real_shape_close_to_float32():
   for low_result, ref, tol in zip((out, *grads), (ref_out, *ref_grads), (0.01, 0.08, 0.08, 0.08)):
     error = np.linalg.norm(np.asarray(low_result, np.float32) - ref) / np.linalg.norm(ref)
     assert error < tol, error
+
+
+def test_the_output_grows_about_as_the_square_root_of_the_key_count():
+  """As the docstring says: the value network sums over keys without normalising by their count."""
+  from primal_dual import registry
+
+  attend = registry.make_attention_fn("hyla", {"block_size": None})
+  rms = []
+  for length in (16, 256):
+    q, k, v = (
+      jax.random.normal(key, (1, length, 4, 16)) for key in jax.random.split(jax.random.key(0), 3)
+    )
+    rms.append(float(jnp.sqrt(jnp.mean(attend(q, k, v) ** 2))))
+  assert 2.5 < rms[1] / rms[0] < 6  # √16 = 4
+  assert "√kv_len" in hyla.hyla_attention.__doc__

@@ -108,3 +108,22 @@ def test_is_causal_layers_decode_like_their_full_pass(name):
     out, cache = linen.apply(variables, X[:, t : t + 1], mutable=["cache"])
     variables = {**variables, **cache}
     np.testing.assert_allclose(out[:, 0], full[:, t], rtol=1e-5, atol=1e-6)
+
+
+def test_an_option_typo_is_one_line_naming_the_options():
+  layer = layers.MultiHeadAttention(
+    num_heads=HEADS, attention="bn", attention_options={"kernal": "linear"}
+  )
+  with pytest.raises(ValueError) as info:
+    layer.init(jax.random.key(1), X)
+  assert str(info.value) == (
+    "unknown option 'kernal' for attention variant 'bn' (did you mean 'kernel'?); its options: "
+    "eps, implementation, kernel, linear_eps, mean_weight, scale, statistics"
+  )
+
+
+def test_scaled_heads_without_ratios_say_what_to_pass():
+  layer = layers.MultiHeadAttention(num_heads=HEADS, attention="bn_sh")
+  with pytest.raises(ValueError, match=r"ratios is required: .*ratios=\(1, 1, 1, 1\)") as info:
+    layer.init(jax.random.key(1), X)
+  assert "attention_options={'ratios': ...}" in str(info.value)

@@ -275,5 +275,8 @@ def test_the_grid_without_flags_is_the_published_one():
   quick = grid.parse_arguments(uea_study.REPRODUCTION, ["--quick"])
   uea_study.check_arguments(quick)
   assert quick.epochs == -1  # the runlocal config's own 2 epochs
+  # A smoke test of 2 runs (one data set, one variant, both protocols), as the other grids'.
+  assert len(uea_study.REPRODUCTION.build_runs(quick)) == 2
+  assert quick.results == os.path.join("workdirs", "uea_quick", "uea_quick.json")
   with open(os.path.join(cli_helpers.REPO_ROOT, "results", "uea.md")) as f:
     assert "--scale=small --epochs=40" in f.read().splitlines()[2]

@@ -150,7 +150,8 @@ def test_evaluating_while_training_leaves_the_run_as_it_would_have_been(tmp_path
 
 
 def test_evaluating_a_sweep_workdir_names_its_replica_folders(tmp_path):
-  """The layout a sweep leaves: a workdir per replica (`seed=0`, ...) and none at the top."""
+  """The layouts sweeps leave: a workdir per replica (`seed=<s>`, `lr=...,seed=...`), and none
+  at the top."""
   workdir = str(tmp_path)
   trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, "seed=0"))
   shutil.copytree(os.path.join(workdir, "seed=0"), os.path.join(workdir, "seed=3"))
@@ -160,6 +161,11 @@ def test_evaluating_a_sweep_workdir_names_its_replica_folders(tmp_path):
     f"workdir {workdir} holds one run per replica (seed=0, seed=3); evaluate one of them, "
     f"e.g. --workdir={workdir}/seed=0"
   )
+  sweep_root = os.path.join(workdir, "sweep")
+  for replica in ("lr=0.1,seed=0", "lr=0.2,seed=0"):
+    shutil.copytree(os.path.join(workdir, "seed=0"), os.path.join(sweep_root, replica))
+  with pytest.raises(errors.WorkdirError, match=r"one run per replica \(lr=0.1,seed=0, lr=0.2"):
+    evaluation.evaluate_workdir(sweep_root)
   assert evaluation.evaluate_workdir(os.path.join(workdir, "seed=3"))["step"] == 2
 
 

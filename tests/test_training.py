@@ -668,6 +668,7 @@ def test_non_finite_loss_stops_naming_the_step(checkpoint_every, tmp_path):
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
   else:
     assert bad_step < 4 and kept == [] and "no checkpoint was saved" in str(info.value)
+    assert "continue from that checkpoint" not in str(info.value)  # there is none
 
 
 # ------------------------------------------------------------------------------------------------
@@ -911,6 +912,67 @@ def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):
   wrapped = RuntimeError("orbax")
   wrapped.__cause__ = OSError(errno.ENOSPC, "full")
   assert errors.is_disk_full(wrapped)
+
+
+TENSORSTORE_DISK_FULL = (
+  'RESOURCE_EXHAUSTED: Error writing local file "checkpoints/4/_sharding": Failed to write 20532 '
+  "bytes to file 14: No space left on device [os_error_code='28']"
+)
+
+
+def test_a_full_disk_under_tensorstore_is_one_error_even_when_closing_raises_it_again(
+  tmp_path, monkeypatch
+):
+  """tensorstore says ENOSPC as a ValueError; the checkpoint manager raises its failed save
+  again when closed, which must neither hide the full disk nor leave the other managers open."""
+  workdir = str(tmp_path)
+  closed = []
+  original_close = checkpointing.Checkpointer.close
+
+  def close_then_fail(self):
+    original_close(self)
+    closed.append(self.directory)
+    _tensorstore_disk_full()
+
+  monkeypatch.setattr(
+    metrics_logging.MetricWriter, "write_scalars", lambda *a, **k: _tensorstore_disk_full()
+  )
+  monkeypatch.setattr(checkpointing.Checkpointer, "close", close_then_fail)
+  with pytest.raises(errors.DiskFullError, match=f"no space left on the disk of {workdir}; "):
+    trainer.train_and_evaluate(tiny_config(), workdir)
+  assert len(closed) == 2  # the latest and the selected checkpoints' managers
+  assert errors.is_disk_full(ValueError(TENSORSTORE_DISK_FULL))
+  assert not errors.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+
+
+def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume():
+  message = str(errors.StoppedError(12, None))
+  assert message == (
+    "stopped at step 12; no checkpoint was saved yet, so a re-run of the same command starts "
+    "again from step 0"
+  )
+  assert "resume" not in message
+
+
+def test_closing_keeps_the_error_that_ended_the_run():
+  def fails(message):
+    def close():
+      raise RuntimeError(message)
+
+    return close
+
+  calls = []
+  stopped = errors.StoppedError(3, None)
+  errors.close_all([fails("first"), lambda: calls.append(1)], pending=stopped)  # keeps `stopped`
+  assert calls == [1]
+  with pytest.raises(RuntimeError, match="first"):
+    errors.close_all([fails("first"), fails("second")])
+  with pytest.raises(ValueError, match="No space left"):  # a full disk says more than Ctrl-C
+    errors.close_all([_tensorstore_disk_full], pending=stopped)
+
+
+def _tensorstore_disk_full():
+  raise ValueError(TENSORSTORE_DISK_FULL)
 
 
 def test_train_cli_reports_user_errors_in_one_line(tmp_path):

@@ -8,6 +8,7 @@ come back before JAX is loaded.
 """
 
 import difflib
+import os
 import sys
 import traceback
 from typing import Callable, NoReturn
@@ -50,17 +51,32 @@ def show_in_help(module_name: str) -> None:
 
 def start_main(argv: list[str]) -> None:
   """The common start of the commands' `main`: no stray positional arguments, and Orbax's
-  per-save INFO logs hidden unless `--verbosity` was given."""
+  per-save INFO logs hidden unless `--verbosity` was given, and libraries' logs of a full disk
+  hidden (the command reports it in one line)."""
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(
+      f"unexpected arguments: {' '.join(argv[1:])}; give every flag as --name=value "
+      f"(`{argv[0]} --help` lists them)"
+    )
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  errors.hide_disk_full_logs()
 
 
 def report(message: str) -> int:
   """Prints `error: <message>` as one line on stderr; returns the exit status for it, 2."""
   print(f"error: {one_line(message)}", file=sys.stderr)
   return EXIT_USER_ERROR
+
+
+def report_and_exit_now(message: str) -> NoReturn:
+  """`report`, then ends the process at once: after a full disk nothing more can be written, and
+  libraries' exit-time writes (TensorBoard's last flush, Orbax's abandoned saves) would each
+  print a traceback under the one line."""
+  status = report(message)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
 
 
 def fail(message: str) -> NoReturn:

@@ -15,11 +15,9 @@ JSON under `analyses` in eval.json and their figures into the workdir. Example::
 """
 
 import json
-import os
 
 from absl import flags
 
-from primal_dual import atomic
 from primal_dual.commands import cli
 
 FLAGS = flags.FLAGS
@@ -81,14 +79,13 @@ def _evaluate_and_analyse(workdir: str) -> dict:
     out_dir=workdir,
   )
   if jax.process_index() == 0:
-    atomic.write_json(os.path.join(os.path.abspath(workdir), "eval.json"), report)
+    evaluation.write_eval_report(workdir, report)
   return report
 
 
 def main(argv: list[str]) -> int:
   cli.start_main(argv)
   from primal_dual.training import errors
-  from primal_dual.training import metrics_logging
   from primal_dual.training import sharding
 
   try:
@@ -101,20 +98,31 @@ def main(argv: list[str]) -> int:
       report = evaluation.evaluate_workdir(
         FLAGS.workdir, tuple(FLAGS.splits) or None, FLAGS.checkpoint
       )
+  except errors.ReportNotSavedError as e:  # a read-only workdir: the results still shown
+    _print_report(e.report)
+    return cli.report(str(e))
   except errors.UserError as e:
     return cli.report(str(e))
-  except OSError as e:  # writing eval.json or a figure
+  except OSError as e:  # writing a figure
     if not errors.is_disk_full(e):
       raise
     return cli.report(str(errors.DiskFullError(FLAGS.workdir)))
+  _print_report(report)
+  return 0
+
+
+def _print_report(report: dict) -> None:
+  """The checkpoint, the metrics table and the analyses' scalars, on process 0."""
   import jax
 
-  if jax.process_index() == 0:
-    print(f"checkpoint: {report['checkpoint']} (step {report['step']})")
-    print(metrics_logging.format_table(report["results"]))
-    for name, result in report.get("analyses", {}).items():
-      summary = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
-      print(f"{name}: {json.dumps(summary, sort_keys=True)}")
-      if "head_distance_per_layer" in result:
-        print(f"  head_distance_per_layer: {result['head_distance_per_layer']}")
-  return 0
+  from primal_dual.training import metrics_logging
+
+  if jax.process_index() != 0:
+    return
+  print(f"checkpoint: {report['checkpoint']} (step {report['step']})")
+  print(metrics_logging.format_table(report["results"]))
+  for name, result in report.get("analyses", {}).items():
+    summary = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
+    print(f"{name}: {json.dumps(summary, sort_keys=True)}")
+    if "head_distance_per_layer" in result:
+      print(f"  head_distance_per_layer: {result['head_distance_per_layer']}")

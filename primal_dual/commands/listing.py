@@ -3,6 +3,7 @@ defaults, and, in a clone, the paper studies `primal-dual reproduce` runs."""
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Callable
 
@@ -45,13 +46,37 @@ def _variant_lines() -> list[str]:
   ]
 
 
+# A config refusing an argument's value names the allowed ones: "...; choose one of a, b".
+_CHOICES = re.compile(r"choose one of ([\w.-]+(?:, [\w.-]+)*)")
+_PROBE = "__not_a_value__"
+
+
+def allowed_values(name: str, key: str) -> tuple[str, ...] | None:
+  """The values config ``name`` accepts for its text argument ``key``, as its own refusal of
+  another value lists them (the config is the one place that knows them); None for a free-form
+  argument (a folder) or one whose refusal names none."""
+  try:
+    configs.load(name, f"{key}={_PROBE}")
+  except Exception as e:  # noqa: BLE001 - a refusal is what is read here
+    found = _CHOICES.search(str(e))
+    return tuple(found.group(1).split(", ")) if found else None
+  return None
+
+
+def _shown_argument(name: str, key: str, value: Any) -> str:
+  """``key=default``, with the allowed values of a text argument: ``preset=cpu (cpu|paper)``."""
+  shown = f"{key}={value!r}" if value == "" else f"{key}={value}"
+  if key == "attention":
+    return f"{shown} (a variant: list variants)"
+  choices = allowed_values(name, key) if isinstance(value, str) else None
+  return f"{shown} ({'|'.join(choices)})" if choices else shown
+
+
 def _config_lines() -> list[str]:
   lines = []
   for name in configs.packaged_names():
     arguments = config_arguments(name)
-    shown = " ".join(
-      f"{key}={value!r}" if value == "" else f"{key}={value}" for key, value in arguments.items()
-    )
+    shown = " ".join(_shown_argument(name, key, value) for key, value in arguments.items())
     lines.append(f"  {name}: {shown}")
   return lines
 

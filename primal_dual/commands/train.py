@@ -10,6 +10,8 @@ data, diverged loss) are printed as one line `error: ...` with exit status 2.
 Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
 """
 
+import os
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -47,6 +49,8 @@ def main(argv: list[str]) -> int:
     from primal_dual.training import trainer
 
     final = trainer.train_and_evaluate(config, workdir)
+  except errors.DiskFullError as e:
+    cli.report_and_exit_now(str(e))
   except errors.UserError as e:
     return cli.report(str(e))
   except KeyboardInterrupt:  # during set-up; the training loop reports its own step
@@ -54,40 +58,52 @@ def main(argv: list[str]) -> int:
   import jax
 
   if jax.process_index() == 0:
-    for name, value in final.items():
-      print(f"{name:40s} {value}")
-    for line in which_to_report(final):
-      print(line)
+    print_final(final, workdir)
   return 0
 
 
+def print_final(final: dict, workdir: str) -> None:
+  """A single run's final metrics one per line; a sweep's as a table of its replicas' selected
+  numbers, all its metrics written to `<workdir>/sweep_summary.json`. Then the report line."""
+  from primal_dual import atomic
+  from primal_dual.training import metrics_logging
+  from primal_dual.training import sweep
+
+  if not sweep.is_sweep_result(final):
+    for name, value in final.items():
+      print(f"{name:40s} {value}")
+  else:
+    print(metrics_logging.format_table(sweep.summary_rows(final), row_title="replica"))
+    path = atomic.write_json(
+      os.path.join(os.path.abspath(workdir), sweep.SUMMARY_FILE), sweep.per_replica(final)
+    )
+    print(f"every replica's final metrics: {path}")
+  for line in which_to_report(final):
+    print(line)
+
+
 def which_to_report(final: dict) -> list[str]:
-  """Closing lines saying which of the printed numbers is the run's result: ``selected/*`` (the
-  checkpoint chosen on the selection split) where the run selects one; ``best/*`` is the best
-  value over evaluations, optimistic when the split it is read on also picked the evaluation. A
-  sweep's names carry their replica's prefix (``lr=0.001,seed=0/selected/...``)."""
-  fields = {
-    name.rpartition("selected/")[2]: value
-    for name, value in final.items()
-    if name.startswith("selected/") or "/selected/" in name
-  }
-  selected = sorted(set(fields) - {"step", "rule"})
-  if not selected:
+  """The closing line naming the one number to report: ``selected/<split>_<metric>``, read at the
+  checkpoint the run selected, on the test split where there is one and for the metric that
+  selected it (``best/*`` are best values over evaluations, optimistic). A sweep's names carry
+  their replica's prefix (``lr=0.001,seed=0/selected/...``); its line names the field."""
+  names = [name for name in final if name.startswith("selected/") or "/selected/" in name]
+  fields = {name.rpartition("selected/")[2]: name for name in names}
+  rule = final.get(fields.get("rule"), "") if "rule" in fields else ""
+  words = rule.partition(";")[0].split()  # "max validation accuracy"
+  if len(words) != 3 or words[0] not in ("max", "min"):
     return []
-  rule = fields.get("rule", "the selection split")
-  # The rule reads "max validation accuracy; ties: ...": its second word is the split that chose.
-  words = rule.split()
-  chooser = words[1] if len(words) > 1 and words[0] in ("max", "min") else None
-  read_on_chooser = [name for name in selected if chooser and name.startswith(f"{chooser}_")]
-  caveat = (
-    f"; selected/{read_on_chooser[0]} is read on the split that chose it ({chooser}), so it is "
-    "optimistic too"
-    if read_on_chooser
-    else ""
-  )
-  step = f" (step {final['selected/step']})" if "selected/step" in final else ""
+  _, chooser, metric = words
+  splits = sorted(name.removesuffix(f"_{metric}") for name in fields if name.endswith(f"_{metric}"))
+  if not splits:
+    return []
+  split = "test" if "test" in splits else splits[0]
+  field = f"selected/{split}_{metric}"
+  caveat = f"; optimistic: {chooser} also chose it" if split == chooser else ""
+  step = final.get(fields.get("step"))
+  if any(name != f"selected/{key}" for key, name in fields.items()):  # a sweep's replicas
+    return [f"report: <replica>/{field} of each replica (chosen by {' '.join(words)}{caveat})"]
   return [
-    f"report: selected/<split>_<metric> ({', '.join(selected)}): the checkpoint chosen by "
-    f"{rule}{step}; best/* is the best value over evaluations, optimistic where its own split "
-    f"chose it{caveat}"
+    f"report: {field} = {final[field]:.4g} (the step {step} checkpoint, chosen by "
+    f"{' '.join(words)}{caveat})"
   ]

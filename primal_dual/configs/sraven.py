@@ -4,7 +4,7 @@ Arguments (``--config=primal_dual/configs/sraven.py:key=value,...``):
   preset: 'paper' (the HYLA paper's code, for an accelerator) or 'cpu' (a smaller problem and
     model of the same structure, for a 2-core CPU), see ``PRESETS``.
   attention: any name of ``primal_dual.layers.ATTENTION_REGISTRY`` (softmax, linear_plain, hyla,
-    hyla_no_relu, hyla_no_norm, ...; ``docs/hyla.md`` maps the paper's Table A1 rows to names).
+    hyla_no_relu, hyla_no_norm, ...; ``docs/maths.md`` lists the paper's Table A1 rows).
     Kernels that cannot take the model's relative-position bias (random_feature) fail when the
     model is built.
   seed: model initialisation, data order and dropout; under ``held_out=per_seed`` (the ``paper``

@@ -25,9 +25,11 @@ once into the same ``data_dir``: prepare once (e.g. on process 0) before a multi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -163,10 +165,64 @@ def prepared_builder(
       file_format=FILE_FORMAT,
     )
 
+  with _quiet_tfds():
+    return _open_or_prepare(open_builder, data_dir, manual_dir, source_fingerprint)
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+  """Hides TFDS's progress bars, its 'Downloading and preparing' lines (stdout) and its warnings
+  about the folder it is about to fill: the one line ``preparing X into Y`` says what happens."""
+  from absl import logging as absl_logging
+  from tensorflow_datasets.core.utils import tqdm_utils
+
+  verbosity, bars = absl_logging.get_verbosity(), getattr(tqdm_utils, "_active", True)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  tfds.display_progress_bar(False)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
+  finally:
+    tfds.display_progress_bar(bars)
+    absl_logging.set_verbosity(verbosity)
+
+
+def _open_or_prepare(open_builder, data_dir, manual_dir, source_fingerprint):
+  """``prepared_builder``'s work: the builder, prepared first unless current."""
   fingerprint = None if source_fingerprint is None else source_fingerprint()
   builder = open_builder()
   if _is_current(builder, fingerprint):
     return builder
+  # A failed preparation (missing source files) leaves no folder it created behind.
+  created = _outermost_missing_folder(
+    builder.data_dir, os.fspath(data_dir) if data_dir is not None else None
+  )
+  try:
+    _prepare_under_lock(open_builder, fingerprint, manual_dir)
+  except BaseException:
+    if created is not None:
+      shutil.rmtree(created, ignore_errors=True)
+    raise
+  return open_builder()
+
+
+def _outermost_missing_folder(folder: str, root: str | None) -> str | None:
+  """The outermost of ``folder`` and its parents (up to ``root``, or the data set's name
+  folder two levels up when None) that does not exist yet; None if ``folder`` exists."""
+  stop = os.path.abspath(root) if root else os.path.dirname(os.path.dirname(folder))
+  missing, current = None, os.path.abspath(folder)
+  while not os.path.exists(current):
+    missing = current
+    if current == stop or os.path.dirname(current) == current:
+      break
+    current = os.path.dirname(current)
+  return missing
+
+
+def _prepare_under_lock(open_builder, fingerprint: dict | None, manual_dir) -> None:
+  """Prepares the data set of ``open_builder()`` unless another process did it meanwhile, under
+  the exclusive lock of ``prepared_builder``."""
+  builder = open_builder()
   lock_path = os.path.join(os.path.dirname(builder.data_dir), ".prepare.lock")
   os.makedirs(os.path.dirname(lock_path), exist_ok=True)
   with open(lock_path, "w") as lock:
@@ -199,7 +255,6 @@ def prepared_builder(
         if fingerprint is not None:
           with open(os.path.join(builder.data_dir, SOURCE_FINGERPRINT_FILE), "w") as f:
             json.dump(fingerprint, f, indent=1, sort_keys=True)
-  return builder
 
 
 def uea_fingerprint(name: str, manual_dir) -> Callable[[], dict | None]:

@@ -72,6 +72,12 @@ def validate_ratios(ratios, heads: int) -> tuple[int, ...]:
     ValueError: naming ``ratios`` and the head count, when ``ratios`` is not a sequence of
       ``heads`` static ints >= 1.
   """
+  if ratios is None:
+    raise ValueError(
+      f"ratios is required: one pooling ratio per head (heads={heads}), e.g. "
+      f"ratios={(1,) * heads} (no pooling) or primal_dual.registry.default_ratios({heads}); in a "
+      "layer pass attention_options={'ratios': ...}"
+    )
   try:
     values = tuple(ratios)
   except TypeError:

@@ -144,8 +144,10 @@ class Checkpointer:
     if step is None:
       step = self.latest_step()
     if step is None or step not in self.all_steps():
+      saved = ", ".join(map(str, sorted(self.all_steps())))
       raise errors.CheckpointNotFoundError(
         f"no checkpoint{'' if step is None else f' at step {step}'} in {self.directory}"
+        + (f"; its checkpoints: steps {saved}" if saved else "")
       )
     items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
     if data_iterator is not None:
@@ -169,8 +171,11 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves (raising a failed one's error), then closes the manager."""
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def __enter__(self):
     return self

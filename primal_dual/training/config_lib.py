@@ -352,6 +352,9 @@ def variant_options(model: ml_collections.ConfigDict) -> dict[str, Any]:
   a variant's own options)."""
   from primal_dual import registry  # imports JAX: the commands check configs before it loads
 
+  errors.lookup(
+    registry.ATTENTION_REGISTRY, model.attention, "attention variant (--config.model.attention)"
+  )
   given = dict(model.get("task_attention_options") or {})
   own = dict((given.get("by_variant") or {}).get(model.attention) or {})
   return registry.model_options(model.attention, model.num_heads, ratios=given.get("ratios"), **own)

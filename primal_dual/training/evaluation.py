@@ -18,6 +18,8 @@ from primal_dual.training import steps
 from primal_dual.training.setup import Program, build_program, resolve_config
 from primal_dual.training.steps import TrainState
 
+EVAL_FILE = "eval.json"
+
 
 def sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer), in float64:
@@ -125,7 +127,7 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
 
 
 def _refuse_sweep_workdir(workdir: str) -> None:
-  """A sweep's workdir (`config.sweep`) holds one workdir per replica (`seed=0/`, ...) and no
+  """A sweep's workdir (`config.sweep`) holds one workdir per replica (`lr=0.001,seed=0/`, `seed=0/`, ...) and no
   config of its own: say which folders to evaluate instead of "config.json not found".
 
   Raises:
@@ -199,5 +201,19 @@ def evaluate_workdir(
     "results": results,
   }
   if jax.process_index() == 0:
-    atomic.write_json(os.path.join(workdir, "eval.json"), report)
+    write_eval_report(workdir, report)
   return report
+
+
+def write_eval_report(workdir: str, report: dict) -> str:
+  """Writes ``report`` to ``<workdir>/eval.json``; returns the path.
+
+  Raises:
+    errors.ReportNotSavedError: the file could not be written (read-only workdir, full disk); it
+      carries ``report``, so that the metrics computed are still shown.
+  """
+  path = os.path.join(os.path.abspath(workdir), EVAL_FILE)
+  try:
+    return atomic.write_json(path, report)
+  except OSError as e:
+    raise errors.ReportNotSavedError(path, e, report) from e

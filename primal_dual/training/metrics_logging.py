@@ -23,6 +23,7 @@ from typing import Mapping
 import jax
 
 from primal_dual import atomic
+from primal_dual.training import errors
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -112,12 +113,10 @@ class MetricWriter:
       self._tensorboard.flush()
 
   def close(self) -> None:
-    if self._jsonl is not None:
-      self._jsonl.close()
-      self._jsonl = None
-    if self._tensorboard is not None:
-      self._tensorboard.close()
-      self._tensorboard = None
+    """Closes both files, the second even if the first fails (a full disk)."""
+    files = [f for f in (self._jsonl, self._tensorboard) if f is not None]
+    self._jsonl = self._tensorboard = None
+    errors.close_all([f.close for f in files])
 
   def __enter__(self):
     return self

@@ -11,7 +11,7 @@ finished, `final_metrics.json`.
 as it was), `open` (restore or initialise, write the definitions, drop what a crashed run wrote
 after its checkpoint, open the writers), then at the steps `periodic.PeriodicActions` says:
 `add_train_metrics` after each call, `log`, `evaluated`, `checkpoint` and `write`, and at the end
-`finish`; `close` always.
+`finish`; `close` always (`Runs` is a context manager).
 """
 
 from __future__ import annotations
@@ -61,11 +61,9 @@ class _Run:
     return {"step": step, "tracker": self.tracker.state_dict()}
 
   def close(self) -> None:
-    if self.writer is not None:
-      self.writer.close()
-    for manager in (self.checkpointer, self.selected_checkpointer):
-      if manager is not None:
-        manager.close()
+    """Closes the writer and both checkpoint managers, each even if another fails."""
+    parts = (self.writer, self.checkpointer, self.selected_checkpointer)
+    errors.close_all([part.close for part in parts if part is not None])
 
 
 def _read_final_metrics(workdir: str) -> dict | None:
@@ -275,9 +273,17 @@ class Runs:
       for name, value in final.items()
     }
 
-  def close(self) -> None:
-    for run in self._runs:
-      run.close()
+  def close(self, pending: BaseException | None = None) -> None:
+    """Closes every run's files, each even if another fails (`errors.close_all`: a checkpoint
+    manager re-raises its failed background save, which must not hide `pending`, the error
+    already ending the run)."""
+    errors.close_all([run.close for run in self._runs], pending=pending)
+
+  def __enter__(self) -> "Runs":
+    return self
+
+  def __exit__(self, exc_type, exc, traceback) -> None:
+    self.close(pending=exc)
 
 
 def _prepare_workdir(run: _Run, start_step: int) -> None:

@@ -265,3 +265,41 @@ def replica_model(model: nn.Module, hyperparameters: Mapping[str, Any]) -> nn.Mo
     if dotted in hyperparameters
   }
   return model.clone(**fields) if fields else model
+
+
+SUMMARY_FILE = "sweep_summary.json"
+
+
+def is_sweep_result(final: Mapping[str, Any]) -> bool:
+  """Whether ``final`` (``train_and_evaluate``'s result) is a sweep's: a single run's has a bare
+  ``step``, a sweep's only ``<replica>/step``."""
+  return "step" not in final
+
+
+def per_replica(final: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+  """A sweep's final metrics ``{'<replica>/<metric>': value}`` as ``{replica: {metric: value}}``,
+  replicas in name order."""
+  names = sorted(
+    name.removesuffix("/step") for name in final if name.endswith("/step") and name.count("/") == 1
+  )
+  return {
+    replica: {
+      name[len(replica) + 1 :]: value
+      for name, value in final.items()
+      if name.startswith(f"{replica}/")
+    }
+    for replica in names
+  }
+
+
+def summary_rows(final: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+  """The rows of a sweep's summary table: per replica its ``selected/*`` numbers (the rule, the
+  same for all, left out)."""
+  return {
+    replica: {
+      name: value
+      for name, value in metrics.items()
+      if name.startswith("selected/") and name != "selected/rule"
+    }
+    for replica, metrics in per_replica(final).items()
+  }

@@ -118,7 +118,7 @@ def _train_in_workdir(config: ml_collections.FrozenConfigDict, workdir: str) -> 
   # Checked before anything is written: a selection metric the task does not report would
   # silently leave out every best/ and selected/ number.
   selection.selection_metric_and_mode(config, program.task, evaluation.reported_metrics(program))
-  with contextlib.closing(Runs(program, workdir)) as runs:
+  with Runs(program, workdir) as runs:  # closed even after an error, which it keeps
     finished = runs.finished()
     if finished is not None:
       return finished
@@ -178,7 +178,7 @@ def _train_loop(
         runs.checkpoint(completed, state, train_iterator)
       runs.write(completed)
   except KeyboardInterrupt:
-    # Ctrl-C: the checkpoints already saved are complete (the runs' close waits for pending
+    # Ctrl-C: the checkpoints already saved are complete (closing the runs waits for pending
     # asynchronous saves); say where a re-run resumes.
     raise errors.StoppedError(completed, runs.last_checkpoint_step) from None
   finally:
