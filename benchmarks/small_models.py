@@ -1,6 +1,6 @@
 """Model-steps per second of the HYLA paper's small models through the trainer's own step.
 
-What is timed is ``Experiment.run_steps`` of ``primal_dual.training.trainer``: the exact program a
+What is timed is ``setup.Program.run_steps`` (``primal_dual.training``): the exact program a
 training run executes, K optimizer steps per jitted call (``config.steps_per_call``), N replicas
 of one program (``config.sweep``, docs/training.md: ``--sweep seeds`` N seeds, ``--sweep
 lr_wd_seeds`` 2 learning rates × 2 weight decays × N/4 seeds), with the training batches made on
@@ -80,7 +80,7 @@ class Measurement(NamedTuple):
 
 
 def build(m: Measurement):
-  """The trainer's Experiment of ``m`` and an initial state."""
+  """The trainer's Program of ``m`` and an initial state."""
   arg = f"preset=paper,attention={m.variant}" + (",runlocal" if m.quick else "")
   config = importlib.import_module(MODELS[m.model]).get_config(arg)
   config = ml_collections.ConfigDict(config.to_dict())
@@ -95,26 +95,26 @@ def build(m: Measurement):
     )
   )
   config = config_lib.with_fields(config, sweep_fields(m.sweep, m.num_replicas))
-  experiment = setup.build_experiment(setup.resolve_config(config))
-  return experiment, experiment.init_replicas()
+  program = setup.build_program(setup.resolve_config(config))
+  return program, program.init()
 
 
-def _timed_call(experiment, state, steps_per_call: int, iterator):
+def _timed_call(program, state, steps_per_call: int, iterator):
   """``(state, seconds)`` of one ``run_steps`` call, waiting for its losses."""
   start = time.perf_counter()
-  state, losses, _ = experiment.run_steps(state, steps_per_call, iterator)
+  state, losses, _ = program.run_steps(state, steps_per_call, iterator)
   jax.block_until_ready(losses)
   return state, time.perf_counter() - start
 
 
 def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
   """One row: the first call (compile included), then the median of ``repeats`` warm calls."""
-  experiment, state = build(m)
-  iterator = experiment.make_train_iterator()
-  state, first_call_s = _timed_call(experiment, state, m.steps_per_call, iterator)
+  program, state = build(m)
+  iterator = program.make_train_iterator()
+  state, first_call_s = _timed_call(program, state, m.steps_per_call, iterator)
   samples = []
   for _ in range(repeats):
-    state, seconds = _timed_call(experiment, state, m.steps_per_call, iterator)
+    state, seconds = _timed_call(program, state, m.steps_per_call, iterator)
     samples.append(seconds)
   timing = common.summarize_samples(samples)
   # One model-step: one optimizer step of one model (N replicas in one program make N per step).
@@ -127,7 +127,7 @@ def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
     replicas=m.num_replicas,
     sweep=m.sweep if m.num_replicas > 1 else "single run",
     data="device" if m.device_data else "host",
-    batch=experiment.config.batch_size,
+    batch=program.config.batch_size,
     first_call_s=first_call_s,
     ms_per_step=ms_per_step,
     iqr_ms_per_step=1e3 * timing.iqr_s / model_steps_per_call,

@@ -8,8 +8,8 @@ studies share). Run one with ``primal-dual reproduce <study>`` or ``python scrip
 
 import pkgutil
 
-# The modules here that are not studies: what the studies share.
-SHARED_MODULES = ("grid", "hyla_paper")
+# The modules here that are not studies: what the studies share, and the lease tool.
+SHARED_MODULES = ("grid", "hyla_paper", "lease")
 
 
 def study_names() -> list[str]:

@@ -47,12 +47,11 @@ class GridRun:
   """One job: ``get_config(config_arg)`` of ``config_file``, trained in ``<root>/<name>``.
 
   ``overrides`` sets config fields after ``get_config`` (dotted names, e.g.
-  ``{'steps_per_call': 125}``). With ``replica_seeds`` the job trains those seeds in one program
-  (``config.seeds``; batches made on the device) and yields one record per seed, each read from
-  ``<root>/<name>/seed_<s>``. With ``replicas`` the overrides hold a sweep (``sweep.optimizer.lr``,
-  ...; docs/training.md) that trains as replicas of one program: ``(sub-workdir, tags)`` of each,
-  its sub-workdir named as the trainer names it (``primal_dual.training.sweep.replica_name``) and
-  its tags added to its record.
+  ``{'steps_per_call': 125}``). With ``replicas`` the overrides hold a sweep (``sweep.seed``,
+  ``sweep.optimizer.lr``, ...; docs/training.md) that trains as replicas of one program:
+  ``(sub-workdir, tags)`` of each, its sub-workdir named as the trainer names it
+  (``primal_dual.training.sweep.replica_name``) and its tags added to its record, one record per
+  replica.
   """
 
   name: str
@@ -60,27 +59,21 @@ class GridRun:
   config_arg: str
   tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  replica_seeds: tuple[int, ...] = ()
   replicas: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
   def config(self):
-    """The run's config: ``get_config(config_arg)`` with the overrides (and seeds) set."""
+    """The run's config: ``get_config(config_arg)`` with the overrides set."""
     config = load_config(self.config_file, self.config_arg)
-    overrides = dict(self.overrides)
-    if self.replica_seeds:
-      overrides.update(seeds=tuple(self.replica_seeds), train_data_on_device=True)
-    if not overrides:
+    if not self.overrides:
       return config
     from primal_dual.training import config_lib
 
-    return config_lib.with_fields(config, overrides)
+    return config_lib.with_fields(config, self.overrides)
 
   def workdirs(self, root: str) -> list[tuple[dict[str, Any], str]]:
     """``(tags, workdir)`` of each model the run trains: the run's own workdir (no tags), or one
-    per replica seed (``{'seed': s}``) or sweep replica (its tags)."""
+    per sweep replica (its tags)."""
     workdir = os.path.join(root, self.name)
-    if self.replica_seeds:
-      return [({"seed": s}, os.path.join(workdir, f"seed_{s}")) for s in self.replica_seeds]
     if self.replicas:
       return [(dict(tags), os.path.join(workdir, name)) for name, tags in self.replicas]
     return [({}, workdir)]
@@ -319,7 +312,7 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
     run.config_file,
     run.config_arg,
     workdir,
-    json.dumps({"overrides": dict(run.overrides), "replica_seeds": list(run.replica_seeds)}),
+    json.dumps({"overrides": dict(run.overrides)}),
   ]
   log_path = os.path.join(workdir, RUN_LOG)
   with open(log_path, "w") as log_file:
@@ -420,11 +413,8 @@ def run_grid(
         "hardware": info.get("hardware"),
         "metrics": metrics,
       }
-      if run.overrides or run.replica_seeds:
-        record["overrides"] = {
-          **dict(run.overrides),
-          **({"seeds": list(run.replica_seeds)} if run.replica_seeds else {}),
-        }
+      if run.overrides:
+        record["overrides"] = dict(run.overrides)
       if record_fn is not None:
         record.update(record_fn(run, metrics, workdir))
       if validate_record is not None:
@@ -922,7 +912,7 @@ def _reproduce(reproduction: Reproduction, args: argparse.Namespace, argv) -> in
 
 def _main(argv: Sequence[str]) -> int:
   """``python -m reproduce.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]``: one run;
-  JSON holds its ``overrides`` and ``replica_seeds``."""
+  JSON holds its ``overrides``."""
   if len(argv) not in (3, 4):
     print(
       "usage: python -m reproduce.grid CONFIG_FILE CONFIG_ARG WORKDIR [JSON]",
@@ -940,7 +930,6 @@ def _main(argv: Sequence[str]) -> int:
     config_file=config_file,
     config_arg=config_arg,
     overrides=overrides,
-    replica_seeds=tuple(extra.get("replica_seeds", ())),
   )
   try:
     train_one(run, workdir)

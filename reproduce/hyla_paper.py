@@ -116,8 +116,8 @@ def build_runs(
           config_file=config_file,
           config_arg=config_arg,
           tags=dict(attention=attention, preset=label, **({} if together else {"seed": group[0]})),
-          overrides=overrides,
-          replica_seeds=group if together else (),
+          overrides={**overrides, **({"sweep.seed": list(group)} if together else {})},
+          replicas=_seed_replicas(group) if together else (),
         )
       )
   return runs
@@ -341,6 +341,13 @@ def _sweep_overrides(settings: Sequence[SweepSetting]) -> dict[str, tuple]:
   if int(np.prod([len(v) for v in lists.values()])) != len(settings):
     raise ValueError(f"the sweep's points are not a product of value lists: {settings}")
   return lists
+
+
+def _seed_replicas(seeds: Sequence[int]) -> tuple[tuple[str, Mapping[str, Any]], ...]:
+  """``GridRun.replicas`` of a seed sweep (``config.sweep.seed``): sub-workdir and tags of each."""
+  from primal_dual.training import sweep
+
+  return tuple((sweep.replica_name({"seed": seed}), {"seed": seed}) for seed in seeds)
 
 
 def _replica_name(setting: SweepSetting) -> str:
@@ -584,7 +591,8 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
     "must divide the preset's log/eval/checkpoint periods (e.g. 125)",
   ),
   "--seeds_together": dict(
-    action="store_true", help="train each variant's seeds as replicas of one program (config.seeds)"
+    action="store_true",
+    help="train each variant's seeds as replicas of one program (config.sweep.seed)",
   ),
   "--protocol": dict(
     choices=("fixed", "paper_sweep", "points"),

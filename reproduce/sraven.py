@@ -75,8 +75,8 @@ def _latent_code(workdir: str, max_examples: int) -> dict[str, Any]:
   from primal_dual.training import evaluation
 
   # Built for evaluation: the (lazy) train split is never generated.
-  experiment, state = evaluation.restore_workdir(workdir, "selected")
-  return latent_code.run(experiment, state, split="ood", max_examples=max_examples, out_dir=workdir)
+  program, state = evaluation.restore_workdir(workdir, "selected")
+  return latent_code.run(program, state, split="ood", max_examples=max_examples, out_dir=workdir)
 
 
 CURVE_METRICS = (

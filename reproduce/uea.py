@@ -207,12 +207,12 @@ def analyse_workdir(workdir: str, checkpoint: str, max_examples: int) -> dict[st
   from primal_dual.analysis import flops
   from primal_dual.training import evaluation
 
-  experiment, state = evaluation.restore_workdir(workdir, checkpoint)
+  program, state = evaluation.restore_workdir(workdir, checkpoint)
   redundancy = attention_maps.run_redundancy(
-    experiment, state, split="test", max_examples=max_examples, out_dir=workdir
+    program, state, split="test", max_examples=max_examples, out_dir=workdir
   )
-  padded_length = int(experiment.metadata["max_length"])
-  attention_flops = flops.attention_flops(experiment.config.model, padded_length)
+  padded_length = int(program.metadata["max_length"])
+  attention_flops = flops.attention_flops(program.config.model, padded_length)
   return {
     "head_distance_per_layer": redundancy["head_distance_per_layer"],
     "head_distance": redundancy["head_distance"],

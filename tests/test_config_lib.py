@@ -142,3 +142,30 @@ def test_write_then_read_config_round_trips(tmp_path):
 def test_read_config_missing_is_a_user_error(tmp_path):
   with pytest.raises(errors.CheckpointNotFoundError, match="config.json"):
     config_lib.read_config(str(tmp_path / "nowhere"))
+
+
+def test_retired_seeds_are_refused_when_set_and_dropped_when_empty():
+  """`config.sweep.seed` is the one spelling of several seeds: `config.seeds` set is refused in
+  one line naming it (as a config field and as a command-line override), and the empty one an
+  earlier version wrote into config.json and experiment.json is dropped."""
+  from primal_dual.commands import cli
+  from primal_dual.training import setup
+  from primal_dual.training import workdir as workdir_lib
+
+  config = config_lib.training_defaults()
+  assert "seeds" not in config
+  with pytest.raises(errors.ConfigError) as info:
+    setup.resolve_config(config_lib.with_fields(config, {"seeds": (0, 1)}))
+  assert str(info.value) == (
+    "config.seeds is now config.sweep.seed: set --config.sweep.seed='(0, 1)' instead"
+  )
+  assert cli.unknown_field_message(config, "seeds").startswith(
+    "config.seeds is now config.sweep.seed"
+  )
+  old = setup.resolve_config(config_lib.with_fields(config, {"seeds": ()}))
+  assert "seeds" not in old
+  stored = {**workdir_lib.definition(old), "seeds": []}
+  assert workdir_lib.differences(stored, workdir_lib.definition(old)) == []
+  assert workdir_lib.differences({**stored, "seeds": [3]}, workdir_lib.definition(old)) == [
+    "seeds [3] != '<unset>'"
+  ]

@@ -1,4 +1,4 @@
-"""Golden metrics of `train_step`: a silent numerical change anywhere between the data and
+"""Golden metrics of the trainer's training step: a silent numerical change anywhere between the data and
 the update (kernels, model, loss, optimizer) moves these numbers.
 
 The values were recorded on this project's CPU (jaxlib 0.10.2) and hold to 1e-5 relative there;
@@ -13,7 +13,6 @@ import pytest
 from primal_dual.configs import sraven as sraven_configs
 from primal_dual.training import config_lib
 from primal_dual.training import setup
-from primal_dual.training import steps
 
 # sRAVEN runlocal (the paper's model structure: unidirectional buckets, attention dropout 0.1),
 # softmax and HYLA: two steps on the first 8 training problems (the first at warm-up's learning
@@ -39,21 +38,16 @@ def _two_steps(attention: str, jit: bool) -> dict[str, float]:
   config = config_lib.with_fields(
     sraven_configs.get_config(f"attention={attention},runlocal"), {"mesh.data": 1}
   )
-  experiment = setup.build_experiment(setup.resolve_config(config))
-  state = experiment.init_state()
-  batch = setup.stack_records([experiment.splits["train"][i] for i in range(8)])
-  step = (
-    experiment.train_step
-    if jit
-    else lambda s, b: steps.train_step(
-      s, b, model=experiment.model, tx=experiment.tx, loss_fn=experiment.task.loss_and_metrics
-    )
-  )
+  program = setup.build_program(setup.resolve_config(config))
+  state = program.init()
+  batch = setup.stack_records([program.splits["train"][i] for i in range(8)])
   losses = []
+  # The trainer's own one-step program (a single run: one replica, no replica axis); with jit
+  # disabled the same code runs op by op.
   with contextlib.nullcontext() if jit else jax.disable_jit():
     for _ in range(2):
-      state, loss, metrics = step(state, batch)
-      losses.append(float(loss))
+      state, loss, metrics = program.run_steps(state, 1, iter([batch]))
+      losses.append(float(loss[0]))
   param_sum = sum(
     float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves(jax.device_get(state.params))
   )

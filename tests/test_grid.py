@@ -156,25 +156,33 @@ def test_report_command_keeps_the_command_of_the_report_it_replaces(tmp_path):
 
 
 def test_replica_runs_give_one_record_per_seed(tmp_path):
-  """A GridRun with replica_seeds trains them in one program and yields a record per seed, read
-  from <root>/<name>/seed_<s>; a second call reuses them."""
+  """A GridRun sweeping seeds (``sweep.seed``) trains them in one program and yields a record per
+  seed, read from <root>/<name>/seed=<s>; a second call reuses them."""
+  from reproduce import hyla_paper
+
   run = grid.GridRun(
     name="pair",
     config_file="sraven",
     config_arg="runlocal",
     tags={"attention": "softmax"},
-    overrides={"steps_per_call": 2},
-    replica_seeds=(0, 5),
+    overrides={"steps_per_call": 2, "train_data_on_device": True, "sweep.seed": [0, 5]},
+    replicas=hyla_paper._seed_replicas((0, 5)),
   )
   config = run.config()
   assert (
-    tuple(config.seeds) == (0, 5) and config.train_data_on_device and config.steps_per_call == 2
+    tuple(config.sweep.seed) == (0, 5)
+    and config.train_data_on_device
+    and config.steps_per_call == 2
   )
   results = str(tmp_path / "results.json")
   records = grid.run_grid([run], str(tmp_path / "runs"), results, log=lambda _: None)
-  assert [(r["name"], r["seed"]) for r in records] == [("pair/seed_0", 0), ("pair/seed_5", 5)]
+  assert [(r["name"], r["seed"]) for r in records] == [("pair/seed=0", 0), ("pair/seed=5", 5)]
   assert records[0]["metrics"] != records[1]["metrics"]
-  assert records[0]["overrides"] == {"steps_per_call": 2, "seeds": [0, 5]}
+  assert records[0]["overrides"] == {
+    "steps_per_call": 2,
+    "train_data_on_device": True,
+    "sweep.seed": [0, 5],
+  }
   for record in records:
     assert record["metrics"]["model/num_parameters"] > 0
   assert run.is_finished(str(tmp_path / "runs"))
@@ -187,10 +195,12 @@ def test_hyla_grids_group_seeds_into_replica_runs():
   runs = sraven_task.build_runs("sraven", "sraven", "paper", False, -1, 125, True)
   main, ablations = sraven_task.GRID_VARIANTS["paper"]
   assert [r.tags["attention"] for r in runs[:3]] == list(main)
-  assert all(r.replica_seeds == (0, 1, 2) for r in runs[:3])
-  assert [(r.tags["attention"], r.tags["seed"], r.replica_seeds) for r in runs[3:]] == [
+  device = {"train_data_on_device": True, "steps_per_call": 125}
+  assert all(r.overrides == {**device, "sweep.seed": [0, 1, 2]} for r in runs[:3])
+  assert all([name for name, _ in r.replicas] == ["seed=0", "seed=1", "seed=2"] for r in runs[:3])
+  assert [(r.tags["attention"], r.tags["seed"], r.replicas) for r in runs[3:]] == [
     (name, 0, ()) for name in ablations
   ]
-  assert all(r.overrides == {"train_data_on_device": True, "steps_per_call": 125} for r in runs)
+  assert all(r.overrides == device for r in runs[3:])
   plain = sraven_task.build_runs("sraven", "sraven", "paper", False, -1)
   assert len(plain) == 3 * 3 + len(ablations) and not any(r.overrides for r in plain)

@@ -72,9 +72,9 @@ def test_decoder_errors_are_value_errors():
     latent_code.fit_ridge(np.zeros((4, 2)), np.zeros(4, int), 2, l2=0.0)
   with pytest.raises(ValueError, match="at least 2 problems"):
     latent_code.decoding_accuracy(np.zeros((1, 2, 3)), np.zeros((1, 2), int), 2)
-  experiment = types.SimpleNamespace(config=types.SimpleNamespace(task="logic"))
+  program = types.SimpleNamespace(config=types.SimpleNamespace(task="logic"))
   with pytest.raises(ValueError, match="sRAVEN"):
-    latent_code.run(experiment, None)
+    latent_code.run(program, None)
 
 
 def test_missing_weights_are_reported_not_guessed():
@@ -88,8 +88,8 @@ def test_missing_weights_are_reported_not_guessed():
 
 
 @pytest.fixture(scope="module")
-def tiny_experiment():
-  """What ``run`` reads of a trainer Experiment and TrainState, for an untrained 1-layer HYLA
+def tiny_program():
+  """What ``run`` reads of a trainer Program and TrainState, for an untrained 1-layer HYLA
   model (the trainer's own path is covered by tests/test_sraven_task.py's reproduce test)."""
   problems = sraven.SRavenConfig(num_features=3, num_values=8)
   model = SequenceTransformer(
@@ -101,7 +101,7 @@ def tiny_experiment():
   )
   source = sraven.SRavenSource(problems, "ood", 0, 16)
   variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), source[0]["inputs"][None]))
-  experiment = types.SimpleNamespace(
+  program = types.SimpleNamespace(
     config=types.SimpleNamespace(task="sraven"),
     splits={"ood": source},
     metadata={"rules": problems.rules},
@@ -109,22 +109,22 @@ def tiny_experiment():
     eval_batch_size=16,
     mesh=sharding.make_mesh({"data": -1, "model": 1}),
   )
-  return experiment, types.SimpleNamespace(params=variables["params"], batch_stats={})
+  return program, types.SimpleNamespace(params=variables["params"], batch_stats={})
 
 
-def test_run_on_a_tiny_model_is_deterministic_and_plots(tiny_experiment, tmp_path):
-  experiment, state = tiny_experiment
-  result = latent_code.run(experiment, state, split="ood", max_examples=16, out_dir=str(tmp_path))
+def test_run_on_a_tiny_model_is_deterministic_and_plots(tiny_program, tmp_path):
+  program, state = tiny_program
+  result = latent_code.run(program, state, split="ood", max_examples=16, out_dir=str(tmp_path))
   assert result["available"] and result["attention"] == "hyla"
   assert result["num_problems"] == 16 and len(result["per_layer"]) == 1
   for entry in (*result["per_layer"], result["all_layers"]):
     assert 0.0 <= entry["accuracy"] <= 1.0 and 0.0 <= entry["chance"] <= 1.0
     assert entry["num_train"] + entry["num_test"] == 16 * 3
   assert (tmp_path / latent_code.PLOT_FILE).stat().st_size > 0
-  again = latent_code.run(experiment, state, split="ood", max_examples=16, out_dir=None)
+  again = latent_code.run(program, state, split="ood", max_examples=16, out_dir=None)
   assert again["plot"] is None
   assert {k: v for k, v in again.items() if k != "plot"} == {
     k: v for k, v in result.items() if k != "plot"
   }
   with pytest.raises(ValueError, match="unknown split"):
-    latent_code.run(experiment, state, split="nope")
+    latent_code.run(program, state, split="nope")

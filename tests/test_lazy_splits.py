@@ -60,9 +60,9 @@ def test_evaluating_a_workdir_never_builds_the_training_split(lazy_task, tmp_pat
   assert report["results"]["test"]["accuracy"] == pytest.approx(final["test/accuracy"])
 
   BUILDS.clear()
-  experiment, _ = evaluation.restore_workdir(str(tmp_path), "latest")
-  assert "train" not in BUILDS and not experiment.splits.is_built("train")
-  assert experiment.total_steps == config.num_train_steps
+  program, _ = evaluation.restore_workdir(str(tmp_path), "latest")
+  assert "train" not in BUILDS and not program.splits.is_built("train")
+  assert program.total_steps == config.num_train_steps
 
 
 def test_evaluating_an_epoch_based_run_with_steps_per_call(tmp_path):

@@ -105,11 +105,11 @@ def test_evaluation_leaves_unfinished_checkpoints_alone(tmp_path):
 
 
 def _final_params(workdir: str, config):
-  experiment = setup.build_experiment(setup.resolve_config(config), for_training=False)
+  program = setup.build_program(setup.resolve_config(config), for_training=False)
   with checkpointing.Checkpointer(
     os.path.join(workdir, checkpointing.CHECKPOINT_DIR), read_only=True
   ) as checkpointer:
-    state, _ = checkpointer.restore(None, experiment.restore_target())
+    state, _ = checkpointer.restore(None, program.restore_target())
   return jax.device_get(state.params)
 
 
@@ -150,23 +150,23 @@ def test_evaluating_while_training_leaves_the_run_as_it_would_have_been(tmp_path
 
 
 def test_evaluating_a_sweep_workdir_names_its_replica_folders(tmp_path):
-  """The layouts sweeps leave: a workdir per replica (`seed_<s>` for `config.seeds`,
-  `lr=...,seed=...` for `config.sweep`), and none at the top."""
+  """The layouts sweeps leave: a workdir per replica (`seed=<s>`, `lr=...,seed=...`), and none
+  at the top."""
   workdir = str(tmp_path)
-  trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, "seed_0"))
-  shutil.copytree(os.path.join(workdir, "seed_0"), os.path.join(workdir, "seed_3"))
+  trainer.train_and_evaluate(tiny_config(num_train_steps=2), os.path.join(workdir, "seed=0"))
+  shutil.copytree(os.path.join(workdir, "seed=0"), os.path.join(workdir, "seed=3"))
   with pytest.raises(errors.WorkdirError) as info:
     evaluation.evaluate_workdir(workdir)
   assert str(info.value) == (
-    f"workdir {workdir} holds one run per replica (seed_0, seed_3); evaluate one of them, "
-    f"e.g. --workdir={workdir}/seed_0"
+    f"workdir {workdir} holds one run per replica (seed=0, seed=3); evaluate one of them, "
+    f"e.g. --workdir={workdir}/seed=0"
   )
   sweep_root = os.path.join(workdir, "sweep")
   for replica in ("lr=0.1,seed=0", "lr=0.2,seed=0"):
-    shutil.copytree(os.path.join(workdir, "seed_0"), os.path.join(sweep_root, replica))
+    shutil.copytree(os.path.join(workdir, "seed=0"), os.path.join(sweep_root, replica))
   with pytest.raises(errors.WorkdirError, match=r"one run per replica \(lr=0.1,seed=0, lr=0.2"):
     evaluation.evaluate_workdir(sweep_root)
-  assert evaluation.evaluate_workdir(os.path.join(workdir, "seed_3"))["step"] == 2
+  assert evaluation.evaluate_workdir(os.path.join(workdir, "seed=3"))["step"] == 2
 
 
 # ------------------------------------------------------------------------------------------------

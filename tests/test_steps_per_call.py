@@ -130,7 +130,7 @@ def _metric_records(workdir):
 
 
 def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
-  """config.seeds: replicas in one vmapped program, each in <workdir>/seed_<s> exactly like a
+  """config.sweep.seed: replicas in one vmapped program, each in <workdir>/seed=<s> exactly like a
   single run of that seed (to float tolerance), killed and resumed like one too."""
   # SGD: Adam's normalised updates turn last-bit differences of near-zero gradients (vmapped
   # reductions add in another order) into lr-sized ones; SGD keeps them at the float level.
@@ -140,16 +140,18 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
     "optimizer.name": "sgd",
     "optimizer.lr": 0.05,
   }
-  final = trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "both"))
-  assert {k.split("/")[0] for k in final} == {"seed_0", "seed_3"}
+  final = trainer.train_and_evaluate(
+    _config(**{"sweep.seed": (0, 3)}, **common), str(tmp_path / "both")
+  )
+  assert {k.split("/")[0] for k in final} == {"seed=0", "seed=3"}
   for seed in (3,):  # the second replica: its slices of every stacked array
     alone_final, alone = _train(_config(seed=seed, **common), tmp_path / f"alone_{seed}")
-    replica_dir = tmp_path / "both" / f"seed_{seed}"
+    replica_dir = tmp_path / "both" / f"seed={seed}"
     _, replica_state = evaluation.restore_workdir(str(replica_dir))
     _assert_same_params(jax.device_get(replica_state.params), alone, rtol=1e-4, atol=1e-5)
     for name, value in alone_final.items():
       if "steps_per_second" not in name and isinstance(value, float):
-        np.testing.assert_allclose(final[f"seed_{seed}/{name}"], value, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(final[f"seed={seed}/{name}"], value, rtol=1e-4, atol=1e-6)
     for got, want in zip(
       _metric_records(replica_dir), _metric_records(tmp_path / f"alone_{seed}"), strict=True
     ):
@@ -169,12 +171,14 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
 
   monkeypatch.setattr(setup.StepRunner, "__call__", crash_on_third_call)
   with pytest.raises(Crash):
-    trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
+    trainer.train_and_evaluate(
+      _config(**{"sweep.seed": (0, 3)}, **common), str(tmp_path / "crashed")
+    )
   monkeypatch.setattr(setup.StepRunner, "__call__", original)
-  trainer.train_and_evaluate(_config(seeds=(0, 3), **common), str(tmp_path / "crashed"))
+  trainer.train_and_evaluate(_config(**{"sweep.seed": (0, 3)}, **common), str(tmp_path / "crashed"))
   for seed in (0, 3):
-    _, expected = evaluation.restore_workdir(str(tmp_path / "both" / f"seed_{seed}"))
-    _, resumed = evaluation.restore_workdir(str(tmp_path / "crashed" / f"seed_{seed}"))
+    _, expected = evaluation.restore_workdir(str(tmp_path / "both" / f"seed={seed}"))
+    _, resumed = evaluation.restore_workdir(str(tmp_path / "crashed" / f"seed={seed}"))
     jax.tree.map(
       np.testing.assert_array_equal, jax.device_get(expected.params), jax.device_get(resumed.params)
     )
@@ -182,4 +186,4 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
 
 def test_seeds_need_generated_batches(tmp_path):
   with pytest.raises(errors.ConfigError, match="train_data_on_device=True"):
-    trainer.train_and_evaluate(_config(seeds=(0, 1)), str(tmp_path))
+    trainer.train_and_evaluate(_config(**{"sweep.seed": (0, 1)}), str(tmp_path))

@@ -257,9 +257,9 @@ def test_points_are_exactly_the_listed_replicas():
     (),
   )
   assert type(replicas[2].config.optimizer.warmup_steps) is int
-  # Seeds alone as points keep the seed-only names.
+  # Seeds alone as points are named by the same rule.
   seeds = sweep.replicas_of(setup.resolve_config(_synthetic(**{"sweep.points": ("seed=4",)})))
-  assert [r.name for r in seeds] == ["seed_4"]
+  assert [r.name for r in seeds] == ["seed=4"]
 
 
 def test_only_the_dropout_rates_that_differ_are_traced():
@@ -327,7 +327,7 @@ def test_a_traced_dropout_rate_drops_as_the_constant_rate():
     ({"sweep.optimizer.lr": (0.1, 0.1)}, r"must be distinct"),
     ({"sweep.optimizer.lr": (0.1, -0.1)}, r"optimizer\.lr must be > 0"),
     ({"sweep.seed": (0, 1)}, r"train_data_on_device=True"),
-    ({"sweep.seed": (0, 1), "seeds": (2, 3)}, r"config\.seeds or config\.sweep\.seed"),
+    ({"seeds": (2, 3)}, r"^config\.seeds is now config\.sweep\.seed: set --config\.sweep\.seed="),
     ({"sweep.model.attention_dropout_rate": (0.0, 0.1)}, r"attention_dropout_rate is not a field"),
     ({"sweep.model.dropout_rate": (0.1, 1.0)}, r"dropout_rate=1\.0 must be in \[0, 1\)"),
     ({"sweep.points": ("lr=0.1,width=2",)}, r"'width=2' is not <field>=<number>"),
@@ -336,7 +336,7 @@ def test_a_traced_dropout_rate_drops_as_the_constant_rate():
     ({"sweep.points": ("warmup=1.5",)}, r"1\.5 is not an integer"),
     ({"sweep.points": ("lr=0.1,wd=0.01", "lr=0.1")}, r"points\[0\] and \[1\] are the same"),
     ({"sweep.points": ("lr=0.1",), "sweep.optimizer.lr": (0.2,)}, r"both set lr"),
-    ({"sweep.points": ("seed=1", "seed=2"), "seeds": (2, 3)}, r"both set seed"),
+    ({"sweep.points": ("seed=1", "seed=2"), "sweep.seed": (2, 3)}, r"both set seed"),
     ({"sweep.points": ("wd=0.0", "wd=0.1")}, r"weight_decay 0 and > 0"),
   ],
 )
@@ -359,15 +359,11 @@ def test_replica_names_configs_and_product_order():
     "lr=3e-05,seed=1",
   ]
   last = replicas[-1].config
-  assert (last.seed, last.optimizer.lr, tuple(last.sweep.seed), tuple(last.seeds)) == (
-    1,
-    3e-05,
-    (),
-    (),
-  )
-  # config.seeds is the seed-only sweep, with the sub-workdir names of earlier versions.
-  seeds_only = sweep.replicas_of(setup.resolve_config(_synthetic(seeds=(4, 2))))
-  assert [r.name for r in seeds_only] == ["seed_4", "seed_2"]
+  assert (last.seed, last.optimizer.lr, tuple(last.sweep.seed)) == (1, 3e-05, ())
+  assert "seeds" not in last
+  # A seed-only sweep is named by the same rule.
+  seeds_only = sweep.replicas_of(setup.resolve_config(_synthetic(**{"sweep.seed": (4, 2)})))
+  assert [r.name for r in seeds_only] == ["seed=4", "seed=2"]
   # No sweep: one replica, the config itself, in the workdir itself.
   (single,) = sweep.replicas_of(setup.resolve_config(_synthetic()))
   assert single.name == "" and single.values == {}

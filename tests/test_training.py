@@ -74,12 +74,12 @@ def batch_recorder(seen: list, crash_at: int | None = None):
 
 
 def restore_state(workdir, step, config=None):
-  experiment = setup.build_experiment(setup.resolve_config(config or tiny_config()))
+  program = setup.build_program(setup.resolve_config(config or tiny_config()))
   with checkpointing.Checkpointer(
     os.path.join(workdir, checkpointing.CHECKPOINT_DIR), keep=None, async_save=False
   ) as checkpointer:
-    state, meta = checkpointer.restore(step, experiment.restore_target())
-  return experiment, jax.device_get(state), meta
+    state, meta = checkpointer.restore(step, program.restore_target())
+  return program, jax.device_get(state), meta
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +240,8 @@ def test_shard_batch_places_leading_axis_on_data():
 
 
 def test_state_shardings_follow_logical_axes():
-  experiment = setup.build_experiment(setup.resolve_config(tiny_config()))
-  shardings = experiment.state_shardings
+  program = setup.build_program(setup.resolve_config(tiny_config()))
+  shardings = program.state_shardings
   assert shardings.params["Dense_0"]["kernel"].spec == PartitionSpec(None, "model")  # embed, mlp
   assert shardings.params["Dense_1"]["kernel"].spec == PartitionSpec("model", None)  # mlp, classes
   assert shardings.params["BatchNorm_0"]["scale"].spec == PartitionSpec()  # unannotated
@@ -256,13 +256,13 @@ def test_sharded_train_step_matches_single_device():
   losses, params = {}, {}
   for mesh in ((1, 1), (4, 2)):
     config = tiny_config(**{"mesh.data": mesh[0], "mesh.model": mesh[1]})
-    experiment = setup.build_experiment(setup.resolve_config(config))
-    assert experiment.mesh.size == mesh[0] * mesh[1]
-    state = experiment.init_state()
-    batch = next(experiment.make_train_iterator())
+    program = setup.build_program(setup.resolve_config(config))
+    assert program.mesh.size == mesh[0] * mesh[1]
+    state = program.init()
+    batch = next(program.make_train_iterator())
     for _ in range(2):
-      state, loss, _ = experiment.train_step(state, sharding.shard_batch(batch, experiment.mesh))
-    losses[mesh], params[mesh] = float(loss), jax.device_get(state.params)
+      state, loss, _ = program.run_steps(state, 1, iter([batch]))
+    losses[mesh], params[mesh] = float(loss[0]), jax.device_get(state.params)
   np.testing.assert_allclose(losses[(1, 1)], losses[(4, 2)], rtol=1e-5)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
@@ -379,9 +379,9 @@ def test_data_problems_become_user_errors(monkeypatch):
     dataclasses.replace(tasks.TASKS["synthetic"], name="no_data", build_data=missing_folder)
   )
   with pytest.raises(errors.DataNotFoundError, match="'no_data': /data/uea/Heartbeat not found"):
-    setup.build_experiment(setup.resolve_config(tiny_config(task="no_data")))
+    setup.build_program(setup.resolve_config(tiny_config(task="no_data")))
   with pytest.raises(errors.ConfigError, match="num_classes .* must be ≤ num_features"):
-    setup.build_experiment(setup.resolve_config(tiny_config(**{"data.num_classes": 5})))
+    setup.build_program(setup.resolve_config(tiny_config(**{"data.num_classes": 5})))
 
 
 def test_synthetic_source_is_deterministic_and_labelled_by_its_rule():
@@ -411,10 +411,10 @@ def test_classification_metrics_ignore_padding_even_if_nan():
 
 def test_epochs_convert_to_steps_and_periods():
   config = tiny_config(num_train_steps=-1, num_epochs=3, eval_every_epochs=1)
-  experiment = setup.build_experiment(setup.resolve_config(config))
-  assert experiment.steps_per_epoch == 64 // 8
-  assert experiment.total_steps == 24
-  assert setup._every_steps(experiment.config, "eval", experiment.steps_per_epoch) == 8
+  program = setup.build_program(setup.resolve_config(config))
+  assert program.length.steps_per_epoch == 64 // 8
+  assert program.total_steps == 24
+  assert program.length.periods["eval"] == 8
 
 
 @pytest.mark.parametrize(
@@ -538,10 +538,10 @@ def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
 
 def test_evaluation_counts_each_example_once(uninterrupted):
   workdir, final, _ = uninterrupted
-  experiment, state, _ = restore_state(workdir, 8)
-  records = [experiment.splits["test"][i] for i in range(len(experiment.splits["test"]))]
+  program, state, _ = restore_state(workdir, 8)
+  records = [program.splits["test"][i] for i in range(len(program.splits["test"]))]
   batch = {k: np.stack([r[k] for r in records]) for k in records[0]}
-  apply = jax.jit(functools.partial(experiment.model.apply, train=False))
+  apply = jax.jit(functools.partial(program.model.apply, train=False))
   logits = apply(
     {"params": state.params, "batch_stats": state.batch_stats}, batch["inputs"], mask=batch["mask"]
   )

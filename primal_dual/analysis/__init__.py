@@ -4,16 +4,16 @@ Analyses that run on a restored workdir are registered by name in ``ANALYSES`` a
 ``'module:function'`` strings, imported only when asked for (this package imports nothing heavy).
 Every analysis has the signature::
 
-  run(experiment, state, *, split: str, max_examples: int, out_dir: str | None) -> dict
+  run(program, state, *, split: str, max_examples: int, out_dir: str | None) -> dict
 
-where ``experiment`` is ``setup.build_experiment``'s Experiment, ``state`` the restored
+where ``program`` is ``setup.build_program``'s Program, ``state`` the restored
 TrainState, and the returned dict is JSON-able (``eval.py --analyses=...`` writes it into
 ``eval.json``; figures go to ``out_dir``). Example::
 
   from primal_dual import analysis
   from primal_dual.training import evaluation
-  experiment, state = evaluation.restore_workdir('workdirs/jv', 'latest')
-  analysis.run_analyses(['redundancy'], experiment, state, split='test', out_dir='workdirs/jv')
+  program, state = evaluation.restore_workdir('workdirs/jv', 'latest')
+  analysis.run_analyses(['redundancy'], program, state, split='test', out_dir='workdirs/jv')
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def get_analysis(name: str) -> Callable[..., dict[str, Any]]:
 
 def run_analyses(
   names: Sequence[str],
-  experiment,
+  program,
   state,
   *,
   split: str | None = None,
@@ -69,4 +69,4 @@ def run_analyses(
     for key, value in (("split", split), ("max_examples", max_examples))
     if value is not None
   }
-  return {name: fn(experiment, state, out_dir=out_dir, **options) for name, fn in functions.items()}
+  return {name: fn(program, state, out_dir=out_dir, **options) for name, fn in functions.items()}

@@ -319,7 +319,7 @@ def _host_variables(state) -> dict[str, Any]:
 
 
 def run_redundancy(
-  experiment,
+  program,
   state,
   *,
   split: str = "test",
@@ -329,7 +329,7 @@ def run_redundancy(
   """The 'redundancy' analysis: head distance per layer of ``state``'s model on ``split``.
 
   Args:
-    experiment: ``setup.build_experiment``'s Experiment (model, splits, config).
+    program: ``setup.build_program``'s Program (model, splits, config).
     state: the restored TrainState.
     split: evaluation split. max_examples: cap (first examples in order); None or ≤ 0 = all.
     out_dir: where ``attention_maps_example.npz`` and ``attention_maps.png`` (example 0, heads ×
@@ -343,19 +343,18 @@ def run_redundancy(
   Raises:
     ValueError: unknown split.
   """
-  if split not in experiment.splits:
+  if split not in program.splits:
     raise ValueError(
-      f"unknown split {split!r} for the redundancy analysis; the task has "
-      f"{sorted(experiment.splits)}"
+      f"unknown split {split!r} for the redundancy analysis; the task has {sorted(program.splits)}"
     )
   result = redundancy_of_split(
-    experiment.model,
+    program.model,
     _host_variables(state),
-    experiment.splits[split],
-    max_batch_size=experiment.eval_batch_size,
+    program.splits[split],
+    max_batch_size=program.eval_batch_size,
     max_examples=max_examples,
   )
-  attention = experiment.config.model.get("attention", "")
+  attention = program.config.model.get("attention", "")
   report = {
     "split": split,
     "step": int(jax.device_get(state.step)),

@@ -235,13 +235,13 @@ def sow_apply(model) -> Any:
 
 
 def latent_codes(
-  experiment: Any, state: Any, records: Mapping[str, np.ndarray], batch_size: int
+  program: Any, state: Any, records: Mapping[str, np.ndarray], batch_size: int
 ) -> tuple[list[np.ndarray] | None, str]:
   """Codes ``[N, F, 2H]`` per layer for the records, or ``(None, reason)`` without weights."""
   from primal_dual.training import sharding
   from primal_dual.training import steps
 
-  model = experiment.model
+  model = program.model
   num_layers = model.num_layers
   num_features = records["targets"].shape[-1]
   query, keys = rule_pair_positions(records["feature_order"], num_features)
@@ -249,7 +249,7 @@ def latent_codes(
   apply = sow_apply(model)
   per_layer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
   count = len(records["inputs"])
-  with sharding.mesh_context(experiment.mesh):
+  with sharding.mesh_context(program.mesh):
     for start in range(0, count, batch_size):
       stop = min(start + batch_size, count)
       maps = sown_attention_weights(apply(variables, records["inputs"][start:stop]), num_layers)
@@ -336,7 +336,7 @@ def plot_codes(
 
 
 def run(
-  experiment: Any,
+  program: Any,
   state: Any,
   *,
   split: str = "ood",
@@ -348,7 +348,7 @@ def run(
   """Decodes rules from latent codes of a trained sRAVEN model (see the module docstring).
 
   Args:
-    experiment: a ``setup.Experiment`` of the 'sraven' task.
+    program: a ``setup.Program`` of the 'sraven' task.
     state: its ``TrainState`` (e.g. restored from a checkpoint).
     split: the split whose problems are analysed ('ood': held-out rule combinations).
     max_examples: problems used (the first ones of the split); half fit, half score.
@@ -363,23 +363,23 @@ def run(
   """
   from primal_dual.training import errors
 
-  if experiment.config.task != "sraven":
+  if program.config.task != "sraven":
     raise errors.ConfigError(
       f"the latent_code analysis reads sRAVEN rules; the workdir's task is "
-      f"{experiment.config.task!r}: leave latent_code out of --analyses (redundancy works for "
+      f"{program.config.task!r}: leave latent_code out of --analyses (redundancy works for "
       "every task)"
     )
-  if split not in experiment.splits:
+  if split not in program.splits:
     raise errors.ConfigError(
-      f"unknown split {split!r}; the task has {sorted(experiment.splits)} (--analysis_split)"
+      f"unknown split {split!r}; the task has {sorted(program.splits)} (--analysis_split)"
     )
-  records = collect_records(experiment.splits[split], max_examples)
-  rule_names = tuple(experiment.metadata["rules"])
-  codes, reason = latent_codes(experiment, state, records, experiment.eval_batch_size)
+  records = collect_records(program.splits[split], max_examples)
+  rule_names = tuple(program.metadata["rules"])
+  codes, reason = latent_codes(program, state, records, program.eval_batch_size)
   summary = {
     "split": split,
     "num_problems": int(len(records["inputs"])),
-    "attention": experiment.model.attention,
+    "attention": program.model.attention,
     "rules": list(rule_names),
   }
   if codes is None:
@@ -399,7 +399,7 @@ def run(
       labels,
       rule_names,
       os.path.join(out_dir, PLOT_FILE),
-      title=f"{experiment.model.attention}: latent codes on {split}",
+      title=f"{program.model.attention}: latent codes on {split}",
     )
   return {
     "available": True,

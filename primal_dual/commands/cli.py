@@ -17,6 +17,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 EXIT_USER_ERROR = 2
@@ -129,7 +130,10 @@ def _load_config(spec: str):
 
 def unknown_field_message(config, field: str) -> str | None:
   """'unknown config field --config.a.b; did you mean --config.a.c?' if `field` (dotted, without
-  'config.') is not in `config`, else None. The suggestion is difflib's closest name."""
+  'config.') is not in `config`, else None. The suggestion is difflib's closest name; a field of
+  earlier versions names its successor (`config_lib.RETIRED_FIELDS`)."""
+  if field in config_lib.RETIRED_FIELDS and field not in config:
+    return config_lib.retired_field_message(field)
   node, parts = config, field.split(".")
   for depth, part in enumerate(parts):
     keys = list(node.keys()) if hasattr(node, "keys") else []

@@ -56,15 +56,15 @@ def _evaluate_and_analyse(workdir: str) -> dict:
 
   for name in FLAGS.analyses:  # Fail on a typo before restoring anything.
     analysis.get_analysis(name)
-  experiment, state = evaluation.restore_workdir(workdir, FLAGS.checkpoint)
-  if FLAGS.analysis_split and FLAGS.analysis_split not in experiment.splits:
+  program, state = evaluation.restore_workdir(workdir, FLAGS.checkpoint)
+  if FLAGS.analysis_split and FLAGS.analysis_split not in program.splits:
     from primal_dual.training import errors
 
     raise errors.ConfigError(
       f"--analysis_split={FLAGS.analysis_split!r} is not a split of this "
-      f"task; choose one of {sorted(experiment.splits)}"
+      f"task; choose one of {sorted(program.splits)}"
     )
-  results = evaluation.evaluate(experiment, state, tuple(FLAGS.splits) or None)
+  results = evaluation.evaluate(program, state, tuple(FLAGS.splits) or None)
   report = {
     "checkpoint": str(FLAGS.checkpoint),
     "step": int(jax.device_get(state.step)),
@@ -72,7 +72,7 @@ def _evaluate_and_analyse(workdir: str) -> dict:
   }
   report["analyses"] = analysis.run_analyses(
     FLAGS.analyses,
-    experiment,
+    program,
     state,
     split=FLAGS.analysis_split or None,
     max_examples=FLAGS.max_examples or None,

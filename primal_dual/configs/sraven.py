@@ -18,7 +18,7 @@ Arguments (``--config=primal_dual/configs/sraven.py:key=value,...``):
   held_out: the held-out split, a rule of ``HELD_OUT_RULES``: 'per_seed' (drawn from the run's
     seed, ``data.split_seed = -1``, the paper's code; the ``paper`` preset's) or 'fixed' (split
     seed 0 for every seed; the ``cpu`` preset's, and the ``paper`` preset's before). '' = the
-    preset's. 'per_seed' trains one seed per program (not ``config.seeds`` replicas).
+    preset's. 'per_seed' trains one seed per program (not ``config.sweep.seed`` replicas).
   runlocal: a tiny model and a few steps, for smoke tests.
 
 Presets

@@ -236,8 +236,8 @@ def run_split_seed(split_seed: int, seed: int, seeds: tuple[int, ...] = ()) -> i
 
   Args:
     split_seed: ``config.data.split_seed`` (≥ 0, or ``SPLIT_SEED_OF_RUN``).
-    seed: ``config.seed``. seeds: the seeds of replicas trained in one program (``config.seeds``
-      or ``config.sweep.seed``).
+    seed: ``config.seed``.
+    seeds: the seeds of replicas trained in one program (``config.sweep.seed``).
 
   Raises:
     ValueError: a per-run split with several replica seeds (they share one data pipeline, so one

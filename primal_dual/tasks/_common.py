@@ -110,10 +110,10 @@ def config_dataclass(
 
 
 def replica_seeds(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """The seeds of the replicas a config trains in one program: ``config.seeds`` or
-  ``config.sweep.seed`` (empty for a single seed)."""
+  """The seeds of the replicas a config trains in one program, ``config.sweep.seed`` (empty for a
+  single seed)."""
   sweep = config.get("sweep") or {}
-  return tuple(config.get("seeds") or ()) or tuple(sweep.get("seed") or ())
+  return tuple(sweep.get("seed") or ())
 
 
 def run_family(cls: type[DataclassT], config: ml_collections.ConfigDict) -> DataclassT:

@@ -202,9 +202,6 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Generated tasks (sRAVEN, logic): make each training batch on the device inside the step
   # from a counter-based key, instead of reading it from the host loader.
   config.train_data_on_device = False
-  # Several seeds in one program: the replicas (same config, these seeds) train as one vmapped
-  # step; each keeps its own `<workdir>/seed_<s>` as if run alone. Empty: one run of `seed`.
-  config.seeds = ()
   # A sweep in one program (`training/sweep.py`): value lists of `SWEEPABLE` fields, e.g.
   # sweep.optimizer.lr = (1e-3, 3e-4), whose product is the replicas, and/or sweep.points, the
   # replicas listed one by one ("lr=0.001,wd=0.1", ...). All empty: no sweep.
@@ -278,6 +275,38 @@ def validate(config: ml_collections.ConfigDict) -> None:
       f"config.selection.mode={mode!r} must be 'max', 'min' or '' (the metric's own: 'min' for "
       "losses)"
     )
+
+
+# Fields of earlier versions → the field that now says the same. An empty value (in a config.json
+# or experiment.json they wrote) meant nothing and is dropped; any other is refused in one line.
+RETIRED_FIELDS = {"seeds": "sweep.seed"}
+
+
+def retired_field_message(name: str, value: Any = None) -> str:
+  """'config.seeds is now config.sweep.seed: ...', the one line refusing a retired field."""
+  given = f"='{tuple(value)}'" if value else "='(<values>)'"
+  return (
+    f"config.{name} is now config.{RETIRED_FIELDS[name]}: set "
+    f"--config.{RETIRED_FIELDS[name]}{given} instead"
+  )
+
+
+def without_retired_fields(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` without the `RETIRED_FIELDS` (an empty one, as earlier versions wrote, is dropped).
+
+  Raises:
+    errors.ConfigError: a retired field that is set, e.g. `config.seeds=(0, 1)`.
+  """
+  present = [name for name in RETIRED_FIELDS if name in config]
+  if not present:
+    return config
+  for name in present:
+    if config[name]:
+      raise errors.ConfigError(retired_field_message(name, config[name]))
+  kept = ml_collections.ConfigDict(config.to_dict())
+  for name in present:
+    del kept[name]
+  return kept
 
 
 def with_fields(

@@ -4,7 +4,7 @@ reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved wor
 
 import functools
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import numpy as np
@@ -15,26 +15,23 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import sharding
 from primal_dual.training import steps
-from primal_dual.training.setup import Experiment, build_experiment, resolve_config
+from primal_dual.training.setup import Program, build_program, resolve_config
 from primal_dual.training.steps import TrainState
 
 EVAL_FILE = "eval.json"
 
 
-def sum_metrics(
-  metric_list: list[Mapping[str, tuple]], replicas: bool = False
-) -> dict[str, tuple[Any, Any]]:
+def sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Adds up per-batch (sum, count) dicts on the host (one device-to-host transfer), in float64:
-  Python floats for a single run, `[replicas]` arrays for replicas."""
+  `[R]` arrays, one entry per replica (a single run's `[]` metrics count as `[1]`:
+  `setup.ReplicaAxis`)."""
   totals = {}
   for metrics in jax.device_get(metric_list):
     for name, (total, count) in metrics.items():
-      total, count = (np.asarray(x, np.float64) for x in (total, count))
+      total, count = (np.atleast_1d(np.asarray(x, np.float64)) for x in (total, count))
       if name in totals:
         total, count = totals[name][0] + total, totals[name][1] + count
       totals[name] = (total, count)
-  if not replicas:
-    totals = {name: (float(t), float(c)) for name, (t, c) in totals.items()}
   return totals
 
 
@@ -46,65 +43,62 @@ def split_means(totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
   }
 
 
-def reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
-  """Σ sums / Σ counts over a list of per-batch (sum, count) dicts."""
-  return split_means(sum_metrics(metric_list))
-
-
 def reduce_runs(metric_list: list[Mapping[str, tuple]]) -> list[dict[str, float]]:
-  """`reduce_metrics` per replica of (sum, count) pairs `[R]` (`[]`: a single run, one replica,
-  `setup.ReplicaAxis`): one dict per replica."""
-  totals = {
-    name: (np.atleast_1d(t), np.atleast_1d(c))
-    for name, (t, c) in sum_metrics(metric_list, replicas=True).items()
-  }
+  """Σ sums / Σ counts of per-batch (sum, count) pairs `[R]`: one dict per replica."""
+  totals = sum_metrics(metric_list)
   num = len(next(iter(totals.values()))[0]) if totals else 0
   return [split_means({name: (t[i], c[i]) for name, (t, c) in totals.items()}) for i in range(num)]
 
 
+def reduce_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, float]:
+  """`reduce_runs` of one replica's per-batch (sum, count) dicts ({} for none)."""
+  (means,) = reduce_runs(metric_list) or [{}]
+  return means
+
+
 def evaluate_runs(
-  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+  program: Program, state: TrainState, split_names: tuple[str, ...] | None = None
 ) -> list[dict[str, dict[str, float]]]:
-  """`evaluate` of every replica of the trained state (`Experiment.replica_axis`): one result
+  """`evaluate` of every replica of the trained state (`Program.replica_axis`): one result
   each."""
   per_split = {}
-  for split in split_names or experiment.eval_splits:
-    if split not in experiment.splits:
-      raise errors.ConfigError(f"unknown split {split!r}; the task has {sorted(experiment.splits)}")
+  for split in split_names or program.eval_splits:
+    if split not in program.splits:
+      raise errors.ConfigError(f"unknown split {split!r}; the task has {sorted(program.splits)}")
     per_batch = [
-      experiment.eval_step(state, sharding.shard_batch(batch, experiment.mesh))
-      for batch in experiment.eval_batches(split)
+      program.eval_step(state, sharding.shard_batch(batch, program.mesh))
+      for batch in program.eval_batches(split)
     ]
     per_split[split] = reduce_runs(per_batch)
   return [
-    {split: runs[i] for split, runs in per_split.items()} for i in range(len(experiment.replicas))
+    {split: runs[i] for split, runs in per_split.items()} for i in range(len(program.replicas))
   ]
 
 
 def evaluate(
-  experiment: Experiment, state: TrainState, split_names: tuple[str, ...] | None = None
+  program: Program, state: TrainState, split_names: tuple[str, ...] | None = None
 ) -> dict[str, dict[str, float]]:
   """Metrics of `state` on whole splits (every example exactly once).
 
   Args:
-    experiment: a single run's (one replica).
+    program: a single run's (one replica).
     state: its state, unstacked (as restored from a checkpoint).
 
   Returns:
     split → metric name → mean over the split's examples.
   """
-  return evaluate_runs(experiment, experiment.stack_replicas([state]), split_names)[0]
+  return evaluate_runs(program, program.stack_replicas([state]), split_names)[0]
 
 
-def reported_metrics(experiment: Experiment) -> frozenset[str]:
-  """The metric names an evaluation of `experiment` reports (per split), found by tracing the
+def reported_metrics(program: Program) -> frozenset[str]:
+  """The metric names an evaluation of `program` reports (per split), found by tracing the
   eval step on one batch of the first evaluation split (nothing is compiled or run)."""
-  splits = experiment.eval_splits or (experiment.config.selection.split,)
-  batch = next(iter(experiment.eval_batches(splits[0])))
+  splits = program.eval_splits or (program.config.selection.split,)
+  batch = next(iter(program.eval_batches(splits[0])))
   evaluate_one = functools.partial(
-    steps.eval_step, model=experiment.model, loss_fn=experiment.task.loss_and_metrics
+    steps.eval_step, model=program.model, loss_fn=program.task.loss_and_metrics
   )
-  return frozenset(jax.eval_shape(evaluate_one, experiment.abstract_state, batch))
+  return frozenset(jax.eval_shape(evaluate_one, program.abstract_state, batch))
 
 
 def flatten_results(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -132,10 +126,9 @@ def _checkpoint_location(checkpoint: str | int) -> tuple[str, int | None]:
   raise errors.ConfigError(f"checkpoint {name!r} is not 'latest', 'selected' or a step number")
 
 
-def _refuse_multi_seed_workdir(workdir: str) -> None:
-  """A sweep's workdir (`config.sweep`, `config.seeds`) holds one workdir per replica
-  (`lr=0.001,seed=0/`, `seed_<s>/`) and no config of its own: say which folders to evaluate
-  instead of "config.json not found".
+def _refuse_sweep_workdir(workdir: str) -> None:
+  """A sweep's workdir (`config.sweep`) holds one workdir per replica (`lr=0.001,seed=0/`, `seed=0/`, ...) and no
+  config of its own: say which folders to evaluate instead of "config.json not found".
 
   Raises:
     errors.WorkdirError: `workdir` has no config.json but sub-workdirs that have one.
@@ -154,32 +147,32 @@ def _refuse_multi_seed_workdir(workdir: str) -> None:
     )
 
 
-def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Experiment, TrainState]:
-  """Rebuilds a workdir's experiment from its saved config and restores one checkpoint.
+def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Program, TrainState]:
+  """Rebuilds a workdir's program from its saved config and restores one checkpoint.
 
   Args:
     workdir: a `train_and_evaluate` workdir (needs config.json and checkpoints/).
     checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
 
   Returns:
-    `(experiment, state)`: the Experiment of `build_experiment` and the restored TrainState.
+    `(program, state)`: the Program of `build_program` and the restored TrainState.
 
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
     errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
-    errors.WorkdirError: `workdir` holds one sub-workdir per seed (`seed_<s>`) instead.
+    errors.WorkdirError: `workdir` holds a sweep's sub-workdirs instead (one per replica).
   """
   directory, step = _checkpoint_location(checkpoint)
   workdir = os.path.abspath(workdir)
-  _refuse_multi_seed_workdir(workdir)
+  _refuse_sweep_workdir(workdir)
   config = resolve_config(config_lib.read_config(workdir))
-  experiment = build_experiment(config, for_training=False)
+  program = build_program(config, for_training=False)
   # Read-only: the workdir may be training right now, and its unfinished saves must stay.
   with checkpointing.Checkpointer(
     os.path.join(workdir, directory), keep=None, async_save=False, read_only=True
   ) as checkpointer:
-    state, _ = checkpointer.restore(step, experiment.restore_target())
-  return experiment, state
+    state, _ = checkpointer.restore(step, program.restore_target())
+  return program, state
 
 
 def evaluate_workdir(
@@ -200,8 +193,8 @@ def evaluate_workdir(
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
   """
   workdir = os.path.abspath(workdir)
-  experiment, state = restore_workdir(workdir, checkpoint)
-  results = evaluate(experiment, state, tuple(splits) if splits else None)
+  program, state = restore_workdir(workdir, checkpoint)
+  results = evaluate(program, state, tuple(splits) if splits else None)
   report = {
     "checkpoint": str(checkpoint),
     "step": int(jax.device_get(state.step)),

@@ -1,8 +1,9 @@
 """Everything built once from a config before a step runs: `resolve_config`, and
-`build_experiment` (data, model, mesh, optimizer, shardings, jitted steps) with its `Experiment`.
+`build_program` (data, model, mesh, optimizer, shardings, jitted steps) with its `Program`, what
+every replica shares.
 
-Splits are built lazily (`LazySplits`): an experiment built for evaluation
-(`build_experiment(config, for_training=False)`) never builds the training split.
+Splits are built lazily (`LazySplits`): a program built for evaluation
+(`build_program(config, for_training=False)`) never builds the training split.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import flax.linen as nn
 import grain
@@ -40,10 +41,12 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenCo
   """The effective config: `training_defaults()` overridden by `config`, frozen.
 
   Raises:
-    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`).
+    errors.ConfigError: bad model sizes or dropout rates (`config_lib.validate`), or a field of
+      earlier versions that is set (`config_lib.RETIRED_FIELDS`, e.g. `config.seeds`).
   """
   if isinstance(config, ml_collections.FrozenConfigDict):
     config = config.as_configdict()
+  config = config_lib.without_retired_fields(config)
   config_lib.validate(config)
   config = config_lib.with_variant_options(config)
   return config_lib.freeze(config_lib.merge(config_lib.training_defaults(), config))
@@ -68,14 +71,29 @@ def _state_key(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(seed))
 
 
+class RunLength(NamedTuple):
+  """How long the replicas train and when they act: `total_steps`, `steps_per_epoch`, and
+  `periods`, each periodic action's period in steps (0: the final step only)."""
+
+  total_steps: int
+  steps_per_epoch: int
+  periods: dict[str, int]
+
+
 @dataclasses.dataclass
-class Experiment:
-  """Everything built once from a config: data, model, mesh, optimizer, jitted steps.
+class Program:
+  """What every replica shares on the device, built once from a config (`build_program`).
 
   The trained state holds every replica (`replicas`: a sweep's, or the single run as one) in the
-  layout of `replica_axis` (`[R, ...]`, kept whole on every device: `run_shardings`); model, data
-  and program are shared. `init_state`, `train_step`, `tx` and `schedule` are those of the first
-  replica alone, as a single run's step is written.
+  layout of `replica_axis` (`[R, ...]`, kept whole on every device: `run_shardings`); data, model,
+  mesh and the compiled steps are shared. What each replica owns on the host (its workdir, files,
+  tracker) is `runs.Runs`'.
+
+  Attributes:
+    init: the initial state of every replica, stacked (`TrainState` in `replica_axis`'s layout).
+    run_steps: the next K steps of every replica (`StepRunner`).
+    eval_step: `(state, batch) -> per-replica (sum, count) metrics` of one padded batch.
+    state_shardings, abstract_state: of one replica's state (as checkpointed).
   """
 
   config: ml_collections.FrozenConfigDict
@@ -84,25 +102,29 @@ class Experiment:
   metadata: dict[str, Any]
   model: nn.Module
   mesh: jax.sharding.Mesh
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
-  total_steps: int
-  steps_per_epoch: int
-  local_batch_size: int
-  eval_batch_size: int
-  eval_splits: tuple[str, ...]
-  state_shardings: TrainState
-  abstract_state: TrainState
-  init_state: Callable[[], TrainState]
-  train_step: Callable
-  eval_step: Callable
-  action_periods: dict[str, int]
-  run_steps: "StepRunner"
   replicas: tuple[sweep.Replica, ...]  # trained in one program; one for a single run
   replica_axis: "ReplicaAxis"
   optimizer: optim.ReplicaOptimizer  # every replica's optimizer numbers and schedule
-  init_replicas: Callable[[], TrainState]  # the initial state of every replica, stacked
-  run_shardings: TrainState  # of the stacked state
+  length: RunLength
+  eval_splits: tuple[str, ...]
+  abstract_state: TrainState
+  state_shardings: TrainState
+  init: Callable[[], TrainState]
+  run_steps: "StepRunner"
+  eval_step: Callable
+
+  @property
+  def total_steps(self) -> int:
+    return self.length.total_steps
+
+  @property
+  def eval_batch_size(self) -> int:
+    return self.config.eval_batch_size or self.config.batch_size
+
+  @property
+  def run_shardings(self) -> TrainState:
+    """Shardings of the stacked state."""
+    return self.replica_axis.shardings(self.state_shardings, self.mesh)
 
   def stack_replicas(self, states: list[TrainState]) -> TrainState:
     """One state per replica (as restored) → the trained state, placed for training."""
@@ -120,7 +142,7 @@ class Experiment:
     loader = self.config.loader
     return pipeline.make_loader(
       self.splits["train"],
-      batch_size=self.local_batch_size,
+      batch_size=self.config.batch_size // jax.process_count(),
       seed=self.config.seed,
       shuffle=True,
       num_epochs=None,
@@ -138,6 +160,7 @@ class Experiment:
     return pipeline.iterate_eval(self.splits[split], self.eval_batch_size // jax.process_count())
 
   def restore_target(self) -> TrainState:
+    """One replica's state as a checkpoint restores it (abstract, with its shardings)."""
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
 
 
@@ -454,7 +477,7 @@ def _device_batch(task: task_registry.Task, config, metadata, seeds: set[int]) -
   if not config.get("train_data_on_device", False):
     if len(seeds) > 1:
       raise errors.ConfigError(
-        "replicas of different seeds (config.seeds, config.sweep.seed) train in one program on "
+        "replicas of different seeds (config.sweep.seed) train in one program on "
         "batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)"
       )
     return None
@@ -481,76 +504,53 @@ def _eval_splits(config, task: task_registry.Task, splits: LazySplits) -> tuple[
   return tuple(s for s in eval_splits if s in splits)
 
 
-def build_experiment(
-  config: ml_collections.FrozenConfigDict, *, for_training: bool = True
-) -> Experiment:
-  """Builds data, model, mesh, optimizer, shardings and the jitted steps (nothing runs yet).
-
-  Args:
-    config: a resolved config (`resolve_config`).
-    for_training: False builds an experiment for evaluation only: the training split is never
-      built (the model is traced on the first evaluation split's first record), and
-      `total_steps` and `steps_per_epoch` are those of `config.num_train_steps` alone (0 for an
-      epoch-based run, whose length needs the training split), and there are no action periods.
-
-  Raises:
-    errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
-  """
-  task = task_registry.get_task(config.task)
-  splits, metadata = _build_data(task, config)
-  mesh = sharding.make_mesh(config.mesh)
+def _check_batch_sizes(config, mesh) -> None:
   data_axis = mesh.shape["data"]
-  eval_batch_size = config.eval_batch_size or config.batch_size
   _check_batch_size("batch_size", config.batch_size, data_axis)
-  _check_batch_size("eval_batch_size", eval_batch_size, data_axis)
-  eval_splits = _eval_splits(config, task, splits)
-  if for_training:
-    total_steps, steps_per_epoch = _training_length(config, len(splits["train"]))
-  else:
-    total_steps, steps_per_epoch = max(int(config.num_train_steps), 0), 0
-  replicas = sweep.replicas_of(config)
-  optimizer = optim.make_replica_optimizer(
-    [replica.config.optimizer for replica in replicas], max(total_steps, 1)
-  )
-  tx, schedule = optim.make_optimizer(optimizer.structure, max(total_steps, 1))
-  model = task.build_model(config, metadata)
-  model_numbers = sweep.model_numbers(config, replicas, model)
-  example_split = "train" if for_training else (eval_splits or tuple(splits))[0]
-  initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
+  _check_batch_size("eval_batch_size", config.eval_batch_size or config.batch_size, data_axis)
 
-  root_rng = _state_key(replicas[0].config.seed)
-  abstract_variables, abstract_state = _abstract_state(initializer, root_rng, mesh)
-  state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
-  replicated = sharding.replicated(mesh)
-  batch_sharding = sharding.batch_sharding(mesh)
-  replica_axis = ReplicaAxis(len(replicas))
-  run_shardings = replica_axis.shardings(state_shardings, mesh)
-  jit_train = jax.jit(
-    functools.partial(train_step, model=model, tx=tx, loss_fn=task.loss_and_metrics),
-    in_shardings=(state_shardings, batch_sharding),
-    out_shardings=(state_shardings, replicated, replicated),
-    donate_argnums=(0,),
-  )
-  evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
-  jit_eval = jax.jit(
-    replica_axis.map(evaluate_one, (0, None)),
-    in_shardings=(run_shardings, batch_sharding),
-    out_shardings=replicated,
-  )
-  seeds = {replica.config.seed for replica in replicas}
+
+def _run_length(config, splits: LazySplits, for_training: bool) -> RunLength:
+  """The run's length and action periods. For evaluation alone the training split is never read:
+  `num_train_steps` alone (0 for an epoch-based run) and no periods (epoch-based ones would be
+  computed from 0 steps per epoch)."""
+  if not for_training:
+    return RunLength(max(int(config.num_train_steps), 0), 0, {})
+  total_steps, steps_per_epoch = _training_length(config, len(splits["train"]))
+  return RunLength(total_steps, steps_per_epoch, _action_periods(config, steps_per_epoch))
+
+
+def _step_runner(
+  config,
+  task,
+  metadata,
+  model,
+  optimizer,
+  mesh,
+  replicas,
+  replica_axis,
+  *,
+  run_shardings,
+  for_training: bool,
+) -> StepRunner:
+  """The K-step program of every replica (`StepRunner`), with the task's on-device stream when
+  the batches are made on the device."""
+  seeds = [replica.config.seed for replica in replicas]
+  device_batch = _device_batch(task, config, metadata, set(seeds)) if for_training else None
+  model_numbers = sweep.model_numbers(config, replicas, model)
   scanned_steps = functools.partial(
     _replica_steps,
     optimizer=optimizer,
     model=model,
     loss_fn=task.loss_and_metrics,
-    device_batch=_device_batch(task, config, metadata, seeds) if for_training else None,
+    device_batch=device_batch,
     batch_size=config.batch_size,
-    batch_sharding=batch_sharding,
+    batch_sharding=sharding.batch_sharding(mesh),
   )
   single_step = functools.partial(
     _replica_step, optimizer=optimizer, model=model, loss_fn=task.loss_and_metrics
   )
-  run_steps = StepRunner(
+  return StepRunner(
     single_step,
     scanned_steps,
     mesh,
@@ -558,40 +558,87 @@ def build_experiment(
     replica_axis=replica_axis,
     hyperparameters={**optimizer.hyperparameters, **model_numbers},
     steps_per_call=int(config.get("steps_per_call", 1)),
-    data_seed=np.asarray([replica.config.seed for replica in replicas], np.int32),
+    data_seed=np.asarray(seeds, np.int32),
   )
-  init_state = functools.partial(
-    jax.jit(initializer.state, out_shardings=state_shardings), root_rng
+
+
+def _replicated_eval_step(model, task, mesh, replica_axis, run_shardings) -> Callable:
+  """`steps.eval_step` of every replica on one shared batch, jitted."""
+  evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
+  jitted = jax.jit(
+    replica_axis.map(evaluate_one, (0, None)),
+    in_shardings=(run_shardings, sharding.batch_sharding(mesh)),
+    out_shardings=sharding.replicated(mesh),
   )
-  init_replicas = functools.partial(
-    jax.jit(replica_axis.map(initializer.state, (0,)), out_shardings=run_shardings),
-    replica_axis.stack([_state_key(replica.config.seed) for replica in replicas]),
+  return _in_mesh(jitted, mesh)
+
+
+def _replicated_init(initializer, replicas, mesh, replica_axis, run_shardings) -> Callable:
+  """A zero-argument function: every replica's initial state from its own seed, stacked."""
+  init = jax.jit(replica_axis.map(initializer.state, (0,)), out_shardings=run_shardings)
+  keys = replica_axis.stack([_state_key(replica.config.seed) for replica in replicas])
+  return _in_mesh(functools.partial(init, keys), mesh)
+
+
+def build_program(config: ml_collections.FrozenConfigDict, *, for_training: bool = True) -> Program:
+  """Builds data, model, mesh, optimizer, shardings and the jitted steps (nothing runs yet).
+
+  Args:
+    config: a resolved config (`resolve_config`).
+    for_training: False builds a program for evaluation only: the training split is never
+      built (the model is traced on the first evaluation split's first record), and its length
+      is `RunLength` of `config.num_train_steps` alone, without action periods.
+
+  Raises:
+    errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
+  """
+  task = task_registry.get_task(config.task)
+  splits, metadata = _build_data(task, config)
+  mesh = sharding.make_mesh(config.mesh)
+  _check_batch_sizes(config, mesh)
+  eval_splits = _eval_splits(config, task, splits)
+  length = _run_length(config, splits, for_training)
+  replicas = sweep.replicas_of(config)
+  optimizer = optim.make_replica_optimizer(
+    [replica.config.optimizer for replica in replicas], max(length.total_steps, 1)
   )
-  return Experiment(
+  # The chain's structure (not its numbers) decides the initial optimizer state.
+  tx, _ = optim.make_optimizer(optimizer.structure, max(length.total_steps, 1))
+  model = task.build_model(config, metadata)
+  example_split = "train" if for_training else (eval_splits or tuple(splits))[0]
+  initializer = _Initializer(model, tx, stack_records([splits[example_split][0]]))
+  abstract_variables, abstract_state = _abstract_state(
+    initializer, _state_key(replicas[0].config.seed), mesh
+  )
+  state_shardings = _state_shardings(abstract_variables, abstract_state, mesh)
+  replica_axis = ReplicaAxis(len(replicas))
+  run_shardings = replica_axis.shardings(state_shardings, mesh)
+  return Program(
     config=config,
     task=task,
     splits=splits,
     metadata=metadata,
     model=model,
     mesh=mesh,
-    tx=tx,
-    schedule=schedule,
-    total_steps=total_steps,
-    steps_per_epoch=steps_per_epoch,
-    local_batch_size=config.batch_size // jax.process_count(),
-    eval_batch_size=eval_batch_size,
-    eval_splits=eval_splits,
-    state_shardings=state_shardings,
-    abstract_state=abstract_state,
-    init_state=_in_mesh(init_state, mesh),
-    train_step=_in_mesh(jit_train, mesh),
-    eval_step=_in_mesh(jit_eval, mesh),
-    # Evaluation has no periods: epoch-based ones would be computed from 0 steps per epoch.
-    action_periods=_action_periods(config, steps_per_epoch) if for_training else {},
-    run_steps=run_steps,
     replicas=replicas,
     replica_axis=replica_axis,
     optimizer=optimizer,
-    init_replicas=_in_mesh(init_replicas, mesh),
-    run_shardings=run_shardings,
+    length=length,
+    eval_splits=eval_splits,
+    abstract_state=abstract_state,
+    state_shardings=state_shardings,
+    init=_replicated_init(initializer, replicas, mesh, replica_axis, run_shardings),
+    run_steps=_step_runner(
+      config,
+      task,
+      metadata,
+      model,
+      optimizer,
+      mesh,
+      replicas,
+      replica_axis,
+      run_shardings=run_shardings,
+      for_training=for_training,
+    ),
+    eval_step=_replicated_eval_step(model, task, mesh, replica_axis, run_shardings),
   )

@@ -1,6 +1,6 @@
 """The pure step functions: one optimisation step, K scanned steps, one evaluation batch.
 
-Nothing here knows about files, meshes or tasks: `setup.build_experiment` binds the model, the
+Nothing here knows about files, meshes or tasks: `setup.build_program` binds the model, the
 optimizer and the task's loss and jits them with shardings; benchmarks time these same functions.
 """
 

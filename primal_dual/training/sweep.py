@@ -1,4 +1,4 @@
-"""A sweep trained as replicas of one program: `config.sweep` (or `config.seeds`) → `Replica`s.
+"""A sweep trained as replicas of one program: `config.sweep` → `Replica`s.
 
 `config.sweep` holds value lists of scalar settings that leave the program's shapes and operations
 alone (`config_lib.SWEEPABLE`), whose product is the replicas, and/or `config.sweep.points`, the
@@ -15,8 +15,8 @@ the workdir itself::
 
 A point is written as a sub-workdir name is (the short names of `SWEEPABLE`); a field some point
 leaves out keeps the config's value there. A field is given by the points or by a value list, never
-both. `config.seeds = (0, 1)` is the seed-only sweep; seed-only sweeps keep the sub-workdir names
-`seed_<s>` of earlier versions.
+both. `config.sweep.seed = (0, 1)` alone is the seed-only sweep, in `<workdir>/seed=0` and
+`seed=1`.
 
 The optimizer's numbers differ between replicas inside `optim.ReplicaOptimizer`; the model's
 dropout rates (`MODEL_NUMBERS`) as traced numbers set on the model (`replica_model`), whose dropout
@@ -44,7 +44,7 @@ class Replica:
   """One model of a sweep.
 
   Attributes:
-    config: the replica's own config, that of a single run (no sweep, no seeds).
+    config: the replica's own config, that of a single run (no sweep).
     name: its sub-workdir's name; '' for a single run (its workdir is the workdir itself).
     values: the swept fields' values, by dotted name ({} for a single run).
   """
@@ -106,11 +106,11 @@ def _typed_values(config, dotted: str, values) -> tuple:
 
 
 def swept_values(config) -> dict[str, tuple]:
-  """The non-empty value lists of `config.sweep` and `config.seeds`, in `SWEEPABLE` order.
+  """The non-empty value lists of `config.sweep`, in `SWEEPABLE` order.
 
   Raises:
     errors.ConfigError: a field that cannot be replicated, a value that is not a number of the
-      field's type, repeated values, or both `config.seeds` and `config.sweep.seed`.
+      field's type, or repeated values.
   """
   lists = {k: v for k, v in (config.get("sweep") or {}).items() if k != "points"}
   given = {k: v for k, v in _flatten(lists).items() if len(v or ())}
@@ -120,11 +120,6 @@ def swept_values(config) -> dict[str, tuple]:
       f"config.sweep cannot replicate {', '.join(unknown)}: replicas share one program, so only "
       f"settings that keep its shapes and operations can differ ({', '.join(SWEEPABLE)})"
     )
-  seeds = tuple(config.get("seeds") or ())
-  if seeds:
-    if "seed" in given:
-      raise errors.ConfigError("set config.seeds or config.sweep.seed, not both")
-    given["seed"] = seeds
   return {
     dotted: _typed_values(config, dotted, given[dotted]) for dotted in SWEEPABLE if dotted in given
   }
@@ -185,17 +180,13 @@ def _format(value) -> str:
 
 
 def replica_name(values: Mapping[str, Any]) -> str:
-  """The sub-workdir name of a replica: `seed_<s>` for a seed-only sweep, else
-  `lr=0.001,wd=0.1,seed=0` (short names of `SWEEPABLE`, in its order)."""
-  if not values:
-    return ""
-  if set(values) == {"seed"}:
-    return f"seed_{values['seed']}"
+  """The sub-workdir name of a replica, `lr=0.001,wd=0.1,seed=0` (short names of `SWEEPABLE`, in
+  its order); '' for a single run."""
   return ",".join(f"{SWEEPABLE[dotted]}={_format(values[dotted])}" for dotted in values)
 
 
 def replica_config(config, values: Mapping[str, Any]) -> ml_collections.FrozenConfigDict:
-  """`config` with `values` set and neither sweep nor seeds: the config of a single run.
+  """`config` with `values` set and no sweep: the config of a single run.
 
   Raises:
     errors.ConfigError: a value its field refuses (`config_lib.validate`: a dropout rate outside
@@ -204,7 +195,7 @@ def replica_config(config, values: Mapping[str, Any]) -> ml_collections.FrozenCo
   as_dict = (
     config.as_configdict() if isinstance(config, ml_collections.FrozenConfigDict) else config
   )
-  single = config_lib.with_fields(as_dict, {"seeds": (), **values})
+  single = config_lib.with_fields(as_dict, values)
   single.sweep = config_lib.sweep_defaults()
   config_lib.validate(single)
   return config_lib.freeze(single)
@@ -224,7 +215,7 @@ def replicas_of(config: ml_collections.FrozenConfigDict) -> tuple[Replica, ...]:
   both = [SWEEPABLE[dotted] for dotted in swept if points and dotted in points[0]]
   if both:
     raise errors.ConfigError(
-      f"config.sweep.points and a value list (config.sweep.<field>, config.seeds) both set "
+      f"config.sweep.points and a value list (config.sweep.<field>) both set "
       f"{', '.join(both)}: give each field in the points or in a list, not both"
     )
   if not swept and not points:

@@ -25,6 +25,7 @@ import filelock
 import ml_collections
 
 from primal_dual import atomic
+from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 EXPERIMENT_FILE = "experiment.json"
@@ -41,7 +42,6 @@ DEFINING_FIELDS = (
   "model",
   "optimizer",
   "seed",
-  "seeds",
   "sweep",  # a sweep's workdir holds its replicas
   "batch_size",
   "loader.batch_reads",  # decides the order of the training examples
@@ -101,11 +101,15 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
 
   Fields the stored definition does not name are not compared: the workdir's runs predate them
   (a field added to the code later, e.g. `loader.batch_reads`), so they ran with its default.
+  Nor are `config_lib.RETIRED_FIELDS` stored empty (they meant nothing).
   """
+  compared = {
+    name: value for name, value in stored.items() if name not in config_lib.RETIRED_FIELDS or value
+  }
   return [
-    f"{name} {stored[name]!r} != {current.get(name, _UNSET)!r}"
-    for name in sorted(stored)
-    if stored[name] != current.get(name, _UNSET)
+    f"{name} {compared[name]!r} != {current.get(name, _UNSET)!r}"
+    for name in sorted(compared)
+    if compared[name] != current.get(name, _UNSET)
   ]
 
 
