@@ -194,11 +194,14 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
 
   k = sizes.steps_per_call
   measurement = small_models.Measurement(model, "softmax", k, True, sizes.quick_models)
-  experiment, replicas_state = small_models.build(measurement)
-  config, task = experiment.config, experiment.task
-  make_batch = task.device_train_stream(config, experiment.metadata)
+  # One replica: the Program's state has no replica axis, and its one optimizer is replica 0's.
+  program, state = small_models.build(measurement)
+  config, task = program.config, program.task
+  make_batch = task.device_train_stream(config, program.metadata)
   seed = jnp.int32(config.seed)
-  state = experiment.init_state()
+  tx = program.optimizer.transformation(
+    {name: jnp.asarray(values[0]) for name, values in program.optimizer.hyperparameters.items()}
+  )
 
   def records_of(step_index):  # uint32 []: the records of training step `step_index`
     return step_index * jnp.uint32(config.batch_size) + jnp.arange(
@@ -211,13 +214,11 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
 
   def forward(total, batch):
     variables = steps.model_variables(state.params, state.batch_stats)
-    outputs = experiment.model.apply(
-      variables, batch["inputs"], mask=batch.get("mask"), train=False
-    )
+    outputs = program.model.apply(variables, batch["inputs"], mask=batch.get("mask"), train=False)
     return total + task.loss_and_metrics(outputs, batch)[0]
 
   def train(current, batch):
-    bound = dict(model=experiment.model, tx=experiment.tx, loss_fn=task.loss_and_metrics)
+    bound = dict(model=program.model, tx=tx, loss_fn=task.loss_and_metrics)
     return steps.train_step(current, batch, **bound)[0]
 
   step_indices = jnp.arange(k, dtype=jnp.uint32)
@@ -237,11 +238,11 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
   # The selection split (the others are larger: the report gives examples/s to scale by); the
   # first pass builds the split and compiles the eval step.
   split = (config.selection.split,)
-  evaluation.evaluate_runs(experiment, replicas_state, split)
+  evaluation.evaluate_runs(program, state, split)
   start = time.perf_counter()
-  evaluation.evaluate_runs(experiment, replicas_state, split)
+  evaluation.evaluate_runs(program, state, split)
   evaluation_s = time.perf_counter() - start
-  examples = len(experiment.splits[config.selection.split])
+  examples = len(program.splits[config.selection.split])
   return {
     "model": model,
     "variant": "softmax",

@@ -222,6 +222,11 @@ def test_per_seed_held_out_set_refuses_replica_seeds(task):
   # Replicas of several seeds share one data pipeline.
   with pytest.raises(ValueError, match="cannot train the seeds"):
     module.build_data(config_lib.with_fields(config, {"sweep.seed": (0, 1)}))
+  # Seeds set by listed points are replica seeds too.
+  with pytest.raises(ValueError, match="cannot train the seeds"):
+    module.build_data(config_lib.with_fields(config, {"sweep.points": ("seed=0", "seed=1")}))
+  points = config_lib.with_fields(config, {"sweep.points": ("seed=3,lr=0.001", "seed=3,lr=0.0003")})
+  assert family(points).split_seed == 3
   # Sweeping other settings at one seed keeps the per-seed split.
   swept = config_lib.with_fields(config, {"sweep.optimizer.lr": (1e-3, 3e-4)})
   assert family(swept).split_seed == 1

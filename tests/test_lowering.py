@@ -272,18 +272,18 @@ def test_every_variant_layer_lowers_for_cuda_and_tpu(name, layer, platform, devi
 
 
 @pytest.fixture(scope="module")
-def runlocal_experiment(tmp_path_factory):
-  """``get(name)``: the experiment of packaged config ``name`` with ``runlocal``, built once (its
+def runlocal_program(tmp_path_factory):
+  """``get(name)``: the trainer's Program of packaged config ``name`` with ``runlocal``, built once (its
   data are generated or shipped; a TFDS preparation goes to a temporary folder)."""
   built = {}
   data_dir = tmp_path_factory.mktemp("tfds")
 
-  def get(name: str) -> setup.Experiment:
+  def get(name: str) -> setup.Program:
     if name not in built:
       config = configs.load(name, "runlocal")
       if "data_dir" in config.data:
         config.data.data_dir = str(data_dir)
-      built[name] = setup.build_experiment(setup.resolve_config(config))
+      built[name] = setup.build_program(setup.resolve_config(config))
     return built[name]
 
   return get
@@ -304,41 +304,41 @@ def abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def trainer_programs(experiment: setup.Experiment) -> dict:
+def trainer_programs(program: setup.Program) -> dict:
   """``{'train' | 'eval': (jitted program, abstract args)}``: the program the trainer runs for
   ``steps_per_call`` steps (``StepRunner``) and the evaluation step."""
-  runner = experiment.run_steps
-  state = jax.eval_shape(experiment.init_replicas.__wrapped__)
-  train_source = experiment.splits["train"]
+  runner = program.run_steps
+  state = jax.eval_shape(program.init.__wrapped__)
+  train_source = program.splits["train"]
   steps = runner.steps_per_call
   if runner.device_data:
     train_args = (state, None, abstract(runner.data_seed), abstract(runner.hyperparameters))
   elif steps == 1:
     train_args = (
       state,
-      abstract_batch(train_source, experiment.config.batch_size),
+      abstract_batch(train_source, program.config.batch_size),
       abstract(runner.hyperparameters),
     )
   else:
-    batches = abstract_batch(train_source, experiment.config.batch_size, leading=(steps,))
+    batches = abstract_batch(train_source, program.config.batch_size, leading=(steps,))
     train_args = (state, batches, abstract(runner.data_seed), abstract(runner.hyperparameters))
-  eval_source = experiment.splits[experiment.eval_splits[0]]
-  eval_args = (state, abstract_batch(eval_source, experiment.eval_batch_size, valid=True))
+  eval_source = program.splits[program.eval_splits[0]]
+  eval_args = (state, abstract_batch(eval_source, program.eval_batch_size, valid=True))
   return {
     # The trainer's programs run inside the mesh context (setup._in_mesh); lower the jitted ones.
     "train": (runner._compile(steps).__wrapped__, train_args),
-    "eval": (experiment.eval_step.__wrapped__, eval_args),
+    "eval": (program.eval_step.__wrapped__, eval_args),
   }
 
 
 @pytest.mark.parametrize("platform", list(BACKENDS))
 @pytest.mark.parametrize("name", configs.packaged_names())
 def test_every_packaged_config_trains_and_evaluates_on_cuda_and_tpu(
-  name, platform, device_backend, runlocal_experiment
+  name, platform, device_backend, runlocal_program
 ):
-  experiment = runlocal_experiment(name)
+  program = runlocal_program(name)
   device_backend(platform)
-  with sharding.mesh_context(experiment.mesh):
-    for step, (program, args) in trainer_programs(experiment).items():
-      calls = custom_calls(program.trace(*args).lower(lowering_platforms=(platform,)).as_text())
+  with sharding.mesh_context(program.mesh):
+    for step, (jitted, args) in trainer_programs(program).items():
+      calls = custom_calls(jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text())
       assert not any(MOSAIC_GPU_CALL in call for call in calls), (step, calls)

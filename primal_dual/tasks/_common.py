@@ -14,7 +14,7 @@ import ml_collections
 import optax
 
 from primal_dual.data import generated
-from primal_dual.training import task_registry
+from primal_dual.training import sweep, task_registry
 
 DataclassT = TypeVar("DataclassT")
 Batch = Mapping[str, jax.Array]
@@ -110,10 +110,13 @@ def config_dataclass(
 
 
 def replica_seeds(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """The seeds of the replicas a config trains in one program, ``config.sweep.seed`` (empty for a
-  single seed)."""
-  sweep = config.get("sweep") or {}
-  return tuple(sweep.get("seed") or ())
+  """The distinct seeds of the replicas a config trains in one program, whether a value list
+  (``config.sweep.seed``) or the listed points (``config.sweep.points``) set them; empty for a
+  single run."""
+  replicas = sweep.replicas_of(config)
+  if len(replicas) == 1 and not replicas[0].values:
+    return ()
+  return tuple(dict.fromkeys(replica.config.seed for replica in replicas))
 
 
 def run_family(cls: type[DataclassT], config: ml_collections.ConfigDict) -> DataclassT:
