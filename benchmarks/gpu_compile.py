@@ -499,7 +499,15 @@ def run_capped(command: Sequence[str], timeout_s: float):
     os.killpg(process.pid, signal.SIGKILL)  # the worker and its ptxas
     stdout, stderr = process.communicate()
     return None, stdout, stderr
+  finally:  # this process stopped (a signal, an interrupt): no ptxas left running on its own
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
   return process.returncode, stdout, stderr
+
+
+def exit_on_sigterm() -> None:
+  """A terminated run (``timeout``, ``kill``) unwinds, so that run_capped kills its compilation."""
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def compile_kernel(job: CompileJob, workdir: Path, memory_cap_gib: float, timeout_s: float):
@@ -757,6 +765,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   if argv[:1] == ["--worker"]:  # one capped compilation (compile_kernel)
     worker_main(*argv[1:3])
     return
+  exit_on_sigterm()
   paths = run(parse_args(argv))
   print("wrote", *map(str, paths.values()))
 

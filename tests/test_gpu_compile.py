@@ -7,6 +7,9 @@ kernels' own compilation is checked in ``test_kernels_hyla_tensorcore.py``."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -266,3 +269,27 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
   assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
   assert "| dq | linear | none | 16 | 16 | 4 | 8 | False | 4 |" in tensorcore_part
   assert "over 420 s (killed)" in tensorcore_part
+
+
+CALLER = """
+import sys
+from benchmarks import gpu_compile
+gpu_compile.exit_on_sigterm()
+sleeper = "import os, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+gpu_compile.run_capped([sys.executable, "-c", "import sys;" + sleeper, sys.argv[1]], 120)
+"""
+
+
+def test_a_terminated_run_leaves_no_compilation_running(tmp_path):
+  pid_file = tmp_path / "worker.pid"
+  caller = subprocess.Popen([sys.executable, "-c", CALLER, str(pid_file)], cwd=REPO_ROOT)
+  while not (pid_file.exists() and pid_file.read_text()):
+    assert caller.poll() is None, "the caller ended before its worker started"
+    time.sleep(0.1)
+  caller.terminate()
+  assert caller.wait(timeout=60) == 128 + signal.SIGTERM
+  worker = int(pid_file.read_text())
+  with pytest.raises(ProcessLookupError):
+    for _ in range(100):  # the worker, killed, may take a moment to be reaped by init
+      os.kill(worker, 0)
+      time.sleep(0.1)
