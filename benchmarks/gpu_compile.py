@@ -268,7 +268,8 @@ def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> Com
 
 
 def tensorcore_jobs(setting: TensorcoreSetting, shape: Shape, workdir: Path) -> list[CompileJob]:
-  del workdir  # compiled from the module's source
+  """The four launches of ``setting``, compiled from the module's source (nothing in ``workdir``)."""
+  del workdir
   return [tensorcore_job(setting, shape, launch) for launch in TENSORCORE_LAUNCHES]
 
 
@@ -297,7 +298,7 @@ FAMILIES = {
     TensorcoreSetting,
     tensorcore_settings,
     tensorcore_jobs,
-    Shape(length=8192),
+    Shape(length=8192),  # the length of the HYLA speed target (constexpr in these kernels)
     "each launch's `@triton.jit` function compiled with the constants of a call without mask or "
     "bias; the heads batch the per-head products and are padded to 16 for the coupled ones",
   ),
