@@ -46,10 +46,12 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.attention --out-dir benchmarks/results
 	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
 
-# Registers, spills, shared memory and matrix instructions of the GPU kernels compiled for sm_90a,
-# without a GPU (benchmarks/results/gpu_compile.{json,md}; each ptxas capped in memory and time).
+# Registers, spills, shared memory and matrix instructions of the GPU kernels (Pallas HYLA and the
+# fused Triton 'tensorcore' HYLA) compiled for sm_90a, without a GPU (benchmarks/results/
+# gpu_compile.{json,md}; each ptxas capped in memory and time). One family or tile, e.g.:
+# make gpu-compile GPU_COMPILE_FLAGS="--families tensorcore --tiles 16"
 gpu-compile: $(GPU_DEV_STAMP)
-	$(PY) -m benchmarks.gpu_compile --out-dir benchmarks/results
+	$(PY) -m benchmarks.gpu_compile --out-dir benchmarks/results $(GPU_COMPILE_FLAGS)
 
 # Every GPU figure the targets read, within 8 minutes of one GPU (benchmarks/README.md says how to
 # run it through a lent device): benchmarks/results/device_suite_<label>.{json,md}.

@@ -1,34 +1,43 @@
 """What ptxas makes of the project's GPU kernels for an H100 (sm_90a), on a machine without a GPU.
 
-Each GPU kernel the project ships (today the three Pallas HYLA kernels of
-``primal_dual/kernels/hyla_pallas.py``: ``hyla_forward``, ``hyla_backward_dq``,
-``hyla_backward_dkv``) is compiled for CUDA capability 9.0 (``sm_90a``) over its settings (value
-network × normalisation at the default tile, and larger tiles):
+Two families of GPU kernels are compiled for CUDA capability 9.0 (``sm_90a``) over their settings,
+each kernel by the ``triton`` wheel (``pip install -e ".[gpu-dev]"``) for
+``GPUTarget("cuda", 90, 32)``:
 
-1. the gradient of ``sum(hyla_pallas_attention(q, k, v))`` (bfloat16 ``[1, N, H, D]``) is lowered
-   with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``: no GPU needed;
-2. each Pallas-Triton custom call of the lowered module carries its kernel as Triton IR
-   (``backend_config``: ``name``, ``ir``, ``num_warps``, ``num_stages``); the IR is printed as text;
-3. a subprocess compiles that IR with the ``triton`` wheel (``pip install -e ".[gpu-dev]"``)
-   for ``GPUTarget("cuda", 90, 32)``, its bundled ``ptxas -v`` giving registers, spills, stack
-   frame and static shared memory; Triton's metadata gives the dynamic shared memory; the wheel's
-   ``cuobjdump -sass`` gives the SASS, in which matrix instructions (``HGMMA``: wgmma, ``HMMA``:
-   mma.sync) are counted beside ``FFMA`` and local-memory loads/stores (the PTX counts too).
+* ``pallas``: the three Pallas HYLA kernels of ``primal_dual/kernels/hyla_pallas.py``
+  (``hyla_forward``, ``hyla_backward_dq``, ``hyla_backward_dkv``). The gradient of
+  ``sum(hyla_pallas_attention(q, k, v))`` is lowered for CUDA
+  (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``, no GPU needed) and each
+  Pallas-Triton custom call of the lowered module gives its kernel as Triton IR (``backend_config``:
+  ``name``, ``ir``, ``num_warps``, ``num_stages``), compiled as such.
+* ``tensorcore``: the four launches (``forward``, ``dq``, ``dk``, ``dv``) of the fused Triton HYLA
+  kernels of ``primal_dual/kernels/hyla_tensorcore.py`` (``implementation='tensorcore'``): each
+  ``@triton.jit`` function compiled from its source with the constexpr constants of a call.
 
-ptxas can take tens of GiB on large tiles, so every compilation runs in its own process group
-with its address space capped (``RLIMIT_AS``, ``--memory-cap-gib``) and a wall-clock limit
+For each kernel: registers, spill stores/loads, stack frame and static shared memory from the
+``ptxas -v`` log of the compilation Triton itself runs (so the figures are those of the cubin it
+produces), dynamic shared memory from Triton's metadata, and instruction counts of the SASS
+(``cuobjdump -sass`` of that cubin): matrix instructions (``HGMMA``: wgmma, ``HMMA``: mma.sync)
+beside ``FFMA`` and local-memory loads/stores (``LDL``/``STL``), over the whole kernel and over
+its main loop (from the target of the last backward branch to that branch: the tile loop with the
+loops nested in it); the PTX counts too.
+
+ptxas can take tens of GiB on large tiles, so every compilation runs in its own process group with
+its address space capped (``RLIMIT_AS``, ``--memory-cap-gib``) and a wall-clock limit
 (``--timeout-s``); a capped, timed-out or failing compilation is recorded with ``status`` and
-``reason``, never fatal. The target per kernel (what a kernel ``implementation='auto'`` picks
-must meet) is 0 spill bytes and at most 227 KiB of shared memory per block.
+``reason``, never fatal. The targets per kernel: 0 spill bytes, at most 227 KiB of shared memory
+per block, and the coupled products on the matrix units (more matrix instructions than ``FFMA`` in
+the main loop). One report, rewritten after each setting, has a section per family.
 
   python -m benchmarks.gpu_compile                      # writes benchmarks/results/gpu_compile.*
-  python -m benchmarks.gpu_compile --tiles 16 --value-networks mlp_relu --out-dir /tmp/gc
+  python -m benchmarks.gpu_compile --families tensorcore --tiles 16 --out-dir /tmp/gc
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -39,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -47,16 +56,6 @@ CAPABILITY = 90
 # An H100's shared memory per block (227 KiB usable of its 228 KiB).
 SHARED_MEMORY_LIMIT_BYTES = 227 * 1024
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
-
-# --- What is compiled ----------------------------------------------------------------------------
-
-
-class Setting(NamedTuple):
-  """One configuration of the Pallas HYLA kernels (each lowers to forward, dq and dk/dv)."""
-
-  value_network: str
-  normalization: str
-  block_size: int
 
 
 class Shape(NamedTuple):
@@ -68,18 +67,42 @@ class Shape(NamedTuple):
   head_dim: int = 64
 
 
-def default_settings(
-  value_networks: Sequence[str], normalizations: Sequence[str], tiles: Sequence[int]
-) -> list[Setting]:
-  """Every value network × normalisation at the first tile, then every value network at the other
-  tiles with the first normalisation (the larger tiles are where ptxas spills or runs out)."""
-  first_tile, *other_tiles = tiles
-  settings = [Setting(v, n, first_tile) for v in value_networks for n in normalizations]
-  settings += [Setting(v, normalizations[0], t) for t in other_tiles for v in value_networks]
-  return settings
+class CompileJob(NamedTuple):
+  """One kernel to compile: its name, its source for the worker (``{"ir_path": ...}`` for Triton IR
+  text, or ``{"module", "function", "constants", "signature"}`` for a ``@triton.jit`` function)
+  and Triton's launch options."""
+
+  kernel: str
+  source: dict
+  num_warps: int
+  num_stages: int
 
 
-def lower_for_cuda(setting: Setting, shape: Shape):
+# --- Family 1: the Pallas HYLA kernels -----------------------------------------------------------
+
+
+class PallasSetting(NamedTuple):
+  """One configuration of the Pallas HYLA kernels (each lowers to forward, dq and dk/dv)."""
+
+  value_network: str
+  normalization: str
+  block_size: int
+
+
+def pallas_settings() -> list[PallasSetting]:
+  """Every value network × normalisation at the default tile, then every value network at tile 64
+  with ``rms_head`` (the larger tile is where ptxas spills or runs out): ``linear`` first, as it
+  compiles in a minute where the MLP networks' kernels run into the memory cap or the time limit
+  (so a time-boxed run gets the most rows)."""
+  from primal_dual.kernels import hyla_pallas as hp
+
+  tile = hp.DEFAULT_BLOCK_SIZE
+  settings = [PallasSetting(v, n, tile) for v in hp.VALUE_NETWORKS for n in hp.NORMALIZATIONS]
+  by_cost = sorted(hp.VALUE_NETWORKS, key=lambda v: v != "linear")
+  return settings + [PallasSetting(v, "rms_head", 64) for v in by_cost]
+
+
+def lower_for_cuda(setting: PallasSetting, shape: Shape):
   """The lowered gradient program of one setting, for CUDA, traced on this (GPU-less) machine."""
   import jax
   import jax.numpy as jnp
@@ -147,6 +170,141 @@ def triton_kernels(lowered) -> list[TritonKernel]:
   return kernels
 
 
+def pallas_jobs(setting: PallasSetting, shape: Shape, workdir: Path) -> list[CompileJob]:
+  """One job per Pallas kernel of ``setting``, its IR written under ``workdir``."""
+  jobs = []
+  for kernel in triton_kernels(lower_for_cuda(setting, shape)):
+    ir_path = workdir / f"{kernel.name}.ttir"
+    ir_path.write_text(kernel.ir)
+    jobs.append(
+      CompileJob(kernel.name, {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages)
+    )
+  return jobs
+
+
+# --- Family 2: the fused Triton HYLA kernels (implementation='tensorcore') -----------------------
+
+TENSORCORE_MODULE = "primal_dual.kernels.hyla_tensorcore"
+# (function, extra constants, pointer types in argument order) of each launch.
+TENSORCORE_LAUNCHES = {
+  "forward": ("_forward_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32")),
+  "dq": ("_dq_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32", "fp32", "fp32")),
+  "dk": ("_dkv_kernel", {"WANT_DK": True}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
+  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
+}
+TENSORCORE_NUM_STAGES = 2  # Triton's default, what jax_triton.triton_call launches with
+
+
+class TensorcoreSetting(NamedTuple):
+  """One configuration of the fused Triton HYLA kernels (four launches each)."""
+
+  value_network: str
+  normalization: str
+  block_size: int
+  value_chunk: int
+  forward_num_warps: int
+  backward_num_warps: int
+  causal: bool = False
+
+
+def tensorcore_settings() -> list[TensorcoreSetting]:
+  """Every value network × normalisation at the default tile, chunk and warps; then larger tiles,
+  chunks and warps for the default HYLA (rms_head, mlp_relu), and a causal call."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  tile, chunk = ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK
+  warps = (ht.DEFAULT_NUM_WARPS, ht.DEFAULT_BACKWARD_NUM_WARPS)
+  settings = [
+    TensorcoreSetting(v, n, tile, chunk, *warps)
+    for v in ht.VALUE_NETWORKS
+    for n in ht.NORMALIZATIONS
+  ]
+  variants = ((16, 16, (4, 4)), (16, 32, warps), (16, 64, warps))
+  variants += ((32, 16, warps), (32, 16, (8, 8)), (64, 16, (8, 8)))
+  settings += [TensorcoreSetting("mlp_relu", "rms_head", t, c, *w) for t, c, w in variants]
+  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, chunk, *warps, causal=True)]
+
+
+def tensorcore_constants(setting: TensorcoreSetting, shape: Shape) -> dict[str, Any]:
+  """The kernels' constexpr constants for bfloat16 ``shape`` inputs, no mask or bias."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  cfg = ht.Config(
+    batch=shape.batch,
+    q_len=shape.length,
+    kv_len=shape.length,
+    heads=shape.heads,
+    d_qk=shape.head_dim,
+    d_v=shape.head_dim,
+    scale=shape.head_dim**-0.5,
+    normalization=setting.normalization,
+    value_network=setting.value_network,
+    block_size=setting.block_size,
+    value_chunk=setting.value_chunk,
+    causal_offset=0 if setting.causal else None,
+    precision=None,
+    bias_shape=None,
+    mask_shape=None,
+    num_warps=setting.forward_num_warps,
+    backward_num_warps=setting.backward_num_warps,
+    interpret=False,
+  )
+  return ht._constants(cfg)
+
+
+def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> CompileJob:
+  """The job of one launch (a key of ``TENSORCORE_LAUNCHES``)."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  function, extra, pointer_types = TENSORCORE_LAUNCHES[launch]
+  constants = {**tensorcore_constants(setting, shape), **extra}
+  pointers = [n for n in getattr(ht, function).arg_names if n not in constants]
+  signature = {n: "*" + t for n, t in zip(pointers, pointer_types, strict=True)}
+  source = dict(
+    module=TENSORCORE_MODULE, function=function, constants=constants, signature=signature
+  )
+  warps = setting.forward_num_warps if launch == "forward" else setting.backward_num_warps
+  return CompileJob(launch, source, warps, TENSORCORE_NUM_STAGES)
+
+
+def tensorcore_jobs(setting: TensorcoreSetting, shape: Shape, workdir: Path) -> list[CompileJob]:
+  """The four launches of ``setting``, compiled from the module's source (nothing in ``workdir``)."""
+  del workdir
+  return [tensorcore_job(setting, shape, launch) for launch in TENSORCORE_LAUNCHES]
+
+
+class Family(NamedTuple):
+  """A family of kernels: its settings, the jobs of one setting, and how the report shows it."""
+
+  title: str
+  setting_type: type
+  settings: Callable[[], list]
+  jobs: Callable[[Any, Shape, Path], list[CompileJob]]
+  shape: Shape
+  how: str  # the report's line on how the kernels were obtained
+
+
+FAMILIES = {
+  "pallas": Family(
+    "Pallas HYLA (`primal_dual/kernels/hyla_pallas.py`)",
+    PallasSetting,
+    pallas_settings,
+    pallas_jobs,
+    Shape(length=1024),
+    "the gradient of the sum lowered for CUDA; each Pallas-Triton custom call's Triton IR compiled",
+  ),
+  "tensorcore": Family(
+    "tensorcore HYLA (`primal_dual/kernels/hyla_tensorcore.py`)",
+    TensorcoreSetting,
+    tensorcore_settings,
+    tensorcore_jobs,
+    Shape(length=8192),  # the length of the HYLA speed target (constexpr in these kernels)
+    "each launch's `@triton.jit` function compiled with the constants of a call without mask or "
+    "bias; the heads batch the per-head products and are padded to 16 for the coupled ones",
+  ),
+}
+
+
 # --- Reading ptxas and the disassembly -----------------------------------------------------------
 
 PTXAS_FIELDS = {
@@ -158,7 +316,7 @@ PTXAS_FIELDS = {
   "local_bytes": r"(\d+) bytes lmem",
 }
 
-# Mnemonics counted in the SASS (cuobjdump -sass) and the PTX, one line per instruction.
+# Mnemonics counted in the SASS (cuobjdump -sass) and the PTX, one instruction a line.
 SASS_INSTRUCTIONS = {
   "hgmma": r"\bHGMMA\.",  # warpgroup matrix multiply (wgmma), sm_90
   "hmma": r"\bHMMA\.",  # warp matrix multiply (mma.sync)
@@ -175,19 +333,52 @@ PTX_INSTRUCTIONS = {
 }
 
 
+def entry_function_log(log: str) -> str:
+  """The part of a ``ptxas -v`` log about the entry function: from its ``Function properties``
+  line to the next function's (a kernel may keep device functions with figures of their own);
+  the whole log where it names no entry function."""
+  entry = re.search(r"Compiling entry function '([^']+)'", log)
+  if entry is None:
+    return log
+  name = re.escape(entry.group(1))
+  start = re.search(rf"Function properties for {name}\s*$", log, re.MULTILINE)
+  section = log[start.start() if start else entry.start() :]
+  following = re.search(r"Function properties for ", section[len("Function properties") :])
+  return section[: following.start() + len("Function properties")] if following else section
+
+
 def parse_ptxas_log(log: str) -> dict[str, int]:
-  """``ptxas -v`` numbers of a one-kernel log; a field ptxas did not print is 0.
+  """The entry function's ``ptxas -v`` numbers; a field ptxas did not print is 0.
 
   ``local_bytes`` (lmem) is the stack frame where ptxas reports it apart from ``lmem``.
   """
-  if not re.search(PTXAS_FIELDS["registers"], log):
+  section = entry_function_log(log)
+  if not re.search(PTXAS_FIELDS["registers"], section):
     raise ValueError(f"no 'Used N registers' line in the ptxas log:\n{log[:2000]}")
   numbers = {}
   for field, pattern in PTXAS_FIELDS.items():
-    found = re.findall(pattern, log)
-    numbers[field] = max(map(int, found)) if found else 0
+    found = re.search(pattern, section)
+    numbers[field] = int(found.group(1)) if found else 0
   numbers["local_bytes"] = max(numbers["local_bytes"], numbers["stack_frame_bytes"])
   return numbers
+
+
+def main_loop(sass: str) -> str:
+  """The SASS lines from the target of the last backward branch to that branch (the kernel's
+  tile loop with its nested loops; empty when there is no loop)."""
+  lines = sass.splitlines()
+  line_at = {}
+  for n, line in enumerate(lines):
+    found = re.match(r"\s*/\*([0-9a-f]{4,})\*/", line)
+    if found:
+      line_at[int(found.group(1), 16)] = n
+  loop = ""
+  for n, line in enumerate(lines):
+    target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", line)
+    start = line_at.get(int(target.group(1), 16)) if target else None
+    if start is not None and start < n:
+      loop = "\n".join(lines[start : n + 1])
+  return loop
 
 
 def count_instructions(text: str, patterns: Mapping[str, str]) -> dict[str, int]:
@@ -201,21 +392,38 @@ def count_instructions(text: str, patterns: Mapping[str, str]) -> dict[str, int]
   return counts
 
 
+def matrix_instructions(counts: Mapping[str, int]) -> int:
+  return counts["hgmma"] + counts["hmma"]
+
+
 def kernel_numbers(ptxas_log: str, dynamic_shared_bytes: int, sass: str, ptx: str) -> dict:
-  """One kernel's record fields from what its compilation produced (pure: testable anywhere)."""
+  """One kernel's record fields from what its compilation produced (pure: testable anywhere).
+
+  The targets: no spill bytes, shared memory within an H100's block, and more matrix instructions
+  than FFMAs in the main loop (the whole kernel where it has no loop), i.e. the products that
+  couple the heads run on the matrix units rather than as multiply-adds.
+  """
   numbers = parse_ptxas_log(ptxas_log)
   sass_counts = count_instructions(sass, SASS_INSTRUCTIONS)
-  ptx_counts = count_instructions(ptx, PTX_INSTRUCTIONS)
+  loop_counts = count_instructions(main_loop(sass) or sass, SASS_INSTRUCTIONS)
   shared = numbers["static_shared_bytes"] + dynamic_shared_bytes
   spills = numbers["spill_store_bytes"] + numbers["spill_load_bytes"]
+  targets = {
+    "no_spills": spills == 0,
+    "shared_fits": shared <= SHARED_MEMORY_LIMIT_BYTES,
+    "matrix_in_loop": matrix_instructions(loop_counts) > loop_counts["ffma"],
+  }
   return {
     **numbers,
     "dynamic_shared_bytes": dynamic_shared_bytes,
     "shared_bytes": shared,
-    "matrix_instructions": sass_counts["hgmma"] + sass_counts["hmma"],
+    "matrix_instructions": matrix_instructions(sass_counts),
+    "loop_matrix_instructions": matrix_instructions(loop_counts),
     "sass": sass_counts,
-    "ptx": ptx_counts,
-    "meets_target": spills == 0 and shared <= SHARED_MEMORY_LIMIT_BYTES,
+    "sass_loop": loop_counts,
+    "ptx": count_instructions(ptx, PTX_INSTRUCTIONS),
+    "targets": targets,
+    "meets_targets": all(targets.values()),
   }
 
 
@@ -228,22 +436,36 @@ def _triton_bin(tool: str) -> str:
   return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool)
 
 
-def compile_worker(ir_path: str, num_warps: int, num_stages: int) -> dict[str, Any]:
-  """Compiles one Triton IR file for sm_90a with the triton wheel; the raw outputs as a dict."""
-  from triton.backends.nvidia import compiler as nvidia_compiler
+def _triton_source(source: Mapping[str, Any]):
+  """What ``triton.compile`` takes for a job's source: an IR file's path, or an ``ASTSource``."""
+  if "ir_path" in source:
+    return source["ir_path"]
+  from triton.compiler import ASTSource
 
+  function = getattr(importlib.import_module(source["module"]), source["function"])
+  constants = source["constants"]
+  signature = {
+    name: "constexpr" if name in constants else source["signature"][name]
+    for name in function.arg_names
+  }
+  return ASTSource(fn=function, signature=signature, constexprs=constants)
+
+
+def compile_worker(job: CompileJob) -> dict[str, Any]:
+  """Compiles one job for sm_90a with the triton wheel; the raw outputs as a dict."""
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # jaxlib's Triton fuses too
-  os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v printed on stdout, captured below
+  os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # Triton's own ptxas -v, printed, captured below
   import triton
   from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia import compiler as nvidia_compiler
 
   log = io.StringIO()
   with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
     os.environ["TRITON_CACHE_DIR"] = cache  # a cached kernel would skip ptxas and its log
     kernel = triton.compile(
-      ir_path,
+      _triton_source(job.source),
       target=GPUTarget("cuda", CAPABILITY, 32),
-      options=dict(num_warps=num_warps, num_stages=num_stages),
+      options=dict(num_warps=job.num_warps, num_stages=job.num_stages),
     )
   with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
     cubin.write(kernel.asm["cubin"])
@@ -278,26 +500,26 @@ def run_capped(command: Sequence[str], timeout_s: float):
     os.killpg(process.pid, signal.SIGKILL)  # the worker and its ptxas
     stdout, stderr = process.communicate()
     return None, stdout, stderr
+  finally:  # this process stopped (a signal, an interrupt): no ptxas left running on its own
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
   return process.returncode, stdout, stderr
 
 
-def compile_kernel(kernel: TritonKernel, workdir: Path, memory_cap_gib: float, timeout_s: float):
+def exit_on_sigterm() -> None:
+  """A terminated run (``timeout``, ``kill``) unwinds, so that run_capped kills its compilation."""
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def compile_kernel(job: CompileJob, workdir: Path, memory_cap_gib: float, timeout_s: float):
   """The record fields of one kernel: status ``ok`` with its numbers, else ``timeout``/``failed``
   with the reason."""
-  ir_path = workdir / f"{kernel.name}.ttir"
-  out_path = workdir / f"{kernel.name}.json"
-  ir_path.write_text(kernel.ir)
-  command = [
-    sys.executable,
-    "-m",
-    "benchmarks.gpu_compile",
-    "--worker",
-    str(ir_path),
-    str(kernel.num_warps),
-    str(kernel.num_stages),
-    str(out_path),
-    str(int(memory_cap_gib * 2**30)),
-  ]
+  spec_path = workdir / f"{job.kernel}.job.json"
+  out_path = workdir / f"{job.kernel}.out.json"
+  out_path.unlink(missing_ok=True)
+  spec_path.write_text(json.dumps({"job": job._asdict(), "out_path": str(out_path)}))
+  cap = str(int(memory_cap_gib * 2**30))
+  command = [sys.executable, "-m", "benchmarks.gpu_compile", "--worker", str(spec_path), cap]
   code, _, stderr = run_capped(command, timeout_s)
   if code is None:
     return {"status": "timeout", "reason": f"over {timeout_s:g} s (killed)"}
@@ -316,43 +538,45 @@ def compile_kernel(kernel: TritonKernel, workdir: Path, memory_cap_gib: float, t
   return {"status": "ok", "reason": "", **numbers, **versions}
 
 
+def worker_main(spec_path: str, memory_cap_bytes: str) -> None:
+  """The subprocess of :func:`compile_kernel`: caps its address space, compiles, writes JSON."""
+  # Set before triton loads, so that the ptxas it starts inherits the cap.
+  resource.setrlimit(resource.RLIMIT_AS, (int(memory_cap_bytes), int(memory_cap_bytes)))
+  spec = json.loads(Path(spec_path).read_text())
+  raw = compile_worker(CompileJob(**spec["job"]))
+  Path(spec["out_path"]).write_text(json.dumps(raw))
+
+
 # --- The report ----------------------------------------------------------------------------------
 
 
-def setting_records(setting: Setting, shape: Shape, memory_cap_gib, timeout_s, log=print):
-  """One record per kernel of ``setting`` (or one ``failed`` record if it does not lower)."""
-  base = {**setting._asdict(), "arch": ARCH}
-  try:
-    kernels = triton_kernels(lower_for_cuda(setting, shape))
-  except Exception as error:  # a setting that does not lower is reported, not fatal
-    return [{**base, "kernel": "(lowering)", "status": "failed", "reason": repr(error)[:400]}]
+def setting_records(family_name: str, setting, shape: Shape, memory_cap_gib, timeout_s, log=print):
+  """One record per kernel of ``setting`` (or one ``failed`` record if it yields no job)."""
+  base = {"family": family_name, **setting._asdict(), "arch": ARCH}
   records = []
   with tempfile.TemporaryDirectory() as tmp:
-    for kernel in kernels:
-      fields = compile_kernel(kernel, Path(tmp), memory_cap_gib, timeout_s)
-      record = {
-        **base,
-        "kernel": kernel.name,
-        "num_warps": kernel.num_warps,
-        "num_stages": kernel.num_stages,
-        **fields,
-      }
+    try:
+      jobs = FAMILIES[family_name].jobs(setting, shape, Path(tmp))
+    except Exception as error:  # a setting that does not lower is reported, not fatal
+      return [{**base, "kernel": "(lowering)", "status": "failed", "reason": repr(error)[:400]}]
+    for job in jobs:
+      fields = compile_kernel(job, Path(tmp), memory_cap_gib, timeout_s)
+      record = {**base, "kernel": job.kernel, "num_warps": job.num_warps, **fields}
+      record["num_stages"] = job.num_stages
       log(_progress_line(record))
       records.append(record)
   return records
 
 
 def _progress_line(r) -> str:
+  head = f"{r['family']:10s} {r['kernel']:18s} {r['value_network']:10s} {r['normalization']:8s} "
+  head += f"tile {r['block_size']:3d}"
   if r["status"] != "ok":
-    return (
-      f"{r['kernel']:18s} {r['value_network']:10s} {r['normalization']:8s} tile "
-      f"{r['block_size']:3d} {r['status']}: {r['reason']}"
-    )
+    return f"{head} {r['status']}: {r['reason']}"
   return (
-    f"{r['kernel']:18s} {r['value_network']:10s} {r['normalization']:8s} tile "
-    f"{r['block_size']:3d} regs {r['registers']:3d} spill {r['spill_store_bytes']}/"
-    f"{r['spill_load_bytes']} B smem {r['shared_bytes']} B mma {r['matrix_instructions']} "
-    f"ffma {r['sass']['ffma']}"
+    f"{head} regs {r['registers']:3d} spill {r['spill_store_bytes']}/{r['spill_load_bytes']} B "
+    f"smem {r['shared_bytes']} B mma loop/all {r['loop_matrix_instructions']}/"
+    f"{r['matrix_instructions']} ffma loop/all {r['sass_loop']['ffma']}/{r['sass']['ffma']}"
   )
 
 
@@ -364,45 +588,74 @@ def _check(value) -> str:
   return "yes" if value else "**no**"
 
 
-def _columns():
+def _setting_columns(setting_type: type):
+  from benchmarks import common
+
+  headers = {
+    "block_size": "tile",
+    "value_chunk": "chunk",
+    "forward_num_warps": "fwd warps",
+    "backward_num_warps": "bwd warps",
+  }
+  return tuple(common.Column(headers.get(f, f), f) for f in setting_type._fields)
+
+
+def _columns(setting_type: type):
   from benchmarks import common
 
   return (
-    *common.plain_columns("kernel", "value_network", "normalization"),
-    common.Column("tile", "block_size"),
-    common.Column("warps", "num_warps"),
+    common.Column("kernel", "kernel"),
+    *_setting_columns(setting_type),
+    common.Column("warps", "num_warps"),  # the kernel's own launch
     common.Column("registers", "registers"),
-    common.Column("spill stores B", "spill_store_bytes"),
-    common.Column("spill loads B", "spill_load_bytes"),
+    common.Column("spill st/ld B", "spills"),
     common.Column("local B", "local_bytes"),
     common.Column("shared KiB", "shared_bytes", _kib),
-    common.Column("HGMMA+HMMA", "matrix_instructions"),
-    common.Column("FFMA", "ffma"),
+    common.Column("MMA loop/all", "mma"),
+    common.Column("FFMA loop/all", "ffma"),
     common.Column("LDL/STL", "local_accesses"),
-    common.Column("0 spills, ≤ 227 KiB", "meets_target", _check),
+    common.Column("targets", "meets_targets", _check),
     common.Column("status", "status"),
     common.Column("reason", "reason"),
   )
 
 
 def _table_row(record) -> dict:
-  sass = record.get("sass") or {}
-  row = dict(record, ffma=sass.get("ffma"))
-  if sass:
+  row = dict(record)
+  if record["status"] == "ok":
+    sass, loop = record["sass"], record["sass_loop"]
+    row["spills"] = f"{record['spill_store_bytes']}/{record['spill_load_bytes']}"
+    row["mma"] = f"{record['loop_matrix_instructions']}/{record['matrix_instructions']}"
+    row["ffma"] = f"{loop['ffma']}/{sass['ffma']}"
     row["local_accesses"] = f"{sass['local_load']}/{sass['local_store']}"
   return row
 
 
-def _setting_key(record) -> tuple:
-  return tuple(record[field] for field in Setting._fields)
+def _family_section(name: str, config: Mapping, records: Sequence[Mapping]) -> list[str]:
+  from benchmarks import common
+
+  family = FAMILIES[name]
+  mine = [r for r in records if r["family"] == name]
+  settings_done = {tuple(r[f] for f in family.setting_type._fields) for r in mine}
+  passing = sum(1 for r in mine if r.get("meets_targets"))
+  return [
+    f"## {family.title}",
+    "",
+    f"bfloat16 q, k, v of shape {tuple(config['shapes'][name])} "
+    f"(`[batch, length, heads, head_dim]`): {family.how}.",
+    "",
+    f"Settings compiled: {len(settings_done)} of {len(config['settings'][name])}. "
+    f"Targets met: {passing} of {len(mine)} kernels.",
+    "",
+    common.render_markdown_table(_columns(family.setting_type), [_table_row(r) for r in mine]),
+    "",
+  ]
 
 
 def render_markdown(payload) -> str:
   from benchmarks import common
 
   config = payload["config"]
-  records = payload["records"]
-  passing = sum(1 for r in records if r.get("meets_target"))
   lines = [
     *common.report_header(
       f"GPU kernels compiled for {ARCH} (no GPU used)",
@@ -410,51 +663,73 @@ def render_markdown(payload) -> str:
       ("cpu_model", "jax_version", "triton_version", "ptxas_version", "date_utc", "command"),
     ),
     "",
-    f"Lowered for CUDA from bfloat16 q, k, v of shape {tuple(config['shape'])} "
-    "(`[batch, length, heads, head_dim]`), gradient of the sum; each Pallas-Triton kernel compiled "
-    f"by the triton wheel for `{ARCH}`, ptxas -v for registers, spills and static shared memory, "
-    "Triton for the dynamic shared memory, `cuobjdump -sass` for the instruction counts "
-    f"(HGMMA: wgmma, HMMA: mma.sync, LDL/STL: local loads/stores). Each compilation capped at "
-    f"{config['memory_cap_gib']:g} GiB of address space and {config['timeout_s']:g} s.",
-    "",
-    f"Settings compiled: {len({_setting_key(r) for r in records})} of {len(config['settings'])} "
-    "(the reports are rewritten after each, so a cut run shows the ones it finished). Target "
-    f"(0 spill bytes and ≤ 227 KiB shared memory): {passing} of {len(records)} kernels.",
-    "",
-    common.render_markdown_table(_columns(), [_table_row(r) for r in records]),
+    f"Each kernel compiled by the triton wheel for `{ARCH}`: registers, spills (stores/loads, "
+    "bytes per thread), local memory and static shared memory from the `ptxas -v` of Triton's own "
+    "compilation, dynamic shared memory from Triton; instruction counts per warp from "
+    "`cuobjdump -sass` of that cubin, in the main loop (from the target of the last backward "
+    "branch to it) and the whole kernel (MMA: HGMMA (wgmma) + HMMA (mma.sync); FFMA: CUDA-core "
+    "multiply-adds; LDL/STL: local loads/stores). Targets: 0 spill bytes, ≤ 227 KiB shared "
+    "memory, more matrix instructions than FFMAs in the main loop (the coupled products on the "
+    f"matrix units). Each compilation capped at {config['memory_cap_gib']:g} GiB of address "
+    f"space and {config['timeout_s']:g} s. No GPU ran these kernels: times are unmeasured. The "
+    "report is rewritten after each setting, so a cut run shows the settings it finished.",
     "",
   ]
+  for name in config["families"]:
+    lines += _family_section(name, config, payload["records"])
   return "\n".join(lines)
 
 
 def run(args, log=print) -> dict[str, Path]:
   from benchmarks import common
 
-  shape = Shape(args.batch, args.length, args.heads, args.head_dim)
-  settings = default_settings(args.value_networks, args.normalizations, args.tiles)
+  plan = {name: select_settings(FAMILIES[name].settings(), args) for name in args.families}
+  shapes = {name: family_shape(FAMILIES[name], args) for name in args.families}
   metadata = common.run_metadata("cpu")
   config = dict(
     arch=ARCH,
-    shape=list(shape),
+    families=list(args.families),
+    shapes={name: list(shape) for name, shape in shapes.items()},
     dtype="bfloat16",
     memory_cap_gib=args.memory_cap_gib,
     timeout_s=args.timeout_s,
-    settings=[s._asdict() for s in settings],
+    settings={name: [s._asdict() for s in settings] for name, settings in plan.items()},
   )
   records: list[dict[str, Any]] = []
   paths = {}
-  for setting in settings:  # the reports rewritten after each setting: a cut run keeps its rows
-    records += setting_records(setting, shape, args.memory_cap_gib, args.timeout_s, log)
-    for key in ("triton_version", "ptxas_version"):
-      metadata[key] = next((r[key] for r in records if r.get(key)), None)
-    payload = dict(metadata=metadata, config=config, records=records)
-    paths = common.write_reports(args.out_dir, args.name, "cpu", payload, render_markdown)
+  for name, settings in plan.items():
+    for setting in settings:  # the reports rewritten after each setting: a cut run keeps its rows
+      records += setting_records(
+        name, setting, shapes[name], args.memory_cap_gib, args.timeout_s, log
+      )
+      for key in ("triton_version", "ptxas_version"):
+        metadata[key] = next((r[key] for r in records if r.get(key)), None)
+      payload = dict(metadata=metadata, config=config, records=records)
+      paths = common.write_reports(args.out_dir, args.name, "cpu", payload, render_markdown)
   return paths
+
+
+def select_settings(settings: Sequence, args) -> list:
+  """The settings whose value network, normalisation and tile the command line keeps (all by
+  default)."""
+  return [
+    s
+    for s in settings
+    if (args.value_networks is None or s.value_network in args.value_networks)
+    and (args.normalizations is None or s.normalization in args.normalizations)
+    and (args.tiles is None or s.block_size in args.tiles)
+  ]
+
+
+def family_shape(family: Family, args) -> Shape:
+  """The family's shape, with any dimension the command line gives."""
+  given = {f: getattr(args, f) for f in Shape._fields if getattr(args, f) is not None}
+  return family.shape._replace(**given)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   from benchmarks import common
-  from primal_dual.kernels import hyla_pallas
+  from primal_dual.kernels import hyla_blockwise
 
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.gpu_compile",
@@ -462,25 +737,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument(
-    "--value-networks",
-    type=common.comma_list(choices=hyla_pallas.VALUE_NETWORKS),
-    default=list(hyla_pallas.VALUE_NETWORKS),
+    "--families",
+    type=common.comma_list(choices=FAMILIES),
+    default=list(FAMILIES),
+    help="kernel families, compiled in this order",
+  )
+  keep = "keep only the settings with these (default: every setting of the family)"
+  parser.add_argument(
+    "--value-networks", type=common.comma_list(choices=hyla_blockwise.VALUE_NETWORKS), help=keep
   )
   parser.add_argument(
-    "--normalizations",
-    type=common.comma_list(choices=hyla_pallas.NORMALIZATIONS),
-    default=[n for n in hyla_pallas.NORMALIZATIONS if n != "softmax"],
+    "--normalizations", type=common.comma_list(choices=hyla_blockwise.NORMALIZATIONS), help=keep
   )
-  parser.add_argument(
-    "--tiles",
-    type=common.comma_list(int),
-    default=[hyla_pallas.DEFAULT_BLOCK_SIZE, 64],
-    help="the first is the default tile (every setting), the others for each value network",
-  )
-  parser.add_argument("--batch", type=int, default=Shape._field_defaults["batch"])
-  parser.add_argument("--length", type=int, default=Shape._field_defaults["length"])
-  parser.add_argument("--heads", type=int, default=Shape._field_defaults["heads"])
-  parser.add_argument("--head-dim", type=int, default=Shape._field_defaults["head_dim"])
+  parser.add_argument("--tiles", type=common.comma_list(int), help=keep)
+  for field in Shape._fields:
+    parser.add_argument(
+      f"--{field.replace('_', '-')}", type=int, help="default: the family's (pallas: length 1024)"
+    )
   parser.add_argument("--memory-cap-gib", type=float, default=6.0)
   parser.add_argument("--timeout-s", type=float, default=420.0)
   parser.add_argument("--out-dir", default="benchmarks/results")
@@ -491,12 +764,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["--worker"]:  # one capped compilation (compile_kernel)
-    ir_path, num_warps, num_stages, out_path, memory_cap = argv[1:6]
-    # Set here, before triton loads, so that the ptxas it starts inherits the cap.
-    resource.setrlimit(resource.RLIMIT_AS, (int(memory_cap), int(memory_cap)))
-    raw = compile_worker(ir_path, int(num_warps), int(num_stages))
-    Path(out_path).write_text(json.dumps(raw))
+    worker_main(*argv[1:3])
     return
+  exit_on_sigterm()
   paths = run(parse_args(argv))
   print("wrote", *map(str, paths.values()))
 

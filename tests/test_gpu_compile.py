@@ -1,10 +1,15 @@
 """The sm_90a compile report: reading ptxas and the disassembly (canned outputs), the capped
-subprocess, the Triton IR taken from a CUDA lowering on this CPU, and, where the ``triton`` wheel
-is installed (``make install-gpu-dev``), one real compilation of a tiny kernel."""
+subprocess, the kernels of both families (the Triton IR of the Pallas kernels' CUDA lowering on
+this CPU, the launches of the tensorcore kernels), the report, and, where the ``triton`` wheel is
+installed (``make install-gpu-dev``), one real compilation of a tiny kernel. The tensorcore
+kernels' own compilation is checked in ``test_kernels_hyla_tensorcore.py``."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +54,31 @@ PTX = """\
 \tfma.rn.ftz.f32 %f1, %f2, %f3, %f4;
 \tadd.f32 %f1, %f2, %f3;
 """
+# A kernel that kept a device function: only the entry function's figures are the kernel's.
+DEVICE_FUNCTION_LOG = """\
+ptxas info    : 11 bytes gmem
+ptxas info    : Function properties for a_device_function
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function '_dq_kernel' for 'sm_90a'
+ptxas info    : Function properties for _dq_kernel
+    520 bytes stack frame, 828 bytes spill stores, 540 bytes spill loads
+ptxas info    : Used 200 registers, used 1 barriers
+ptxas info    : Function properties for another_device_function
+    900 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 255 registers
+"""
+# A loop (the backward branch at 0x40 to 0x20) between code before and after it.
+LOOP_SASS = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FFMA R2, R3, R4, R5 ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0030*/                   FFMA R2, R3, R4, R5 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   STL [R1], R2 ;
+        /*0060*/                   FFMA R2, R3, R4, R5 ;
+        /*0070*/                   EXIT ;
+        /*0080*/                   BRA 0x80;
+"""
 
 
 def test_parse_ptxas_log():
@@ -65,6 +95,13 @@ def test_parse_ptxas_log():
   assert older["spill_store_bytes"] == older["spill_load_bytes"] == 0
 
 
+def test_parse_ptxas_log_reads_the_entry_function():
+  numbers = gpu_compile.parse_ptxas_log(DEVICE_FUNCTION_LOG)
+  assert numbers["registers"] == 200
+  assert (numbers["spill_store_bytes"], numbers["spill_load_bytes"]) == (828, 540)
+  assert numbers["stack_frame_bytes"] == numbers["local_bytes"] == 520
+
+
 def test_parse_ptxas_log_refuses_a_log_without_registers():
   with pytest.raises(ValueError, match="no 'Used N registers'"):
     gpu_compile.parse_ptxas_log("ptxas fatal   : Ptx assembly aborted due to errors")
@@ -77,14 +114,37 @@ def test_instruction_counts():
   assert ptx == dict(wgmma=1, mma=1, fma_f32=2)
 
 
-def test_kernel_numbers_and_target():
+def test_main_loop_is_from_a_backward_branchs_target_to_the_branch():
+  loop = gpu_compile.count_instructions(gpu_compile.main_loop(LOOP_SASS), {"ffma": r"\bFFMA\b"})
+  assert loop == {"ffma": 1}
+  assert "HMMA" in gpu_compile.main_loop(LOOP_SASS) and "STL" not in gpu_compile.main_loop(
+    LOOP_SASS
+  )
+  forward_only = LOOP_SASS.replace("@P0 BRA 0x20", "@P0 BRA 0x60")
+  assert gpu_compile.main_loop(forward_only) == ""  # a forward branch is no loop
+
+
+def test_kernel_numbers_and_targets():
   spilling = gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX)
   assert spilling["shared_bytes"] == 51200 and spilling["matrix_instructions"] == 3
-  assert not spilling["meets_target"]  # spills
+  assert not spilling["meets_targets"] and not spilling["targets"]["no_spills"]
   clean = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 1024, SASS, PTX)
-  assert clean["shared_bytes"] == 2048 and clean["meets_target"]
+  assert clean["shared_bytes"] == 2048 and clean["meets_targets"]
   too_much_shared = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 227 * 1024, SASS, PTX)
-  assert not too_much_shared["meets_target"]
+  assert not too_much_shared["meets_targets"] and not too_much_shared["targets"]["shared_fits"]
+
+
+def test_targets_read_the_main_loop():
+  # In the loop: 1 HMMA, 1 FFMA (not more matrix instructions); in the whole kernel 1 against 3.
+  looped = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, LOOP_SASS, "")
+  assert looped["loop_matrix_instructions"] == 1 and looped["sass_loop"]["ffma"] == 1
+  assert looped["sass"]["ffma"] == 3 and looped["sass"]["local_store"] == 1
+  assert not looped["targets"]["matrix_in_loop"] and not looped["meets_targets"]
+  two_mma = LOOP_SASS.replace(
+    "FFMA R2, R3, R4, R5 ;\n        /*0040*/", "HMMA.16816 R2 ;\n        /*0040*/"
+  )
+  on_matrix_units = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, two_mma, "")
+  assert on_matrix_units["loop_matrix_instructions"] == 2 and on_matrix_units["meets_targets"]
 
 
 def test_run_capped_kills_on_timeout():
@@ -95,7 +155,7 @@ def test_run_capped_kills_on_timeout():
 
 
 TINY = gpu_compile.Shape(batch=1, length=32, heads=2, head_dim=16)
-SETTING = gpu_compile.Setting("mlp_relu", "rms_head", 16)
+SETTING = gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)
 
 
 @pytest.fixture(scope="module")
@@ -110,43 +170,126 @@ def test_triton_ir_of_the_cuda_lowering(tiny_kernels):
     assert kernel.num_warps > 0 and kernel.num_stages > 0
 
 
+def test_default_settings_of_both_families():
+  pallas = gpu_compile.pallas_settings()
+  assert len(pallas) == 3 * 2 + 3 and {s.block_size for s in pallas} == {16, 64}
+  tensorcore = gpu_compile.tensorcore_settings()
+  assert len(tensorcore) == 3 * 2 + 6 + 1 and sum(s.causal for s in tensorcore) == 1
+  args = gpu_compile.parse_args(["--tiles", "64", "--normalizations", "rms_head"])
+  kept = gpu_compile.select_settings(pallas, args)
+  assert [s.value_network for s in kept] == ["linear", "mlp_relu", "mlp_linear"]
+  assert args.families == ["pallas", "tensorcore"]  # both by default
+
+
+def test_tensorcore_jobs_name_every_pointer_and_constant():
+  pytest.importorskip("triton")
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  setting = gpu_compile.tensorcore_settings()[0]
+  jobs = gpu_compile.tensorcore_jobs(setting, TINY, Path("."))  # no file written for these
+  assert [j.kernel for j in jobs] == ["forward", "dq", "dk", "dv"]
+  assert [j.num_warps for j in jobs] == [setting.forward_num_warps] + [
+    setting.backward_num_warps
+  ] * 3
+  for job in jobs:
+    function = getattr(ht, job.source["function"])
+    named = set(job.source["signature"]) | set(job.source["constants"])
+    assert named == set(function.arg_names), job.kernel
+    assert all(t.startswith("*") for t in job.source["signature"].values())
+  assert jobs[2].source["constants"]["WANT_DK"] and not jobs[3].source["constants"]["WANT_DK"]
+  assert jobs[0].source["constants"]["Q_LEN"] == TINY.length
+
+
 @pytest.mark.skipif(
   importlib.util.find_spec("triton") is None,
   reason="the triton wheel is not installed (make install-gpu-dev)",
 )
 def test_real_compile_of_a_tiny_kernel(tiny_kernels, tmp_path):
-  record = gpu_compile.compile_kernel(tiny_kernels[0], tmp_path, memory_cap_gib=6, timeout_s=600)
+  kernel = tiny_kernels[0]
+  ir_path = tmp_path / "forward.ttir"
+  ir_path.write_text(kernel.ir)
+  job = gpu_compile.CompileJob(
+    kernel.name, {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages
+  )
+  record = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=600)
   assert record["status"] == "ok", record
   assert record["registers"] > 0 and record["shared_bytes"] > 0
   assert record["matrix_instructions"] > 0  # the q·k products run on the tensor cores
   assert record["ptxas_version"].startswith("Build cuda_")
 
 
-def test_report_renders_measured_and_failed_kernels():
-  settings = [
-    gpu_compile.Setting("mlp_relu", "rms_head", 16),
-    gpu_compile.Setting("linear", "none", 64),
+@pytest.mark.skipif(
+  importlib.util.find_spec("triton") is None,
+  reason="the triton wheel is not installed (make install-gpu-dev)",
+)
+def test_a_compilation_over_the_memory_cap_is_a_failed_record(tiny_kernels, tmp_path):
+  """The kernel that compiles above, under a 0.2 GiB address-space cap: recorded, not raised."""
+  kernel = tiny_kernels[0]
+  ir_path = tmp_path / "forward.ttir"
+  ir_path.write_text(kernel.ir)
+  job = gpu_compile.CompileJob("k", {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages)
+  record = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=0.2, timeout_s=300)
+  assert record["status"] == "failed", record
+  assert "0.2 GiB address-space cap" in record["reason"]
+
+
+def _record(family, setting, kernel, **fields):
+  return {"family": family, **setting._asdict(), "kernel": kernel, "num_warps": 4, **fields}
+
+
+def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
+  pallas = [gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)] * 2
+  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, 4, 8)]
+  numbers = gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX)
+  records = [
+    _record("pallas", pallas[0], "hyla_forward", status="ok", reason="", **numbers),
+    _record("tensorcore", tensorcore[0], "dq", status="timeout", reason="over 420 s (killed)"),
   ]
-  ok = {
-    **settings[0]._asdict(),
-    "kernel": "hyla_forward",
-    "num_warps": 4,
-    "status": "ok",
-    "reason": "",
-    **gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX),
-  }
-  capped = {**settings[1]._asdict(), "kernel": "hyla_forward", "status": "timeout"}
-  capped["reason"] = "over 420 s (killed)"
   payload = {
     "metadata": {"command": "python -m benchmarks.gpu_compile"},
-    "config": {"shape": [1, 1024, 8, 64], "memory_cap_gib": 6, "timeout_s": 420},
-    "records": [ok, capped],
+    "config": {
+      "families": ["pallas", "tensorcore"],
+      "shapes": {"pallas": [1, 1024, 8, 64], "tensorcore": [1, 8192, 8, 64]},
+      "memory_cap_gib": 6,
+      "timeout_s": 420,
+      "settings": {
+        "pallas": [s._asdict() for s in pallas],
+        "tensorcore": [s._asdict() for s in tensorcore],
+      },
+    },
+    "records": records,
   }
-  payload["config"]["settings"] = [s._asdict() for s in settings * 2]
   markdown = gpu_compile.render_markdown(payload)
-  assert "Settings compiled: 2 of 4" in markdown and "0 of 2 kernels" in markdown
+  pallas_part, tensorcore_part = markdown.split("## Pallas HYLA")[1].split("## tensorcore HYLA")
+  assert "Settings compiled: 1 of 2. Targets met: 0 of 1 kernels." in pallas_part
   assert (
-    "| hyla_forward | mlp_relu | rms_head | 16 | 4 | 32 | 9400 | 11512 | 5968 | 50.0 | 3 |"
-    in (markdown)
+    "| hyla_forward | mlp_relu | rms_head | 16 | 4 | 32 | 9400/11512 | 5968 | 50.0 | 3/3 |"
+    in (pallas_part)
   )
-  assert "over 420 s (killed)" in markdown
+  assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | 4 | 8 | False | 4 |" in tensorcore_part
+  assert "over 420 s (killed)" in tensorcore_part
+
+
+CALLER = """
+import sys
+from benchmarks import gpu_compile
+gpu_compile.exit_on_sigterm()
+sleeper = "import os, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+gpu_compile.run_capped([sys.executable, "-c", "import sys;" + sleeper, sys.argv[1]], 120)
+"""
+
+
+def test_a_terminated_run_leaves_no_compilation_running(tmp_path):
+  pid_file = tmp_path / "worker.pid"
+  caller = subprocess.Popen([sys.executable, "-c", CALLER, str(pid_file)], cwd=REPO_ROOT)
+  while not (pid_file.exists() and pid_file.read_text()):
+    assert caller.poll() is None, "the caller ended before its worker started"
+    time.sleep(0.1)
+  caller.terminate()
+  assert caller.wait(timeout=60) == 128 + signal.SIGTERM
+  worker = int(pid_file.read_text())
+  with pytest.raises(ProcessLookupError):
+    for _ in range(100):  # the worker, killed, may take a moment to be reaped by init
+      os.kill(worker, 0)
+      time.sleep(0.1)

@@ -179,15 +179,17 @@ def test_bad_input_raises_value_error_naming_it(call, message):
 
 
 @pytest.mark.parametrize("launch", ["forward", "dk"])  # dk: the most registers of the backward
-def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch):
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, tmp_path):
   """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
   shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
-  from benchmarks import triton_compile as tc
+  from benchmarks import gpu_compile
 
-  figures = tc.launch_figures(tc.default_settings()[0], launch, memory_cap_gib=6, timeout_s=300)
+  family = gpu_compile.FAMILIES["tensorcore"]
+  job = gpu_compile.tensorcore_job(family.settings()[0], family.shape, launch)
+  figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures
   assert figures["spill_store_bytes"] == figures["spill_load_bytes"] == 0, figures
-  assert figures["shared_bytes"] <= tc.SHARED_MEMORY_LIMIT_BYTES
+  assert figures["shared_bytes"] <= gpu_compile.SHARED_MEMORY_LIMIT_BYTES
   loop = figures["sass_loop"]
   assert loop["hmma"] + loop["hgmma"] > loop["ffma"], loop
-  assert tc.meets_targets(figures)
+  assert figures["meets_targets"], figures["targets"]

@@ -17,7 +17,7 @@ heads hold zeros and contribute nothing (the RMS mean divides by the true head c
 features run in chunks of ``value_chunk`` (the products above are independent per chunk), so a
 program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time. Tiles, chunk and warps (4 forward, 8
 backward) are those with no spills in the sm_90a compile report at H = 8, d = 64
-(``benchmarks/results/hyla_tensorcore_compile.md``); no GPU has timed them.
+(``benchmarks/results/gpu_compile.md``, its tensorcore section); no GPU has timed them.
 
 Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
 whose residuals are the inputs (tiles recomputed, as in flash attention):
@@ -49,7 +49,7 @@ CPU-only machine:
   very same ``@triton.jit`` source on a CPU (NumPy for the maths, torch tensors as buffers), which
   is what the test-suite does; and ``triton.compile`` builds it for sm_90a on a CPU with the
   wheel's own ``ptxas``, giving registers, spills, shared memory and the matrix instructions
-  (``benchmarks/triton_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
+  (``benchmarks/gpu_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
   jax-triton imports only with a CUDA jaxlib, so its lowering for CUDA cannot be checked on a
   CPU (the one thing left to a GPU machine, with every timing).
 
