@@ -2,6 +2,7 @@
 persistent compilation cache per module."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
@@ -79,3 +80,33 @@ def assert_sampler_follows_key_derivation(sample, stream_id, index, batch):
   record = jax.jit(sample)(key)
   for name, value in batch.items():
     np.testing.assert_array_equal(np.asarray(record[name]), value[index])
+
+
+def assert_close(actual, expected, tol=2e-5, floor=0.05):
+  """Relative to each element and to the largest magnitude (float32 sums in another order).
+
+  The magnitude floor (default 0.05; with unit-normal inputs, gradients are O(1)) covers
+  gradients that cancel to almost nothing: with one head, rms_head gives a ≈ sign(s) and
+  da/ds = r·ε/(s² + ε), computed in float32 as the difference of two O(r) terms by both kernels
+  (each is then ~1e-7 away from a float64 finite difference, on gradients of ~1e-5); callers pass
+  the magnitude of the terms a gradient sums when it is larger.
+  """
+  expected = np.asarray(expected, np.float32)
+  np.testing.assert_allclose(
+    np.asarray(actual, np.float32),
+    expected,
+    rtol=tol,
+    atol=tol * max(np.abs(expected).max(), floor),
+  )
+
+
+def loss_and_grads(attention, q, k, v, bias, mask, **options):
+  """``(out, grads of Σ sin(out) w.r.t. q, k, v[, bias])``, jitted."""
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+
+  def loss(q, k, v, bias):
+    out = attention(q, k, v, bias, mask, **options)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
+  return out, grads

@@ -24,36 +24,8 @@ def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=4, d_v=3, dtype=np.floa
 
 
 padding_mask = helpers.padding_mask
-
-
-def assert_close(actual, expected, tol=2e-5, floor=0.05):
-  """Relative to each element and to the largest magnitude (float32 sums in another order).
-
-  The magnitude floor (default 0.05; with unit-normal inputs, gradients are O(1)) covers
-  gradients that cancel to almost nothing: with one head, rms_head gives a ≈ sign(s) and
-  da/ds = r·ε/(s² + ε), computed in float32 as the difference of two O(r) terms by both kernels
-  (each is then ~1e-7 away from a float64 finite difference, on gradients of ~1e-5); callers pass
-  the magnitude of the terms a gradient sums when it is larger.
-  """
-  expected = np.asarray(expected, np.float32)
-  np.testing.assert_allclose(
-    np.asarray(actual, np.float32),
-    expected,
-    rtol=tol,
-    atol=tol * max(np.abs(expected).max(), floor),
-  )
-
-
-def loss_and_grads(attention, q, k, v, bias, mask, **options):
-  """``(out, grads of Σ sin(out) w.r.t. q, k, v[, bias])``, jitted."""
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-
-  def loss(q, k, v, bias):
-    out = attention(q, k, v, bias, mask, **options)
-    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
-
-  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
-  return out, grads
+assert_close = helpers.assert_close
+loss_and_grads = helpers.loss_and_grads
 
 
 def assert_blockwise_equals_dense(q, k, v, bias, mask, block_size, tol=2e-5, **options):

@@ -20,33 +20,12 @@ from primal_dual.kernels import hyla_pallas as hp
 
 COMBINATIONS = list(itertools.product(hp.NORMALIZATIONS, hp.VALUE_NETWORKS))
 padding_mask = helpers.padding_mask
+assert_close = helpers.assert_close
+loss_and_grads = helpers.loss_and_grads
 
 
 def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=4, d_v=3, dtype=np.float32):
   return helpers.random_qkv(rng, batch_shape, q_len, kv_len, heads, d, d_v, dtype)
-
-
-def assert_close(actual, expected, tol=2e-5, floor=0.05):
-  """Relative to each element and to the largest magnitude (float32 sums in another order)."""
-  expected = np.asarray(expected, np.float32)
-  np.testing.assert_allclose(
-    np.asarray(actual, np.float32),
-    expected,
-    rtol=tol,
-    atol=tol * max(np.abs(expected).max(), floor),
-  )
-
-
-def loss_and_grads(attention, q, k, v, bias, mask, **options):
-  """``(out, grads of Σ sin(out) w.r.t. q, k, v[, bias])``, jitted."""
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-
-  def loss(q, k, v, bias):
-    out = attention(q, k, v, bias, mask, **options)
-    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
-
-  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
-  return out, grads
 
 
 def pallas(block_size):

@@ -21,29 +21,8 @@ from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
 
 COMBINATIONS = list(itertools.product(ht.NORMALIZATIONS, ht.VALUE_NETWORKS))
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 products in the blockwise path too
-
-
-def assert_close(actual, expected, tol=2e-5, floor=0.05):
-  """Relative to each element and to the largest magnitude (float32 sums in another order)."""
-  expected = np.asarray(expected, np.float32)
-  np.testing.assert_allclose(
-    np.asarray(actual, np.float32),
-    expected,
-    rtol=tol,
-    atol=tol * max(np.abs(expected).max(), floor),
-  )
-
-
-def loss_and_grads(attention, q, k, v, bias, mask, **options):
-  """``(out, grads of Σ sin(out) w.r.t. q, k, v[, bias])``, jitted."""
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-
-  def loss(q, k, v, bias):
-    out = attention(q, k, v, bias, mask, precision=HIGHEST, **options)
-    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
-
-  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
-  return out, grads
+assert_close = helpers.assert_close
+loss_and_grads = functools.partial(helpers.loss_and_grads, precision=HIGHEST)
 
 
 blockwise = functools.partial(hb.hyla_blockwise_attention, block_size=8)
