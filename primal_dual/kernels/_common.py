@@ -48,6 +48,17 @@ class QKVShapes(NamedTuple):
     return self.heads // self.kv_heads
 
 
+def next_power_of_two(n: int) -> int:
+  """The smallest power of two ≥ ``n`` (1 for ``n`` ≤ 1): Triton's tile sizes."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def interpret_off_gpu() -> bool:
+  """Whether a Triton kernel (Pallas-Triton or Triton itself) must run in an interpreter: unless
+  the default backend is a GPU."""
+  return jax.default_backend() != "gpu"
+
+
 def _shape_str(**arrays: Any) -> str:
   return ", ".join(f"{name}.shape={tuple(x.shape)}" for name, x in arrays.items() if x is not None)
 

@@ -532,19 +532,10 @@ def make_pallas(cfg: Config):
 # --- Entry point ---------------------------------------------------------------------------------
 
 
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 def _pad_last(x, size: int):
   return (
     x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
   )
-
-
-def default_interpret() -> bool:
-  """Interpret mode unless the default backend is a GPU (the kernels are Triton kernels)."""
-  return jax.default_backend() != "gpu"
 
 
 def hyla_pallas_attention(
@@ -603,13 +594,13 @@ def hyla_pallas_attention(
   for name, count in (("num_warps", num_warps), ("num_stages", num_stages)):
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
       raise ValueError(f"{name} must be a positive int; got {name}={count!r}")
-  interpret = default_interpret() if interpret is None else bool(interpret)
+  interpret = C.interpret_off_gpu() if interpret is None else bool(interpret)
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
 
   def tile(length):
     size = min(block_size, length)
     # Triton tiles are powers of two (and dots at least 16 wide); interpret mode takes any size.
-    return size if interpret else max(16, _next_power_of_two(size))
+    return size if interpret else max(16, C.next_power_of_two(size))
 
   q_block, k_block = tile(shapes.q_len), tile(shapes.kv_len)
   q_pad, k_pad = hb._round_up(shapes.q_len, q_block), hb._round_up(shapes.kv_len, k_block)
@@ -635,8 +626,8 @@ def hyla_pallas_attention(
     num_stages=num_stages,
   )
   minimum = 1 if interpret else 16
-  d_pad = max(minimum, _next_power_of_two(shapes.d_qk))
-  d_v_pad = max(minimum, _next_power_of_two(shapes.d_v))
+  d_pad = max(minimum, C.next_power_of_two(shapes.d_qk))
+  d_v_pad = max(minimum, C.next_power_of_two(shapes.d_v))
   q, k, v = (C.to_heads_major(x) for x in (query, key, value))
   # Zero features change no product; zero-padded lengths are masked by index.
   q, k = _pad_last(hb.pad_axis(q, 2, q_pad), d_pad), _pad_last(hb.pad_axis(k, 2, k_pad), d_pad)

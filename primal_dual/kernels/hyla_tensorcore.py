@@ -425,10 +425,6 @@ class Config(NamedTuple):
   interpret: bool
 
 
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 def _broadcast_strides(shape) -> tuple[int, int, int, int]:
   """Element strides of a contiguous ``[B', H', Q', K']`` array, 0 along its size-1 axes."""
   if shape is None:
@@ -450,7 +446,7 @@ def _constants(cfg: Config) -> dict:
   bias, mask = _broadcast_strides(cfg.bias_shape), _broadcast_strides(cfg.mask_shape)
   # Heads batch the per-head products (a power of two) and are padded further where the coupled
   # products contract or stack them.
-  head_batch = _next_power_of_two(cfg.heads)
+  head_batch = C.next_power_of_two(cfg.heads)
   head_pad = max(HEAD_PAD, head_batch)
   constants = {
     "Q_LEN": cfg.q_len,
@@ -461,7 +457,7 @@ def _constants(cfg: Config) -> dict:
     "HP": head_pad,
     "HB": head_batch,
     "HX": (head_pad // head_batch).bit_length() - 1,
-    "DP": max(16, _next_power_of_two(cfg.d_qk)),
+    "DP": max(16, C.next_power_of_two(cfg.d_qk)),
     "BQ": cfg.block_size,
     "BK": cfg.block_size,
     "BV": cfg.value_chunk,
@@ -608,14 +604,9 @@ def forward(q, k, v, bias, mask, cfg: Config):
 # --- Entry point ---------------------------------------------------------------------------------
 
 
-def default_interpret() -> bool:
-  """Triton's interpreter unless the default backend is a GPU."""
-  return jax.default_backend() != "gpu"
-
-
 def _dot_size(n: int) -> int:
   """A tile or chunk size ``tl.dot`` takes: a power of two, at least 16."""
-  return max(16, _next_power_of_two(n))
+  return max(16, C.next_power_of_two(n))
 
 
 def hyla_tensorcore_attention(
@@ -698,7 +689,7 @@ def hyla_tensorcore_attention(
     mask_shape=None if mask is None else tuple(mask.shape),
     num_warps=num_warps,
     backward_num_warps=backward_num_warps,
-    interpret=default_interpret() if interpret is None else bool(interpret),
+    interpret=C.interpret_off_gpu() if interpret is None else bool(interpret),
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
   # Placeholders keep one kernel signature when there is no bias or mask (never read).
