@@ -85,6 +85,8 @@ def default_sh_ratios(heads: int) -> tuple[int, ...]:
 
 # Backends on which the Pallas kernels are compiled (elsewhere they run in interpret mode).
 PALLAS_BACKENDS = ("gpu",)
+# The fused GPU kernels measured beside the XLA paths (rows ``hyla[implementation=<name>]``).
+FUSED_IMPLEMENTATIONS = ("pallas", "tensorcore")
 
 # --- The cases, from the registry ----------------------------------------------------------------
 
@@ -111,13 +113,15 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
       cases.append(Case(f"{name}[{option}={other}]", name, {**main, option: other}))
   # HYLA's fused Pallas kernel, measured where it is compiled (on a CPU it runs interpreted, which
   # says nothing about its speed): its own default tile.
-  pallas = {**main, "implementation": "pallas", "block_size": "auto"}
-  if (
-    jax.default_backend() in PALLAS_BACKENDS
-    and {"implementation", "block_size"} <= set(accepted)
-    and _serves(name, pallas, heads)
-  ):
-    cases.append(Case(f"{name}[implementation=pallas]", name, pallas))
+  # The same for the tensor-core Triton kernel (``implementation='tensorcore'``, GPU only).
+  for fused in FUSED_IMPLEMENTATIONS:
+    fused_options = {**main, "implementation": fused, "block_size": "auto"}
+    if (
+      jax.default_backend() in PALLAS_BACKENDS
+      and {"implementation", "block_size"} <= set(accepted)
+      and _serves(name, fused_options, heads)
+    ):
+      cases.append(Case(f"{name}[implementation={fused}]", name, fused_options))
   return cases
 
 

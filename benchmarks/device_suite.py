@@ -122,7 +122,7 @@ def attention_rows(sizes: Sizes, variants: Sequence[str]) -> tuple[list[Row], li
   )
   blockwise = f"hyla[block_size={sizes.hyla_block}]"
   target_names = (attention.FUSED_REFERENCE, *TARGET_VARIANTS[:-1], blockwise)
-  target_names += ("hyla[implementation=pallas]",)
+  target_names += tuple(f"hyla[implementation={f}]" for f in attention.FUSED_IMPLEMENTATIONS)
   targets = [c for c in cases if c.name in target_names]
   others = [c for c in cases if c.name not in target_names]
   previous: dict[str, tuple[int, float]] = {}
