@@ -82,6 +82,11 @@ class Measurement(NamedTuple):
 def build(m: Measurement):
   """The trainer's Program of ``m`` and an initial state."""
   arg = f"preset=paper,attention={m.variant}" + (",runlocal" if m.quick else "")
+  if m.num_replicas > 1:
+    # Replicas share one data stream, so they share the held-out split too (the paper preset
+    # draws it per seed, which trains one seed per program); which split is held out does not
+    # change the cost of a step.
+    arg += ",held_out=fixed"
   config = importlib.import_module(MODELS[m.model]).get_config(arg)
   config = ml_collections.ConfigDict(config.to_dict())
   config.update(

@@ -344,6 +344,18 @@ def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   assert "| logic | linear_plain | 2 | 1 | single run | device |" in markdown
 
 
+def test_small_models_replicas_of_the_paper_preset_share_a_held_out_split():
+  """The paper presets draw the held-out split per seed (one seed per program); N > 1 replicas
+  share one data stream, so the benchmark measures them with one split for every seed."""
+  from benchmarks import small_models
+
+  for model in small_models.MODELS:
+    program, _ = small_models.build(
+      small_models.Measurement(model, "linear_plain", 2, True, False, num_replicas=2)
+    )
+    assert program.config.data.split_seed >= 0
+
+
 def test_hylas_pallas_row_where_pallas_compiles_and_the_hyla_target_reads_it(monkeypatch):
   names = [case.name for case in attention.variant_cases("hyla", 2, (1, 2), 4)]
   assert "hyla[implementation=pallas]" not in names  # on this CPU Pallas only interprets
