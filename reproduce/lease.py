@@ -11,6 +11,7 @@ needs) into `$OUT`::
   python3 -m reproduce.lease wait NAME SECONDS           # until the job ends or SECONDS pass
   python3 -m reproduce.lease collect NAME ROOT [FILE ...]
   python3 -m reproduce.lease restore NAME                # in a later lease: unpack the state
+  python3 -m reproduce.lease progress ROOT STEM          # curves of runs, finished or not
 
 `collect` writes `NAME_metrics.tar.gz` (every run's metrics.jsonl, final_metrics.json, config.json,
 experiment.json and grid_run.json under ROOT, the FILEs, e.g. the grid's results JSON, and the
@@ -18,14 +19,19 @@ job's log) and, unless the job ended with status 0, `NAME_state.tar.NN` parts (R
 TensorBoard files and without checkpoints older than each folder's newest): carried back to the
 device, `restore` unpacks them and the same command resumes from the checkpoints. The job's files
 (`NAME.log`, `NAME.pid`, `NAME.rc` with its exit status once it ends) are in `--jobs_dir`
-(default `workdirs/lease`). docs/reproduction.md has the lease recipe.
+(default `workdirs/lease`). `progress` reads the runs under ROOT (unpacked metrics, finished or
+cut short by the end of a lease) and writes `STEM.json` and `STEM.md`: per run its point, the steps
+done, its learning curve every `--every` steps and its best evaluation on the selection split so
+far. docs/reproduction.md has the lease recipe.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import io
+import json
 import os
 import shlex
 import subprocess
@@ -225,6 +231,100 @@ def restore(name: str, source: str, destination: str = ".") -> list[str]:
     return [member.name for member in archive.getmembers() if member.isfile()]
 
 
+# --- progress: what the runs under a folder have reached ------------------------------------------
+
+
+def _read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def run_progress(workdir: str, every: int) -> dict:
+  """One run's record: its point, steps done of its total, its learning curve of the task's
+  ``CURVE_METRICS`` (``reproduce.<task>``) at the multiples of ``every``, and its best evaluation
+  on the selection split so far (the last of the curve metrics; ties keep the earliest step)."""
+  from reproduce import hyla_paper  # local: the job commands need no numpy
+
+  config = _read_json(os.path.join(workdir, "config.json"))
+  metrics = importlib.import_module(f"reproduce.{config['task']}").CURVE_METRICS
+  curve = hyla_paper.learning_curve(workdir, metrics)
+  rows = [dict(zip(curve, values)) for values in zip(*curve.values())]
+  selection = metrics[-1]
+  best = max(rows, key=lambda row: (row[selection], -row["step"])) if rows else None
+  logged = hyla_paper.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  optimizer, model = config["optimizer"], config["model"]
+  return {
+    "run": workdir,
+    "attention": model["attention"],
+    "seed": config["seed"],
+    "lr": optimizer["lr"],
+    "weight_decay": optimizer["weight_decay"],
+    "warmup_steps": optimizer["warmup_steps"],
+    "attention_dropout_rate": model["attention_dropout_rate"],
+    "steps_done": max((int(r["step"]) for r in logged), default=0),
+    "num_train_steps": config["num_train_steps"],
+    "finished": os.path.exists(os.path.join(workdir, "final_metrics.json")),
+    "steps_per_second": hyla_paper.median_steps_per_second(workdir),
+    "metrics": list(metrics),
+    "curve": [row for row in rows if row["step"] % every == 0],
+    "best": best,
+  }
+
+
+def progress(root: str, every: int) -> list[dict]:
+  """The records of every run (a folder with ``config.json`` and ``metrics.jsonl``) under
+  ``root``."""
+  runs = [
+    os.path.dirname(path)
+    for path in _files_under(root, lambda path: os.path.basename(path) == "metrics.jsonl")
+    if os.path.exists(os.path.join(os.path.dirname(path), "config.json"))
+  ]
+  return [run_progress(run, every) for run in runs]
+
+
+def progress_markdown(records: Sequence[dict], note: str) -> str:
+  """The records as Markdown: per run its point, progress and best, then its curve."""
+  lines = ["# Runs in progress", "", note, ""] if note else ["# Runs in progress", ""]
+  for record in records:
+    metrics, best = record["metrics"], record["best"]
+    state = "finished" if record["finished"] else "cut short (resumable from its checkpoint)"
+    lines += [
+      f"## {record['attention']}, seed {record['seed']}: lr {record['lr']:g}, weight decay "
+      f"{record['weight_decay']:g}, warm-up {record['warmup_steps']}, attention dropout "
+      f"{record['attention_dropout_rate']:g}",
+      "",
+      f"`{record['run']}`: {record['steps_done']:,} of {record['num_train_steps']:,} steps, "
+      f"{state}; {record['steps_per_second'] or 0:.0f} steps/s logged (median).",
+    ]
+    if best:
+      values = ", ".join(f"{m} {best[m]:.4f}" for m in metrics)
+      lines += ["", f"Best on `{metrics[-1]}` so far: step {best['step']:,}: {values}."]
+    lines += ["", "| step | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    lines += [
+      f"| {row['step']:,} | " + " | ".join(f"{row[m]:.4f}" for m in metrics) + " |"
+      for row in record["curve"]
+    ]
+    lines.append("")
+  return "\n".join(lines)
+
+
+def write_progress(root: str, stem: str, every: int, note: str) -> list[str]:
+  """``STEM.json`` and ``STEM.md`` of the runs under ``root``; returns their paths.
+
+  Raises:
+    LeaseError: no run under ``root``.
+  """
+  records = progress(root, every)
+  if not records:
+    raise LeaseError(f"no run (config.json and metrics.jsonl) under {root}: unpack the metrics")
+  os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+  with open(stem + ".json", "w") as f:
+    json.dump({"note": note, "every": every, "runs": records}, f, indent=1)
+  with open(stem + ".md", "w") as f:
+    f.write(progress_markdown(records, note))
+  return [stem + ".json", stem + ".md"]
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="python3 -m reproduce.lease", description=__doc__.split("\n")[0]
@@ -242,6 +342,11 @@ def _parser() -> argparse.ArgumentParser:
   collected.add_argument("root", help="the folder of the job's workdirs (a grid's --root)")
   collected.add_argument("files", nargs="*", help="more files, e.g. the grid's --results")
   collected.add_argument("--out", default=os.environ.get("OUT", ""))
+  reported = commands.add_parser("progress", help="curves of the runs under ROOT, as STEM.json/md")
+  reported.add_argument("root")
+  reported.add_argument("stem", help="output path without extension")
+  reported.add_argument("--every", type=int, default=12_500, help="curve points every N steps")
+  reported.add_argument("--note", default="", help="a line for the report: command, hardware")
   restored = commands.add_parser("restore", help="unpack NAME_state.tar.NN parts")
   restored.add_argument("name")
   restored.add_argument("--source", default=os.path.join(JOBS_DIR, "state"))
@@ -262,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise LeaseError("no --out and no $OUT: give the folder the files go to")
       for path in collect(args.jobs_dir, args.name, args.root, args.files, args.out):
         print(f"{path}: {os.path.getsize(path)} bytes")
+    elif args.action == "progress":
+      print(" ".join(write_progress(args.root, args.stem, args.every, args.note)))
     else:
       print(f"restored {len(restore(args.name, args.source))} files")
   except LeaseError as e:

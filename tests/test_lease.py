@@ -1,6 +1,7 @@
 """reproduce/lease.py: a job detached from the call that starts it, and what `collect` packs into
 `$OUT` within the device tool's limits (docs/reproduction.md, the lease recipe)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -122,3 +123,50 @@ def test_a_tiny_training_run_through_the_lease_commands(tmp_path):
   assert ["jobs", "tiny.log"] in names
   refused = call("collect", "tiny", str(root), "--out=")
   assert refused.returncode == 2 and refused.stderr.startswith("error: no --out and no $OUT")
+
+
+def _evaluation(step, validation, ood):
+  return {
+    "step": step,
+    "validation/whole_panel_accuracy": validation,
+    "ood/whole_panel_accuracy": ood,
+    "test/whole_panel_accuracy": ood + 0.01,
+  }
+
+
+def test_progress_reports_curves_and_the_best_on_validation_of_runs_cut_short(tmp_path):
+  workdir = tmp_path / "A" / "grid" / "lr=0.001,attn_dropout=0.0"
+  workdir.mkdir(parents=True)
+  config = {
+    "task": "sraven",
+    "seed": 0,
+    "num_train_steps": 156_250,
+    "model": {"attention": "hyla", "attention_dropout_rate": 0.0},
+    "optimizer": {"lr": 0.001, "weight_decay": 0.1, "warmup_steps": 1000},
+  }
+  (workdir / "config.json").write_text(json.dumps(config))
+  logged = [
+    {"step": 500, "train/loss": 2.0, "train/steps_per_second": 100.0},
+    {"step": 1000, "train/loss": 1.9, "train/steps_per_second": 300.0},
+    _evaluation(6_250, 0.20, 0.25),
+    _evaluation(12_500, 0.60, 0.50),  # best on validation, though not on OOD
+    _evaluation(18_750, 0.55, 0.58),
+    _evaluation(25_000, 0.60, 0.40),  # ties the best later: the earlier step stays
+    {"step": 25_500, "train/loss": 0.5, "train/steps_per_second": 310.0},
+  ]
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+  json_path, md_path = lease.write_progress(str(tmp_path / "A"), str(tmp_path / "p"), 12_500, "n")
+  (record,) = json.loads(open(json_path).read())["runs"]
+  assert [row["step"] for row in record["curve"]] == [12_500, 25_000]
+  assert record["best"]["step"] == 12_500 and record["best"]["ood/whole_panel_accuracy"] == 0.50
+  assert (record["steps_done"], record["finished"], record["attention_dropout_rate"]) == (
+    25_500,
+    False,
+    0.0,
+  )
+  assert record["steps_per_second"] == 305.0  # the first log period (compilation) left out
+  markdown = open(md_path).read()
+  assert "25,500 of 156,250 steps, cut short" in markdown
+  assert "| 12,500 | 0.5100 | 0.5000 | 0.6000 |" in markdown
+  with pytest.raises(lease.LeaseError, match="no run"):
+    lease.write_progress(str(tmp_path / "empty"), str(tmp_path / "q"), 12_500, "")
