@@ -538,11 +538,17 @@ def target_sh_memory_scaling(index, cases):
 
 
 def _blockwise_hyla(cases) -> str | None:
-  """HYLA's linear-memory row the targets read: the fused Pallas kernel where it was measured,
-  else the blockwise path."""
+  """HYLA's linear-memory row the targets read: the first fused kernel of
+  ``FUSED_IMPLEMENTATIONS[::-1]`` measured (the tensor-core one, then Pallas), else the blockwise
+  path."""
   tiled = [c for c in cases if c.variant == "hyla" and c.options.get("block_size")]
-  pallas = [c.name for c in tiled if c.options.get("implementation") == "pallas"]
-  return (pallas or [c.name for c in tiled] or [None])[0]
+  fused = [
+    c.name
+    for implementation in FUSED_IMPLEMENTATIONS[::-1]
+    for c in tiled
+    if c.options.get("implementation") == implementation
+  ]
+  return (fused or [c.name for c in tiled] or [None])[0]
 
 
 def target_hyla_blockwise_time(index, cases):
