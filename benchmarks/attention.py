@@ -71,11 +71,34 @@ class Case(NamedTuple):
     name: ``variant``, ``variant[option=value]`` for an alternative path, or ``fused_reference``.
     variant: the registry name (``softmax`` for the reference, whose FLOPs are softmax's).
     options: the options its factory gets (none for the reference).
+    key_padding: the keys of every example end at ``valid_key_length`` of the length, given as
+      ``key_value_seq_lengths`` (the form cuDNN takes); name suffix ``[key_padding]``.
   """
 
   name: str
   variant: str
   options: Mapping[str, Any]
+  key_padding: bool = False
+
+
+# The rows also measured with padded keys (given as lengths): the reference and the variants whose
+# targets hold "with and without a key-padding mask".
+KEY_PADDING_SUFFIX = "[key_padding]"
+KEY_PADDED_VARIANTS = (FUSED_REFERENCE, "softmax", "sh", "bn_sh")
+
+
+def valid_key_length(length: int) -> int:
+  """The keys a padded row keeps: seven eighths of them."""
+  return length - length // 8
+
+
+def is_reference(case: Case) -> bool:
+  return case.name.removesuffix(KEY_PADDING_SUFFIX) == FUSED_REFERENCE
+
+
+def key_padded(case: Case) -> Case:
+  """``case`` with padded keys."""
+  return case._replace(name=case.name + KEY_PADDING_SUFFIX, key_padding=True)
 
 
 def default_sh_ratios(heads: int) -> tuple[int, ...]:
@@ -150,7 +173,7 @@ def all_cases(
   cases = [Case(FUSED_REFERENCE, SOFTMAX, {})]  # softmax attention, so softmax's FLOPs
   for name in names:
     cases += variant_cases(name, heads, sh_ratios, hyla_block)
-  return cases
+  return cases + [key_padded(c) for c in cases if c.name in KEY_PADDED_VARIANTS]
 
 
 def reference_implementation(dtype) -> str:
@@ -170,14 +193,19 @@ def initial_kernel_params(variant: str, shape: Shape) -> dict[str, jax.Array]:
 
 
 def build_attention(case: Case, shape: Shape, dtype) -> Callable:
-  """``fn(q, k, v) -> out``, all ``[B, N, H, D]``, with the case's kernel parameters bound."""
-  if case.name == FUSED_REFERENCE:
+  """``fn(q, k, v) -> out``, all ``[B, N, H, D]``, with the case's kernel parameters (and
+  ``key_value_seq_lengths [B]`` of a padded case) bound."""
+  padding = {}
+  if case.key_padding:
+    lengths = jnp.full((shape.batch,), valid_key_length(shape.length), jnp.int32)
+    padding = {"key_value_seq_lengths": lengths}
+  if is_reference(case):
     return lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, implementation=reference_implementation(dtype)
+      q, k, v, implementation=reference_implementation(dtype), **padding
     )
   attention_fn = registry.make_attention_fn(case.variant, case.options)
   kernel_params = initial_kernel_params(case.variant, shape)
-  return lambda q, k, v: attention_fn(q, k, v, **kernel_params)
+  return lambda q, k, v: attention_fn(q, k, v, **padding, **kernel_params)
 
 
 def forward_flops(case: Case, shape: Shape) -> float:
@@ -290,7 +318,8 @@ def measure(
     "status": "ok",
     "reason": "",
   }
-  if case.name == FUSED_REFERENCE:
+  record["key_padding"] = case.key_padding
+  if is_reference(case):
     record["options"] = {"implementation": reference_implementation(dtype)}
   try:
     inputs = make_inputs(shape, dtype)
@@ -495,17 +524,19 @@ def target_bn_vs_softmax(index, cases):
   )
 
 
-def _excess_over_flop_ratio(index, name, variant, label):
+def _excess_over_flop_ratio(index, name, variant, label, suffix=""):
   # Excess of the time ratio over the FLOP ratio: pooled keys should save time in proportion.
   lengths = index.lengths_from(4096)
   excess = {}
   for n in lengths:
-    time_ratio = index.ratio(variant, SOFTMAX, n)
+    time_ratio = index.ratio(variant + suffix, SOFTMAX + suffix, n)
     flop_ratio = index.ratio(variant, SOFTMAX, n, "analytic_flops")
     excess[n] = None if time_ratio is None or flop_ratio is None else time_ratio - flop_ratio
+  padded = ", keys padded (as lengths) to 7/8" if suffix else ""
   return _target(
     name,
-    f"{label} time / softmax time minus {label} FLOPs / softmax FLOPs, fwd+bwd, worst length >= 4k",
+    f"{label} time / softmax time minus {label} FLOPs / softmax FLOPs, fwd+bwd{padded}, "
+    "worst length >= 4k",
     _worst(excess),
     0.1,
     lengths=lengths,
@@ -515,6 +546,18 @@ def _excess_over_flop_ratio(index, name, variant, label):
 
 def target_sh_vs_flop_ratio(index, cases):
   return _excess_over_flop_ratio(index, "sh_time_vs_flop_ratio", "sh", "SH")
+
+
+def target_sh_padded_vs_flop_ratio(index, cases):
+  return _excess_over_flop_ratio(
+    index, "sh_padded_time_vs_flop_ratio", "sh", "SH", KEY_PADDING_SUFFIX
+  )
+
+
+def target_bn_sh_padded_vs_flop_ratio(index, cases):
+  return _excess_over_flop_ratio(
+    index, "bn_sh_padded_time_vs_flop_ratio", "bn_sh", "BN+SH", KEY_PADDING_SUFFIX
+  )
 
 
 def target_bn_sh_vs_flop_ratio(index, cases):
@@ -606,6 +649,8 @@ TARGETS: dict[str, Callable[[RecordIndex, Sequence[Case]], dict]] = {
   "bn_vs_softmax": target_bn_vs_softmax,
   "sh_time_vs_flop_ratio": target_sh_vs_flop_ratio,
   "bn_sh_time_vs_flop_ratio": target_bn_sh_vs_flop_ratio,
+  "sh_padded_time_vs_flop_ratio": target_sh_padded_vs_flop_ratio,
+  "bn_sh_padded_time_vs_flop_ratio": target_bn_sh_padded_vs_flop_ratio,
   "sh_peak_memory_linear": target_sh_memory_scaling,
   "hyla_blockwise_vs_softmax": target_hyla_blockwise_time,
   "hyla_blockwise_runs_at_32k": target_hyla_blockwise_runs,

@@ -122,6 +122,7 @@ def attention_rows(sizes: Sizes, variants: Sequence[str]) -> tuple[list[Row], li
   )
   blockwise = f"hyla[block_size={sizes.hyla_block}]"
   target_names = (attention.FUSED_REFERENCE, *TARGET_VARIANTS[:-1], blockwise)
+  target_names += tuple(n + attention.KEY_PADDING_SUFFIX for n in attention.KEY_PADDED_VARIANTS)
   target_names += tuple(f"hyla[implementation={f}]" for f in attention.FUSED_IMPLEMENTATIONS)
   targets = [c for c in cases if c.name in target_names]
   others = [c for c in cases if c.name not in target_names]
@@ -419,7 +420,10 @@ def attention_summary(records) -> tuple[list[dict], list[dict]]:
   """The attention records with their time ratios set, and the attention targets they give."""
   measured = [r for r in records if r["section"] == "attention" and "kernel" in r]
   attention.attach_time_ratios(measured)
-  cases = [attention.Case(r["kernel"], r["variant"], r["options"]) for r in measured]
+  cases = [
+    attention.Case(r["kernel"], r["variant"], r["options"], r.get("key_padding", False))
+    for r in measured
+  ]
   targets = attention.evaluate_targets(measured, cases) if measured else []
   return measured, targets
 

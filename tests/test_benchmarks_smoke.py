@@ -367,3 +367,43 @@ def test_hylas_fused_rows_where_they_compile_and_the_hyla_target_reads_the_faste
   assert attention._blockwise_hyla(cases) == "hyla[implementation=tensorcore]"
   assert attention._blockwise_hyla(cases[:-1]) == "hyla[implementation=pallas]"
   assert attention._blockwise_hyla(cases[:-2]) == "hyla[block_size=4]"
+
+
+def test_key_padded_rows_pass_lengths_and_feed_the_padded_sh_targets():
+  cases = attention.all_cases(2, (1, 2), 4, ["softmax", "sh"])
+  padded = [c for c in cases if c.key_padding]
+  assert [c.name for c in padded] == [
+    "fused_reference[key_padding]",
+    "softmax[key_padding]",
+    "sh[key_padding]",
+  ]
+  shape = attention.Shape(batch=2, length=16, heads=2, head_dim=4)
+  q, k, v = attention.make_inputs(shape, jnp.float32)
+  keep = attention.valid_key_length(16)
+  assert keep == 14
+  for case in padded:
+    out = attention.build_attention(case, shape, jnp.float32)(q, k, v)
+    plain = attention.build_attention(case._replace(key_padding=False), shape, jnp.float32)
+    # Only the kept keys count: the padded row equals the plain call on the first 14 keys.
+    assert jnp.allclose(out, plain(q, k[:, :keep], v[:, :keep]), rtol=1e-5, atol=1e-6)
+    assert not jnp.allclose(out, plain(q, k, v))
+  records = []
+  for name, time_s, flops in [
+    ("softmax", 1.0, 10.0),
+    ("sh", 0.6, 5.0),
+    ("softmax[key_padding]", 1.0, 10.0),
+    ("sh[key_padding]", 0.9, 5.0),
+  ]:
+    records.append(
+      {
+        "kernel": name,
+        "length": 4096,
+        "dtype": "bfloat16",
+        "pass": attention.TARGET_PASS,
+        "time_s": time_s,
+        "analytic_flops": flops,
+      }
+    )
+  index = attention.RecordIndex(records)
+  assert attention.target_sh_vs_flop_ratio(index, cases)["measured"] == pytest.approx(0.1)
+  assert attention.target_sh_padded_vs_flop_ratio(index, cases)["measured"] == pytest.approx(0.4)

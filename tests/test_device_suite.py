@@ -38,6 +38,8 @@ def test_report_after_every_row_and_failures_recorded(tmp_path):
   assert [r.name for r in real] == [
     "fused_reference N=16",
     "softmax N=16",
+    "fused_reference[key_padding] N=16",
+    "softmax[key_padding] N=16",
     "softmax[implementation=reference] N=16",
   ]
   seen = []
