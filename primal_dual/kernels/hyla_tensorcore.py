@@ -486,6 +486,18 @@ def _tiles(length: int, cfg: Config) -> int:
   return -(-length // cfg.block_size)
 
 
+def launch_grids(cfg: Config) -> dict[str, tuple[int, int, int]]:
+  """The grid of each launch (``forward``, ``dq``, ``dk``, ``dv``): programs per example, per
+  query or key tile, per value chunk where the launch splits them."""
+  q_tiles, k_tiles, chunks = _tiles(cfg.q_len, cfg), _tiles(cfg.kv_len, cfg), _value_chunks(cfg)
+  return {
+    "forward": (cfg.batch, q_tiles, chunks),
+    "dq": (cfg.batch, q_tiles, 1),
+    "dk": (cfg.batch, k_tiles, 1),
+    "dv": (cfg.batch, k_tiles, chunks),
+  }
+
+
 # --- Launching: Triton's interpreter on a CPU, jax-triton on a GPU -------------------------------
 
 
@@ -596,8 +608,9 @@ def forward(q, k, v, bias, mask, cfg: Config):
   """Float32 ``out [B, Q, H, d_v]`` (Flax layout in and out; bias/mask at their broadcast
   shapes, or ``[1]`` placeholders)."""
   out_shape = jax.ShapeDtypeStruct((cfg.batch, cfg.q_len, cfg.heads, cfg.d_v), C.F32)
-  grid = (cfg.batch, _tiles(cfg.q_len, cfg), _value_chunks(cfg))
-  (out,) = _launch(_forward_kernel, grid, [out_shape], cfg, q, k, v, bias, mask)
+  (out,) = _launch(
+    _forward_kernel, launch_grids(cfg)["forward"], [out_shape], cfg, q, k, v, bias, mask
+  )
   return out
 
 
@@ -729,16 +742,12 @@ def backward(q, k, v, bias, mask, dout, cfg: Config):
   f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
   # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
   bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
-  dq, dbias = _launch(
-    _dq_kernel, (cfg.batch, _tiles(cfg.q_len, cfg)), [f32(q.shape), bias_grad], cfg, *inputs
-  )
-  key_tiles = _tiles(cfg.kv_len, cfg)
-  (dk, _) = _launch(
-    _dkv_kernel, (cfg.batch, key_tiles, 1), [f32(k.shape), f32((1,))], cfg, *inputs, WANT_DK=True
-  )
+  grids = launch_grids(cfg)
+  dq, dbias = _launch(_dq_kernel, grids["dq"], [f32(q.shape), bias_grad], cfg, *inputs)
+  (dk, _) = _launch(_dkv_kernel, grids["dk"], [f32(k.shape), f32((1,))], cfg, *inputs, WANT_DK=True)
   (_, dv) = _launch(
     _dkv_kernel,
-    (cfg.batch, key_tiles, _value_chunks(cfg)),
+    grids["dv"],
     [f32((1,)), f32(v.shape)],
     cfg,
     *inputs,
