@@ -10,7 +10,7 @@ each kernel by the ``triton`` wheel (``pip install -e ".[gpu-dev]"``) for
   (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``, no GPU needed) and each
   Pallas-Triton custom call of the lowered module gives its kernel as Triton IR (``backend_config``:
   ``name``, ``ir``, ``num_warps``, ``num_stages``), compiled as such.
-* ``tensorcore``: the four launches (``forward``, ``dq``, ``dk``, ``dv``) of the fused Triton HYLA
+* ``tensorcore``: the three launches (``forward``, ``dq_dk``, ``dv``) of the fused Triton HYLA
   kernels of ``primal_dual/kernels/hyla_tensorcore.py`` (``implementation='tensorcore'``): each
   ``@triton.jit`` function compiled from its source with the constexpr constants of a call.
 
@@ -199,9 +199,8 @@ TENSORCORE_MODULE = "primal_dual.kernels.hyla_tensorcore"
 # (function, extra constants, pointer types in argument order) of each launch.
 TENSORCORE_LAUNCHES = {
   "forward": ("_forward_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32")),
-  "dq": ("_dq_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32", "fp32", "fp32")),
-  "dk": ("_dkv_kernel", {"WANT_DK": True}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
-  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 3),
+  "dq_dk": ("_dkv_kernel", {"WANT_DK": True}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 5),
+  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 5),
 }
 TENSORCORE_NUM_STAGES = 2  # Triton's default, what jax_triton.triton_call launches with
 
@@ -271,8 +270,8 @@ def tensorcore_constants(setting: TensorcoreSetting, shape: Shape) -> dict[str, 
 
 def tensorcore_launch_shape(setting: TensorcoreSetting, shape: Shape, launch: str) -> LaunchShape:
   """The work of one launch: its grid (from the kernel module), its main loop's trips (forward
-  and dq loop over key tiles, dk and dv over query tiles; causal: the band's mean) and the value
-  chunks the dq and dk loops nest in each trip."""
+  loops over key tiles, dq_dk and dv over query tiles; causal: the band's mean) and the value
+  chunks the dq_dk loop nests in each trip."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
   cfg = tensorcore_config(setting, shape)
@@ -282,7 +281,7 @@ def tensorcore_launch_shape(setting: TensorcoreSetting, shape: Shape, launch: st
   return LaunchShape(
     programs=math.prod(grid),
     iterations=(tiles + 1) / 2 if setting.causal else tiles,
-    inner_trips=chunks if launch in ("dq", "dk") else 1,
+    inner_trips=chunks if launch == "dq_dk" else 1,
   )
 
 

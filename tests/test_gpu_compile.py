@@ -251,20 +251,20 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
 
   setting = gpu_compile.tensorcore_settings()[0]
   jobs = gpu_compile.tensorcore_jobs(setting, TINY, Path("."))  # no file written for these
-  assert [j.kernel for j in jobs] == ["forward", "dq", "dk", "dv"]
+  assert [j.kernel for j in jobs] == ["forward", "dq_dk", "dv"]
   assert [j.num_warps for j in jobs] == [setting.forward_num_warps] + [
     setting.backward_num_warps
-  ] * 3
+  ] * 2
   for job in jobs:
     function = getattr(ht, job.source["function"])
     named = set(job.source["signature"]) | set(job.source["constants"])
     assert named == set(function.arg_names), job.kernel
     assert all(t.startswith("*") for t in job.source["signature"].values())
-  assert jobs[2].source["constants"]["WANT_DK"] and not jobs[3].source["constants"]["WANT_DK"]
+  assert jobs[1].source["constants"]["WANT_DK"] and not jobs[2].source["constants"]["WANT_DK"]
   assert jobs[0].source["constants"]["Q_LEN"] == TINY.length
   tiles, chunks = TINY.length // setting.block_size, TINY.head_dim // setting.value_chunk
-  assert [j.launch["programs"] for j in jobs] == [tiles * chunks, tiles, tiles, tiles * chunks]
-  assert [j.launch["inner_trips"] for j in jobs] == [1, chunks, chunks, 1]
+  assert [j.launch["programs"] for j in jobs] == [tiles * chunks, tiles, tiles * chunks]
+  assert [j.launch["inner_trips"] for j in jobs] == [1, chunks, 1]
   assert {j.launch["iterations"] for j in jobs} == {tiles}
 
 
@@ -369,10 +369,10 @@ def test_estimate_section_sums_the_launches_of_each_setting():
   numbers = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, NESTED_SASS, "", 8, launch)
   records = [
     _record("tensorcore", setting, kernel, status="ok", reason="", **numbers)
-    for kernel in ("dq", "dk")
+    for kernel in ("forward", "dq_dk")
   ]
   records.append(_record("tensorcore", setting, "dv", status="timeout", reason="over 420 s"))
   lines = "\n".join(gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records))
-  assert "| dq | mlp_relu | rms_head | 16 | 16 | 4 | 8 | False | 4 | 168 | 1000 |" in lines
+  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4 | 8 | False | 4 | 168 | 1000 |" in lines
   assert f"**{2 * numbers['estimate_ms']:.1f} ms**" in lines
   assert gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records[2:]) == []

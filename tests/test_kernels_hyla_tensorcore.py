@@ -157,7 +157,7 @@ def test_bad_input_raises_value_error_naming_it(call, message):
     call(q, k, v)
 
 
-@pytest.mark.parametrize("launch", ["forward", "dk"])  # dk: the most registers of the backward
+@pytest.mark.parametrize("launch", ["forward", "dq_dk"])  # dq_dk: the most registers
 def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, tmp_path):
   """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
   shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""

@@ -24,10 +24,11 @@ whose residuals are the inputs (tiles recomputed, as in flash attention):
 
 * forward, grid ``(B, q tiles, value chunks)``: loop over key tiles, ``out`` accumulated in
   float32 ``[bq, H, chunk]``;
-* dq, grid ``(B, q tiles)``: loop over key tiles, ``da`` summed over the value chunks, ``dq``
-  accumulated; the bias gradient is added atomically into an array of the bias's own broadcast
-  shape (float32; duplicates along broadcast axes sum, which is the gradient of a broadcast);
-* dk, grid ``(B, k tiles)``: loop over query tiles, ``dk`` accumulated;
+* dq_dk, grid ``(B, k tiles)``: loop over query tiles, ``da`` summed over the value chunks,
+  ``dk`` accumulated; each tile's part of ``dq`` (and of the bias gradient, an array of the bias's
+  own broadcast shape, where duplicates along broadcast axes sum, the gradient of a broadcast)
+  added atomically into zeroed float32 arrays, the programs starting at query tiles rotated by
+  their key tile so that those running at once add into different rows;
 * dv, grid ``(B, k tiles, value chunks)``: loop over query tiles, ``dv`` of one chunk.
 Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
 are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
@@ -317,42 +318,21 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dbias_ptr,
-               Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-               DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-               CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
-               HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
-               MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
-               MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-  """Program ``(b, query tile)``: float32 ``dq [B, Q_LEN, H, D]``; with a bias, its gradient
-  added atomically into ``dbias`` (the bias's broadcast shape, float32, zeroed)."""
-  b, qt = tl.program_id(0), tl.program_id(1)
-  rows = qt * BQ + tl.arange(0, BQ)
-  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
-  dq = tl.zeros((HB, BQ, DP), tl.float32)
-  for kt in range(0, _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)):
-    cols = kt * BK + tl.arange(0, BK)
-    s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
-                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
-                                  BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
-    ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP, HB,
-                  HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
-    k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
-    dq += tl.dot(ds, k, input_precision=PRECISION)
-    if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
-      offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
-      tl.atomic_add(dbias_ptr + offsets, ds, mask=valid)
-  _store_rows(dq_ptr, dq * SCALE, b, rows, Q_LEN, H, D, HB, DP)
+def _add_rows(ptr, x, b, idx, LEN: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
+              HP: tl.constexpr, BF: tl.constexpr):  # fmt: skip
+  """Adds ``x [HP, len(idx), BF]`` atomically into a contiguous ``[B, LEN, H, F]`` float32 array
+  (as :func:`_store_rows` stores), skipping padded heads, rows and features."""
+  h3 = tl.arange(0, HP)[:, None, None]
+  r3, f3 = idx[None, :, None], tl.arange(0, BF)[None, None, :]
+  offsets = b * LEN * H * F + r3 * H * F + h3 * F + f3
+  tl.atomic_add(ptr + offsets, x, mask=(h3 < H) & (r3 < LEN) & (f3 < F), sem="relaxed")
 
 
 @triton.jit
-def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_ptr,
-                Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr,
+                dbias_ptr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr,
+                D: tl.constexpr, DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                 CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
@@ -361,15 +341,22 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_pt
                 MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
                 WANT_DK: tl.constexpr):  # fmt: skip
   """Program ``(b, key tile, value chunk)``. ``WANT_DK`` (launched with one chunk program): float32
-  ``dk [B, KV_LEN, H, D]``; otherwise ``dv [B, KV_LEN, H, DV]`` of the program's chunk. The two
-  are separate launches because ``dk`` needs ``da`` summed over every chunk while ``dv`` of a
-  chunk needs only that chunk (one launch would hold all of ``dv`` per program)."""
+  ``dk [B, KV_LEN, H, D]``, and the program's part of ``dq [B, Q_LEN, H, D]`` (and of the bias's
+  gradient, the bias's broadcast shape) added atomically into zeroed float32 arrays; otherwise
+  ``dv [B, KV_LEN, H, DV]`` of the program's chunk. ``dk`` and ``dq`` need ``da`` summed over
+  every chunk while ``dv`` of a chunk needs only that chunk (one launch would hold all of ``dv``
+  per program)."""
   b, kt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   cols = kt * BK + tl.arange(0, BK)
   dk = tl.zeros((HB, BK, DP), tl.float32)
   dv = tl.zeros((BK, HP, BV), tl.float32)
+  k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
   first = _first_query_tile(kt, Q_LEN, BQ, BK, CAUSAL, OFFSET)
-  for qt in range(first, (Q_LEN + BQ - 1) // BQ):
+  n_seen = (Q_LEN + BQ - 1) // BQ - first
+  for step in range(0, n_seen):
+    # Programs start at different query tiles (rotated by key tile), so that those running at
+    # once add into different rows of dq.
+    qt = first + (step + kt) % n_seen
     rows = qt * BQ + tl.arange(0, BQ)
     q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
@@ -379,6 +366,11 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_pt
       ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP,
                     HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
       dk += tl.dot(tl.permute(ds, (0, 2, 1)), q.to(tl.float32), input_precision=PRECISION)
+      dq = tl.dot(ds, k, input_precision=PRECISION) * SCALE
+      _add_rows(dq_ptr, dq, b, rows, Q_LEN, H, D, HB, DP)
+      if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
+        offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
+        tl.atomic_add(dbias_ptr + offsets, ds, mask=valid, sem="relaxed")
     else:
       if MLP:  # dv_j = A_j [H, bq] @ dz_j [bq, chunk] per key
         v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
@@ -487,13 +479,12 @@ def _tiles(length: int, cfg: Config) -> int:
 
 
 def launch_grids(cfg: Config) -> dict[str, tuple[int, int, int]]:
-  """The grid of each launch (``forward``, ``dq``, ``dk``, ``dv``): programs per example, per
-  query or key tile, per value chunk where the launch splits them."""
+  """The grid of each launch (``forward``, ``dq_dk``, ``dv``): programs per example, per query or
+  key tile, per value chunk where the launch splits them."""
   q_tiles, k_tiles, chunks = _tiles(cfg.q_len, cfg), _tiles(cfg.kv_len, cfg), _value_chunks(cfg)
   return {
     "forward": (cfg.batch, q_tiles, chunks),
-    "dq": (cfg.batch, q_tiles, 1),
-    "dk": (cfg.batch, k_tiles, 1),
+    "dq_dk": (cfg.batch, k_tiles, 1),
     "dv": (cfg.batch, k_tiles, chunks),
   }
 
@@ -743,12 +734,19 @@ def backward(q, k, v, bias, mask, dout, cfg: Config):
   # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
   bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
   grids = launch_grids(cfg)
-  dq, dbias = _launch(_dq_kernel, grids["dq"], [f32(q.shape), bias_grad], cfg, *inputs)
-  (dk, _) = _launch(_dkv_kernel, grids["dk"], [f32(k.shape), f32((1,))], cfg, *inputs, WANT_DK=True)
-  (_, dv) = _launch(
+  placeholder = f32((1,))
+  dq, dk, _, dbias = _launch(
+    _dkv_kernel,
+    grids["dq_dk"],
+    [f32(q.shape), f32(k.shape), placeholder, bias_grad],
+    cfg,
+    *inputs,
+    WANT_DK=True,
+  )
+  (_, _, dv, _) = _launch(
     _dkv_kernel,
     grids["dv"],
-    [f32((1,)), f32(v.shape)],
+    [placeholder, placeholder, f32(v.shape), placeholder],
     cfg,
     *inputs,
     WANT_DK=False,
