@@ -206,33 +206,32 @@ TENSORCORE_NUM_STAGES = 2  # Triton's default, what jax_triton.triton_call launc
 
 
 class TensorcoreSetting(NamedTuple):
-  """One configuration of the fused Triton HYLA kernels (four launches each)."""
+  """One configuration of the fused Triton HYLA kernels (three launches each); ``launch_warps``:
+  warps of the forward, dq_dk and dv launches."""
 
   value_network: str
   normalization: str
   block_size: int
   value_chunk: int
-  forward_num_warps: int
-  backward_num_warps: int
+  launch_warps: tuple[int, int, int]
   causal: bool = False
 
 
 def tensorcore_settings() -> list[TensorcoreSetting]:
-  """Every value network × normalisation at the default tile, chunk and warps; then larger tiles,
+  """Every value network × normalisation at the default tile, chunk and warps; then other tiles,
   chunks and warps for the default HYLA (rms_head, mlp_relu), and a causal call."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
-  tile, chunk = ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK
-  warps = (ht.DEFAULT_NUM_WARPS, ht.DEFAULT_BACKWARD_NUM_WARPS)
+  tile, chunk, warps = ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK, tuple(ht.DEFAULT_NUM_WARPS)
   settings = [
-    TensorcoreSetting(v, n, tile, chunk, *warps)
+    TensorcoreSetting(v, n, tile, chunk, warps)
     for v in ht.VALUE_NETWORKS
     for n in ht.NORMALIZATIONS
   ]
-  variants = ((16, 16, (4, 4)), (16, 32, warps), (16, 64, warps))
-  variants += ((32, 16, warps), (32, 16, (8, 8)), (64, 16, (8, 8)))
-  settings += [TensorcoreSetting("mlp_relu", "rms_head", t, c, *w) for t, c, w in variants]
-  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, chunk, *warps, causal=True)]
+  variants = ((16, 16, (4, 8, 8)), (16, 16, (4, 4, 4)), (16, 32, (4, 4, 8)), (16, 64, (8, 8, 8)))
+  variants += ((32, 16, (4, 8, 8)), (32, 32, (8, 8, 8)), (64, 16, (8, 8, 8)))
+  settings += [TensorcoreSetting("mlp_relu", "rms_head", t, c, w) for t, c, w in variants]
+  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, chunk, warps, causal=True)]
 
 
 def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
@@ -255,8 +254,7 @@ def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
     precision=None,
     bias_shape=None,
     mask_shape=None,
-    num_warps=setting.forward_num_warps,
-    backward_num_warps=setting.backward_num_warps,
+    num_warps=ht.LaunchWarps(*setting.launch_warps),
     interpret=False,
   )
 
@@ -296,7 +294,7 @@ def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> Com
   source = dict(
     module=TENSORCORE_MODULE, function=function, constants=constants, signature=signature
   )
-  warps = setting.forward_num_warps if launch == "forward" else setting.backward_num_warps
+  warps = getattr(tensorcore_config(setting, shape).num_warps, launch)
   shape_of_launch = tensorcore_launch_shape(setting, shape, launch)._asdict()
   return CompileJob(launch, source, warps, TENSORCORE_NUM_STAGES, shape_of_launch)
 
@@ -368,7 +366,7 @@ SASS_INSTRUCTIONS = {
   "global_load": r"\bLDG\b",
   "async_copy": r"\bLDGSTS\b",  # cp.async, global to shared (software-pipelined loads)
   "global_store": r"\bSTG\b",
-  "atomic": r"\b(?:RED|ATOM|ATOMG)\b",
+  "atomic": r"\b(?:RED|REDG|ATOM|ATOMG)\b",  # REDG: sm_90 global reductions
   "instructions": r"^\s*/\*[0-9a-f]{4,}\*/\s+\S",  # every instruction
 }
 PTX_INSTRUCTIONS = {
@@ -766,8 +764,7 @@ def _setting_columns(setting_type: type):
   headers = {
     "block_size": "tile",
     "value_chunk": "chunk",
-    "forward_num_warps": "fwd warps",
-    "backward_num_warps": "bwd warps",
+    "launch_warps": "warps fwd/dq_dk/dv",
   }
   return tuple(common.Column(headers.get(f, f), f) for f in setting_type._fields)
 

@@ -113,7 +113,9 @@ def test_instruction_counts():
     hgmma=1, hmma=2, ffma=2, fmul=1, fadd=0
   )
   assert (sass["local_load"], sass["local_store"], sass["instructions"]) == (1, 1, 8)
-  assert sass["shared_load"] == sass["barrier"] == 0
+  assert sass["shared_load"] == sass["barrier"] == sass["atomic"] == 0
+  reduction = "        /*0010*/  REDG.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R5 ;"
+  assert gpu_compile.count_instructions(reduction, gpu_compile.SASS_INSTRUCTIONS)["atomic"] == 1
   ptx = gpu_compile.count_instructions(PTX, gpu_compile.PTX_INSTRUCTIONS)
   assert ptx == dict(wgmma=1, mma=1, fma_f32=2)
 
@@ -238,7 +240,7 @@ def test_default_settings_of_both_families():
   pallas = gpu_compile.pallas_settings()
   assert len(pallas) == 3 * 2 + 3 and {s.block_size for s in pallas} == {16, 64}
   tensorcore = gpu_compile.tensorcore_settings()
-  assert len(tensorcore) == 3 * 2 + 6 + 1 and sum(s.causal for s in tensorcore) == 1
+  assert len(tensorcore) == 3 * 2 + 7 + 1 and sum(s.causal for s in tensorcore) == 1
   args = gpu_compile.parse_args(["--tiles", "64", "--normalizations", "rms_head"])
   kept = gpu_compile.select_settings(pallas, args)
   assert [s.value_network for s in kept] == ["linear", "mlp_relu", "mlp_linear"]
@@ -252,9 +254,7 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
   setting = gpu_compile.tensorcore_settings()[0]
   jobs = gpu_compile.tensorcore_jobs(setting, TINY, Path("."))  # no file written for these
   assert [j.kernel for j in jobs] == ["forward", "dq_dk", "dv"]
-  assert [j.num_warps for j in jobs] == [setting.forward_num_warps] + [
-    setting.backward_num_warps
-  ] * 2
+  assert [j.num_warps for j in jobs] == list(setting.launch_warps)
   for job in jobs:
     function = getattr(ht, job.source["function"])
     named = set(job.source["signature"]) | set(job.source["constants"])
@@ -262,7 +262,7 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
     assert all(t.startswith("*") for t in job.source["signature"].values())
   assert jobs[1].source["constants"]["WANT_DK"] and not jobs[2].source["constants"]["WANT_DK"]
   assert jobs[0].source["constants"]["Q_LEN"] == TINY.length
-  tiles, chunks = TINY.length // setting.block_size, TINY.head_dim // setting.value_chunk
+  tiles, chunks = TINY.length // setting.block_size, -(-TINY.head_dim // setting.value_chunk)
   assert [j.launch["programs"] for j in jobs] == [tiles * chunks, tiles, tiles * chunks]
   assert [j.launch["inner_trips"] for j in jobs] == [1, chunks, 1]
   assert {j.launch["iterations"] for j in jobs} == {tiles}
@@ -307,7 +307,7 @@ def _record(family, setting, kernel, **fields):
 
 def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
   pallas = [gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)] * 2
-  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, 4, 8)]
+  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, (4, 8, 4))]
   numbers = gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX)
   records = [
     _record("pallas", pallas[0], "hyla_forward", status="ok", reason="", **numbers),
@@ -335,7 +335,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     in (pallas_part)
   )
   assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
-  assert "| dq | linear | none | 16 | 16 | 4 | 8 | False | 4 |" in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | (4, 8, 4) | False | 4 |" in tensorcore_part
   assert "over 420 s (killed)" in tensorcore_part
 
 
@@ -364,7 +364,7 @@ def test_a_terminated_run_leaves_no_compilation_running(tmp_path):
 
 
 def test_estimate_section_sums_the_launches_of_each_setting():
-  setting = gpu_compile.TensorcoreSetting("mlp_relu", "rms_head", 16, 16, 4, 8)
+  setting = gpu_compile.TensorcoreSetting("mlp_relu", "rms_head", 16, 16, (4, 8, 4))
   launch = gpu_compile.LaunchShape(programs=1000, iterations=64, inner_trips=4)
   numbers = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, NESTED_SASS, "", 8, launch)
   records = [
@@ -373,6 +373,6 @@ def test_estimate_section_sums_the_launches_of_each_setting():
   ]
   records.append(_record("tensorcore", setting, "dv", status="timeout", reason="over 420 s"))
   lines = "\n".join(gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records))
-  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4 | 8 | False | 4 | 168 | 1000 |" in lines
+  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | (4, 8, 4) | False | 4 | 168 | 1000 |" in lines
   assert f"**{2 * numbers['estimate_ms']:.1f} ms**" in lines
   assert gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records[2:]) == []

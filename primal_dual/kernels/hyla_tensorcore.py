@@ -88,11 +88,18 @@ NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
-DEFAULT_VALUE_CHUNK = 16
-# Warps per program of the forward and of the backward kernels (the backward's per-program state
-# is larger: at 4 warps ptxas spills it).
-DEFAULT_NUM_WARPS = 4
-DEFAULT_BACKWARD_NUM_WARPS = 8
+DEFAULT_VALUE_CHUNK = 32
+
+
+class LaunchWarps(NamedTuple):
+  """Warps per program of each launch (names of :func:`launch_grids`)."""
+
+  forward: int = 4
+  dq_dk: int = 8  # the most per-program state: at 4 warps ptxas spills it
+  dv: int = 4
+
+
+DEFAULT_NUM_WARPS = LaunchWarps()
 
 
 # --- Tile maths (Triton) -------------------------------------------------------------------------
@@ -412,8 +419,7 @@ class Config(NamedTuple):
   precision: Any
   bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
   mask_shape: tuple[int, int, int, int] | None
-  num_warps: int
-  backward_num_warps: int
+  num_warps: LaunchWarps
   interpret: bool
 
 
@@ -575,9 +581,11 @@ def _interpret(kernel, grid, out_shapes, constants, *inputs):
   return tuple(outs)
 
 
-def _launch(kernel, grid, out_shapes, cfg: Config, *inputs, **extra_constants):
-  """``kernel(*inputs, *outputs)`` over ``grid``; outputs (float32) start as zeros."""
-  num_warps = cfg.num_warps if kernel is _forward_kernel else cfg.backward_num_warps
+def _launch(name: str, kernel, out_shapes, cfg: Config, *inputs, **extra_constants):
+  """``kernel(*inputs, *outputs)`` over the grid of launch ``name`` (:func:`launch_grids`) with
+  its warps; outputs (float32) start as zeros."""
+  grid = launch_grids(cfg)[name]
+  num_warps = getattr(cfg.num_warps, name)
   constants = {**_constants(cfg), **extra_constants}
   if cfg.interpret:
     run = functools.partial(_interpret, kernel, grid, out_shapes, constants)
@@ -599,9 +607,7 @@ def forward(q, k, v, bias, mask, cfg: Config):
   """Float32 ``out [B, Q, H, d_v]`` (Flax layout in and out; bias/mask at their broadcast
   shapes, or ``[1]`` placeholders)."""
   out_shape = jax.ShapeDtypeStruct((cfg.batch, cfg.q_len, cfg.heads, cfg.d_v), C.F32)
-  (out,) = _launch(
-    _forward_kernel, launch_grids(cfg)["forward"], [out_shape], cfg, q, k, v, bias, mask
-  )
+  (out,) = _launch("forward", _forward_kernel, [out_shape], cfg, q, k, v, bias, mask)
   return out
 
 
@@ -629,8 +635,7 @@ def hyla_tensorcore_attention(
   scale: float | None = None,
   dtype=None,
   precision=None,
-  num_warps: int = DEFAULT_NUM_WARPS,
-  backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
+  num_warps: LaunchWarps | tuple[int, int, int] = DEFAULT_NUM_WARPS,
   interpret: bool | None = None,
 ):
   """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
@@ -647,8 +652,8 @@ def hyla_tensorcore_attention(
     is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
-    num_warps, backward_num_warps: warps per program of the forward and of the backward
-      kernels on a GPU.
+    num_warps: warps per program of the ``forward``, ``dq_dk`` and ``dv`` launches on a GPU
+      (a :class:`LaunchWarps` or a tuple in that order).
     interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
 
   Returns:
@@ -691,8 +696,7 @@ def hyla_tensorcore_attention(
     precision=precision,
     bias_shape=None if bias is None else tuple(bias.shape),
     mask_shape=None if mask is None else tuple(mask.shape),
-    num_warps=num_warps,
-    backward_num_warps=backward_num_warps,
+    num_warps=LaunchWarps(*num_warps),
     interpret=C.interpret_off_gpu() if interpret is None else bool(interpret),
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
@@ -733,19 +737,18 @@ def backward(q, k, v, bias, mask, dout, cfg: Config):
   f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
   # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
   bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
-  grids = launch_grids(cfg)
   placeholder = f32((1,))
   dq, dk, _, dbias = _launch(
+    "dq_dk",
     _dkv_kernel,
-    grids["dq_dk"],
     [f32(q.shape), f32(k.shape), placeholder, bias_grad],
     cfg,
     *inputs,
     WANT_DK=True,
   )
   (_, _, dv, _) = _launch(
+    "dv",
     _dkv_kernel,
-    grids["dv"],
     [placeholder, placeholder, f32(v.shape), placeholder],
     cfg,
     *inputs,
