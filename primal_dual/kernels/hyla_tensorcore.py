@@ -729,29 +729,24 @@ def make_tensorcore(cfg: Config):
   return attend
 
 
+def backward_launch(name: str, q, k, v, bias, mask, dout, cfg: Config):
+  """Float32 ``(dq, dk, dv, dbias)`` of one backward launch, ``[1]`` placeholders where it writes
+  nothing: ``dq_dk`` gives ``dq``, ``dk`` and (with a bias) ``dbias``; ``dv`` gives ``dv``."""
+  f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
+  placeholder = f32((1,))  # one kernel signature for every call
+  want_dk = name == "dq_dk"
+  if want_dk:
+    bias_grad = placeholder if cfg.bias_shape is None else f32(cfg.bias_shape)
+    outputs = [f32(q.shape), f32(k.shape), placeholder, bias_grad]
+  else:
+    outputs = [placeholder, placeholder, f32(v.shape), placeholder]
+  inputs = (q, k, v, bias, mask, dout.astype(C.F32))
+  return _launch(name, _dkv_kernel, outputs, cfg, *inputs, WANT_DK=want_dk)
+
+
 def backward(q, k, v, bias, mask, dout, cfg: Config):
   """Float32 ``(dq, dk, dv, dbias)`` (Flax layout; ``dbias`` at the bias's broadcast shape, or
   None without a bias)."""
-  dout = dout.astype(C.F32)
-  inputs = (q, k, v, bias, mask, dout)
-  f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
-  # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
-  bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
-  placeholder = f32((1,))
-  dq, dk, _, dbias = _launch(
-    "dq_dk",
-    _dkv_kernel,
-    [f32(q.shape), f32(k.shape), placeholder, bias_grad],
-    cfg,
-    *inputs,
-    WANT_DK=True,
-  )
-  (_, _, dv, _) = _launch(
-    "dv",
-    _dkv_kernel,
-    [placeholder, placeholder, f32(v.shape), placeholder],
-    cfg,
-    *inputs,
-    WANT_DK=False,
-  )
+  dq, dk, _, dbias = backward_launch("dq_dk", q, k, v, bias, mask, dout, cfg)
+  _, _, dv, _ = backward_launch("dv", q, k, v, bias, mask, dout, cfg)
   return dq, dk, dv, (None if cfg.bias_shape is None else dbias)

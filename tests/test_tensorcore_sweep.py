@@ -1,0 +1,69 @@
+"""The tensorcore sweep on the CPU: every launch of every setting run at toy sizes in Triton's
+interpreter, one report row each, and the budget honoured. No assertion depends on a measured
+time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
+pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
+  sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import gpu_compile, tensorcore_sweep  # noqa: E402
+from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
+
+
+def _run(tmp_path, *extra):
+  args = tensorcore_sweep.parse_args(
+    ["--tiny", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), *extra]
+  )
+  tensorcore_sweep.run(args, log=lambda line: None)
+  return json.loads((tmp_path / "tensorcore_sweep.json").read_text())
+
+
+def test_settings_start_with_the_default_and_stay_few():
+  settings = tensorcore_sweep.settings()
+  default = settings[0]
+  assert (default.block_size, default.value_chunk) == (
+    ht.DEFAULT_BLOCK_SIZE,
+    ht.DEFAULT_VALUE_CHUNK,
+  )
+  assert default.launch_warps == tuple(ht.DEFAULT_NUM_WARPS)
+  assert len(set(settings)) == len(settings) <= 1 + 8
+
+
+def test_every_launch_of_every_setting_is_timed_in_one_report(tmp_path):
+  payload = _run(tmp_path)
+  records = payload["records"]
+  settings = tensorcore_sweep.settings()
+  assert len(records) == payload["config"]["rows"] == 3 * len(settings) + 1
+  assert all(r["status"] == "ok" for r in records), [r["reason"] for r in records]
+  default = tensorcore_sweep.setting_name(settings[0])
+  assert [r["row"] for r in records[:4]] == [
+    f"{default} {launch}" for launch in ("forward", "dq_dk", "dv", "forward+backward")
+  ]
+  assert all(r["time_s"] > 0 and r["tflops"] > 0 for r in records)
+  assert records[5]["setting"]["value_chunk"] == settings[1].value_chunk
+  markdown = (tmp_path / "tensorcore_sweep.md").read_text()
+  assert f"| {default} dq_dk |" in markdown and "(1, 32, 2, 16)" in markdown
+
+
+def test_rows_over_the_budget_are_skipped_and_reported(tmp_path):
+  records = _run(tmp_path, "--budget-s", "0")["records"]
+  assert {r["status"] for r in records} == {"skipped"}
+  assert records[0]["reason"].startswith("budget: estimated")
+
+
+def test_forward_and_backward_flops_sum_the_launches():
+  shape = gpu_compile.Shape(batch=1, length=8192, heads=8, head_dim=64)
+  whole = tensorcore_sweep.launch_flops(tensorcore_sweep.WHOLE, shape)
+  assert whole == sum(tensorcore_sweep.launch_flops(n, shape) for n in tensorcore_sweep.LAUNCHES)
+  assert whole == 2 * 8192**2 * 8 * 64 * 14
