@@ -766,7 +766,10 @@ def _setting_columns(setting_type: type):
     "value_chunk": "chunk",
     "launch_warps": "warps fwd/dq_dk/dv",
   }
-  return tuple(common.Column(headers.get(f, f), f) for f in setting_type._fields)
+  formats = {"launch_warps": lambda warps: "/".join(map(str, warps))}
+  return tuple(
+    common.Column(headers.get(f, f), f, formats.get(f, str)) for f in setting_type._fields
+  )
 
 
 def _columns(setting_type: type):
@@ -798,6 +801,13 @@ def _table_row(record) -> dict:
     row["ffma"] = f"{loop['ffma']}/{sass['ffma']}"
     row["local_accesses"] = f"{sass['local_load']}/{sass['local_store']}"
   return row
+
+
+def setting_key(record: Mapping, setting_type: type) -> tuple:
+  """The setting a record belongs to, hashable (JSON gives its tuples back as lists)."""
+  return tuple(
+    tuple(record[f]) if isinstance(record[f], list) else record[f] for f in setting_type._fields
+  )
 
 
 def _estimate_columns(setting_type: type):
@@ -853,7 +863,7 @@ def estimate_section(setting_type: type, records: Sequence[Mapping]) -> list[str
     return []
   totals: dict[tuple, float] = {}
   for r in estimated:
-    key = tuple(r[f] for f in setting_type._fields)
+    key = setting_key(r, setting_type)
     totals[key] = totals.get(key, 0.0) + r["estimate_ms"]
   sums = [
     f"- {', '.join(f'{f}={v}' for f, v in zip(setting_type._fields, key))}: **{total:.1f} ms**"
@@ -891,7 +901,7 @@ def _family_section(name: str, config: Mapping, records: Sequence[Mapping]) -> l
 
   family = FAMILIES[name]
   mine = [r for r in records if r["family"] == name]
-  settings_done = {tuple(r[f] for f in family.setting_type._fields) for r in mine}
+  settings_done = {setting_key(r, family.setting_type) for r in mine}
   passing = sum(1 for r in mine if r.get("meets_targets"))
   return [
     f"## {family.title}",

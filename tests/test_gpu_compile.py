@@ -7,6 +7,7 @@ kernels' own compilation is checked in ``test_kernels_hyla_tensorcore.py``."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -328,6 +329,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     "records": records,
   }
   markdown = gpu_compile.render_markdown(payload)
+  assert gpu_compile.render_markdown(json.loads(json.dumps(payload))) == markdown
   pallas_part, tensorcore_part = markdown.split("## Pallas HYLA")[1].split("## tensorcore HYLA")
   assert "Settings compiled: 1 of 2. Targets met: 0 of 1 kernels." in pallas_part
   assert (
@@ -335,7 +337,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     in (pallas_part)
   )
   assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
-  assert "| dq | linear | none | 16 | 16 | (4, 8, 4) | False | 4 |" in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 4 |" in tensorcore_part
   assert "over 420 s (killed)" in tensorcore_part
 
 
@@ -373,6 +375,9 @@ def test_estimate_section_sums_the_launches_of_each_setting():
   ]
   records.append(_record("tensorcore", setting, "dv", status="timeout", reason="over 420 s"))
   lines = "\n".join(gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records))
-  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | (4, 8, 4) | False | 4 | 168 | 1000 |" in lines
+  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4/8/4 | False | 4 | 168 | 1000 |" in lines
   assert f"**{2 * numbers['estimate_ms']:.1f} ms**" in lines
   assert gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records[2:]) == []
+  as_written = json.loads(json.dumps(records))  # the report is rendered from its JSON: lists
+  again = gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, as_written)
+  assert "\n".join(again) == lines

@@ -15,9 +15,29 @@ number; where the coupled products contract or stack them they are zero-padded f
 ``HEAD_PAD`` (16, the smallest matrix-instruction dimension, ``tl.join`` in registers). Padded
 heads hold zeros and contribute nothing (the RMS mean divides by the true head count). The value
 features run in chunks of ``value_chunk`` (the products above are independent per chunk), so a
-program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time. Tiles, chunk and warps (4 forward, 8
-backward) are those with no spills in the sm_90a compile report at H = 8, d = 64
-(``benchmarks/results/gpu_compile.md``, its tensorcore section); no GPU has timed them.
+program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time.
+
+Speed. Measured on one H100 80GB HBM3 (JAX 0.11.2, ``python3 -m benchmarks.device_suite
+--budget-s 370``; bfloat16, forward + backward, B = 1, H = 8, d = 64) with the previous launches
+(a separate dq launch; tile 16, value chunk 16, warps 4 forward / 8 backward): 34.1 ms at N = 4096
+and 131 ms at 8192, against cuDNN's fused softmax at 0.559 and 1.31 ms (100×; the target is 3×).
+The SASS of those launches (``benchmarks/gpu_compile.py``, its time estimate) explains it: the
+instructions alone would take about 15 ms at one per cycle per scheduler (the ``HMMA`` are only
+2–6 % of them), but each main-loop iteration is a chain of 22–111 stages separated by barriers —
+shared-memory round trips that turn ``tl.permute``/``tl.join`` results and 3-D ``tl.dot``
+operands from one register layout into another — while an SM holds one or two programs (dq and
+dk at 238–252 registers × 8 warps: one), so nothing hides the chain: the model (one constant,
+fitted to the 131 ms) puts 50 ms each in dq and dk, 22 ms in dv and 10 ms in the forward. Hence
+the present launches: dq is added atomically by the dk launch, which already computes every tile
+of ``ds`` that the dq launch recomputed; value chunk 32 halves the stages per key tile of the
+forward and of the ``da`` loop; dv runs 4 warps (two programs per SM); the query loop of dq_dk is
+rotated per key tile so that concurrent atomic adds land on different rows. Estimated 52 ms at
+8k (forward 5, dq_dk 32, dv 15; the atomic adds unmodelled), still latency-bound; not yet timed on
+a GPU (``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
+(:class:`LaunchWarps`) are the clean settings (no spills, ≤ 255 registers) with the least
+estimated time in the sm_90a compile report at H = 8, d = 64
+(``benchmarks/results/gpu_compile.md``, its tensorcore section). Larger tiles, the obvious way
+to more work per stage, spill in the backward (tile 32) or exceed an H100's shared memory.
 
 Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
 whose residuals are the inputs (tiles recomputed, as in flash attention):
