@@ -495,9 +495,11 @@ class Device(NamedTuple):
 H100 = Device()
 # Cycles one barrier-separated stage of a loop iteration takes from start to end when nothing else
 # hides it (a shared-memory round trip, the matrix instructions and loads that wait on it): the
-# model's one free constant, chosen so that the sum of the four tensorcore launches' estimates at
-# N = 8192 (default setting) matches the 131 ms an H100 measured for them (fwd + bwd,
-# benchmarks/results/device_suite_gpu-h100.md).
+# model's one free constant, fitted to the one GPU measurement of the tensorcore kernels: 131 ms
+# forward + backward at N = 8192 on an H100 (benchmarks/results/device_suite_gpu-h100.md) for an
+# earlier form of them (four launches: forward, dq, dk, dv; tile 16, value chunk 16, warps 4 / 8),
+# whose SASS gives 10.0 + 50.5 + 49.6 + 21.8 = 132 ms at this constant (and 33 ms at N = 4096,
+# where the H100 measured 34.1).
 STAGE_CYCLES = 440
 
 
@@ -862,11 +864,15 @@ def estimate_section(setting_type: type, records: Sequence[Mapping]) -> list[str
   if not estimated:
     return []
   totals: dict[tuple, float] = {}
+  missing: set[tuple] = set()
   for r in estimated:
     key = setting_key(r, setting_type)
     totals[key] = totals.get(key, 0.0) + r["estimate_ms"]
+    if not r["meets_targets"]:
+      missing.add(key)
   sums = [
     f"- {', '.join(f'{f}={v}' for f, v in zip(setting_type._fields, key))}: **{total:.1f} ms**"
+    + (" (a kernel misses the targets: not a time it could run in)" if key in missing else "")
     for key, total in totals.items()
   ]
   return [
@@ -879,11 +885,14 @@ def estimate_section(setting_type: type, records: Sequence[Mapping]) -> list[str
     f"per scheduler, 4 schedulers on each of {H100.sms} SMs at {H100.clock_hz / 1e9:g} GHz "
     "(perfect overlap, a lower bound). Latency ms: waves × iterations × barriers per iteration × "
     f"{STAGE_CYCLES} cycles, each barrier-separated stage a chain the resident programs overlap "
-    f"but none shortens; {STAGE_CYCLES} cycles is the model's one free constant, fitted to the "
-    "131 ms an H100 measured for the default setting's four launches at N = 8192 (forward + "
-    "backward, `benchmarks/results/device_suite_gpu-h100.md`). Estimate: the larger of the two. "
-    "A kernel whose estimate is latency-bound gains from fewer barrier stages per unit of work "
-    "or more programs resident per SM, not from fewer instructions.",
+    f"but none shortens; {STAGE_CYCLES} cycles is the model's one free constant, fitted to the one "
+    "GPU measurement of these kernels (131 ms forward + backward at N = 8192 on an H100, "
+    "`benchmarks/results/device_suite_gpu-h100.md`, for an earlier form of them with a separate "
+    "dq launch, value chunk 16 and warps 4 / 8, whose SASS gives 132 ms here; 33 ms at N = 4096, "
+    "where the H100 measured 34.1). Estimate: the larger of the two. Not modelled: spills, atomic "
+    "adds, and shared memory beyond a block (such a kernel would not launch; a sum that includes "
+    "a kernel missing the targets says so). A latency-bound kernel gains from fewer barrier "
+    "stages per unit of work or more programs resident per SM, not from fewer instructions.",
     "",
     common.render_markdown_table(
       _estimate_columns(setting_type), [_estimate_row(r) for r in estimated]
