@@ -231,7 +231,8 @@ def tensorcore_settings() -> list[TensorcoreSetting]:
   variants = ((16, 16, (4, 8, 8)), (16, 16, (4, 4, 4)), (16, 32, (4, 4, 8)), (16, 64, (8, 8, 8)))
   variants += ((32, 16, (4, 8, 8)), (32, 32, (8, 8, 8)), (64, 16, (8, 8, 8)))
   settings += [TensorcoreSetting("mlp_relu", "rms_head", t, c, w) for t, c, w in variants]
-  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, chunk, warps, causal=True)]
+  causal_chunk = ht.default_value_chunk(is_causal=True)
+  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, causal_chunk, warps, True)]
 
 
 def tensorcore_config(setting: TensorcoreSetting, shape: Shape):

@@ -158,14 +158,18 @@ def test_bad_input_raises_value_error_naming_it(call, message):
     call(q, k, v)
 
 
-@pytest.mark.parametrize("launch", ["forward", "dq_dk"])  # dq_dk: the most registers
-def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, tmp_path):
+@pytest.mark.parametrize(  # dq_dk: the most registers; causal: its own default value chunk
+  "launch, causal", [("forward", False), ("dq_dk", False), ("dq_dk", True)]
+)
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, causal, tmp_path):
   """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
   shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
   from benchmarks import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
-  job = gpu_compile.tensorcore_job(family.settings()[0], family.shape, launch)
+  setting = family.settings()[-1 if causal else 0]
+  assert setting.causal == causal
+  job = gpu_compile.tensorcore_job(setting, family.shape, launch)
   figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures
   assert figures["spill_store_bytes"] == figures["spill_load_bytes"] == 0, figures

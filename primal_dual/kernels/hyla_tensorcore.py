@@ -109,6 +109,12 @@ VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
 DEFAULT_VALUE_CHUNK = 32
+# Causal calls: at chunk 32 ptxas spills the causal dq_dk launch (H = 8, d = 64); at 16 it does not.
+DEFAULT_CAUSAL_VALUE_CHUNK = 16
+
+
+def default_value_chunk(is_causal: bool) -> int:
+  return DEFAULT_CAUSAL_VALUE_CHUNK if is_causal else DEFAULT_VALUE_CHUNK
 
 
 class LaunchWarps(NamedTuple):
@@ -379,11 +385,11 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
   dv = tl.zeros((BK, HP, BV), tl.float32)
   k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
   first = _first_query_tile(kt, Q_LEN, BQ, BK, CAUSAL, OFFSET)
-  n_seen = (Q_LEN + BQ - 1) // BQ - first
-  for step in range(0, n_seen):
-    # Programs start at different query tiles (rotated by key tile), so that those running at
-    # once add into different rows of dq.
-    qt = first + (step + kt) % n_seen
+  n_query_tiles = (Q_LEN + BQ - 1) // BQ
+  for step in range(0, n_query_tiles - first):
+    qt = first + step  # causal: each program starts at its band's first tile
+    if not CAUSAL:  # programs start at query tiles rotated by key tile, so that those running
+      qt = (step + kt) % n_query_tiles  # at once add into different rows of dq
     rows = qt * BQ + tl.arange(0, BQ)
     q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
@@ -647,7 +653,7 @@ def hyla_tensorcore_attention(
   mask=None,
   *,
   block_size: int = DEFAULT_BLOCK_SIZE,
-  value_chunk: int = DEFAULT_VALUE_CHUNK,
+  value_chunk: int | None = None,
   is_causal: bool = False,
   causal_alignment: str = "top_left",
   normalization: str = "rms_head",
@@ -668,7 +674,8 @@ def hyla_tensorcore_attention(
     mask: any dtype, broadcastable like ``bias``; nonzero = may attend.
     block_size: query and key tile, rounded up to a power of two of at least 16; ragged lengths
       are masked by index.
-    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s).
+    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s);
+      None: :func:`default_value_chunk`.
     is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
@@ -694,8 +701,10 @@ def hyla_tensorcore_attention(
     block_size,
     normalization_note=" (softmax needs per-key running statistics: use the dense path)",
   )
+  if value_chunk is None:
+    value_chunk = default_value_chunk(is_causal)
   if not isinstance(value_chunk, int) or isinstance(value_chunk, bool) or value_chunk < 1:
-    raise ValueError(f"value_chunk must be a positive int; got {value_chunk!r}")
+    raise ValueError(f"value_chunk must be a positive int or None; got {value_chunk!r}")
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
   mask = hb.reduced_broadcast(C.as_bool_mask(mask), "mask", shapes)
   bias = hb.reduced_broadcast(bias, "bias", shapes)
