@@ -23,15 +23,16 @@ Speed. Measured on one H100 80GB HBM3 (JAX 0.11.2, ``python3 -m benchmarks.devic
 and 131 ms at 8192, against cuDNN's fused softmax at 0.559 and 1.31 ms (100×; the target is 3×).
 The SASS of those launches (``benchmarks/gpu_compile.py``, its time estimate) explains it: the
 instructions alone would take about 15 ms at one per cycle per scheduler (the ``HMMA`` are only
-2–6 % of them), but each main-loop iteration is a chain of 22–111 stages separated by barriers —
+4–6 % of them), but each main-loop iteration is a chain of 22–111 stages separated by barriers —
 shared-memory round trips that turn ``tl.permute``/``tl.join`` results and 3-D ``tl.dot``
 operands from one register layout into another — while an SM holds one or two programs (dq and
 dk at 238–252 registers × 8 warps: one), so nothing hides the chain: the model (one constant,
 fitted to the 131 ms) puts 50 ms each in dq and dk, 22 ms in dv and 10 ms in the forward. Hence
 the present launches: dq is added atomically by the dk launch, which already computes every tile
 of ``ds`` that the dq launch recomputed; value chunk 32 halves the stages per key tile of the
-forward and of the ``da`` loop; dv runs 4 warps (two programs per SM); the query loop of dq_dk is
-rotated per key tile so that concurrent atomic adds land on different rows. Estimated 52 ms at
+forward and of the ``da`` loop (causal calls keep 16: at 32 their dq_dk spills); dv runs 4 warps
+(two programs per SM); the query loop of a non-causal dq_dk is rotated per key tile so that
+concurrent atomic adds land on different rows. Estimated 52 ms at
 8k (forward 5, dq_dk 32, dv 15; the atomic adds unmodelled), still latency-bound; not yet timed on
 a GPU (``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
 (:class:`LaunchWarps`) are the clean settings (no spills, ≤ 255 registers) with the least
