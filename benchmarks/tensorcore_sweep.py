@@ -38,14 +38,28 @@ WHOLE = "forward+backward"
 
 
 class Sizes(NamedTuple):
-  """The sweep's shape and repeats: on a GPU, or toy ones (``--tiny``, interpreted)."""
+  """The sweep's shape and repeats, and the agreement check's shape: on a GPU, or toy ones
+  (``--tiny``, interpreted)."""
 
   shape: gpu_compile.Shape
   repeats: int
+  check_shape: gpu_compile.Shape
 
 
-FULL = Sizes(gpu_compile.Shape(batch=1, length=8192, heads=8, head_dim=64), repeats=5)
-TINY = Sizes(gpu_compile.Shape(batch=1, length=32, heads=2, head_dim=16), repeats=1)
+FULL = Sizes(
+  gpu_compile.Shape(batch=1, length=8192, heads=8, head_dim=64),
+  repeats=5,
+  check_shape=gpu_compile.Shape(batch=2, length=1000, heads=8, head_dim=64),
+)
+TINY = Sizes(
+  gpu_compile.Shape(batch=1, length=32, heads=2, head_dim=16),
+  repeats=1,
+  check_shape=gpu_compile.Shape(batch=2, length=40, heads=3, head_dim=17),
+)
+CHECK = "agreement with blockwise"
+# Largest |tensorcore - blockwise| / max |blockwise| of the output and each gradient the check
+# accepts (float32 inputs and products on both paths: they differ by summation order only).
+CHECK_TOLERANCE = 1e-3
 
 
 def settings() -> list[gpu_compile.TensorcoreSetting]:
@@ -142,12 +156,53 @@ def measure(setting, launch: str, sizes: Sizes, interpret: bool) -> dict[str, An
   }
 
 
+def agreement(shape: gpu_compile.Shape, interpret: bool) -> dict[str, Any]:
+  """The default kernels' output and gradients (``vjp`` of a random cotangent) against the
+  blockwise XLA path, float32 throughout, ragged tiles, a causal call; raises past
+  ``CHECK_TOLERANCE``."""
+  from primal_dual.kernels import hyla_blockwise as hb
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  rng = np.random.default_rng(1)
+  q, k, v, dout = (jnp.asarray(rng.normal(size=tuple(shape)), jnp.float32) for _ in range(4))
+  highest = jax.lax.Precision.HIGHEST
+  paths = {
+    "tensorcore": functools.partial(
+      ht.hyla_tensorcore_attention, precision=highest, interpret=interpret
+    ),
+    "blockwise": functools.partial(hb.hyla_blockwise_attention, block_size=64, precision=highest),
+  }
+  errors = {}
+  for causal in (False, True):
+
+    def out_and_grads(path):
+      attend = functools.partial(paths[path], is_causal=causal)
+      out, vjp = jax.vjp(attend, q, k, v)
+      return (out, *vjp(dout))
+
+    got, want = (jax.jit(functools.partial(out_and_grads, path))() for path in paths)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+      scale = float(jnp.max(jnp.abs(b)))
+      errors[f"{name}{' causal' if causal else ''}"] = float(jnp.max(jnp.abs(a - b))) / scale
+  worst = max(errors, key=errors.get)
+  if not errors[worst] <= CHECK_TOLERANCE:  # NaN fails too
+    raise AssertionError(f"{worst}: relative error {errors[worst]:.3g} > {CHECK_TOLERANCE:g}")
+  return {"relative_errors": errors, "max_relative_error": errors[worst]}
+
+
 def build_rows(sizes: Sizes, interpret: bool) -> list[device_suite.Row]:
-  """The default setting's launches and its forward + backward, then the other settings'."""
+  """The agreement check, the default setting's launches and its forward + backward, then the
+  other settings' launches."""
   first, *others = settings()
   plan = [(first, launch) for launch in LAUNCHES] + [(first, WHOLE)]
   plan += [(setting, launch) for setting in others for launch in LAUNCHES]
-  return [
+  check = device_suite.Row(
+    "tensorcore",
+    f"{CHECK} {tuple(sizes.check_shape)}",
+    "tensorcore/check",
+    functools.partial(agreement, sizes.check_shape, interpret),
+  )
+  return [check] + [
     device_suite.Row(
       "tensorcore",
       f"{setting_name(setting)} {launch}",
@@ -163,6 +218,7 @@ COLUMNS = (
   *common.timing_columns("time ms"),
   common.Column("TFLOP/s", "tflops", lambda v: f"{v:.3g}"),
   common.Column("first call s", "first_call_s", lambda v: f"{v:.3g}"),
+  common.Column("max rel. error", "max_relative_error", lambda v: f"{v:.2g}"),
   common.Column("status", "status"),
   common.Column("reason", "reason"),
 )
@@ -177,7 +233,10 @@ def render_markdown(payload) -> str:
       f"bfloat16 q, k, v of shape {tuple(config['shape'])} (`[batch, length, heads, head_dim]`), "
       "rms_head, mlp_relu, no mask or bias; float32 dout. Median of "
       f"{config['repeats']} warm calls after a compiling one; TFLOP/s of the analytic FLOPs "
-      f"(per (query, key) pair and head: {LAUNCH_FLOPS} × 2·d). Budget {config['budget_s']:g} "
+      f"(per (query, key) pair and head: {LAUNCH_FLOPS} × 2·d). The first row checks the "
+      "default kernels' output and gradients against the blockwise XLA path (float32, with and "
+      f"without causal; fails past {CHECK_TOLERANCE:g} of the largest value). "
+      f"Budget {config['budget_s']:g} "
       f"s; {len(payload['records'])} of {config['rows']} rows written; "
       f"{payload['elapsed_s']:.0f} s elapsed.",
       "",

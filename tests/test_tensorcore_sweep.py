@@ -44,16 +44,26 @@ def test_every_launch_of_every_setting_is_timed_in_one_report(tmp_path):
   payload = _run(tmp_path)
   records = payload["records"]
   settings = tensorcore_sweep.settings()
-  assert len(records) == payload["config"]["rows"] == 3 * len(settings) + 1
+  assert len(records) == payload["config"]["rows"] == 1 + 3 * len(settings) + 1
   assert all(r["status"] == "ok" for r in records), [r["reason"] for r in records]
+  check, timed = records[0], records[1:]
+  assert check["row"].startswith(tensorcore_sweep.CHECK) and len(check["relative_errors"]) == 8
+  assert check["max_relative_error"] <= tensorcore_sweep.CHECK_TOLERANCE
   default = tensorcore_sweep.setting_name(settings[0])
-  assert [r["row"] for r in records[:4]] == [
+  assert [r["row"] for r in timed[:4]] == [
     f"{default} {launch}" for launch in ("forward", "dq_dk", "dv", "forward+backward")
   ]
-  assert all(r["time_s"] > 0 and r["tflops"] > 0 for r in records)
-  assert records[5]["setting"]["value_chunk"] == settings[1].value_chunk
+  assert all(r["time_s"] > 0 and r["tflops"] > 0 for r in timed)
+  assert timed[5]["setting"]["value_chunk"] == settings[1].value_chunk
   markdown = (tmp_path / "tensorcore_sweep.md").read_text()
   assert f"| {default} dq_dk |" in markdown and "(1, 32, 2, 16)" in markdown
+
+
+def test_the_agreement_check_fails_past_its_tolerance(monkeypatch):
+  monkeypatch.setattr(tensorcore_sweep, "CHECK_TOLERANCE", 0.0)
+  shape = gpu_compile.Shape(batch=1, length=17, heads=2, head_dim=4)
+  with pytest.raises(AssertionError, match="relative error"):
+    tensorcore_sweep.agreement(shape, interpret=True)
 
 
 def test_rows_over_the_budget_are_skipped_and_reported(tmp_path):
