@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
@@ -138,8 +139,35 @@ LAUNCH_FUNCTIONS = {
 }
 
 
-def measure(setting, launch: str, sizes: Sizes, interpret: bool) -> dict[str, Any]:
-  """One row: first-call (compile) seconds, warm time, TFLOP/s."""
+def compile_estimates(path: str | Path, shape: gpu_compile.Shape) -> dict[tuple, float]:
+  """``(setting, launch) -> estimate ms`` of the compile report's tensorcore kernels at ``shape``
+  (its SASS time estimate); empty without a report at that shape."""
+  path = Path(path)
+  if not path.exists():
+    return {}
+  report = json.loads(path.read_text())
+  if report["config"]["shapes"].get("tensorcore") != list(shape):
+    return {}
+  setting_type = gpu_compile.TensorcoreSetting
+  return {
+    (gpu_compile.setting_key(r, setting_type), r["kernel"]): r["estimate_ms"]
+    for r in report["records"]
+    if r["family"] == "tensorcore" and r.get("estimate_ms") is not None
+  }
+
+
+def estimate_of(estimates: dict[tuple, float], setting, launch: str) -> float | None:
+  """A row's estimate: its launch's, or (forward + backward) the sum of the three launches'."""
+  names = LAUNCHES if launch == WHOLE else (launch,)
+  found = [estimates.get((tuple(setting), name)) for name in names]
+  return None if None in found else sum(found)
+
+
+def measure(
+  setting, launch: str, sizes: Sizes, interpret: bool, estimate_ms: float | None = None
+) -> dict[str, Any]:
+  """One row: first-call (compile) seconds, warm time, TFLOP/s (and the compile report's
+  estimate, where it has one)."""
   cfg = gpu_compile.tensorcore_config(setting, sizes.shape)._replace(interpret=interpret)
   fn = jax.jit(LAUNCH_FUNCTIONS[launch](cfg))
   args = inputs(sizes.shape)
@@ -153,6 +181,7 @@ def measure(setting, launch: str, sizes: Sizes, interpret: bool) -> dict[str, An
     "time_iqr_s": timing.iqr_s,
     "samples_s": timing.samples_s,
     "tflops": launch_flops(launch, sizes.shape) / timing.median_s / 1e12,
+    "estimate_ms": estimate_ms,
   }
 
 
@@ -190,9 +219,12 @@ def agreement(shape: gpu_compile.Shape, interpret: bool) -> dict[str, Any]:
   return {"relative_errors": errors, "max_relative_error": errors[worst]}
 
 
-def build_rows(sizes: Sizes, interpret: bool) -> list[device_suite.Row]:
+def build_rows(
+  sizes: Sizes, interpret: bool, estimates: dict[tuple, float] | None = None
+) -> list[device_suite.Row]:
   """The agreement check, the default setting's launches and its forward + backward, then the
-  other settings' launches."""
+  other settings' launches (each with its estimate from ``estimates``, where given)."""
+  estimates = estimates or {}
   first, *others = settings()
   plan = [(first, launch) for launch in LAUNCHES] + [(first, WHOLE)]
   plan += [(setting, launch) for setting in others for launch in LAUNCHES]
@@ -207,7 +239,9 @@ def build_rows(sizes: Sizes, interpret: bool) -> list[device_suite.Row]:
       "tensorcore",
       f"{setting_name(setting)} {launch}",
       f"tensorcore/{launch}",
-      functools.partial(measure, setting, launch, sizes, interpret),
+      functools.partial(
+        measure, setting, launch, sizes, interpret, estimate_of(estimates, setting, launch)
+      ),
     )
     for setting, launch in plan
   ]
@@ -218,6 +252,7 @@ COLUMNS = (
   *common.timing_columns("time ms"),
   common.Column("TFLOP/s", "tflops", lambda v: f"{v:.3g}"),
   common.Column("first call s", "first_call_s", lambda v: f"{v:.3g}"),
+  common.Column("estimate ms", "estimate_ms", lambda v: f"{v:.3g}"),
   common.Column("max rel. error", "max_relative_error", lambda v: f"{v:.2g}"),
   common.Column("status", "status"),
   common.Column("reason", "reason"),
@@ -233,7 +268,9 @@ def render_markdown(payload) -> str:
       f"bfloat16 q, k, v of shape {tuple(config['shape'])} (`[batch, length, heads, head_dim]`), "
       "rms_head, mlp_relu, no mask or bias; float32 dout. Median of "
       f"{config['repeats']} warm calls after a compiling one; TFLOP/s of the analytic FLOPs "
-      f"(per (query, key) pair and head: {LAUNCH_FLOPS} × 2·d). The first row checks the "
+      f"(per (query, key) pair and head: {LAUNCH_FLOPS} × 2·d); estimate: the sm_90a compile "
+      "report's (`benchmarks/gpu_compile.py`, a model of the SASS) at this shape, where it has "
+      "the setting. The first row checks the "
       "default kernels' output and gradients against the blockwise XLA path (float32, with and "
       f"without causal; fails past {CHECK_TOLERANCE:g} of the largest value). "
       f"Budget {config['budget_s']:g} "
@@ -255,6 +292,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--budget-s", type=float, default=150.0, help="rows that do not fit: skipped")
   parser.add_argument("--cache-dir", default=".jax_cache", help="JAX's persistent compile cache")
   parser.add_argument("--tiny", action="store_true", help="toy sizes, interpreted (the CPU test)")
+  parser.add_argument(
+    "--compile-report",
+    default="benchmarks/results/gpu_compile.json",
+    help="the sm_90a compile report whose time estimates the rows show beside their times",
+  )
   common.add_output_arguments(parser)
   return parser.parse_args(argv)
 
@@ -266,7 +308,8 @@ def run(args, rows=None, budget=None, log=print) -> dict[str, Path]:
   sizes = TINY if args.tiny else FULL
   label = args.device_label or device_suite.device_label()
   interpret = _common.interpret_off_gpu()
-  rows = build_rows(sizes, interpret) if rows is None else list(rows)
+  estimates = compile_estimates(args.compile_report, sizes.shape)
+  rows = build_rows(sizes, interpret, estimates) if rows is None else list(rows)
   config = dict(
     budget_s=args.budget_s, shape=list(sizes.shape), repeats=sizes.repeats, rows=len(rows)
   )

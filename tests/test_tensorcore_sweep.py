@@ -23,7 +23,8 @@ from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
 
 def _run(tmp_path, *extra):
   args = tensorcore_sweep.parse_args(
-    ["--tiny", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), *extra]
+    ["--tiny", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    + ["--compile-report", str(tmp_path / "no_report.json"), *extra]
   )
   tensorcore_sweep.run(args, log=lambda line: None)
   return json.loads((tmp_path / "tensorcore_sweep.json").read_text())
@@ -77,3 +78,22 @@ def test_forward_and_backward_flops_sum_the_launches():
   whole = tensorcore_sweep.launch_flops(tensorcore_sweep.WHOLE, shape)
   assert whole == sum(tensorcore_sweep.launch_flops(n, shape) for n in tensorcore_sweep.LAUNCHES)
   assert whole == 2 * 8192**2 * 8 * 64 * 14
+
+
+def test_rows_carry_the_compile_reports_estimate(tmp_path):
+  setting, other = tensorcore_sweep.settings()[:2]
+  shape = tensorcore_sweep.FULL.shape
+  records = [
+    {"family": "tensorcore", **setting._asdict(), "kernel": kernel, "estimate_ms": ms}
+    for kernel, ms in (("forward", 1.0), ("dq_dk", 2.0), ("dv", 3.0))
+  ]
+  path = tmp_path / "gpu_compile.json"
+  path.write_text(
+    json.dumps({"config": {"shapes": {"tensorcore": list(shape)}}, "records": records})
+  )
+  estimates = tensorcore_sweep.compile_estimates(path, shape)
+  assert tensorcore_sweep.estimate_of(estimates, setting, "dq_dk") == 2.0
+  assert tensorcore_sweep.estimate_of(estimates, setting, tensorcore_sweep.WHOLE) == 6.0
+  assert tensorcore_sweep.estimate_of(estimates, other, "dv") is None
+  assert tensorcore_sweep.compile_estimates(path, tensorcore_sweep.TINY.shape) == {}
+  assert tensorcore_sweep.compile_estimates(tmp_path / "absent.json", shape) == {}
