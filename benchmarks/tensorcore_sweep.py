@@ -7,9 +7,11 @@ launches separately — ``forward``, ``dq_dk`` (dq, dk and a bias gradient), ``d
 forward + backward (``jax.vjp``) of the default, at N = 8192, H = 8, d = d_v = 64, bfloat16, batch
 1, no mask or bias, one row each. A row is compiled by its first call, then timed over
 ``--repeats`` warm calls (median and interquartile range); its TFLOP/s count the launch's
-analytic FLOPs (:data:`LAUNCH_FLOPS`, the heads unpadded).
+analytic FLOPs (:data:`LAUNCH_FLOPS`, the heads unpadded), beside the compile report's time
+estimate for the same setting and launch (``--compile-report``). A first row checks the default
+kernels on the device against the blockwise XLA path (:func:`agreement`).
 
-The rows run in order (the default setting first, then the forward + backward), each skipped
+The rows run in order (the check, the default setting, its forward + backward), each skipped
 when its estimated cost (the slowest row of its launch so far, else a prior) exceeds the time
 left in ``--budget-s``; a failing row is recorded and the sweep goes on; the reports
 (``tensorcore_sweep_<label>.{json,md}`` in ``--out-dir``) are rewritten after every row — the
