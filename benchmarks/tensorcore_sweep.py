@@ -5,8 +5,8 @@
 (each one clean in the sm_90a compile report: no spills, shared memory within a block), the three
 launches separately — ``forward``, ``dq_dk`` (dq, dk and a bias gradient), ``dv`` — and the whole
 forward + backward (``jax.vjp``) of the default, at N = 8192, H = 8, d = d_v = 64, bfloat16, batch
-1, no mask or bias, one row each. A row is compiled by its first call, then timed over
-``--repeats`` warm calls (median and interquartile range); its TFLOP/s count the launch's
+1, no mask or bias, one row each. A row is compiled by its first call, then timed over five warm
+calls after one warm-up (median and interquartile range); its TFLOP/s count the launch's
 analytic FLOPs (:data:`LAUNCH_FLOPS`, the heads unpadded), beside the compile report's time
 estimate for the same setting and launch (``--compile-report``). A first row checks the default
 kernels on the device against the blockwise XLA path (:func:`agreement`).
