@@ -32,9 +32,9 @@ the present launches: dq is added atomically by the dk launch, which already com
 of ``ds`` that the dq launch recomputed; value chunk 32 halves the stages per key tile of the
 forward and of the ``da`` loop (causal calls keep 16: at 32 their dq_dk spills); dv runs 4 warps
 (two programs per SM); the query loop of a non-causal dq_dk is rotated per key tile so that
-concurrent atomic adds land on different rows. Estimated 52 ms at
-8k (forward 5, dq_dk 32, dv 15; the atomic adds unmodelled), still latency-bound; not yet timed on
-a GPU (``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
+concurrent atomic adds land on different rows. Estimated 52 ms at 8k (forward 5, dq_dk 32, dv 15;
+the atomic adds unmodelled), still latency-bound; not yet timed on a GPU
+(``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
 (:class:`LaunchWarps`) are the clean settings (no spills, ≤ 255 registers) with the least
 estimated time in the sm_90a compile report at H = 8, d = 64
 (``benchmarks/results/gpu_compile.md``, its tensorcore section). Larger tiles, the obvious way
@@ -48,8 +48,8 @@ whose residuals are the inputs (tiles recomputed, as in flash attention):
 * dq_dk, grid ``(B, k tiles)``: loop over query tiles, ``da`` summed over the value chunks,
   ``dk`` accumulated; each tile's part of ``dq`` (and of the bias gradient, an array of the bias's
   own broadcast shape, where duplicates along broadcast axes sum, the gradient of a broadcast)
-  added atomically into zeroed float32 arrays, the programs starting at query tiles rotated by
-  their key tile so that those running at once add into different rows;
+  added atomically into zeroed float32 arrays; non-causal programs start at query tiles rotated
+  by their key tile, so that those running at once add into different rows;
 * dv, grid ``(B, k tiles, value chunks)``: loop over query tiles, ``dv`` of one chunk.
 Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
 are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
