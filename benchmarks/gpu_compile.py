@@ -29,6 +29,12 @@ its address space capped (``RLIMIT_AS``, ``--memory-cap-gib``) and a wall-clock 
 per block, and the coupled products on the matrix units (more matrix instructions than ``FFMA`` in
 the main loop). One report, rewritten after each setting, has a section per family.
 
+Where a family knows its launches' grids (``tensorcore``), the report adds a time estimate per
+launch at the family's shape (:func:`time_estimate`: a model of the SASS, not a measurement): the
+SASS counts of one main-loop iteration (nested loops once per trip), the programs an SM holds at
+once, and the larger of an issue bound and a latency bound (barrier-separated stages per iteration
+× ``STAGE_CYCLES``, fitted to the one H100 measurement of these kernels).
+
   python -m benchmarks.gpu_compile                      # writes benchmarks/results/gpu_compile.*
   python -m benchmarks.gpu_compile --families tensorcore --tiles 16 --out-dir /tmp/gc
 """
@@ -506,7 +512,8 @@ STAGE_CYCLES = 440
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, device=H100) -> int:
   """Programs (thread blocks) an SM holds at once: the least its registers, shared memory, warp
-  and block limits allow (at least 1: a program that fits nothing is not launched at all)."""
+  and block limits allow; at least 1 (a program beyond a block's shared memory would not launch
+  at all: the targets flag it)."""
   per_warp = -(-registers * 32 // device.register_unit) * device.register_unit
   by_registers = device.registers_per_sm // (per_warp * num_warps)
   by_shared = device.shared_bytes_per_sm // (shared_bytes + device.shared_reserved_bytes)
