@@ -292,7 +292,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument("--budget-s", type=float, default=150.0, help="rows that do not fit: skipped")
-  parser.add_argument("--cache-dir", default=".jax_cache", help="JAX's persistent compile cache")
+  parser.add_argument(
+    "--cache-dir", default=".jax_cache", help="JAX's persistent compile cache ('': none)"
+  )
   parser.add_argument("--tiny", action="store_true", help="toy sizes, interpreted (the CPU test)")
   parser.add_argument(
     "--compile-report",
@@ -305,7 +307,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run(args, rows=None, budget=None, log=print) -> dict[str, Path]:
   """Runs the sweep (``rows``: those of ``args`` by default) and writes its reports."""
-  device_suite.enable_compilation_cache(args.cache_dir)
+  if args.cache_dir:
+    device_suite.enable_compilation_cache(args.cache_dir)
   budget = device_suite.Budget(args.budget_s) if budget is None else budget
   sizes = TINY if args.tiny else FULL
   label = args.device_label or device_suite.device_label()

@@ -23,7 +23,8 @@ from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
 
 def _run(tmp_path, *extra):
   args = tensorcore_sweep.parse_args(
-    ["--tiny", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    # No persistent compilation cache: JAX keeps the first one a process enables.
+    ["--tiny", "--out-dir", str(tmp_path), "--cache-dir", ""]
     + ["--compile-report", str(tmp_path / "no_report.json"), *extra]
   )
   tensorcore_sweep.run(args, log=lambda line: None)
