@@ -7,6 +7,7 @@ kernels' own compilation is checked in ``test_kernels_hyla_tensorcore.py``."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -109,7 +110,13 @@ def test_parse_ptxas_log_refuses_a_log_without_registers():
 
 def test_instruction_counts():
   sass = gpu_compile.count_instructions(SASS, gpu_compile.SASS_INSTRUCTIONS)
-  assert sass == dict(hgmma=1, hmma=2, ffma=2, fmul=1, fadd=0, local_load=1, local_store=1)
+  assert {k: sass[k] for k in ("hgmma", "hmma", "ffma", "fmul", "fadd")} == dict(
+    hgmma=1, hmma=2, ffma=2, fmul=1, fadd=0
+  )
+  assert (sass["local_load"], sass["local_store"], sass["instructions"]) == (1, 1, 8)
+  assert sass["shared_load"] == sass["barrier"] == sass["atomic"] == 0
+  reduction = "        /*0010*/  REDG.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R5 ;"
+  assert gpu_compile.count_instructions(reduction, gpu_compile.SASS_INSTRUCTIONS)["atomic"] == 1
   ptx = gpu_compile.count_instructions(PTX, gpu_compile.PTX_INSTRUCTIONS)
   assert ptx == dict(wgmma=1, mma=1, fma_f32=2)
 
@@ -122,6 +129,66 @@ def test_main_loop_is_from_a_backward_branchs_target_to_the_branch():
   )
   forward_only = LOOP_SASS.replace("@P0 BRA 0x20", "@P0 BRA 0x60")
   assert gpu_compile.main_loop(forward_only) == ""  # a forward branch is no loop
+
+
+# A main loop (0x10 to 0x90) with a loop nested in it (0x30 to 0x60), and the trap after EXIT.
+NESTED_SASS = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   LDSM.16.M88.4 R8, [R3] ;
+        /*0040*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0050*/                   STS [R3], R4 ;
+        /*0060*/               @P1 BRA 0x30 ;
+        /*0070*/                   LDS R5, [R3] ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/               @P0 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
+"""
+
+
+def test_one_iteration_counts_the_nested_loop_its_trips():
+  assert gpu_compile.loop_spans(NESTED_SASS) == [(3, 6), (1, 9)]
+  once = gpu_compile.iteration_counts(NESTED_SASS, inner_trips=1)
+  assert (once["instructions"], once["hmma"], once["barrier"], once["global_load"]) == (9, 1, 2, 1)
+  four = gpu_compile.iteration_counts(NESTED_SASS, inner_trips=4)
+  assert (four["instructions"], four["hmma"], four["shared_matrix_load"]) == (9 + 3 * 4, 4, 4)
+  assert (four["shared_store"], four["shared_load"], four["barrier"]) == (4, 1, 2)
+  assert gpu_compile.iteration_counts(SASS, 4)["instructions"] == 8  # no loop: the whole kernel
+
+
+def test_programs_per_sm_take_the_scarcest_resource():
+  # 238 registers round to 240 a thread (7680 a warp): 8 warps fit once in 64 Ki registers.
+  assert gpu_compile.programs_per_sm(238, 72 * 1024, num_warps=8) == 1
+  assert gpu_compile.programs_per_sm(127, 32 * 1024, num_warps=4) == 4  # registers again
+  assert gpu_compile.programs_per_sm(32, 100 * 1024, num_warps=4) == 2  # shared memory
+  assert gpu_compile.programs_per_sm(16, 0, num_warps=1) == 32  # the block limit
+
+
+def test_time_estimate_is_the_larger_of_issue_and_latency():
+  launch = gpu_compile.LaunchShape(programs=264, iterations=10, inner_trips=1)
+  per_iteration = {"instructions": 1000, "barrier": 2}
+  device = gpu_compile.H100
+  estimate = gpu_compile.time_estimate(per_iteration, launch, 127, 0, num_warps=4)
+  assert (estimate["programs_per_sm"], estimate["waves"]) == (4, 1)
+  issue_s = 264 * 10 * 4 * 1000 / (132 * 4 * device.clock_hz)
+  assert estimate["issue_ms"] == pytest.approx(1e3 * issue_s)
+  latency_s = 10 * 2 * gpu_compile.STAGE_CYCLES / device.clock_hz
+  assert estimate["latency_ms"] == pytest.approx(1e3 * latency_s)
+  assert estimate["estimate_ms"] == pytest.approx(1e3 * max(issue_s, latency_s))
+  barrier_bound = gpu_compile.time_estimate({**per_iteration, "barrier": 200}, launch, 127, 0, 4)
+  assert barrier_bound["bound"] == "latency" and barrier_bound["estimate_ms"] == pytest.approx(
+    100 * estimate["latency_ms"]
+  )
+
+
+def test_kernel_numbers_with_a_launch_estimate_its_time():
+  launch = gpu_compile.LaunchShape(programs=1000, iterations=64, inner_trips=4)
+  numbers = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, NESTED_SASS, "", 8, launch)
+  assert numbers["sass_iteration"] == gpu_compile.iteration_counts(NESTED_SASS, 4)
+  assert numbers["launch"] == launch._asdict() and numbers["estimate_ms"] > 0
+  assert "estimate_ms" not in gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, NESTED_SASS, "")
 
 
 def test_kernel_numbers_and_targets():
@@ -174,7 +241,7 @@ def test_default_settings_of_both_families():
   pallas = gpu_compile.pallas_settings()
   assert len(pallas) == 3 * 2 + 3 and {s.block_size for s in pallas} == {16, 64}
   tensorcore = gpu_compile.tensorcore_settings()
-  assert len(tensorcore) == 3 * 2 + 6 + 1 and sum(s.causal for s in tensorcore) == 1
+  assert len(tensorcore) == 3 * 2 + 7 + 1 and sum(s.causal for s in tensorcore) == 1
   args = gpu_compile.parse_args(["--tiles", "64", "--normalizations", "rms_head"])
   kept = gpu_compile.select_settings(pallas, args)
   assert [s.value_network for s in kept] == ["linear", "mlp_relu", "mlp_linear"]
@@ -187,17 +254,19 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
 
   setting = gpu_compile.tensorcore_settings()[0]
   jobs = gpu_compile.tensorcore_jobs(setting, TINY, Path("."))  # no file written for these
-  assert [j.kernel for j in jobs] == ["forward", "dq", "dk", "dv"]
-  assert [j.num_warps for j in jobs] == [setting.forward_num_warps] + [
-    setting.backward_num_warps
-  ] * 3
+  assert [j.kernel for j in jobs] == ["forward", "dq_dk", "dv"]
+  assert [j.num_warps for j in jobs] == list(setting.launch_warps)
   for job in jobs:
     function = getattr(ht, job.source["function"])
     named = set(job.source["signature"]) | set(job.source["constants"])
     assert named == set(function.arg_names), job.kernel
     assert all(t.startswith("*") for t in job.source["signature"].values())
-  assert jobs[2].source["constants"]["WANT_DK"] and not jobs[3].source["constants"]["WANT_DK"]
+  assert jobs[1].source["constants"]["WANT_DK"] and not jobs[2].source["constants"]["WANT_DK"]
   assert jobs[0].source["constants"]["Q_LEN"] == TINY.length
+  tiles, chunks = TINY.length // setting.block_size, -(-TINY.head_dim // setting.value_chunk)
+  assert [j.launch["programs"] for j in jobs] == [tiles * chunks, tiles, tiles * chunks]
+  assert [j.launch["inner_trips"] for j in jobs] == [1, chunks, 1]
+  assert {j.launch["iterations"] for j in jobs} == {tiles}
 
 
 @pytest.mark.skipif(
@@ -239,7 +308,7 @@ def _record(family, setting, kernel, **fields):
 
 def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
   pallas = [gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)] * 2
-  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, 4, 8)]
+  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, (4, 8, 4))]
   numbers = gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX)
   records = [
     _record("pallas", pallas[0], "hyla_forward", status="ok", reason="", **numbers),
@@ -260,6 +329,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     "records": records,
   }
   markdown = gpu_compile.render_markdown(payload)
+  assert gpu_compile.render_markdown(json.loads(json.dumps(payload))) == markdown
   pallas_part, tensorcore_part = markdown.split("## Pallas HYLA")[1].split("## tensorcore HYLA")
   assert "Settings compiled: 1 of 2. Targets met: 0 of 1 kernels." in pallas_part
   assert (
@@ -267,7 +337,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     in (pallas_part)
   )
   assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
-  assert "| dq | linear | none | 16 | 16 | 4 | 8 | False | 4 |" in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 4 |" in tensorcore_part
   assert "over 420 s (killed)" in tensorcore_part
 
 
@@ -293,3 +363,21 @@ def test_a_terminated_run_leaves_no_compilation_running(tmp_path):
     for _ in range(100):  # the worker, killed, may take a moment to be reaped by init
       os.kill(worker, 0)
       time.sleep(0.1)
+
+
+def test_estimate_section_sums_the_launches_of_each_setting():
+  setting = gpu_compile.TensorcoreSetting("mlp_relu", "rms_head", 16, 16, (4, 8, 4))
+  launch = gpu_compile.LaunchShape(programs=1000, iterations=64, inner_trips=4)
+  numbers = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 0, NESTED_SASS, "", 8, launch)
+  records = [
+    _record("tensorcore", setting, kernel, status="ok", reason="", **numbers)
+    for kernel in ("forward", "dq_dk")
+  ]
+  records.append(_record("tensorcore", setting, "dv", status="timeout", reason="over 420 s"))
+  lines = "\n".join(gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records))
+  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4/8/4 | False | 4 | 168 | 1000 |" in lines
+  assert f"**{2 * numbers['estimate_ms']:.1f} ms**" in lines
+  assert gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records[2:]) == []
+  as_written = json.loads(json.dumps(records))  # the report is rendered from its JSON: lists
+  again = gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, as_written)
+  assert "\n".join(again) == lines

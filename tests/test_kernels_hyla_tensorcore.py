@@ -30,7 +30,7 @@ blockwise = functools.partial(hb.hyla_blockwise_attention, block_size=8)
 
 @pytest.mark.parametrize("case", range(len(COMBINATIONS)))
 def test_forward_and_gradients_equal_blockwise_and_float64_reference(case):
-  """18 queries, 20 keys (two ragged tiles of 16 each), d_v = 17 (two value chunks); padding
+  """18 queries, 20 keys (two ragged tiles of 16 each), d_v = 17 (two value chunks of 16); padding
   mask, a bias shared by the batch, causal in both alignments."""
   normalization, value_network = COMBINATIONS[case]
   batch_shape = [(1,), (2, 1)][case % 2]
@@ -45,7 +45,8 @@ def test_forward_and_gradients_equal_blockwise_and_float64_reference(case):
   q, k, v = helpers.random_qkv(rng, batch_shape, 18, 20, 2, d=5, d_v=17)
   mask = helpers.padding_mask(rng, batch_shape, 20, min_valid=10)
   bias = rng.normal(size=(2, 18, 20)).astype(np.float32)
-  out, grads = loss_and_grads(ht.hyla_tensorcore_attention, q, k, v, bias, mask, **options)
+  two_chunks = functools.partial(ht.hyla_tensorcore_attention, value_chunk=16)
+  out, grads = loss_and_grads(two_chunks, q, k, v, bias, mask, **options)
   ref_out, ref_grads = loss_and_grads(blockwise, q, k, v, bias, mask, **options)
   assert out.shape == ref_out.shape == q.shape[:-1] + (17,) and out.dtype == jnp.float32
   assert_close(out, ref_out)
@@ -157,14 +158,18 @@ def test_bad_input_raises_value_error_naming_it(call, message):
     call(q, k, v)
 
 
-@pytest.mark.parametrize("launch", ["forward", "dk"])  # dk: the most registers of the backward
-def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, tmp_path):
+@pytest.mark.parametrize(  # dq_dk: the most registers; causal: its own default value chunk
+  "launch, causal", [("forward", False), ("dq_dk", False), ("dq_dk", True)]
+)
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, causal, tmp_path):
   """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
   shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
   from benchmarks import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
-  job = gpu_compile.tensorcore_job(family.settings()[0], family.shape, launch)
+  setting = family.settings()[-1 if causal else 0]
+  assert setting.causal == causal
+  job = gpu_compile.tensorcore_job(setting, family.shape, launch)
   figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures
   assert figures["spill_store_bytes"] == figures["spill_load_bytes"] == 0, figures

@@ -15,19 +15,41 @@ number; where the coupled products contract or stack them they are zero-padded f
 ``HEAD_PAD`` (16, the smallest matrix-instruction dimension, ``tl.join`` in registers). Padded
 heads hold zeros and contribute nothing (the RMS mean divides by the true head count). The value
 features run in chunks of ``value_chunk`` (the products above are independent per chunk), so a
-program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time. Tiles, chunk and warps (4 forward, 8
-backward) are those with no spills in the sm_90a compile report at H = 8, d = 64
-(``benchmarks/results/gpu_compile.md``, its tensorcore section); no GPU has timed them.
+program keeps ``[bk, bq, chunk]`` of ``z``/``u`` at a time.
+
+Speed. Measured on one H100 80GB HBM3 (JAX 0.11.2, ``python3 -m benchmarks.device_suite
+--budget-s 370``; bfloat16, forward + backward, B = 1, H = 8, d = 64) with the previous launches
+(a separate dq launch; tile 16, value chunk 16, warps 4 forward / 8 backward): 34.1 ms at N = 4096
+and 131 ms at 8192, against cuDNN's fused softmax at 0.559 and 1.31 ms (100×; the target is 3×).
+The SASS of those launches (``benchmarks/gpu_compile.py``, its time estimate) explains it: the
+instructions alone would take about 15 ms at one per cycle per scheduler (the ``HMMA`` are only
+4–6 % of them), but each main-loop iteration is a chain of 22–111 stages separated by barriers —
+shared-memory round trips that turn ``tl.permute``/``tl.join`` results and 3-D ``tl.dot``
+operands from one register layout into another — while an SM holds one or two programs (dq and
+dk at 238–252 registers × 8 warps: one), so nothing hides the chain: the model (one constant,
+fitted to the 131 ms) puts 50 ms each in dq and dk, 22 ms in dv and 10 ms in the forward. Hence
+the present launches: dq is added atomically by the dk launch, which already computes every tile
+of ``ds`` that the dq launch recomputed; value chunk 32 halves the stages per key tile of the
+forward and of the ``da`` loop (causal calls keep 16: at 32 their dq_dk spills); dv runs 4 warps
+(two programs per SM); the query loop of a non-causal dq_dk is rotated per key tile so that
+concurrent atomic adds land on different rows. Estimated 52 ms at 8k (forward 5, dq_dk 32, dv 15;
+the atomic adds unmodelled), still latency-bound; not yet timed on a GPU
+(``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
+(:class:`LaunchWarps`) are the clean settings (no spills, ≤ 255 registers) with the least
+estimated time in the sm_90a compile report at H = 8, d = 64
+(``benchmarks/results/gpu_compile.md``, its tensorcore section). Larger tiles, the obvious way
+to more work per stage, spill in the backward (tile 32) or exceed an H100's shared memory.
 
 Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
 whose residuals are the inputs (tiles recomputed, as in flash attention):
 
 * forward, grid ``(B, q tiles, value chunks)``: loop over key tiles, ``out`` accumulated in
   float32 ``[bq, H, chunk]``;
-* dq, grid ``(B, q tiles)``: loop over key tiles, ``da`` summed over the value chunks, ``dq``
-  accumulated; the bias gradient is added atomically into an array of the bias's own broadcast
-  shape (float32; duplicates along broadcast axes sum, which is the gradient of a broadcast);
-* dk, grid ``(B, k tiles)``: loop over query tiles, ``dk`` accumulated;
+* dq_dk, grid ``(B, k tiles)``: loop over query tiles, ``da`` summed over the value chunks,
+  ``dk`` accumulated; each tile's part of ``dq`` (and of the bias gradient, an array of the bias's
+  own broadcast shape, where duplicates along broadcast axes sum, the gradient of a broadcast)
+  added atomically into zeroed float32 arrays; non-causal programs start at query tiles rotated
+  by their key tile, so that those running at once add into different rows;
 * dv, grid ``(B, k tiles, value chunks)``: loop over query tiles, ``dv`` of one chunk.
 Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
 are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
@@ -87,11 +109,24 @@ NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
-DEFAULT_VALUE_CHUNK = 16
-# Warps per program of the forward and of the backward kernels (the backward's per-program state
-# is larger: at 4 warps ptxas spills it).
-DEFAULT_NUM_WARPS = 4
-DEFAULT_BACKWARD_NUM_WARPS = 8
+DEFAULT_VALUE_CHUNK = 32
+# Causal calls: at chunk 32 ptxas spills the causal dq_dk launch (H = 8, d = 64); at 16 it does not.
+DEFAULT_CAUSAL_VALUE_CHUNK = 16
+
+
+def default_value_chunk(is_causal: bool) -> int:
+  return DEFAULT_CAUSAL_VALUE_CHUNK if is_causal else DEFAULT_VALUE_CHUNK
+
+
+class LaunchWarps(NamedTuple):
+  """Warps per program of each launch (names of :func:`launch_grids`)."""
+
+  forward: int = 4
+  dq_dk: int = 8  # the most per-program state: at 4 warps ptxas spills it
+  dv: int = 4
+
+
+DEFAULT_NUM_WARPS = LaunchWarps()
 
 
 # --- Tile maths (Triton) -------------------------------------------------------------------------
@@ -317,42 +352,21 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dbias_ptr,
-               Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-               DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-               CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
-               HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
-               MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
-               MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-  """Program ``(b, query tile)``: float32 ``dq [B, Q_LEN, H, D]``; with a bias, its gradient
-  added atomically into ``dbias`` (the bias's broadcast shape, float32, zeroed)."""
-  b, qt = tl.program_id(0), tl.program_id(1)
-  rows = qt * BQ + tl.arange(0, BQ)
-  q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
-  dq = tl.zeros((HB, BQ, DP), tl.float32)
-  for kt in range(0, _key_tiles_seen(qt, KV_LEN, BQ, BK, CAUSAL, OFFSET)):
-    cols = kt * BK + tl.arange(0, BK)
-    s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
-                                  H, D, HP, HB, HX, DP, BQ, BK, SCALE, CAUSAL, OFFSET, HAS_BIAS, BS0, BS1,
-                                  BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
-    ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP, HB,
-                  HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
-    k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
-    dq += tl.dot(ds, k, input_precision=PRECISION)
-    if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
-      offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
-      tl.atomic_add(dbias_ptr + offsets, ds, mask=valid)
-  _store_rows(dq_ptr, dq * SCALE, b, rows, Q_LEN, H, D, HB, DP)
+def _add_rows(ptr, x, b, idx, LEN: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
+              HP: tl.constexpr, BF: tl.constexpr):  # fmt: skip
+  """Adds ``x [HP, len(idx), BF]`` atomically into a contiguous ``[B, LEN, H, F]`` float32 array
+  (as :func:`_store_rows` stores), skipping padded heads, rows and features."""
+  h3 = tl.arange(0, HP)[:, None, None]
+  r3, f3 = idx[None, :, None], tl.arange(0, BF)[None, None, :]
+  offsets = b * LEN * H * F + r3 * H * F + h3 * F + f3
+  tl.atomic_add(ptr + offsets, x, mask=(h3 < H) & (r3 < LEN) & (f3 < F), sem="relaxed")
 
 
 @triton.jit
-def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_ptr,
-                Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr,
+                dbias_ptr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr,
+                D: tl.constexpr, DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                 CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
@@ -361,15 +375,22 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_pt
                 MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
                 WANT_DK: tl.constexpr):  # fmt: skip
   """Program ``(b, key tile, value chunk)``. ``WANT_DK`` (launched with one chunk program): float32
-  ``dk [B, KV_LEN, H, D]``; otherwise ``dv [B, KV_LEN, H, DV]`` of the program's chunk. The two
-  are separate launches because ``dk`` needs ``da`` summed over every chunk while ``dv`` of a
-  chunk needs only that chunk (one launch would hold all of ``dv`` per program)."""
+  ``dk [B, KV_LEN, H, D]``, and the program's part of ``dq [B, Q_LEN, H, D]`` (and of the bias's
+  gradient, the bias's broadcast shape) added atomically into zeroed float32 arrays; otherwise
+  ``dv [B, KV_LEN, H, DV]`` of the program's chunk. ``dk`` and ``dq`` need ``da`` summed over
+  every chunk while ``dv`` of a chunk needs only that chunk (one launch would hold all of ``dv``
+  per program)."""
   b, kt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   cols = kt * BK + tl.arange(0, BK)
   dk = tl.zeros((HB, BK, DP), tl.float32)
   dv = tl.zeros((BK, HP, BV), tl.float32)
+  k = _load_rows(k_ptr, b, cols, 0, KV_LEN, H, D, HB, DP, False).to(tl.float32)
   first = _first_query_tile(kt, Q_LEN, BQ, BK, CAUSAL, OFFSET)
-  for qt in range(first, (Q_LEN + BQ - 1) // BQ):
+  n_query_tiles = (Q_LEN + BQ - 1) // BQ
+  for step in range(0, n_query_tiles - first):
+    qt = first + step  # causal: each program starts at its band's first tile
+    if not CAUSAL:  # programs start at query tiles rotated by key tile, so that those running
+      qt = (step + kt) % n_query_tiles  # at once add into different rows of dq
     rows = qt * BQ + tl.arange(0, BQ)
     q = _load_rows(q_ptr, b, rows, 0, Q_LEN, H, D, HB, DP, False)
     s, r, a, valid = _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols, Q_LEN, KV_LEN,
@@ -379,6 +400,11 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dk_ptr, dv_pt
       ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP,
                     HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
       dk += tl.dot(tl.permute(ds, (0, 2, 1)), q.to(tl.float32), input_precision=PRECISION)
+      dq = tl.dot(ds, k, input_precision=PRECISION) * SCALE
+      _add_rows(dq_ptr, dq, b, rows, Q_LEN, H, D, HB, DP)
+      if HAS_BIAS:  # broadcast axes have stride 0: the atomic adds sum over them
+        offsets = _logit_offsets(b, rows, cols, BS0, BS1, BS2, BS3, HB)
+        tl.atomic_add(dbias_ptr + offsets, ds, mask=valid, sem="relaxed")
     else:
       if MLP:  # dv_j = A_j [H, bq] @ dz_j [bq, chunk] per key
         v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
@@ -420,8 +446,7 @@ class Config(NamedTuple):
   precision: Any
   bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
   mask_shape: tuple[int, int, int, int] | None
-  num_warps: int
-  backward_num_warps: int
+  num_warps: LaunchWarps
   interpret: bool
 
 
@@ -484,6 +509,17 @@ def _value_chunks(cfg: Config) -> int:
 
 def _tiles(length: int, cfg: Config) -> int:
   return -(-length // cfg.block_size)
+
+
+def launch_grids(cfg: Config) -> dict[str, tuple[int, int, int]]:
+  """The grid of each launch (``forward``, ``dq_dk``, ``dv``): programs per example, per query or
+  key tile, per value chunk where the launch splits them."""
+  q_tiles, k_tiles, chunks = _tiles(cfg.q_len, cfg), _tiles(cfg.kv_len, cfg), _value_chunks(cfg)
+  return {
+    "forward": (cfg.batch, q_tiles, chunks),
+    "dq_dk": (cfg.batch, k_tiles, 1),
+    "dv": (cfg.batch, k_tiles, chunks),
+  }
 
 
 # --- Launching: Triton's interpreter on a CPU, jax-triton on a GPU -------------------------------
@@ -572,9 +608,11 @@ def _interpret(kernel, grid, out_shapes, constants, *inputs):
   return tuple(outs)
 
 
-def _launch(kernel, grid, out_shapes, cfg: Config, *inputs, **extra_constants):
-  """``kernel(*inputs, *outputs)`` over ``grid``; outputs (float32) start as zeros."""
-  num_warps = cfg.num_warps if kernel is _forward_kernel else cfg.backward_num_warps
+def _launch(name: str, kernel, out_shapes, cfg: Config, *inputs, **extra_constants):
+  """``kernel(*inputs, *outputs)`` over the grid of launch ``name`` (:func:`launch_grids`) with
+  its warps; outputs (float32) start as zeros."""
+  grid = launch_grids(cfg)[name]
+  num_warps = getattr(cfg.num_warps, name)
   constants = {**_constants(cfg), **extra_constants}
   if cfg.interpret:
     run = functools.partial(_interpret, kernel, grid, out_shapes, constants)
@@ -596,8 +634,7 @@ def forward(q, k, v, bias, mask, cfg: Config):
   """Float32 ``out [B, Q, H, d_v]`` (Flax layout in and out; bias/mask at their broadcast
   shapes, or ``[1]`` placeholders)."""
   out_shape = jax.ShapeDtypeStruct((cfg.batch, cfg.q_len, cfg.heads, cfg.d_v), C.F32)
-  grid = (cfg.batch, _tiles(cfg.q_len, cfg), _value_chunks(cfg))
-  (out,) = _launch(_forward_kernel, grid, [out_shape], cfg, q, k, v, bias, mask)
+  (out,) = _launch("forward", _forward_kernel, [out_shape], cfg, q, k, v, bias, mask)
   return out
 
 
@@ -617,7 +654,7 @@ def hyla_tensorcore_attention(
   mask=None,
   *,
   block_size: int = DEFAULT_BLOCK_SIZE,
-  value_chunk: int = DEFAULT_VALUE_CHUNK,
+  value_chunk: int | None = None,
   is_causal: bool = False,
   causal_alignment: str = "top_left",
   normalization: str = "rms_head",
@@ -625,8 +662,7 @@ def hyla_tensorcore_attention(
   scale: float | None = None,
   dtype=None,
   precision=None,
-  num_warps: int = DEFAULT_NUM_WARPS,
-  backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
+  num_warps: LaunchWarps | tuple[int, int, int] = DEFAULT_NUM_WARPS,
   interpret: bool | None = None,
 ):
   """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
@@ -639,12 +675,13 @@ def hyla_tensorcore_attention(
     mask: any dtype, broadcastable like ``bias``; nonzero = may attend.
     block_size: query and key tile, rounded up to a power of two of at least 16; ragged lengths
       are masked by index.
-    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s).
+    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s);
+      None: :func:`default_value_chunk`.
     is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
-    num_warps, backward_num_warps: warps per program of the forward and of the backward
-      kernels on a GPU.
+    num_warps: warps per program of the ``forward``, ``dq_dk`` and ``dv`` launches on a GPU
+      (a :class:`LaunchWarps` or a tuple in that order).
     interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
 
   Returns:
@@ -665,8 +702,10 @@ def hyla_tensorcore_attention(
     block_size,
     normalization_note=" (softmax needs per-key running statistics: use the dense path)",
   )
+  if value_chunk is None:
+    value_chunk = default_value_chunk(is_causal)
   if not isinstance(value_chunk, int) or isinstance(value_chunk, bool) or value_chunk < 1:
-    raise ValueError(f"value_chunk must be a positive int; got {value_chunk!r}")
+    raise ValueError(f"value_chunk must be a positive int or None; got {value_chunk!r}")
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
   mask = hb.reduced_broadcast(C.as_bool_mask(mask), "mask", shapes)
   bias = hb.reduced_broadcast(bias, "bias", shapes)
@@ -687,8 +726,7 @@ def hyla_tensorcore_attention(
     precision=precision,
     bias_shape=None if bias is None else tuple(bias.shape),
     mask_shape=None if mask is None else tuple(mask.shape),
-    num_warps=num_warps,
-    backward_num_warps=backward_num_warps,
+    num_warps=LaunchWarps(*num_warps),
     interpret=C.interpret_off_gpu() if interpret is None else bool(interpret),
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
@@ -721,27 +759,24 @@ def make_tensorcore(cfg: Config):
   return attend
 
 
+def backward_launch(name: str, q, k, v, bias, mask, dout, cfg: Config):
+  """Float32 ``(dq, dk, dv, dbias)`` of one backward launch, ``[1]`` placeholders where it writes
+  nothing: ``dq_dk`` gives ``dq``, ``dk`` and (with a bias) ``dbias``; ``dv`` gives ``dv``."""
+  f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
+  placeholder = f32((1,))  # one kernel signature for every call
+  want_dk = name == "dq_dk"
+  if want_dk:
+    bias_grad = placeholder if cfg.bias_shape is None else f32(cfg.bias_shape)
+    outputs = [f32(q.shape), f32(k.shape), placeholder, bias_grad]
+  else:
+    outputs = [placeholder, placeholder, f32(v.shape), placeholder]
+  inputs = (q, k, v, bias, mask, dout.astype(C.F32))
+  return _launch(name, _dkv_kernel, outputs, cfg, *inputs, WANT_DK=want_dk)
+
+
 def backward(q, k, v, bias, mask, dout, cfg: Config):
   """Float32 ``(dq, dk, dv, dbias)`` (Flax layout; ``dbias`` at the bias's broadcast shape, or
   None without a bias)."""
-  dout = dout.astype(C.F32)
-  inputs = (q, k, v, bias, mask, dout)
-  f32 = functools.partial(jax.ShapeDtypeStruct, dtype=C.F32)
-  # Outputs a launch does not write are [1] placeholders (one kernel signature for every call).
-  bias_grad = f32((1,)) if cfg.bias_shape is None else f32(cfg.bias_shape)
-  dq, dbias = _launch(
-    _dq_kernel, (cfg.batch, _tiles(cfg.q_len, cfg)), [f32(q.shape), bias_grad], cfg, *inputs
-  )
-  key_tiles = _tiles(cfg.kv_len, cfg)
-  (dk, _) = _launch(
-    _dkv_kernel, (cfg.batch, key_tiles, 1), [f32(k.shape), f32((1,))], cfg, *inputs, WANT_DK=True
-  )
-  (_, dv) = _launch(
-    _dkv_kernel,
-    (cfg.batch, key_tiles, _value_chunks(cfg)),
-    [f32((1,)), f32(v.shape)],
-    cfg,
-    *inputs,
-    WANT_DK=False,
-  )
+  dq, dk, _, dbias = backward_launch("dq_dk", q, k, v, bias, mask, dout, cfg)
+  _, _, dv, _ = backward_launch("dv", q, k, v, bias, mask, dout, cfg)
   return dq, dk, dv, (None if cfg.bias_shape is None else dbias)
