@@ -49,7 +49,9 @@ whose residuals are the inputs (tiles recomputed, as in flash attention):
   ``dk`` accumulated; each tile's part of ``dq`` (and of the bias gradient, an array of the bias's
   own broadcast shape, where duplicates along broadcast axes sum, the gradient of a broadcast)
   added atomically into zeroed float32 arrays; non-causal programs start at query tiles rotated
-  by their key tile, so that those running at once add into different rows;
+  by their key tile, so that those running at once add into different rows. Float32 sums in the
+  order the programs happen to run: on a GPU ``dq`` (and the bias gradient) may differ between
+  two runs in their last bits, as in flash attention's backward;
 * dv, grid ``(B, k tiles, value chunks)``: loop over query tiles, ``dv`` of one chunk.
 Causal calls skip the tiles outside the band. Lengths need no padding in memory: loads and stores
 are masked by index (rows at or beyond the lengths load zeros and are masked like the mask).
