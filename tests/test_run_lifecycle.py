@@ -275,3 +275,30 @@ def test_the_non_finite_loss_advice_names_a_flag_the_workdir_accepts(tmp_path):
   workdir_lib.check_same_experiment(
     workdir, setup.resolve_config(tiny_config(**calmer, resume_with_changed_optimizer=True))
   )
+
+
+def test_a_checkpoint_deleted_while_read_is_read_again(tmp_path, monkeypatch):
+  """A run training in the workdir deletes its older checkpoints as it saves: a reader that
+  listed one just before it went reads the folder again (the race the test above can hit)."""
+  workdir = str(tmp_path)
+  trainer.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
+  real = evaluation._restore_read_only
+  calls = []
+
+  def vanishing_once(folder, step, program):
+    calls.append(step)
+    if len(calls) == 1:
+      raise FileNotFoundError(os.path.join(folder, "1"))
+    return real(folder, step, program)
+
+  monkeypatch.setattr(evaluation, "_restore_read_only", vanishing_once)
+  _, state = evaluation.restore_workdir(workdir)
+  assert int(state.step) == 2 and len(calls) == 2
+
+  def always_vanishing(folder, step, program):
+    raise FileNotFoundError(os.path.join(folder, "1"))
+
+  monkeypatch.setattr(evaluation, "_restore_read_only", always_vanishing)
+  with pytest.raises(errors.CheckpointNotFoundError) as info:
+    evaluation.restore_workdir(workdir)
+  assert "\n" not in str(info.value) and str(info.value).endswith("--checkpoint=selected")

@@ -19,6 +19,9 @@ from primal_dual.training.setup import Program, build_program, resolve_config
 from primal_dual.training.steps import TrainState
 
 EVAL_FILE = "eval.json"
+# A run training in the workdir deletes its older checkpoints as it saves new ones, so a reader
+# may list a step that is gone a moment later: it reads the folder again, this many times at most.
+RESTORE_ATTEMPTS = 5
 
 
 def sum_metrics(metric_list: list[Mapping[str, tuple]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -167,12 +170,25 @@ def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Program, 
   _refuse_sweep_workdir(workdir)
   config = resolve_config(config_lib.read_config(workdir))
   program = build_program(config, for_training=False)
+  folder = os.path.join(workdir, directory)
+  for _ in range(RESTORE_ATTEMPTS):
+    try:
+      return program, _restore_read_only(folder, step, program)
+    except FileNotFoundError as error:  # a step deleted between listing and reading it
+      vanished = error
+  raise errors.CheckpointNotFoundError(
+    f"the checkpoints in {folder} were deleted while being read {RESTORE_ATTEMPTS} times (a run "
+    "training there keeps only its newest): evaluate again, or pick --checkpoint=selected"
+  ) from vanished
+
+
+def _restore_read_only(folder: str, step: int | None, program: Program) -> TrainState:
   # Read-only: the workdir may be training right now, and its unfinished saves must stay.
   with checkpointing.Checkpointer(
-    os.path.join(workdir, directory), keep=None, async_save=False, read_only=True
+    folder, keep=None, async_save=False, read_only=True
   ) as checkpointer:
     state, _ = checkpointer.restore(step, program.restore_target())
-  return program, state
+  return state
 
 
 def evaluate_workdir(
