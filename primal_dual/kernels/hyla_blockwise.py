@@ -348,8 +348,21 @@ def make_blockwise(cfg: Config):
   ``[B, H, Q, d_v]``. The residuals are the inputs only; the mask gets no gradient.
   """
 
-  def forward(q, k, v, bias, mask):
-    return _over_batch(lambda *x: forward_one(*x, cfg), q, k, v, bias, mask)
+  return recomputing_vjp(
+    lambda *x: _over_batch(lambda *y: forward_one(*y, cfg), *x),
+    lambda *x: _over_batch(lambda *y: backward_one(*y, cfg), *x),
+  )
+
+
+def recomputing_vjp(forward, backward):
+  """``attend(q, k, v, bias, mask) = forward(q, k, v, bias, mask)``, differentiated by
+  ``backward(q, k, v, bias, mask, dout) -> (dq, dk, dv, dbias)``, which recomputes the tiles from
+  the inputs (the only residuals, as in flash attention); the mask gets no gradient.
+
+  The kernels' shared VJP (blockwise, Pallas, tensor-core). ``dbias`` may be None (no bias, or a
+  placeholder bias, which gets zeros) or per example ``[B, H', Q', K']`` where the bias is shared
+  by the batch (``B' = 1``: summed over it); cotangents come back in their inputs' dtypes.
+  """
 
   @jax.custom_vjp
   def attend(q, k, v, bias, mask):
@@ -360,14 +373,25 @@ def make_blockwise(cfg: Config):
 
   def attend_bwd(residuals, dout):
     q, k, v, bias, mask = residuals
-    dq, dk, dv, dbias = _over_batch(lambda *x: backward_one(*x, cfg), q, k, v, bias, mask, dout)
-    if dbias is not None:  # per example [B, H', Q', K']; a shared bias sums over the batch
-      dbias = jnp.sum(dbias, axis=0, keepdims=True) if bias.shape[0] == 1 else dbias
-      dbias = dbias.astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None
+    dq, dk, dv, dbias = backward(q, k, v, bias, mask, dout)
+    return (
+      dq.astype(q.dtype),
+      dk.astype(k.dtype),
+      dv.astype(v.dtype),
+      _bias_cotangent(dbias, bias),
+      None,
+    )
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
+
+
+def _bias_cotangent(dbias, bias):
+  if dbias is None:
+    return None if bias is None else jnp.zeros_like(bias)
+  if dbias.shape[0] != bias.shape[0]:  # per example; a bias shared by the batch sums over it
+    dbias = jnp.sum(dbias, axis=0, keepdims=True)
+  return dbias.astype(bias.dtype)
 
 
 # --- Entry point ---------------------------------------------------------------------------------

@@ -510,23 +510,9 @@ def make_pallas(cfg: Config):
   inputs only; the mask gets no gradient.
   """
 
-  @jax.custom_vjp
-  def attend(q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask, cfg)
-
-  def attend_fwd(q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask, cfg), (q, k, v, bias, mask)
-
-  def attend_bwd(residuals, dout):
-    q, k, v, bias, mask = residuals
-    dq, dk, dv, dbias = backward(q, k, v, bias, mask, dout, cfg)
-    if dbias is not None:  # per example; a bias shared by the batch sums over it
-      dbias = jnp.sum(dbias, axis=0, keepdims=True) if bias.shape[0] == 1 else dbias
-      dbias = dbias.astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None
-
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend
+  return hb.recomputing_vjp(
+    functools.partial(forward, cfg=cfg), functools.partial(backward, cfg=cfg)
+  )
 
 
 # --- Entry point ---------------------------------------------------------------------------------

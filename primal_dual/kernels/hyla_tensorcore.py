@@ -744,21 +744,9 @@ def make_tensorcore(cfg: Config):
   """``(q, k, v, bias, mask) -> out`` (float32, Flax layout, batch flattened) with the Triton
   backward as its VJP; the mask gets no gradient, nor a placeholder bias."""
 
-  @jax.custom_vjp
-  def attend(q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask, cfg)
-
-  def attend_fwd(q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask, cfg), (q, k, v, bias, mask)
-
-  def attend_bwd(residuals, dout):
-    q, k, v, bias, mask = residuals
-    dq, dk, dv, dbias = backward(q, k, v, bias, mask, dout, cfg)
-    dbias = jnp.zeros_like(bias) if dbias is None else dbias.astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None
-
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend
+  return hb.recomputing_vjp(
+    functools.partial(forward, cfg=cfg), functools.partial(backward, cfg=cfg)
+  )
 
 
 def backward_launch(name: str, q, k, v, bias, mask, dout, cfg: Config):
