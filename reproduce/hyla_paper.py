@@ -516,7 +516,7 @@ def sweep_report(
 ) -> str:
   """The ``--protocol=<protocol>`` part of a report (a protocol of ``SELECTING_PROTOCOLS``): per
   variant the selected setting's mean ± s.e. over seeds beside the preset's own point (the fixed
-  setting) and the published reference, then every setting's row.
+  setting) and the published reference, then every setting's row and every run's.
 
   Args:
     records: the grid's records (those of other protocols are left out).
@@ -576,6 +576,18 @@ def sweep_report(
     ]
     cells += [format_mean_se([r.get(name) for r in group], scale) for name in columns.values()]
     cells.append("✓" if picked else "")
+    lines.append("| " + " | ".join(cells) + " |")
+  # Seeds can disagree by tens of points (one may never leave a plateau); a mean ± s.e. of
+  # three hides which, so every run is listed too.
+  lines += ["\nEvery run (the checkpoint selected on validation, and its step):\n"]
+  header = ["attention", "setting", "seed", "validation", *columns, "selected step"]
+  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for record in sorted(sweep, key=lambda r: (r["attention"], r["setting"], r.get("seed", -1))):
+    cells = [record["attention"], record["setting"], str(record.get("seed", "–"))]
+    cells += [format_mean_se([record.get(validation_field)], scale)]
+    cells += [format_mean_se([record.get(name)], scale) for name in columns.values()]
+    step = record.get("selected_step")
+    cells.append(f"{step:,}" if isinstance(step, int) else "–")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 

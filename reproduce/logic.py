@@ -124,7 +124,9 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   lines = [
     "# Fuzzy logic: in-context regression, HYLA against softmax and linear attention\n",
     hyla_paper.environment_line(command, records) + f" Preset: {', '.join(presets)} "
-    "(primal_dual/configs/logic.py). Cells are mean ± std over seeds (n runs), at the checkpoint selected on validation R². "
+    "(primal_dual/configs/logic.py). Fixed-setting cells are mean ± std over seeds (n runs; the "
+    "sweep sections below give mean ± standard error), at the checkpoint selected on "
+    "validation R². "
     "R² = 1 − Σ squared error / Σ task variance (exact variance of each task's target; 0 = "
     "predicting each task's mean, 1 = perfect). Per-run records and learning curves: the .json "
     "of the same name; curves: the _curves.png next to it.\n",

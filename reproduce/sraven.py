@@ -161,7 +161,8 @@ def markdown_report(records: Sequence[Mapping[str, Any]], command: str) -> str:
   lines = [
     "# sRAVEN: compositional generalisation of HYLA, softmax and linear attention\n",
     hyla_paper.environment_line(command, records) + f" Preset: {', '.join(presets)} "
-    "(primal_dual/configs/sraven.py). Cells are mean ± std over seeds (n runs). Accuracies are "
+    "(primal_dual/configs/sraven.py). Fixed-setting cells are mean ± std over seeds (n runs; "
+    "the sweep sections below give mean ± standard error). Accuracies are "
     "those of the checkpoint selected on the "
     "in-distribution validation split: ID = the in-distribution test split, OOD = problems "
     "whose rule combination was held out of training. Whole-panel accuracy is the exact match "

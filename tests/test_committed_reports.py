@@ -13,19 +13,40 @@ from reproduce import grid
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO_ROOT, "results")
 STUDIES = ("uea", "listops", "images", "sraven", "logic")
+# Reports of the paper presets (results/paper/<stem>): stem → (study, the flags they were
+# rendered with).
+PAPER_REPORTS = {
+  "sraven_points": (
+    "sraven",
+    [
+      "--scale=paper",
+      "--protocol=points",
+      "--sweep_variants=hyla",
+      "--sweep_seeds=0,1,2",
+      "--points",
+      "lr=0.001,wd=0.1,attn_dropout=0.0",
+      "lr=0.0003,wd=0.1,attn_dropout=0.1",
+    ],
+  ),
+}
+REPORTS = [(study, study, []) for study in STUDIES] + [
+  (f"paper/{stem}", study, flags) for stem, (study, flags) in PAPER_REPORTS.items()
+]
 
 
-@pytest.mark.parametrize("study", STUDIES)
-def test_committed_report_is_its_re_render(study, tmp_path, capsys):
+@pytest.mark.parametrize("path,study,flags", REPORTS)
+def test_committed_report_is_its_re_render(path, study, flags, tmp_path, capsys):
+  stem = os.path.basename(path)
   for extension in (".json", ".md"):
-    shutil.copy(os.path.join(RESULTS, study + extension), tmp_path)
+    shutil.copy(os.path.join(RESULTS, path + extension), tmp_path)
   module = importlib.import_module(f"reproduce.{study}")
-  argv = ["--report_only", f"--results={tmp_path}/{study}.json", f"--root={tmp_path}/no_runs"]
+  argv = [*flags, "--report_only", f"--results={tmp_path}/{stem}.json"]
+  argv.append(f"--root={tmp_path}/no_runs")
   assert grid.reproduce(module.REPRODUCTION, argv) == 0, capsys.readouterr().err
-  with open(os.path.join(RESULTS, f"{study}.md")) as f:
+  with open(os.path.join(RESULTS, f"{path}.md")) as f:
     committed = f.read()
-  with open(tmp_path / f"{study}.md") as f:
-    assert f.read() == committed, f"results/{study}.md differs from its re-render"
+  with open(tmp_path / f"{stem}.md") as f:
+    assert f.read() == committed, f"results/{path}.md differs from its re-render"
 
 
 def test_a_report_of_a_removed_script_names_todays_command():

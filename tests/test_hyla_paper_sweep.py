@@ -201,8 +201,22 @@ def test_sweep_report_gives_selected_fixed_and_reference_with_standard_errors():
   selected = next(line for line in report.splitlines() if line.startswith("| hyla | B | 2"))
   # OOD of B: mean 52.00, s.e. = std(50, 54)/√2 = 2.83/1.41 = 2.00; fixed setting A: 41.00 ± 1.00.
   assert "52.00 ± 2.00" in selected and "41.00 ± 1.00" in selected and "69.13 ± 1.90" in selected
-  per_setting = [line for line in report.splitlines() if line.startswith("| hyla | ")][1:]
+  rows = [line for line in report.splitlines() if line.startswith("| hyla | ")]
+  per_setting, per_run = rows[1:4], rows[4:]
   assert len(per_setting) == 3 and per_setting[1].endswith("| ✓ |")
+  # Every run, in (setting, seed) order: C's seeds apart (validation 95 and 30), steps unknown.
+  assert [row.split(" | ")[1:4] for row in per_run] == [
+    [setting, str(seed), f"{100 * validation:.2f}"]
+    for setting, seed, validation in [
+      ("A", 0, 0.50),
+      ("A", 1, 0.52),
+      ("B", 0, 0.80),
+      ("B", 1, 0.82),
+      ("C", 0, 0.95),
+      ("C", 1, 0.30),
+    ]
+  ]
+  assert per_run[5].endswith("| 92.00 | 90.00 | 92.00 | – |")
   assert "A (fixed setting)" in per_setting[0] and not per_setting[2].endswith("✓ |")
   assert "91.00 ± 1.00" in per_setting[2]  # C's OOD is listed, not selected
   assert (

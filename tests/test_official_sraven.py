@@ -1,0 +1,91 @@
+"""The driver of the official sRAVEN code (reproduce/official_sraven.py), on a stand-in checkout.
+
+Their code is not part of this repository; the stand-in has its module layout and a config of
+the same fields, so what is tested is ours: the checkout check, the wandb stand-in, the named
+options on their config, and the JSON-lines logger.
+"""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from reproduce import official_sraven
+
+CONFIG = """
+import ml_collections as mlc
+
+def get_config(name=""):
+    config = mlc.ConfigDict()
+    config.name = name
+    config.seed = 2024
+    config.warmup_steps = 1000
+    config.data = mlc.ConfigDict(dict(num_train=20_000_000, num_test=51200, num_ood=51200))
+    config.model = mlc.ConfigDict(dict(sequence_mixer=name.split(";")[1], dropout_rate=0.0))
+    return config
+"""
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+  """A stand-in checkout; its modules (and a wandb stand-in) are forgotten afterwards."""
+  root = tmp_path / "official"
+  files = {
+    "configs/raven.py": CONFIG,
+    "hyla/experiment.py": "import wandb  # as their hyla.logging does\n",
+    "hyla/loss.py": "",
+    "hyla/data/raven.py": "",
+    "hyla/models/transformer.py": "",
+  }
+  for name, text in files.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(textwrap.dedent(text))
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  before = set(sys.modules)
+  yield root
+  for name in set(sys.modules) - before:
+    del sys.modules[name]
+
+
+def test_their_config_gets_only_the_named_options(checkout):
+  official = official_sraven.import_official(checkout)
+  defaults = official_sraven.official_config(
+    official, official_sraven.parse(["--official=x", "--seed=3", "--out=y"])
+  )
+  assert defaults.seed == 3 and defaults.model.sequence_mixer == "linear_hypatt"
+  # Their config never sets attention dropout: left unset, the dataclass's 0.1 applies.
+  assert "attention_dropout_rate" not in defaults.model and defaults.warmup_steps == 1000
+  assert defaults.data.num_train == 20_000_000 and defaults.data.num_ood == 51200
+  args = official_sraven.parse(
+    "--official=x --model=softmax --attention_dropout=0 --num_train=2560 --num_eval=256 "
+    "--warmup_steps=5 --out=y".split()
+  )
+  smoke = official_sraven.official_config(official, args)
+  assert smoke.model.attention_dropout_rate == 0.0 and smoke.model.sequence_mixer == "transformer"
+  assert (smoke.data.num_train, smoke.data.num_test, smoke.data.num_ood) == (2560, 256, 256)
+  assert smoke.warmup_steps == 5
+
+
+def test_a_folder_that_is_not_their_checkout_ends_in_one_line(tmp_path):
+  with pytest.raises(SystemExit, match="not a checkout of smonsays/hypernetwork-attention"):
+    official_sraven.import_official(tmp_path)
+
+
+def test_an_existing_metrics_file_is_never_appended_to(tmp_path, capsys):
+  out = tmp_path / "run.jsonl"
+  out.write_text('{"step": 0}\n')
+  assert official_sraven.main(["--official", str(tmp_path), "--out", str(out)]) == 2
+  assert "pass a new --out" in capsys.readouterr().err
+  assert out.read_text() == '{"step": 0}\n'
+
+
+def test_the_logger_writes_one_json_object_per_call_and_drops_non_scalars(tmp_path):
+  np = pytest.importorskip("numpy")
+  logger = official_sraven.JsonLinesLogger(tmp_path / "logs" / "run.jsonl")
+  logger.log(1000, {"train_loss": np.float32(0.5), "train_steps_per_sec": 410})
+  logger.log(1000, {"ood_acc": np.asarray(0.25), "callback_latents": np.zeros((2, 3))})
+  rows = [json.loads(line) for line in (tmp_path / "logs" / "run.jsonl").read_text().splitlines()]
+  assert [row["step"] for row in rows] == [1000, 1000]
+  assert rows[0]["train_loss"] == 0.5 and rows[0]["train_steps_per_sec"] == 410.0
+  assert rows[1]["ood_acc"] == 0.25 and "callback_latents" not in rows[1]
