@@ -80,6 +80,17 @@ def import_official(checkout: Path) -> types.SimpleNamespace:
   return types.SimpleNamespace(**{key: importlib.import_module(m) for key, m in names.items()})
 
 
+def checkout_description(checkout: Path) -> str:
+  """`path @ commit` of their checkout (`unknown commit` without git metadata)."""
+  import subprocess
+
+  result = subprocess.run(
+    ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+  )
+  commit = result.stdout.strip() if result.returncode == 0 else "unknown commit"
+  return f"smonsays/hypernetwork-attention @ {commit}"
+
+
 def official_config(official: types.SimpleNamespace, args: argparse.Namespace):
   """`configs/raven.py:raven_3x3_4features;<model>` with the seed and the named options."""
   config = official.configs.get_config(f"raven_3x3_4features;{MODELS[args.model]}")
@@ -95,28 +106,23 @@ def official_config(official: types.SimpleNamespace, args: argparse.Namespace):
   return config
 
 
-def build_experiment(
-  official: types.SimpleNamespace, config, logger: JsonLinesLogger, log_every: int, eval_every: int
-):
-  """What their `run.setup` builds for a raven config (no gradient clipping: theirs is None)."""
-  import functools
+def official_model(official: types.SimpleNamespace, config):
+  """Their `CausalTransformer` of `config.model`, with the raven task's read-out and position
+  range as their `run.setup` sets them."""
+  fields = {
+    **config.model,
+    "relative_position_max_dist": config.data.seq_len,
+    "output_dim": config.data.feature_maxval,
+  }
+  return official.transformer.CausalTransformer(official.transformer.TransformerConfig(**fields))
 
+
+def official_optimizer(config, steps: int):
+  """Their AdamW: warm-up from 0, cosine over `steps − warm-up` to `0.1 × lr`, decay of every
+  parameter with `ndim != 1` (no gradient clipping: their raven config has none)."""
   import jax
   import optax
 
-  data = config.data
-  (train_loader, eval_loaders, _), _ = official.raven.create_raven_datasets(
-    batch_size=config.batch_size, seed=config.seed, **data
-  )
-  model_fields = {
-    **config.model,
-    "relative_position_max_dist": data.seq_len,
-    "output_dim": data.feature_maxval,
-  }
-  model = official.transformer.CausalTransformer(
-    official.transformer.TransformerConfig(**model_fields)
-  )
-  steps = len(train_loader)  # their raven loaders report no num_train: steps = num_train / batch
   schedule = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=config.lr,
@@ -125,13 +131,28 @@ def build_experiment(
     end_value=0.1 * config.lr,
   )
   decay_mask = lambda params: jax.tree_util.tree_map(lambda x: x.ndim != 1, params)  # noqa: E731
-  optimizer = optax.chain(
+  return optax.chain(
     getattr(optax, config.optimizer)(
       learning_rate=schedule,
       weight_decay=config.weight_decay,
       mask=decay_mask if config.mask_weight_decay else None,
     )
   )
+
+
+def build_experiment(
+  official: types.SimpleNamespace, config, logger: JsonLinesLogger, log_every: int, eval_every: int
+):
+  """What their `run.setup` builds for a raven config."""
+  import functools
+
+  data = config.data
+  (train_loader, eval_loaders, _), _ = official.raven.create_raven_datasets(
+    batch_size=config.batch_size, seed=config.seed, **data
+  )
+  model = official_model(official, config)
+  # Their raven loaders report no num_train, so their steps are len(loader) = num_train / batch.
+  optimizer = official_optimizer(config, len(train_loader))
   loss = functools.partial(
     official.loss.SymbolicRavenLoss,
     num_features=data.num_features,

@@ -89,3 +89,91 @@ def test_the_logger_writes_one_json_object_per_call_and_drops_non_scalars(tmp_pa
   assert [row["step"] for row in rows] == [1000, 1000]
   assert rows[0]["train_loss"] == 0.5 and rows[0]["train_steps_per_sec"] == 410.0
   assert rows[1]["ood_acc"] == 0.25 and "callback_latents" not in rows[1]
+
+
+def test_their_parameter_names_map_onto_our_paper_model_leaf_for_leaf():
+  """`to_our_params` of a tree shaped as theirs (every leaf a distinct array) is our sRAVEN
+  `paper` model's parameter tree: same structure, same shapes, each leaf used once."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from primal_dual.configs import sraven as sraven_configs
+  from primal_dual.tasks import sraven as sraven_task
+  from reproduce import official_parity
+
+  def block(layer):
+    heads = {"kernel": (128, 16, 4), "bias": (16, 4)}
+    return {
+      "norm1": {"scale": (128,), "bias": (128,)},
+      "norm2": {"scale": (128,), "bias": (128,)},
+      "relative_embedding": {"rel_embedding": (16, 36)},
+      "sequence_mixer": {
+        "query": heads,
+        "key": heads,
+        "value": heads,
+        "out": {"kernel": (16, 4, 128), "bias": (128,)},
+      },
+      "state_mixer": {
+        "Dense_0": {"kernel": (128, 256), "bias": (256,)},
+        "Dense_1": {"kernel": (256, 128), "bias": (128,)},
+      },
+    }
+
+  shapes = {
+    "embedding": {"kernel": (8, 128), "bias": (128,)},
+    "decoder_norm": {"scale": (128,), "bias": (128,)},
+    "logitdense": {"kernel": (128, 8), "bias": (8,)},
+    **{f"transformer_block_{i}": block(i) for i in range(4)},
+  }
+  counter = iter(range(10**6))
+  theirs = jax.tree.map(
+    lambda shape: np.full(shape, next(counter), np.float32),
+    shapes,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  mapped = official_parity.to_our_params(theirs)
+  model = sraven_task.build_model(
+    sraven_configs.get_config("preset=paper,attention=hyla"), {"num_values": 8}
+  )
+  ours = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 36, 8)))))
+  assert jax.tree.structure(mapped) == jax.tree.structure(ours["params"])
+  assert jax.tree.map(np.shape, mapped) == jax.tree.map(lambda x: x.shape, ours["params"])
+  used = sorted(float(leaf.flat[0]) for leaf in jax.tree.leaves(mapped))
+  assert used == sorted(float(leaf.flat[0]) for leaf in jax.tree.leaves(theirs))
+  assert len(set(used)) == len(used)  # no leaf of theirs used twice, none dropped
+
+
+def test_the_parity_report_is_one_table_whose_rows_keep_their_columns():
+  from reproduce import official_parity
+
+  dropout = {
+    "draws": 10,
+    "median_abs_z_of_means": 0.7,
+    "share_abs_z_above_2.58": 0.01,
+    "median_std_ratio": 1.0,
+    "mean_std": 0.5,
+    "mean_shift_from_no_dropout": 0.2,
+  }
+  figures = {
+    "official": "smonsays/hypernetwork-attention @ abc1234",
+    "environment": "jax x",
+    "forward": {"hyla": {"max_abs_difference": 0.0, "max_abs_logit": 3.0}},
+    "dropout": {"hyla": dropout},
+    "initialisation": {
+      "initialisations": 2,
+      "max_relative_std_difference": 0.01,
+      "constants_equal": True,
+    },
+    "optimizer": {
+      "steps": 3,
+      "max_abs_parameter_difference": 0.0,
+      "max_abs_parameter_change": 0.1,
+      "max_abs_schedule_difference": 0.0,
+    },
+  }
+  rows = [r for r in official_parity.report(figures, "cmd").splitlines() if r.startswith("| ")]
+  # A bare '|' inside a cell would split it: every row has the header's three cells.
+  assert len(rows) == 5 and all(r.replace("\\|", "").count("|") == 4 for r in rows)
+  assert "abc1234" in official_parity.report(figures, "cmd")
