@@ -6,6 +6,7 @@ options on their config, and the JSON-lines logger.
 """
 
 import json
+import os
 import sys
 import textwrap
 
@@ -72,12 +73,15 @@ def test_a_folder_that_is_not_their_checkout_ends_in_one_line(tmp_path):
     official_sraven.import_official(tmp_path)
 
 
-def test_an_existing_metrics_file_is_never_appended_to(tmp_path, capsys):
+def test_an_existing_metrics_file_is_never_appended_to(tmp_path, capsys, monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
   out = tmp_path / "run.jsonl"
   out.write_text('{"step": 0}\n')
   assert official_sraven.main(["--official", str(tmp_path), "--out", str(out)]) == 2
   assert "pass a new --out" in capsys.readouterr().err
   assert out.read_text() == '{"step": 0}\n'
+  # Set before their code imports jax: two runs can share a lease's GPU.
+  assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 
 
 def test_the_logger_writes_one_json_object_per_call_and_drops_non_scalars(tmp_path):
