@@ -82,13 +82,17 @@ def import_official(checkout: Path) -> types.SimpleNamespace:
 
 
 def checkout_description(checkout: Path) -> str:
-  """`path @ commit` of their checkout (`unknown commit` without git metadata)."""
+  """`smonsays/hypernetwork-attention @ <commit>`, or `@ unknown commit` for a checkout without
+  its own `.git` (git would otherwise answer for a repository around it, such as this one)."""
   import subprocess
 
-  result = subprocess.run(
-    ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-  )
-  commit = result.stdout.strip() if result.returncode == 0 else "unknown commit"
+  commit = "unknown commit"
+  if (checkout / ".git").exists():
+    result = subprocess.run(
+      ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    if result.returncode == 0:
+      commit = result.stdout.strip()
   return f"smonsays/hypernetwork-attention @ {commit}"
 
 
@@ -207,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   state = experiment.reset(jax.random.PRNGKey(config.seed))
   parameters = jax.flatten_util.ravel_pytree(state.params["params"])[0].size
   logger.log(0, {"num_params": parameters})
-  print(f"official {args.model} (seed {args.seed}): {parameters:,} parameters", flush=True)
+  source = checkout_description(args.official.resolve())
+  print(f"{source}: {args.model}, seed {args.seed}, {parameters:,} parameters", flush=True)
   experiment.run(state)
   return 0
 

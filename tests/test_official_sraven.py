@@ -68,6 +68,21 @@ def test_their_config_gets_only_the_named_options(checkout):
   assert smoke.warmup_steps == 5
 
 
+def test_a_checkout_without_its_own_git_metadata_has_no_commit_even_inside_a_repository(checkout):
+  # A repository around the stand-in (as this one is around workdirs/official): `git -C` alone
+  # would answer with that repository's commit.
+  import subprocess
+
+  identity = ["-c", "user.name=t", "-c", "user.email=t@t"]
+  subprocess.run(["git", "init", "-q", str(checkout.parent)], check=True)
+  subprocess.run(
+    ["git", *identity, "-C", str(checkout.parent), "commit", "-q", "--allow-empty", "-m", "x"],
+    check=True,
+  )
+  description = official_sraven.checkout_description(checkout)
+  assert description == "smonsays/hypernetwork-attention @ unknown commit"
+
+
 def test_a_folder_that_is_not_their_checkout_ends_in_one_line(tmp_path):
   with pytest.raises(SystemExit, match="not a checkout of smonsays/hypernetwork-attention"):
     official_sraven.import_official(tmp_path)
