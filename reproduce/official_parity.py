@@ -34,7 +34,7 @@ from reproduce import official_sraven
 # Our attention variant → their model name (`official_sraven.MODELS` key).
 VARIANTS = {"hyla": "hyla", "softmax": "softmax", "linear_plain": "linear"}
 NUM_LAYERS = 4
-SEQUENCE = 36  # 8 context panels × 4 features, then 4 query tokens
+NUM_FEATURES = 4  # one query token per feature of the answer panel, after 8 context panels
 NUM_VALUES = 8
 
 
@@ -62,26 +62,39 @@ def to_our_params(theirs: Mapping[str, Any], num_layers: int = NUM_LAYERS) -> di
 
 
 def problems(count: int, seed: int = 0):
-  """Random one-hot context tokens and zero query tokens, float32 `[count, 36, 8]`."""
+  """Random one-hot context tokens and all-zero query tokens, float32 `[count, 36, 8]`."""
   import jax.numpy as jnp
 
-  values = np.random.default_rng(seed).integers(0, NUM_VALUES, (count, SEQUENCE - 4))
-  context = np.eye(NUM_VALUES, dtype=np.float32)[values]
-  return jnp.asarray(np.concatenate([context, np.zeros((count, 4, NUM_VALUES), np.float32)], 1))
+  from primal_dual.data import sraven
+
+  values = np.random.default_rng(seed).integers(0, NUM_VALUES, (count, 8 * NUM_FEATURES))
+  queries = np.full((count, NUM_FEATURES), -1)  # −1: an all-zero token
+  tokens = np.concatenate([values, queries], axis=1)
+  return jnp.asarray(sraven.decode_tokens(tokens, NUM_VALUES))
+
+
+def their_config(official, attention: str = "hyla"):
+  """Their `configs/raven.py` config of the sRAVEN setup for one of our attention variants."""
+  flags = ["--official=-", "--out=-", f"--model={VARIANTS[attention]}"]
+  return official_sraven.official_config(official, official_sraven.parse(flags))
+
+
+def our_config(attention: str = "hyla"):
+  """Our `paper` preset for one attention variant."""
+  from primal_dual.configs import sraven as sraven_configs
+
+  return sraven_configs.get_config(f"preset=paper,attention={attention}")
 
 
 def models(official, attention: str, attention_dropout: float | None = None):
   """(their model, our model) of the sRAVEN paper setup for one attention variant."""
-  from primal_dual.configs import sraven as sraven_configs
   from primal_dual.tasks import sraven as sraven_task
 
-  flags = ["--official=-", "--out=-", f"--model={VARIANTS[attention]}"]
-  config = official_sraven.official_config(official, official_sraven.parse(flags))
+  config = their_config(official, attention)
   if attention_dropout is not None:
     config.model.attention_dropout_rate = attention_dropout
-  ours_config = sraven_configs.get_config(f"preset=paper,attention={attention}")
-  ours = sraven_task.build_model(ours_config, {"num_values": NUM_VALUES})
-  return official_sraven.official_model(official, config), ours, config, ours_config
+  ours = sraven_task.build_model(our_config(attention), {"num_values": NUM_VALUES})
+  return official_sraven.official_model(official, config), ours
 
 
 def their_init(model, inputs, seed: int):
@@ -95,7 +108,7 @@ def forward_check(official, attention: str) -> dict[str, float]:
   """Largest |their logits − ours| at their initial parameters, dropout off."""
   import jax.numpy as jnp
 
-  theirs, ours, _, _ = models(official, attention)
+  theirs, ours = models(official, attention)
   inputs = problems(8)
   params = their_init(theirs, inputs, seed=0)
   their_logits = theirs.apply({"params": params}, inputs, deterministic=True)
@@ -110,23 +123,27 @@ def dropout_check(official, attention: str, draws: int) -> dict[str, float]:
   """The answer logits' mean and std over `draws` dropout masks (rate 0.1), theirs and ours."""
   import jax
 
-  theirs, ours, _, _ = models(official, attention, attention_dropout=0.1)
+  theirs, ours = models(official, attention, attention_dropout=0.1)
   inputs = problems(8)
   params = their_init(theirs, inputs, seed=0)
   our_params = to_our_params(params)
 
   def their_logits(key):
     return theirs.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": key})[
-      :, -4:
+      :, -NUM_FEATURES:
     ]
 
   def our_logits(key):
-    return ours.apply({"params": our_params}, inputs, train=True, rngs={"dropout": key})[:, -4:]
+    return ours.apply({"params": our_params}, inputs, train=True, rngs={"dropout": key})[
+      :, -NUM_FEATURES:
+    ]
 
   keys = jax.random.split(jax.random.PRNGKey(5), draws)
   a = np.asarray(jax.jit(jax.vmap(their_logits))(keys), np.float64)
   b = np.asarray(jax.jit(jax.vmap(our_logits))(keys), np.float64)
-  deterministic = np.asarray(theirs.apply({"params": params}, inputs, deterministic=True)[:, -4:])
+  deterministic = np.asarray(
+    theirs.apply({"params": params}, inputs, deterministic=True)[:, -NUM_FEATURES:]
+  )
   standard_error = np.sqrt((a.var(0) + b.var(0)) / draws)
   z = np.abs(a.mean(0) - b.mean(0)) / standard_error
   return {
@@ -145,7 +162,7 @@ def initialisation_check(official, inits: int) -> dict[str, float]:
   import flax.linen as nn
   import jax
 
-  theirs, ours, _, _ = models(official, "hyla")
+  theirs, ours = models(official, "hyla")
   inputs = problems(1)
   their_trees = [to_our_params(their_init(theirs, inputs, seed)) for seed in range(inits)]
   our_trees = [nn.unbox(ours.init(jax.random.key(seed), inputs))["params"] for seed in range(inits)]
@@ -164,23 +181,19 @@ def initialisation_check(official, inits: int) -> dict[str, float]:
   }
 
 
-def optimizer_check(steps: int) -> dict[str, float]:
-  """Their AdamW and ours from the same parameters under the same random gradients."""
+def optimizer_check(official, steps: int) -> dict[str, float]:
+  """Their AdamW and ours, each built from its own config, from the same parameters under the
+  same random gradients, over our preset's total steps (theirs: num_train / batch, the same)."""
   import jax.numpy as jnp
-  import ml_collections
   import optax
 
-  from primal_dual.configs import sraven as sraven_configs
   from primal_dual.training import optim
 
-  total = 156_250
-  config = sraven_configs.get_config("preset=paper,attention=hyla")
-  theirs_config = ml_collections.ConfigDict(
-    dict(lr=1e-3, warmup_steps=1000, weight_decay=0.1, optimizer="adamw", mask_weight_decay=True)
-  )
+  config, theirs_config = our_config(), their_config(official)
+  total = config.num_train_steps
   theirs = official_sraven.official_optimizer(theirs_config, total)
   ours, our_schedule = optim.make_optimizer(config.optimizer, total)
-  their_schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 1000, total - 1000, 1e-4)
+  their_schedule = official_sraven.official_schedule(theirs_config, total)
   probe = [0, 1, 500, 1000, 50_000, 100_000, 155_000, 155_250, 156_249]
   schedule_difference = max(abs(float(our_schedule(s)) - float(their_schedule(s))) for s in probe)
   rng = np.random.default_rng(0)
@@ -267,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "forward": {attention: forward_check(official, attention) for attention in VARIANTS},
     "dropout": {a: dropout_check(official, a, args.dropout_draws) for a in ("hyla", "softmax")},
     "initialisation": initialisation_check(official, args.inits),
-    "optimizer": optimizer_check(args.optimizer_steps),
+    "optimizer": optimizer_check(official, args.optimizer_steps),
   }
   args.results.parent.mkdir(parents=True, exist_ok=True)
   args.results.write_text(json.dumps(figures, indent=2) + "\n")

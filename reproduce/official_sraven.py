@@ -122,23 +122,31 @@ def official_model(official: types.SimpleNamespace, config):
   return official.transformer.CausalTransformer(official.transformer.TransformerConfig(**fields))
 
 
-def official_optimizer(config, steps: int):
-  """Their AdamW: warm-up from 0, cosine over `steps − warm-up` to `0.1 × lr`, decay of every
-  parameter with `ndim != 1` (no gradient clipping: their raven config has none)."""
-  import jax
+def official_schedule(config, steps: int):
+  """Their learning rate: warm-up from 0, then cosine to `0.1 × lr`. Optax's `decay_steps`
+  counts the warm-up, so their `steps − warm-up` ends the cosine at `steps − warm-up` and holds
+  the end rate for the last `warm-up` steps."""
   import optax
 
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=config.lr,
     warmup_steps=config.warmup_steps,
     decay_steps=steps - config.warmup_steps,
     end_value=0.1 * config.lr,
   )
+
+
+def official_optimizer(config, steps: int):
+  """Their AdamW on `official_schedule`, decaying every parameter with `ndim != 1` (no gradient
+  clipping: their raven config has none)."""
+  import jax
+  import optax
+
   decay_mask = lambda params: jax.tree_util.tree_map(lambda x: x.ndim != 1, params)  # noqa: E731
   return optax.chain(
     getattr(optax, config.optimizer)(
-      learning_rate=schedule,
+      learning_rate=official_schedule(config, steps),
       weight_decay=config.weight_decay,
       mask=decay_mask if config.mask_weight_decay else None,
     )
@@ -201,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.out.exists():
     print(f"error: {args.out} exists; pass a new --out (one file per run)", file=sys.stderr)
     return 2
-  official = import_official(args.official.resolve())
+  checkout = args.official.resolve()
+  official = import_official(checkout)
   config = official_config(official, args)
   logger = JsonLinesLogger(args.out)
   experiment = build_experiment(official, config, logger, args.log_every, args.eval_every)
@@ -211,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   state = experiment.reset(jax.random.PRNGKey(config.seed))
   parameters = jax.flatten_util.ravel_pytree(state.params["params"])[0].size
   logger.log(0, {"num_params": parameters})
-  source = checkout_description(args.official.resolve())
+  source = checkout_description(checkout)
   print(f"{source}: {args.model}, seed {args.seed}, {parameters:,} parameters", flush=True)
   experiment.run(state)
   return 0
