@@ -13,6 +13,7 @@ import tomllib
 import pytest
 
 from primal_dual import commands
+import primal_dual.commands.reproduce  # noqa: F401  (tests below patch its attributes)
 import primal_dual.tasks
 import reproduce
 from primal_dual.training import task_registry
