@@ -8,9 +8,16 @@ studies share). Run one with ``primal-dual reproduce <study>`` or ``python scrip
 
 import pkgutil
 
-# The modules here that are not studies: what the studies share, the lease tool, and the two
-# tools that run and check the HYLA paper's own code.
-SHARED_MODULES = ("grid", "hyla_paper", "lease", "official_parity", "official_sraven")
+# The modules here that are not studies: what the studies share, the lease tool, and the
+# three tools that run, check and report the HYLA paper's own code.
+SHARED_MODULES = (
+  "grid",
+  "hyla_paper",
+  "lease",
+  "official_parity",
+  "official_report",
+  "official_sraven",
+)
 
 
 def study_names() -> list[str]:
