@@ -31,8 +31,6 @@ import numpy as np
 
 from reproduce import official_sraven
 
-# Our attention variant → their model name (`official_sraven.MODELS` key).
-VARIANTS = {"hyla": "hyla", "softmax": "softmax", "linear_plain": "linear"}
 NUM_LAYERS = 4
 NUM_FEATURES = 4  # one query token per feature of the answer panel, after 8 context panels
 NUM_VALUES = 8
@@ -65,7 +63,7 @@ def problems(count: int, seed: int = 0):
   """Random one-hot context tokens and all-zero query tokens, float32 `[count, 36, 8]`."""
   import jax.numpy as jnp
 
-  from primal_dual.data import sraven
+  from primal_dual.tasks import sraven
 
   values = np.random.default_rng(seed).integers(0, NUM_VALUES, (count, 8 * NUM_FEATURES))
   queries = np.full((count, NUM_FEATURES), -1)  # −1: an all-zero token
@@ -75,7 +73,7 @@ def problems(count: int, seed: int = 0):
 
 def their_config(official, attention: str = "hyla"):
   """Their `configs/raven.py` config of the sRAVEN setup for one of our attention variants."""
-  flags = ["--official=-", "--out=-", f"--model={VARIANTS[attention]}"]
+  flags = ["--official=-", "--out=-", f"--model={attention}"]
   return official_sraven.official_config(official, official_sraven.parse(flags))
 
 
@@ -277,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   figures = {
     "official": official_sraven.checkout_description(args.official),
     "environment": f"jax {jax.__version__}, flax {flax.__version__}",
-    "forward": {attention: forward_check(official, attention) for attention in VARIANTS},
+    "forward": {
+      attention: forward_check(official, attention) for attention in official_sraven.MODELS
+    },
     "dropout": {a: dropout_check(official, a, args.dropout_draws) for a in ("hyla", "softmax")},
     "initialisation": initialisation_check(official, args.inits),
     "optimizer": optimizer_check(official, args.optimizer_steps),

@@ -21,15 +21,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reproduce import sraven
+
 # Their default run: num_train 20,000,000 problems / batch 128 (official:configs/raven.py).
 DEFAULT_TOTAL_STEPS = 156_250
-# Table A1 (arXiv 2406.05816 v4), sRAVEN OOD whole-panel %, mean ± s.e. over 3 seeds.
-TABLE_A1 = {"hyla": "69.13 ± 1.90", "softmax": "56.56 ± 1.05", "linear": "56.30 ± 1.11"}
 EVALUATED = ("test_acc", "ood_acc", "test_loss", "ood_loss")
 
 
 def summarize_run(path: Path, total_steps: int) -> dict[str, Any]:
-  """One run's summary from its JSON lines; the file name is `<model>_s<seed>.jsonl`."""
+  """One run's summary from its JSON lines; the file name is `<model>_s<seed>.jsonl` (`model`:
+  our name of the attention variant, `official_sraven.MODELS`)."""
   model, seed = path.stem.rsplit("_s", 1)
   rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
   if not rows:
@@ -91,7 +92,7 @@ def render(summary: dict) -> str:
     lines.append(
       f"| {run['model']} | {run['seed']} | {steps} | {percent(last.get('ood_acc'))} | "
       f"{percent(last.get('test_acc'))} | {last['step']:,} | "
-      f"{run['median_train_steps_per_sec']} | {TABLE_A1.get(run['model'], '–')} |"
+      f"{run['median_train_steps_per_sec']} | {sraven.REFERENCES.get(run['model'], '–')} |"
     )
   lines += [
     "",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 # `run.py`'s model argument of the config name: our variant names → theirs.
-MODELS = {"hyla": "linear_hypatt", "softmax": "transformer", "linear": "linear_transformer"}
+MODELS = {"hyla": "linear_hypatt", "softmax": "transformer", "linear_plain": "linear_transformer"}
 
 
 class JsonLinesLogger:

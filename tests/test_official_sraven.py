@@ -196,3 +196,14 @@ def test_the_parity_report_is_one_table_whose_rows_keep_their_columns():
   # A bare '|' inside a cell would split it: every row has the header's three cells.
   assert len(rows) == 5 and all(r.replace("\\|", "").count("|") == 4 for r in rows)
   assert "abc1234" in official_parity.report(figures, "cmd")
+
+
+def test_the_parity_checks_problems_are_one_hot_context_tokens_and_zero_queries():
+  import numpy as np
+
+  from reproduce import official_parity
+
+  tokens = np.asarray(official_parity.problems(3, seed=1))
+  assert tokens.shape == (3, 36, 8) and tokens.dtype == np.float32
+  np.testing.assert_array_equal(tokens[:, :32].sum(-1), 1.0)
+  np.testing.assert_array_equal(tokens[:, 32:], 0.0)
