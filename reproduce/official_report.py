@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from reproduce import sraven
+from reproduce import hyla_paper, sraven
 
 # Their default run: num_train 20,000,000 problems / batch 128 (official:configs/raven.py).
 DEFAULT_TOTAL_STEPS = 156_250
@@ -32,7 +32,7 @@ def summarize_run(path: Path, total_steps: int) -> dict[str, Any]:
   """One run's summary from its JSON lines; the file name is `<model>_s<seed>.jsonl` (`model`:
   our name of the attention variant, `official_sraven.MODELS`)."""
   model, seed = path.stem.rsplit("_s", 1)
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  rows = hyla_paper.read_jsonl(str(path))
   if not rows:
     raise ValueError(f"{path} holds no metrics")
   evaluations: dict[int, dict[str, float]] = {}
@@ -62,10 +62,6 @@ def summarize(paths: Sequence[Path], total_steps: int, hardware: str, source: st
   return {"source": source, "hardware": hardware, "runs": runs}
 
 
-def percent(value: float | None) -> str:
-  return "–" if value is None else f"{100 * value:.2f}"
-
-
 def render(summary: dict) -> str:
   """The Markdown report of `summarize`'s output."""
   runs = summary["runs"]
@@ -90,8 +86,8 @@ def render(summary: dict) -> str:
     if not run["completed"]:
       steps += " (cut by the lease)"
     lines.append(
-      f"| {run['model']} | {run['seed']} | {steps} | {percent(last.get('ood_acc'))} | "
-      f"{percent(last.get('test_acc'))} | {last['step']:,} | "
+      f"| {run['model']} | {run['seed']} | {steps} | {hyla_paper.format_mean_se([last.get('ood_acc')])} | "
+      f"{hyla_paper.format_mean_se([last.get('test_acc')])} | {last['step']:,} | "
       f"{run['median_train_steps_per_sec']} | {sraven.REFERENCES.get(run['model'], '–')} |"
     )
   lines += [
@@ -103,7 +99,11 @@ def render(summary: dict) -> str:
   ]
   by_run = [{row["step"]: row.get("ood_acc") for row in run["evaluations"]} for run in runs]
   for step in sorted({step for ood in by_run for step in ood}):
-    lines.append(f"| {step:,} | " + " | ".join(percent(ood.get(step)) for ood in by_run) + " |")
+    lines.append(
+      f"| {step:,} | "
+      + " | ".join(hyla_paper.format_mean_se([ood.get(step)]) for ood in by_run)
+      + " |"
+    )
   return "\n".join(lines) + "\n"
 
 
