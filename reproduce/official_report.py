@@ -30,11 +30,17 @@ EVALUATED = ("test_acc", "ood_acc", "test_loss", "ood_loss")
 
 def summarize_run(path: Path, total_steps: int) -> dict[str, Any]:
   """One run's summary from its JSON lines; the file name is `<model>_s<seed>.jsonl` (`model`:
-  our name of the attention variant, `official_sraven.MODELS`)."""
-  model, seed = path.stem.rsplit("_s", 1)
+  our name of the attention variant, `official_sraven.MODELS`).
+
+  Raises:
+    ValueError: a file named otherwise, or holding no metrics.
+  """
+  model, separator, seed = path.stem.rpartition("_s")
+  if not separator or not seed.isdigit():
+    raise ValueError(f"{path.name}: name each run's file <model>_s<seed>.jsonl, e.g. hyla_s0.jsonl")
   rows = hyla_paper.read_jsonl(str(path))
   if not rows:
-    raise ValueError(f"{path} holds no metrics")
+    raise ValueError(f"{path} holds no metrics: pass the --out file of a run that has started")
   evaluations: dict[int, dict[str, float]] = {}
   for row in rows:
     for name in EVALUATED:
@@ -126,12 +132,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse(argv)
   summary_path, report_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
   if args.render_only:
+    if not summary_path.exists():
+      print(
+        f"error: no {summary_path} to re-render: run once without --render_only", file=sys.stderr
+      )
+      return 2
     summary = json.loads(summary_path.read_text())
   elif not args.runs or not args.hardware:
     print("error: pass the runs' .jsonl files and --hardware (or --render_only)", file=sys.stderr)
     return 2
   else:
-    summary = summarize(args.runs, args.total_steps, args.hardware, args.source)
+    try:
+      summary = summarize(args.runs, args.total_steps, args.hardware, args.source)
+    except ValueError as error:
+      print(f"error: {error}", file=sys.stderr)
+      return 2
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
   report_path.write_text(render(summary))
   print(f"wrote {report_path}")

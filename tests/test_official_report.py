@@ -50,3 +50,26 @@ def test_without_runs_or_hardware_it_says_what_to_pass(tmp_path, capsys):
     "error: pass the runs' .jsonl files and --hardware (or --render_only)"
   )
   assert not os.listdir(tmp_path)
+
+
+def test_a_misnamed_or_empty_run_file_ends_in_one_line_and_writes_nothing(tmp_path, capsys):
+  runs = tmp_path / "runs"
+  runs.mkdir()
+  misnamed = write_run(runs / "hyla_seed0.jsonl", 4, {4: 0.5})
+  empty = runs / "hyla_s2.jsonl"
+  empty.write_text("")
+  for run, message in (
+    (misnamed, "hyla_seed0.jsonl: name each run's file <model>_s<seed>.jsonl, e.g. hyla_s0.jsonl"),
+    (empty, f"{empty} holds no metrics: pass the --out file of a run that has started"),
+  ):
+    assert official_report.main([f"--out={tmp_path}/report", "--hardware=cpu", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+  assert sorted(os.listdir(tmp_path)) == ["runs"]
+
+
+def test_render_only_without_its_summary_says_to_summarize_first(tmp_path, capsys):
+  assert official_report.main([f"--out={tmp_path}/report", "--render_only"]) == 2
+  assert capsys.readouterr().err.strip() == (
+    f"error: no {tmp_path}/report.json to re-render: run once without --render_only"
+  )
+  assert not os.listdir(tmp_path)
