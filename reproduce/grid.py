@@ -2,8 +2,9 @@
 
 Each run has its own workdir under a root folder. A run whose workdir holds ``final_metrics.json``
 is finished and is not trained again; an unfinished one resumes from its last checkpoint (the
-trainer does that). After every run the collected records are written to a JSON file, so a grid
-killed half-way loses at most the run in progress.
+trainer does that). As each run ends the records of the finished runs are written to a JSON file,
+so a grid killed half-way loses at most the runs in progress; ``--finished_only`` reports the
+finished runs of a grid cut short, training nothing.
 
 Each study module ``reproduce/<task>.py`` declares its paper grid as a ``Reproduction`` (which
 runs, what each record holds, how the report reads); ``reproduce`` runs it with the flags every
@@ -332,9 +333,14 @@ def train_in_subprocess(run: GridRun, workdir: str) -> None:
 
 
 def _train_unfinished_in_parallel(
-  runs: Sequence[GridRun], root: str, jobs: int, log: Callable[[str], None]
+  runs: Sequence[GridRun],
+  root: str,
+  jobs: int,
+  log: Callable[[str], None],
+  on_finished: Callable[[GridRun], None],
 ) -> None:
-  """Trains every unfinished run, ``jobs`` subprocesses at a time (finished runs are skipped)."""
+  """Trains every unfinished run, ``jobs`` subprocesses at a time (finished runs are skipped);
+  ``on_finished(run)`` as each one ends."""
   todo = [run for run in runs if not run.is_finished(root)]
   if not todo:
     return
@@ -343,9 +349,48 @@ def _train_unfinished_in_parallel(
     futures = {
       pool.submit(train_in_subprocess, run, os.path.join(root, run.name)): run for run in todo
     }
+    failures = []
     for future in concurrent.futures.as_completed(futures):
-      future.result()  # Re-raises a failed run's error (the others still finish first).
+      if future.exception() is not None:
+        failures.append(future.exception())
+        continue
       log(f"  {futures[future].name}: done")
+      on_finished(futures[future])
+  if failures:  # the first failed run's error, once the others have finished and been recorded
+    raise failures[0]
+
+
+def run_records(
+  run: GridRun,
+  root: str,
+  record_fn: Callable[[GridRun, Mapping[str, Any], str], Mapping[str, Any]] | None = None,
+  validate_record: Callable[[Mapping[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+  """The records of a finished run, one per replica (see ``run_grid``)."""
+  info_path = os.path.join(root, run.name, RUN_INFO)
+  # Replicas trained together share one wall time (that of the whole program).
+  info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
+  records = []
+  for replica_tags, workdir in run.workdirs(root):
+    metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
+    record = {
+      "name": os.path.relpath(workdir, root),
+      "config_file": run.config_file,
+      "config_arg": run.config_arg,
+      **dict(run.tags),
+      **replica_tags,
+      "wall_time_s": info["wall_time_s"],
+      "hardware": info.get("hardware"),
+      "metrics": metrics,
+    }
+    if run.overrides:
+      record["overrides"] = dict(run.overrides)
+    if record_fn is not None:
+      record.update(record_fn(run, metrics, workdir))
+    if validate_record is not None:
+      validate_record(record)
+    records.append(record)
+  return records
 
 
 def run_grid(
@@ -357,8 +402,13 @@ def run_grid(
   log: Callable[[str], None] = print,
   jobs: int = 1,
   validate_record: Callable[[Mapping[str, Any]], None] | None = None,
+  finished_only: bool = False,
 ) -> list[dict[str, Any]]:
   """Runs every unfinished job, then writes one record per run to ``results_json``.
+
+  The records of the runs finished so far are written each time a run ends (one after another,
+  or with ``jobs > 1`` as each parallel run ends), so a grid cut short keeps every finished
+  run's record.
 
   Args:
     runs: the grid; names must be unique.
@@ -371,11 +421,16 @@ def run_grid(
       accelerator, that one small run leaves mostly idle); 1 trains them one after another in
       this process.
     validate_record: raises on a malformed record, before it is written.
+    finished_only: train nothing; the records of the runs already finished under ``root`` (a
+      grid cut short, e.g. at the end of a lease).
 
   Returns:
-    The records: ``{name, config_file, config_arg, **tags, wall_time_s, hardware, metrics,
-    **extra}``; ``hardware`` is ``hardware_info()`` of the process that trained the run (None for
-    runs trained before it was recorded).
+    The records, in the order of ``runs``: ``{name, config_file, config_arg, **tags,
+    wall_time_s, hardware, metrics, **extra}``; ``hardware`` is ``hardware_info()`` of the
+    process that trained the run (None for runs trained before it was recorded).
+
+  Raises:
+    errors.UserError: ``jobs < 1``; with ``finished_only``, no finished run.
   """
   names = [run.name for run in runs]
   if len(set(names)) != len(names):
@@ -385,43 +440,38 @@ def run_grid(
     )
   if jobs < 1:
     raise errors.UserError(f"--jobs={jobs}: give at least 1 (runs trained at once)")
-  if jobs > 1:
-    _train_unfinished_in_parallel(runs, root, jobs, log)
-  records = []
+  if finished_only and not any(run.is_finished(root) for run in runs):
+    raise errors.UserError(
+      f"no run of the grid has finished under {root}: pass the --root its runs trained in, or "
+      "train them (without --finished_only)"
+    )
+  records_by_run: dict[str, list[dict[str, Any]]] = {}
+
+  def in_grid_order() -> list[dict[str, Any]]:
+    return [record for run in runs for record in records_by_run.get(run.name, [])]
+
+  def add_records(run: GridRun) -> None:
+    records_by_run[run.name] = run_records(run, root, record_fn, validate_record)
+    _write_json(results_json, in_grid_order())
+
+  if jobs > 1 and not finished_only:
+    _train_unfinished_in_parallel(runs, root, jobs, log, add_records)
   for index, run in enumerate(runs):
-    group_workdir = os.path.join(root, run.name)
+    if run.name in records_by_run:  # trained just now, in parallel
+      continue
     if run.is_finished(root):
       log(f"[{index + 1}/{len(runs)}] {run.name}: finished earlier, reusing")
+    elif finished_only:
+      log(f"[{index + 1}/{len(runs)}] {run.name}: not finished, left out")
+      continue
     else:
       log(f"[{index + 1}/{len(runs)}] {run.name}: training")
       try:
-        train_one(run, group_workdir)
+        train_one(run, os.path.join(root, run.name))
       except errors.UserError as e:
         raise errors.UserError(f"grid run {run.name}: {e}") from e
-    info_path = os.path.join(group_workdir, RUN_INFO)
-    # Replicas trained together share one wall time (that of the whole program).
-    info = _read_json(info_path) if os.path.exists(info_path) else {"wall_time_s": float("nan")}
-    for replica_tags, workdir in run.workdirs(root):
-      metrics = _read_json(os.path.join(workdir, FINAL_METRICS))
-      record = {
-        "name": os.path.relpath(workdir, root),
-        "config_file": run.config_file,
-        "config_arg": run.config_arg,
-        **dict(run.tags),
-        **replica_tags,
-        "wall_time_s": info["wall_time_s"],
-        "hardware": info.get("hardware"),
-        "metrics": metrics,
-      }
-      if run.overrides:
-        record["overrides"] = dict(run.overrides)
-      if record_fn is not None:
-        record.update(record_fn(run, metrics, workdir))
-      if validate_record is not None:
-        validate_record(record)
-      records.append(record)
-    _write_json(results_json, records)
-  return records
+    add_records(run)
+  return in_grid_order()
 
 
 def comma_list(cast: Callable[[str], Any] = str) -> Callable[[str], tuple]:
@@ -781,6 +831,11 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
     action="store_true",
     help="re-render the report from every record of --results; train nothing",
   ),
+  "--finished_only": dict(
+    action="store_true",
+    help="report the runs finished under --root (a grid cut short, e.g. at the end of a lease); "
+    "train nothing; the report lists the runs left out",
+  ),
 }
 
 
@@ -825,6 +880,27 @@ def parse_arguments(reproduction: Reproduction, argv: Sequence[str] | None) -> a
     args.root if args.quick else "results", f"{stem}.json"
   )
   return args
+
+
+def runs_without_records(
+  runs: Sequence[GridRun], records: Sequence[Mapping[str, Any]]
+) -> list[str]:
+  """The names of the runs of ``runs`` none of ``records`` comes from (a record is named after its
+  run, ``<run>`` or ``<run>/<replica>``)."""
+  covered = {str(record["name"]).split("/")[0] for record in records}
+  return [run.name for run in runs if run.name not in covered]
+
+
+def left_out_section(left_out: Sequence[str], total: int) -> str:
+  """The end of a ``--finished_only`` report: the grid's runs it does not cover (``total``: the
+  grid's number of runs)."""
+  if not left_out:
+    return ""
+  names = "\n".join(f"- `{name}`" for name in left_out)
+  return (
+    f"\n## Runs of the grid not in this report\n\n{len(left_out)} of the grid's {total} runs "
+    f"had not finished (`--finished_only`):\n\n{names}\n"
+  )
 
 
 def _print_dry_run(runs: Sequence[GridRun], root: str) -> None:
@@ -880,6 +956,10 @@ def _reproduce(reproduction: Reproduction, args: argparse.Namespace, argv) -> in
   if args.dry_run:
     _print_dry_run(runs, args.root)
     return 0
+  if args.report_only and args.finished_only:
+    raise errors.UserError(
+      "--report_only reads --results, --finished_only reads the runs under --root: pass one"
+    )
   if not args.report_only:
     check_run_configs(runs)
   # --report_only re-renders every record of the results JSON, whatever workdirs exist here.
@@ -891,6 +971,7 @@ def _reproduce(reproduction: Reproduction, args: argparse.Namespace, argv) -> in
     record_fn=functools.partial(reproduction.record_fn, args=args),
     jobs=args.jobs,
     validate_record=reproduction.validate_record,
+    finished_only=args.finished_only,
   )
   if reproduction.validate_record is not None:
     for record in records:
@@ -902,7 +983,10 @@ def _reproduce(reproduction: Reproduction, args: argparse.Namespace, argv) -> in
     markdown_path,
     report_only=args.report_only,
   )
-  atomic.write_text(markdown_path, reproduction.markdown_report(records, command))
+  report = reproduction.markdown_report(records, command)
+  if "--finished_only" in command.split():  # also when --report_only re-renders such a report
+    report += left_out_section(runs_without_records(runs, records), len(runs))
+  atomic.write_text(markdown_path, report)
   written = [args.results, markdown_path]
   if reproduction.write_figures is not None:
     written += reproduction.write_figures(records, args)

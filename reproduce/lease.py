@@ -16,8 +16,9 @@ needs) into `$OUT`::
 `collect` writes `NAME_metrics.tar.gz` (every run's metrics.jsonl, final_metrics.json, config.json,
 experiment.json and grid_run.json under ROOT, the FILEs, e.g. the grid's results JSON, and the
 job's log) and, unless the job ended with status 0, `NAME_state.tar.NN` parts (ROOT without
-TensorBoard files and without checkpoints older than each folder's newest): carried back to the
-device, `restore` unpacks them and the same command resumes from the checkpoints. The job's files
+TensorBoard files, checkpoints being written, checkpoints older than each folder's newest, and the
+checkpoints of finished runs): carried back to the device, `restore` unpacks them and the same
+command resumes from the checkpoints. The job's files
 (`NAME.log`, `NAME.pid`, `NAME.rc` with its exit status once it ends) are in `--jobs_dir`
 (default `workdirs/lease`). `progress` reads the runs under ROOT (unpacked metrics, finished or
 cut short by the end of a lease) and writes `STEM.json` and `STEM.md`: per run its point, the steps
@@ -43,7 +44,10 @@ from typing import Sequence
 JOBS_DIR = os.path.join("workdirs", "lease")
 # The device tool's limits on what comes back: files, and the size of each.
 MAX_FILES = 8
+MAX_TOTAL_BYTES = 64 * 2**20
 PART_BYTES = 15 * 2**20
+# Orbax writes a checkpoint under a temporary name and renames it when complete.
+ORBAX_TMP = "orbax-checkpoint-tmp"
 # Files of a workdir the metrics archive takes (the trainer's and the grid's records of a run).
 RUN_FILES = (
   "metrics.jsonl",
@@ -147,14 +151,21 @@ def _files_under(root: str, keep) -> list[str]:
   return found
 
 
-def _is_stale_or_tensorboard(path: str) -> bool:
-  """A TensorBoard file, or a file of a checkpoint older than its folder's newest (``.../
-  checkpoints/<step>/...``): what resuming does not need."""
+def _resume_skips(path: str) -> bool:
+  """Whether resuming does without ``path``: a TensorBoard file, a checkpoint being written
+  (orbax's ``*.orbax-checkpoint-tmp*`` folders, which vanish as it completes), a checkpoint older
+  than its folder's newest (``.../checkpoints/<step>/...``), or any checkpoint of a finished run
+  (a workdir with ``final_metrics.json``: its record and analyses were made when it ended)."""
   parts = path.split(os.sep)
-  if "tensorboard" in parts:
+  if "tensorboard" in parts or any(ORBAX_TMP in part for part in parts):
     return True
-  for index, part in enumerate(parts[:-2]):
-    if part == "checkpoints" and parts[index + 1].isdigit():
+  for index, part in enumerate(parts[:-1]):
+    if not part.startswith("checkpoints"):
+      continue
+    workdir = os.sep.join(parts[:index])
+    if os.path.exists(os.path.join(workdir, "final_metrics.json")):
+      return True
+    if part == "checkpoints" and parts[index + 1].isdigit() and index + 2 < len(parts):
       folder = os.sep.join(parts[: index + 1])
       steps = [int(s) for s in os.listdir(folder) if s.isdigit()]
       return int(parts[index + 1]) != max(steps)
@@ -167,17 +178,29 @@ def metrics_files(root: str) -> list[str]:
 
 
 def state_files(root: str) -> list[str]:
-  """What resuming the runs under ``root`` needs: everything but TensorBoard files and
-  checkpoints older than each folder's newest."""
-  return _files_under(root, lambda path: not _is_stale_or_tensorboard(path))
+  """What resuming the runs under ``root`` needs (everything ``_resume_skips`` keeps)."""
+  return _files_under(root, lambda path: not _resume_skips(path))
 
 
 def _tar_bytes(paths: Sequence[str], mode: str) -> bytes:
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode=mode) as archive:
     for path in paths:
-      archive.add(path)
+      try:
+        archive.add(path)
+      except FileNotFoundError:  # removed since it was listed (a job still writing): not needed
+        continue
   return buffer.getvalue()
+
+
+def _sizes_elsewhere(out: str, name: str) -> tuple[int, int]:
+  """(files, bytes) already in ``out`` besides this job's own archives, which collect rewrites."""
+  others = [
+    os.path.join(out, f)
+    for f in os.listdir(out)
+    if not (f == f"{name}_metrics.tar.gz" or f.startswith(f"{name}_state.tar."))
+  ]
+  return len(others), sum(os.path.getsize(p) for p in others if os.path.isfile(p))
 
 
 def collect(
@@ -189,12 +212,18 @@ def collect(
   part_bytes: int = PART_BYTES,
 ) -> list[str]:
   """Writes the job's metrics archive, and the state parts unless it ended with status 0, into
-  ``out``; returns their paths.
+  ``out``; returns their paths. A second collect of the job in the same ``out`` replaces its
+  first one's files; other files there count against what the device tool brings back.
 
   Raises:
-    LeaseError: more files than the device tool brings back (``MAX_FILES``).
+    LeaseError: more files or bytes than the device tool brings back (``MAX_FILES``,
+      ``MAX_TOTAL_BYTES``, with the files already in ``out``); the metrics archive is written
+      before the state is refused.
   """
   os.makedirs(out, exist_ok=True)
+  for stale in glob.glob(os.path.join(glob.escape(out), f"{name}_state.tar.*")):
+    os.remove(stale)
+  files_elsewhere, bytes_elsewhere = _sizes_elsewhere(out, name)
   log = job_paths(jobs_dir, name)["log"]
   given = [path for path in [*extra, log] if os.path.exists(path)]
   written = [os.path.join(out, f"{name}_metrics.tar.gz")]
@@ -203,10 +232,14 @@ def collect(
   if status(jobs_dir, name) != "done 0":
     state = _tar_bytes(state_files(root), "w")
     parts = [state[i : i + part_bytes] for i in range(0, len(state), part_bytes)]
-    if 1 + len(parts) > MAX_FILES:
+    files = files_elsewhere + 1 + len(parts)
+    total = bytes_elsewhere + os.path.getsize(written[0]) + len(state)
+    if files > MAX_FILES or total > MAX_TOTAL_BYTES:
       raise LeaseError(
-        f"the state of {root} is {len(state):,} bytes: more than the {MAX_FILES - 1} parts "
-        f"of {part_bytes:,} bytes $OUT can bring back"
+        f"the state of {root} is {len(state):,} bytes in {len(parts)} parts: with the "
+        f"{files - len(parts)} files ({total - len(state):,} bytes) in {out} that is {files} "
+        f"files and {total:,} bytes, more than the {MAX_FILES} files and {MAX_TOTAL_BYTES:,} "
+        "bytes $OUT brings back; collect it in a call of its own"
       )
     for index, part in enumerate(parts):
       written.append(os.path.join(out, f"{name}_state.tar.{index:02d}"))

@@ -382,6 +382,14 @@ COMMAND_CASES = {
     lambda t: ["scripts/reproduce.py", "listops", "--report_only", f"--results={t}/none.json"],
     r"none\.json does not exist: run the grid first",
   ),
+  "grid report of finished runs where none has finished": (
+    lambda t: ["scripts/reproduce.py", "listops", "--quick", "--finished_only", f"--root={t}"],
+    r"no run of the grid has finished under .*: pass the --root its runs trained in",
+  ),
+  "grid report from both the JSON and the runs": (
+    lambda t: ["scripts/reproduce.py", "listops", "--report_only", "--finished_only"],
+    r"--report_only reads --results, --finished_only reads the runs under --root: pass one",
+  ),
   "latent_code analysis of a UEA workdir": (
     lambda t: ["eval.py", f"--workdir={_trained_uea_workdir(t)}", "--analyses=latent_code"],
     r"the latent_code analysis reads sRAVEN rules; the workdir's task is 'uea': leave latent_code "

@@ -16,6 +16,7 @@ STUDIES = ("uea", "listops", "images", "sraven", "logic")
 # Reports of the paper presets (results/paper/<stem>): stem → (study, the flags they were
 # rendered with).
 PAPER_REPORTS = {
+  "logic": ("logic", ["--scale=paper", "--steps_per_call=125"]),
   "sraven_points": (
     "sraven",
     [

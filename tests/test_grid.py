@@ -204,3 +204,60 @@ def test_hyla_grids_group_seeds_into_replica_runs():
   assert all(r.overrides == device for r in runs[3:])
   plain = sraven_task.build_runs("sraven", "sraven", "paper", False, -1)
   assert len(plain) == 3 * 3 + len(ablations) and not any(r.overrides for r in plain)
+
+
+def _finish(workdir, value):
+  """A workdir as a finished run leaves it (final metrics and the grid's run record)."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, grid.FINAL_METRICS), "w") as f:
+    json.dump({"value": value}, f)
+  with open(os.path.join(workdir, grid.RUN_INFO), "w") as f:
+    json.dump({"wall_time_s": 1.0, "hardware": CPU}, f)
+
+
+def test_a_parallel_grid_cut_short_keeps_the_records_of_its_finished_runs(tmp_path, monkeypatch):
+  """With --jobs > 1 each run's record is written as it ends: a failing run leaves the results
+  JSON holding the runs that finished (before, nothing was written until every run ended)."""
+
+  def fake_train(run, workdir):
+    if run.name == "broken":
+      raise RuntimeError("grid run broken failed")
+    _finish(workdir, len(run.name))
+
+  monkeypatch.setattr(grid, "train_in_subprocess", fake_train)
+  runs = [grid.GridRun(name=n, config_file="x", config_arg="") for n in ("a", "broken", "ccc")]
+  results = tmp_path / "r.json"
+  with pytest.raises(RuntimeError, match="broken failed"):
+    grid.run_grid(runs, str(tmp_path / "runs"), str(results), jobs=3, log=lambda _: None)
+  records = json.loads(results.read_text())
+  assert sorted((r["name"], r["metrics"]["value"]) for r in records) == [("a", 1), ("ccc", 3)]
+
+
+def test_finished_only_reports_the_finished_runs_and_trains_nothing(tmp_path):
+  root = tmp_path / "runs"
+  _finish(root / "b", 7)
+  never_trained = "no/such/config.py"  # training any run would fail on it
+  runs = [grid.GridRun(name=n, config_file=never_trained, config_arg="") for n in ("a", "b", "c")]
+  log = []
+  records = grid.run_grid(
+    runs, str(root), str(tmp_path / "r.json"), finished_only=True, log=log.append
+  )
+  assert [(r["name"], r["metrics"]) for r in records] == [("b", {"value": 7})]
+  assert json.loads((tmp_path / "r.json").read_text()) == records
+  assert log == [
+    "[1/3] a: not finished, left out",
+    "[2/3] b: finished earlier, reusing",
+    "[3/3] c: not finished, left out",
+  ]
+  assert grid.runs_without_records(runs, records) == ["a", "c"]
+  section = grid.left_out_section(["a", "c"], 3)
+  assert "2 of the grid's 3 runs" in section and "- `a`\n- `c`" in section
+  assert grid.left_out_section([], 3) == ""
+  with pytest.raises(errors.UserError, match="no run of the grid has finished under"):
+    grid.run_grid(runs[:1], str(root), str(tmp_path / "r2.json"), finished_only=True)
+
+
+def test_runs_without_records_reads_replica_records_as_their_run():
+  runs = [grid.GridRun(name=n, config_file="x", config_arg="") for n in ("p_s0", "p_s1")]
+  records = [{"name": "p_s0/lr=0.001,wd=0.1"}, {"name": "p_s0/lr=0.0003,wd=0.1"}]
+  assert grid.runs_without_records(runs, records) == ["p_s1"]

@@ -80,7 +80,7 @@ def test_collect_packs_metrics_and_the_newest_state_in_parts_that_restore(tmp_pa
   again = tmp_path / "again" / "runs/grid_run/lr=0.2/checkpoints/8/state"
   assert again.read_bytes() == (tmp_path / "runs/grid_run/lr=0.2/checkpoints/8/state").read_bytes()
   # More parts than the device tool brings back: refused in one line.
-  with pytest.raises(lease.LeaseError, match="more than the 7 parts"):
+  with pytest.raises(lease.LeaseError, match="more than the 8 files"):
     lease.collect(jobs, "probe", "runs", [], out, part_bytes=500)
 
 
@@ -170,3 +170,46 @@ def test_progress_reports_curves_and_the_best_on_validation_of_runs_cut_short(tm
   assert "| 12,500 | 0.5100 | 0.5000 | 0.6000 |" in markdown
   with pytest.raises(lease.LeaseError, match="no run"):
     lease.write_progress(str(tmp_path / "empty"), str(tmp_path / "q"), 12_500, "")
+
+
+def test_state_leaves_out_checkpoints_being_written_and_those_of_finished_runs(
+  tmp_path, monkeypatch
+):
+  """A checkpoint orbax is still writing (it vanished under collect in lease 4) and the
+  checkpoints of a finished run (its record is made when it ends) are not resume state."""
+  monkeypatch.chdir(tmp_path)
+  _fake_runs(tmp_path / "runs")
+  writing = tmp_path / "runs/grid_run/lr=0.1/checkpoints/12.orbax-checkpoint-tmp/state"
+  writing.parent.mkdir()
+  writing.write_bytes(b"partial")
+  (tmp_path / "runs/grid_run/lr=0.2/final_metrics.json").write_text("{}")
+  kept = lease.state_files("runs")
+  assert "runs/grid_run/lr=0.1/checkpoints/8/state" in kept
+  assert "runs/grid_run/lr=0.1/checkpoints_selected/4/state" in kept
+  assert not [p for p in kept if "orbax-checkpoint-tmp" in p]
+  finished = sorted(p for p in kept if "lr=0.2" in p)
+  assert finished == [
+    "runs/grid_run/lr=0.2/config.json",
+    "runs/grid_run/lr=0.2/final_metrics.json",
+    "runs/grid_run/lr=0.2/metrics.jsonl",
+  ]
+
+
+def test_collect_replaces_its_own_parts_and_counts_the_other_files_in_out(tmp_path, monkeypatch):
+  """Lease 4 collected two jobs into one $OUT: 71 MB, over the 64 MiB the device tool brings
+  back, which dropped a part silently. collect now counts what is already there."""
+  monkeypatch.chdir(tmp_path)
+  _fake_runs(tmp_path / "runs")
+  jobs, out = "jobs", tmp_path / "out"
+  os.makedirs(jobs)
+  first = lease.collect(jobs, "probe", "runs", [], str(out), part_bytes=6000)
+  again = lease.collect(jobs, "probe", "runs", [], str(out), part_bytes=8192)
+  assert len(again) < len(first)
+  assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in again)
+  assert lease.restore("probe", str(out), str(tmp_path / "back"))  # no stale part in between
+  (out / "other_job_state.tar.00").write_bytes(b"x" * 1000)
+  monkeypatch.setattr(lease, "MAX_TOTAL_BYTES", 1000 + 6000)
+  with pytest.raises(lease.LeaseError, match=r"more than the 8 files and 7,000 bytes"):
+    lease.collect(jobs, "probe", "runs", [], str(out), part_bytes=8192)
+  assert (out / "probe_metrics.tar.gz").exists()  # the metrics still come back
+  assert not list(out.glob("probe_state.tar.*"))

@@ -4,8 +4,8 @@
 The grids live beside the package, in the repository's `reproduce/` folder (one module per study,
 `REPRODUCTION`; its `--help` gives the commands and what they cost), so this command runs from a
 clone: `pip install -e ".[train]"` in it, or run it from the clone's root. Every grid takes
-`--root`, `--results`, `--jobs`, `--quick`, `--dry_run` and `--report_only`, plus its study's own
-flags; it trains every unfinished run under `--root` and writes its results (JSON, Markdown,
+`--root`, `--results`, `--jobs`, `--quick`, `--dry_run`, `--report_only` and `--finished_only`,
+plus its study's own flags; it trains every unfinished run under `--root` and writes its results (JSON, Markdown,
 figures) relative to the current folder.
 """
 
