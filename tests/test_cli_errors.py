@@ -518,3 +518,33 @@ def test_eval_of_a_read_only_workdir_prints_its_metrics_and_one_error_line(tmp_p
     "saved (make the folder writable, or copy the workdir somewhere writable, and re-run)"
   ], result.stderr
   assert re.search(r"^test\s+\d\.\d+\s+\d\.\d+$", result.stdout, re.M), result.stdout
+
+
+SAVE_WAIT_WARNING = """
+from absl import app, logging
+from primal_dual.commands import cli
+
+def main(argv):
+  cli.start_main(argv)
+  logging.warning("Waiting for previous save to complete took %f seconds. If this number is "
+                  "high, consider checkpointing less frequently.", 1.55)
+  logging.warning("another warning")
+
+app.run(main)
+"""
+
+
+@pytest.mark.parametrize("verbosity", [[], ["--verbosity=0"]])
+def test_orbax_save_wait_warnings_are_hidden_unless_verbosity_is_given(verbosity):
+  """Orbax warns when a save waits for the previous one; on a loaded machine the line came out
+  beside a stopped run's one-line error (test_a_running_job_refuses_a_second_one_...)."""
+  shown = subprocess.run(
+    [sys.executable, "-c", SAVE_WAIT_WARNING, *verbosity],
+    capture_output=True,
+    text=True,
+    cwd=REPO_ROOT,
+    timeout=120,
+  )
+  assert shown.returncode == 0, shown.stderr
+  assert "another warning" in shown.stderr
+  assert ("Waiting for previous save" in shown.stderr) == bool(verbosity), shown.stderr

@@ -49,10 +49,17 @@ def show_in_help(module_name: str) -> None:
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
+def not_a_save_wait_warning(record) -> bool:
+  """A `logging` filter: False for Orbax's warning that a save waited for the previous one (the
+  progress bar's steps/s already shows the pace; on a loaded machine the warning also came out
+  beside a stopped run's one-line error)."""
+  return not record.getMessage().startswith("Waiting for previous save to complete")
+
+
 def start_main(argv: list[str]) -> None:
   """The common start of the commands' `main`: no stray positional arguments, and Orbax's
-  per-save INFO logs hidden unless `--verbosity` was given, and libraries' logs of a full disk
-  hidden (the command reports it in one line)."""
+  per-save INFO logs and its save-wait warnings hidden unless `--verbosity` was given, and
+  libraries' logs of a full disk hidden (the command reports it in one line)."""
   if len(argv) > 1:
     fail(
       f"unexpected arguments: {' '.join(argv[1:])}; give every flag as --name=value "
@@ -60,6 +67,9 @@ def start_main(argv: list[str]) -> None:
     )
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+    handler = logging.get_absl_handler()
+    if not_a_save_wait_warning not in handler.filters:
+      handler.addFilter(not_a_save_wait_warning)
   errors.hide_disk_full_logs()
 
 
