@@ -351,8 +351,8 @@ def _train_unfinished_in_parallel(
     }
     failures = []
     for future in concurrent.futures.as_completed(futures):
-      if future.exception() is not None:
-        failures.append(future.exception())
+      if (error := future.exception()) is not None:
+        failures.append(error)
         continue
       log(f"  {futures[future].name}: done")
       on_finished(futures[future])

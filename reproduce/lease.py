@@ -48,10 +48,12 @@ MAX_TOTAL_BYTES = 64 * 2**20
 PART_BYTES = 15 * 2**20
 # Orbax writes a checkpoint under a temporary name and renames it when complete.
 ORBAX_TMP = "orbax-checkpoint-tmp"
+# A finished run's final record (grid.FINAL_METRICS; not imported: the job commands need no numpy).
+FINAL_METRICS = "final_metrics.json"
 # Files of a workdir the metrics archive takes (the trainer's and the grid's records of a run).
 RUN_FILES = (
   "metrics.jsonl",
-  "final_metrics.json",
+  FINAL_METRICS,
   "config.json",
   "experiment.json",
   "grid_run.json",
@@ -163,7 +165,7 @@ def _resume_skips(path: str) -> bool:
     if not part.startswith("checkpoints"):
       continue
     workdir = os.sep.join(parts[:index])
-    if os.path.exists(os.path.join(workdir, "final_metrics.json")):
+    if os.path.exists(os.path.join(workdir, FINAL_METRICS)):
       return True
     if part == "checkpoints" and parts[index + 1].isdigit() and index + 2 < len(parts):
       folder = os.sep.join(parts[: index + 1])
@@ -193,14 +195,10 @@ def _tar_bytes(paths: Sequence[str], mode: str) -> bytes:
   return buffer.getvalue()
 
 
-def _sizes_elsewhere(out: str, name: str) -> tuple[int, int]:
-  """(files, bytes) already in ``out`` besides this job's own archives, which collect rewrites."""
-  others = [
-    os.path.join(out, f)
-    for f in os.listdir(out)
-    if not (f == f"{name}_metrics.tar.gz" or f.startswith(f"{name}_state.tar."))
-  ]
-  return len(others), sum(os.path.getsize(p) for p in others if os.path.isfile(p))
+def _files_and_bytes(folder: str) -> tuple[int, int]:
+  """How many files ``folder`` holds, and their bytes."""
+  paths = [os.path.join(folder, f) for f in os.listdir(folder)]
+  return len(paths), sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
 
 
 def collect(
@@ -221,9 +219,11 @@ def collect(
       before the state is refused.
   """
   os.makedirs(out, exist_ok=True)
-  for stale in glob.glob(os.path.join(glob.escape(out), f"{name}_state.tar.*")):
+  # A collect of this job earlier in the same call: its files are replaced, not counted.
+  own = [glob.escape(f"{name}_metrics.tar.gz"), glob.escape(f"{name}_state.tar.") + "[0-9][0-9]"]
+  for stale in (p for pattern in own for p in glob.glob(os.path.join(glob.escape(out), pattern))):
     os.remove(stale)
-  files_elsewhere, bytes_elsewhere = _sizes_elsewhere(out, name)
+  files_elsewhere, bytes_elsewhere = _files_and_bytes(out)
   log = job_paths(jobs_dir, name)["log"]
   given = [path for path in [*extra, log] if os.path.exists(path)]
   written = [os.path.join(out, f"{name}_metrics.tar.gz")]
@@ -296,7 +296,7 @@ def run_progress(workdir: str, every: int) -> dict:
     "attention_dropout_rate": model["attention_dropout_rate"],
     "steps_done": max((int(r["step"]) for r in logged), default=0),
     "num_train_steps": config["num_train_steps"],
-    "finished": os.path.exists(os.path.join(workdir, "final_metrics.json")),
+    "finished": os.path.exists(os.path.join(workdir, FINAL_METRICS)),
     "steps_per_second": hyla_paper.median_steps_per_second(workdir),
     "metrics": list(metrics),
     "curve": [row for row in rows if row["step"] % every == 0],
