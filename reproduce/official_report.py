@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from primal_dual import atomic
 from reproduce import hyla_paper, sraven
 
 # Their default run: num_train 20,000,000 problems / batch 128 (official:configs/raven.py).
@@ -147,8 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
       print(f"error: {error}", file=sys.stderr)
       return 2
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-  report_path.write_text(render(summary))
+    # Atomic, as the grids write theirs: a crash mid-write leaves the earlier report, not half of it.
+    atomic.write_text(str(summary_path), json.dumps(summary, indent=1) + "\n")
+  atomic.write_text(str(report_path), render(summary))
   print(f"wrote {report_path}")
   return 0
 
