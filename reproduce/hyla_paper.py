@@ -769,22 +769,31 @@ def plot_curves(
   ylabel: str,
   title: str,
 ) -> str:
-  """One panel per metric (title → curve key), one line per run, coloured by attention."""
+  """One panel per metric (title → curve key), one line per run, coloured by attention, or by
+  attention and setting where the records hold more than one setting (`--protocol=points`)."""
   from primal_dual.analysis import plots
 
   plt = plots.pyplot()
-  variants = list(dict.fromkeys(r["attention"] for r in records))
-  colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+  by_setting = len({r.get("setting") for r in records}) > 1
+  line_names = [
+    f"{r['attention']} ({r['setting']})" if by_setting else r["attention"] for r in records
+  ]
+  colours = {
+    name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(dict.fromkeys(line_names))
+  }
   figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
   for axis, (panel_title, key) in zip(axes[0], panels.items()):
     seen = set()
-    for record in records:
+    for record, name in zip(records, line_names):
       curve = record["curve"]
-      label = None if record["attention"] in seen else record["attention"]
-      seen.add(record["attention"])
       axis.plot(
-        curve["step"], curve[key], color=colours[record["attention"]], alpha=0.8, label=label
+        curve["step"],
+        curve[key],
+        color=colours[name],
+        alpha=0.8,
+        label=None if name in seen else name,
       )
+      seen.add(name)
     axis.set_title(panel_title)
     axis.set_xlabel("training step")
     axis.set_ylabel(ylabel)

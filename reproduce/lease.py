@@ -16,8 +16,9 @@ needs) into `$OUT`::
 `collect` writes `NAME_metrics.tar.gz` (every run's metrics.jsonl, final_metrics.json, config.json,
 experiment.json and grid_run.json under ROOT, the FILEs, e.g. the grid's results JSON, and the
 job's log) and, unless the job ended with status 0, `NAME_state.tar.NN` parts (ROOT without
-TensorBoard files, checkpoints being written, checkpoints older than each folder's newest, and the
-checkpoints of finished runs): carried back to the device, `restore` unpacks them and the same
+TensorBoard files, checkpoints being written, checkpoints other than the one resuming restores
+(a folder's newest; for the replicas of a sweep, the newest they all have), and the checkpoints of
+finished runs): carried back to the device, `restore` unpacks them and the same
 command resumes from the checkpoints. The job's files
 (`NAME.log`, `NAME.pid`, `NAME.rc` with its exit status once it ends) are in `--jobs_dir`
 (default `workdirs/lease`). `progress` reads the runs under ROOT (unpacked metrics, finished or
@@ -29,6 +30,7 @@ far. docs/reproduction.md has the lease recipe.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib
 import io
@@ -50,12 +52,14 @@ PART_BYTES = 15 * 2**20
 ORBAX_TMP = "orbax-checkpoint-tmp"
 # A finished run's final record (grid.FINAL_METRICS; not imported: the job commands need no numpy).
 FINAL_METRICS = "final_metrics.json"
+# A workdir's definition (primal_dual.training.workdir.EXPERIMENT_FILE); a sweep's workdir has one.
+EXPERIMENT_FILE = "experiment.json"
 # Files of a workdir the metrics archive takes (the trainer's and the grid's records of a run).
 RUN_FILES = (
   "metrics.jsonl",
   FINAL_METRICS,
   "config.json",
-  "experiment.json",
+  EXPERIMENT_FILE,
   "grid_run.json",
 )
 POLL_SECONDS = 5.0
@@ -102,6 +106,13 @@ def status(jobs_dir: str, name: str) -> str:
     return "running" if _alive(int(f.read())) else "lost"
 
 
+def job_environment() -> dict[str, str]:
+  """This environment, with JAX told not to preallocate 75% of the accelerator's memory unless
+  the caller said otherwise: a lease runs several jobs on one GPU, and in lease 5 the second
+  job's preallocation left the first none for cuBLAS ("failed to create cublas handle")."""
+  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+
+
 def start(jobs_dir: str, name: str, command: Sequence[str]) -> int:
   """Starts ``command`` detached and returns its process id (the session leader's).
 
@@ -120,6 +131,7 @@ def start(jobs_dir: str, name: str, command: Sequence[str]) -> int:
   # No inherited output: the device tool would wait for the job to close it.
   process = subprocess.Popen(
     detached_command(command, paths["log"], paths["rc"]),
+    env=job_environment(),
     stdin=subprocess.DEVNULL,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
@@ -153,24 +165,40 @@ def _files_under(root: str, keep) -> list[str]:
   return found
 
 
-def _resume_skips(path: str) -> bool:
+def _complete_steps(checkpoints: str) -> set[int]:
+  """The steps of the complete checkpoints in a ``checkpoints/`` folder (orbax names one being
+  written ``<step>.orbax-checkpoint-tmp-...``, not a number)."""
+  return {int(name) for name in os.listdir(checkpoints) if name.isdigit()}
+
+
+def resume_step(checkpoints: str) -> int | None:
+  """The step a resumed run restores from its ``checkpoints/`` folder: the newest, or, for a
+  replica of a sweep (its parent workdir holds ``experiment.json``), the newest step every
+  replica has: a kill during a save can leave one replica a checkpoint ahead (lease 5), and the
+  program restores the replicas together."""
+  steps = _complete_steps(checkpoints)
+  sweep = os.path.dirname(os.path.dirname(checkpoints))
+  if os.path.exists(os.path.join(sweep, EXPERIMENT_FILE)):
+    replicas = [os.path.join(sweep, name, "checkpoints") for name in sorted(os.listdir(sweep))]
+    steps = set.intersection(*(_complete_steps(c) for c in replicas if os.path.isdir(c))) or steps
+  return max(steps, default=None)
+
+
+def _resume_skips(path: str, step_of, finished) -> bool:
   """Whether resuming does without ``path``: a TensorBoard file, a checkpoint being written
-  (orbax's ``*.orbax-checkpoint-tmp*`` folders, which vanish as it completes), a checkpoint older
-  than its folder's newest (``.../checkpoints/<step>/...``), or any checkpoint of a finished run
-  (a workdir with ``final_metrics.json``: its record and analyses were made when it ended)."""
+  (orbax's ``*.orbax-checkpoint-tmp*`` folders, which vanish as it completes), a checkpoint other
+  than the one resuming restores (``step_of(<checkpoints folder>)``), or any checkpoint of a
+  finished run (``finished(<workdir>)``: its record and analyses were made when it ended)."""
   parts = path.split(os.sep)
   if "tensorboard" in parts or any(ORBAX_TMP in part for part in parts):
     return True
   for index, part in enumerate(parts[:-1]):
     if not part.startswith("checkpoints"):
       continue
-    workdir = os.sep.join(parts[:index])
-    if os.path.exists(os.path.join(workdir, FINAL_METRICS)):
+    if finished(os.sep.join(parts[:index])):
       return True
     if part == "checkpoints" and parts[index + 1].isdigit() and index + 2 < len(parts):
-      folder = os.sep.join(parts[: index + 1])
-      steps = [int(s) for s in os.listdir(folder) if s.isdigit()]
-      return int(parts[index + 1]) != max(steps)
+      return int(parts[index + 1]) != step_of(os.sep.join(parts[: index + 1]))
   return False
 
 
@@ -181,7 +209,10 @@ def metrics_files(root: str) -> list[str]:
 
 def state_files(root: str) -> list[str]:
   """What resuming the runs under ``root`` needs (everything ``_resume_skips`` keeps)."""
-  return _files_under(root, lambda path: not _resume_skips(path))
+  # Asked once per folder, not once per file (a checkpoint holds tens of files).
+  step_of = functools.cache(resume_step)
+  finished = functools.cache(lambda workdir: os.path.exists(os.path.join(workdir, FINAL_METRICS)))
+  return _files_under(root, lambda path: not _resume_skips(path, step_of, finished))
 
 
 def _tar_bytes(paths: Sequence[str], mode: str) -> bytes:

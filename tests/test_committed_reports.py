@@ -29,6 +29,19 @@ PAPER_REPORTS = {
       "lr=0.0003,wd=0.1,attn_dropout=0.1",
     ],
   ),
+  "sraven_points_softmax": (
+    "sraven",
+    [
+      "--scale=paper",
+      "--steps_per_call=125",
+      "--protocol=points",
+      "--sweep_variants=softmax",
+      "--points",
+      "lr=0.001,wd=0.1,attn_dropout=0.0",
+      "lr=0.001,wd=0.1,attn_dropout=0.1",
+      "--sweep_seeds=0",
+    ],
+  ),
 }
 REPORTS = [(study, study, []) for study in STUDIES] + [
   (f"paper/{stem}", study, flags) for stem, (study, flags) in PAPER_REPORTS.items()

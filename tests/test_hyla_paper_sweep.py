@@ -2,6 +2,7 @@
 runs, selection on validation only, and the report."""
 
 import itertools
+import os
 
 import pytest
 
@@ -320,3 +321,27 @@ def test_points_report_selects_on_validation_beside_the_paper_sweep():
   )
   both = sraven_study.sweep_section(points + FAKE)
   assert both.index("The paper's protocol") < both.index("Listed points")
+
+
+def test_curves_of_several_settings_are_told_apart(tmp_path, monkeypatch):
+  """Lease 5's figure drew both of softmax's points in one colour under one label."""
+  from primal_dual.analysis import plots
+
+  saved = []
+  save_figure = plots.save_figure
+
+  def keep_legend(figure, path, **kwargs):
+    saved.append([text.get_text() for text in figure.axes[-1].get_legend().get_texts()])
+    return save_figure(figure, path, **kwargs)
+
+  monkeypatch.setattr(plots, "save_figure", keep_legend)
+  curve = {"step": [1, 2], "ood": [0.1, 0.2]}
+  records = [
+    {"attention": "softmax", "setting": setting, "curve": curve}
+    for setting in ("lr=0.001,wd=0.1,attn_dropout=0.0", "lr=0.001,wd=0.1,attn_dropout=0.1")
+  ]
+  one_setting = [dict(r, setting="lr=0.001") for r in records]
+  for name, runs in (("points", records), ("fixed", one_setting)):
+    path = hyla_paper.plot_curves(runs, {"ood": "ood"}, str(tmp_path / f"{name}.png"), "acc", "t")
+    assert os.path.getsize(path) > 0
+  assert saved == [[f"softmax ({r['setting']})" for r in records], ["softmax"]]

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -41,6 +42,8 @@ def test_a_job_outlives_the_process_that_started_it(tmp_path):
 
 def _fake_runs(root):
   """A grid root with one sweep of two replicas, each with checkpoints at steps 4 and 8."""
+  (root / "grid_run").mkdir(parents=True)
+  (root / "grid_run" / "experiment.json").write_text("{}")  # the sweep's definition
   for replica in ("lr=0.1", "lr=0.2"):
     workdir = root / "grid_run" / replica
     for step in (4, 8):
@@ -68,6 +71,7 @@ def test_collect_packs_metrics_and_the_newest_state_in_parts_that_restore(tmp_pa
   with tarfile.open(written[0]) as archive:
     assert sorted(archive.getnames()) == [
       "results.json",
+      "runs/grid_run/experiment.json",
       "runs/grid_run/lr=0.1/config.json",
       "runs/grid_run/lr=0.1/metrics.jsonl",
       "runs/grid_run/lr=0.2/config.json",
@@ -193,6 +197,47 @@ def test_state_leaves_out_checkpoints_being_written_and_those_of_finished_runs(
     "runs/grid_run/lr=0.2/final_metrics.json",
     "runs/grid_run/lr=0.2/metrics.jsonl",
   ]
+
+
+def test_state_keeps_the_newest_checkpoint_every_replica_of_a_sweep_has(tmp_path, monkeypatch):
+  """Lease 5 stopped a sweep while it saved: one replica had step 12, the other only 8. The
+  program restores the replicas together, from a step they share, so that is the one kept; a
+  run outside a sweep keeps its own newest."""
+  monkeypatch.chdir(tmp_path)
+  _fake_runs(tmp_path / "runs")
+  ahead = tmp_path / "runs/grid_run/lr=0.1/checkpoints/12/state"
+  ahead.parent.mkdir()
+  ahead.write_bytes(b"new")
+  single = tmp_path / "runs/single_run"
+  for step in (4, 12):
+    (single / "checkpoints" / str(step)).mkdir(parents=True)
+    (single / "checkpoints" / str(step) / "state").write_bytes(b"s")
+  kept = lease.state_files("runs")
+  assert lease.resume_step("runs/grid_run/lr=0.1/checkpoints") == 8
+  assert "runs/grid_run/lr=0.1/checkpoints/8/state" in kept
+  assert "runs/grid_run/lr=0.2/checkpoints/8/state" in kept
+  assert not [p for p in kept if "/checkpoints/12/" in p and "grid_run" in p]
+  assert [p for p in kept if p.startswith("runs/single_run")] == [
+    "runs/single_run/checkpoints/12/state"
+  ]
+  # Replicas that share no step (not a state a program leaves): each keeps its newest.
+  for step in (4, 8):
+    shutil.rmtree(tmp_path / f"runs/grid_run/lr=0.1/checkpoints/{step}")
+  assert lease.resume_step("runs/grid_run/lr=0.1/checkpoints") == 12
+
+
+def test_a_job_runs_without_preallocating_the_accelerator_unless_told_to(tmp_path, monkeypatch):
+  """Several lease jobs share one GPU: each preallocating 75% of its memory left cuBLAS none in
+  lease 5. A setting the caller made is kept."""
+  jobs = str(tmp_path / "jobs")
+  show = [sys.executable, "-c", "import os; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"]
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  lease.start(jobs, "default", show)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+  lease.start(jobs, "told", show)
+  for name, expected in (("default", "false"), ("told", "true")):
+    assert lease.wait(jobs, name, 60, poll=0.1) == "done 0"
+    assert lease.log_tail(jobs, name).strip() == expected
 
 
 def test_collect_replaces_its_own_parts_and_counts_the_other_files_in_out(tmp_path, monkeypatch):

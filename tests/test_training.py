@@ -616,6 +616,36 @@ def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
     assert f.read() == written
 
 
+def test_a_run_killed_once_its_checkpoint_is_saved_resumes_with_every_record(
+  uninterrupted, tmp_path
+):
+  """Lease 5 stopped a program just after a checkpoint's save: the checkpoint completed, the
+  step's record (its evaluation) had not been written, and a resume starts after that step. The
+  record is now written before the checkpoint."""
+  reference_dir, reference_final, _ = uninterrupted
+  workdir = str(tmp_path / "killed")
+  save = checkpointing.Checkpointer.save
+
+  def save_then_die(self, step, *args, **kwargs):
+    save(self, step, *args, **kwargs)
+    if os.path.basename(self.directory) == checkpointing.CHECKPOINT_DIR:
+      self.wait()  # the save completes; the process dies before anything else
+      raise Crash()
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(checkpointing.Checkpointer, "save", save_then_die)
+    with pytest.raises(Crash):
+      trainer.train_and_evaluate(tiny_config(), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
+  trainer.train_and_evaluate(tiny_config(), workdir)
+
+  def without_timing(metrics):
+    return {k: v for k, v in metrics.items() if "steps_per_second" not in k}
+
+  records = [without_timing(r) for r in metrics_logging.read_metrics(workdir)]
+  assert records == [without_timing(r) for r in metrics_logging.read_metrics(reference_dir)]
+
+
 def test_batch_reads_train_and_resume_exactly(tmp_path):
   """config.loader.batch_reads: the fast input path trains, and a crashed run resumes onto the
   same batches and parameters as an uninterrupted one."""

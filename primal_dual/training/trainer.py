@@ -174,9 +174,11 @@ def _train_loop(
         progress.update(0, loss=runs.train_loss)
       if "eval" in due:
         runs.evaluated(completed, evaluation.evaluate_runs(program, state), state)
+      # The record first: a checkpoint at this step then implies its record is on disk (a run
+      # killed during the save, as lease 5's was, resumes past a step it had not written).
+      runs.write(completed)
       if "checkpoint" in due:
         runs.checkpoint(completed, state, train_iterator)
-      runs.write(completed)
   except KeyboardInterrupt:
     # Ctrl-C: the checkpoints already saved are complete (closing the runs waits for pending
     # asynchronous saves); say where a re-run resumes.
