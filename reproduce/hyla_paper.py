@@ -776,7 +776,8 @@ def plot_curves(
   plt = plots.pyplot()
   by_setting = len({r.get("setting") for r in records}) > 1
   line_names = [
-    f"{r['attention']} ({r['setting']})" if by_setting else r["attention"] for r in records
+    f"{r['attention']} ({r['setting']})" if by_setting and r.get("setting") else r["attention"]
+    for r in records
   ]
   colours = {
     name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(dict.fromkeys(line_names))

@@ -341,7 +341,9 @@ def test_curves_of_several_settings_are_told_apart(tmp_path, monkeypatch):
     for setting in ("lr=0.001,wd=0.1,attn_dropout=0.0", "lr=0.001,wd=0.1,attn_dropout=0.1")
   ]
   one_setting = [dict(r, setting="lr=0.001") for r in records]
-  for name, runs in (("points", records), ("fixed", one_setting)):
+  with_a_fixed_run = [*records, {"attention": "hyla", "curve": curve}]  # no setting of its own
+  for name, runs in (("points", records), ("fixed", one_setting), ("mixed", with_a_fixed_run)):
     path = hyla_paper.plot_curves(runs, {"ood": "ood"}, str(tmp_path / f"{name}.png"), "acc", "t")
     assert os.path.getsize(path) > 0
-  assert saved == [[f"softmax ({r['setting']})" for r in records], ["softmax"]]
+  by_setting = [f"softmax ({r['setting']})" for r in records]
+  assert saved == [by_setting, ["softmax"], [*by_setting, "hyla"]]
