@@ -39,7 +39,7 @@ PAPER_REPORTS = {
       "--points",
       "lr=0.001,wd=0.1,attn_dropout=0.0",
       "lr=0.001,wd=0.1,attn_dropout=0.1",
-      "--sweep_seeds=0",
+      "--sweep_seeds=0,1,2",
     ],
   ),
 }
