@@ -184,6 +184,11 @@ def resume_step(checkpoints: str) -> int | None:
   return max(steps, default=None)
 
 
+def run_finished(workdir: str) -> bool:
+  """Whether the run in ``workdir`` has ended (its final record is written)."""
+  return os.path.exists(os.path.join(workdir, FINAL_METRICS))
+
+
 def _resume_skips(path: str, step_of, finished) -> bool:
   """Whether resuming does without ``path``: a TensorBoard file, a checkpoint being written
   (orbax's ``*.orbax-checkpoint-tmp*`` folders, which vanish as it completes), a checkpoint other
@@ -211,7 +216,7 @@ def state_files(root: str) -> list[str]:
   """What resuming the runs under ``root`` needs (everything ``_resume_skips`` keeps)."""
   # Asked once per folder, not once per file (a checkpoint holds tens of files).
   step_of = functools.cache(resume_step)
-  finished = functools.cache(lambda workdir: os.path.exists(os.path.join(workdir, FINAL_METRICS)))
+  finished = functools.cache(run_finished)
   return _files_under(root, lambda path: not _resume_skips(path, step_of, finished))
 
 
@@ -327,7 +332,7 @@ def run_progress(workdir: str, every: int) -> dict:
     "attention_dropout_rate": model["attention_dropout_rate"],
     "steps_done": max((int(r["step"]) for r in logged), default=0),
     "num_train_steps": config["num_train_steps"],
-    "finished": os.path.exists(os.path.join(workdir, FINAL_METRICS)),
+    "finished": run_finished(workdir),
     "steps_per_second": hyla_paper.median_steps_per_second(workdir),
     "metrics": list(metrics),
     "curve": [row for row in rows if row["step"] % every == 0],
