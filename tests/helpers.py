@@ -110,3 +110,16 @@ def loss_and_grads(attention, q, k, v, bias, mask, **options):
 
   grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
   return out, grads
+
+
+def without_timing(metrics: dict) -> dict:
+  """A metrics record without its wall-clock rates (``*steps_per_second*``): no two runs share
+  them, so runs that must agree are compared on the rest."""
+  return {k: v for k, v in metrics.items() if "steps_per_second" not in k}
+
+
+def records_without_timing(workdir) -> list[dict]:
+  """The records of ``workdir``'s metrics.jsonl, each ``without_timing``."""
+  from primal_dual.training import metrics_logging
+
+  return [without_timing(r) for r in metrics_logging.read_metrics(str(workdir))]

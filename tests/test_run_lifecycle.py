@@ -138,10 +138,7 @@ def test_evaluating_while_training_leaves_the_run_as_it_would_have_been(tmp_path
   assert "error" not in outcome, outcome.get("error")
   assert evaluations > 0
 
-  def without_timing(metrics):
-    return {k: v for k, v in metrics.items() if "steps_per_second" not in k}
-
-  assert without_timing(outcome["final"]) == without_timing(reference)
+  assert helpers.without_timing(outcome["final"]) == helpers.without_timing(reference)
   jax.tree.map(
     np.testing.assert_array_equal,
     _final_params(str(tmp_path / "reference"), config),

@@ -1,6 +1,7 @@
 """Several optimizer steps per jitted call (config.steps_per_call) and training batches made on
 the device (config.train_data_on_device), on the sRAVEN and logic tasks."""
 
+import helpers
 import jax
 import ml_collections
 import numpy as np
@@ -120,15 +121,6 @@ def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, tas
   assert not np.array_equal(np.asarray(batch["inputs"]), np.asarray(other["inputs"]))
 
 
-def _metric_records(workdir):
-  from primal_dual.training import metrics_logging
-
-  return [
-    {k: v for k, v in r.items() if "steps_per_second" not in k}
-    for r in metrics_logging.read_metrics(str(workdir))
-  ]
-
-
 def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
   """config.sweep.seed: replicas in one vmapped program, each in <workdir>/seed=<s> exactly like a
   single run of that seed (to float tolerance), killed and resumed like one too."""
@@ -153,7 +145,9 @@ def test_seeds_train_in_one_program_as_if_run_alone(tmp_path, monkeypatch):
       if "steps_per_second" not in name and isinstance(value, float):
         np.testing.assert_allclose(final[f"seed={seed}/{name}"], value, rtol=1e-4, atol=1e-6)
     for got, want in zip(
-      _metric_records(replica_dir), _metric_records(tmp_path / f"alone_{seed}"), strict=True
+      helpers.records_without_timing(replica_dir),
+      helpers.records_without_timing(tmp_path / f"alone_{seed}"),
+      strict=True,
     ):
       assert got.keys() == want.keys() and got["step"] == want["step"]
     assert (replica_dir / "config.json").read_text() == (

@@ -23,7 +23,6 @@ from primal_dual.tasks import synthetic
 from primal_dual.training import config_lib
 from primal_dual.training import errors
 from primal_dual.training import evaluation
-from primal_dual.training import metrics_logging
 from primal_dual.training import optim
 from primal_dual.training import setup
 from primal_dual.training import sweep
@@ -61,13 +60,6 @@ def _params(workdir):
   return jax.device_get(state.params)
 
 
-def _records(workdir):
-  return [
-    {k: v for k, v in r.items() if "steps_per_second" not in k}
-    for r in metrics_logging.read_metrics(str(workdir))
-  ]
-
-
 def _assert_replica_is_the_run_alone(replica_dir, alone_dir, final, alone_final, name):
   jax.tree.map(
     lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
@@ -77,7 +69,11 @@ def _assert_replica_is_the_run_alone(replica_dir, alone_dir, final, alone_final,
   for metric, value in alone_final.items():
     if "steps_per_second" not in metric and isinstance(value, float):
       np.testing.assert_allclose(final[f"{name}/{metric}"], value, rtol=1e-4, atol=1e-6)
-  for got, want in zip(_records(replica_dir), _records(alone_dir), strict=True):
+  for got, want in zip(
+    helpers.records_without_timing(replica_dir),
+    helpers.records_without_timing(alone_dir),
+    strict=True,
+  ):
     assert got.keys() == want.keys() and got["step"] == want["step"]
     for metric, value in want.items():
       np.testing.assert_allclose(got[metric], value, rtol=1e-4, atol=1e-6, err_msg=metric)
@@ -146,7 +142,9 @@ def test_a_killed_sweep_resumes_from_the_newest_step_all_replicas_share(
     jax.tree.map(
       np.testing.assert_array_equal, _params(workdir / replica), _params(tmp_path / replica)
     )
-    assert _records(workdir / replica) == _records(tmp_path / replica)
+    assert helpers.records_without_timing(workdir / replica) == helpers.records_without_timing(
+      tmp_path / replica
+    )
   assert not (tmp_path / ".lock").exists()
 
 

@@ -592,12 +592,8 @@ def test_resume_after_crash_matches_uninterrupted_run(uninterrupted, tmp_path):
     final = trainer.train_and_evaluate(tiny_config(), workdir)
   assert resumed == reference_batches[4:]  # the data order continues where the checkpoint was
 
-  def without_timing(metrics):
-    return {k: v for k, v in metrics.items() if "steps_per_second" not in k}
-
-  assert without_timing(final) == without_timing(reference_final)
-  records = [without_timing(r) for r in metrics_logging.read_metrics(workdir)]
-  assert records == [without_timing(r) for r in metrics_logging.read_metrics(reference_dir)]
+  assert helpers.without_timing(final) == helpers.without_timing(reference_final)
+  assert helpers.records_without_timing(workdir) == helpers.records_without_timing(reference_dir)
 
   _, expected, _ = restore_state(reference_dir, 8)
   _, actual, meta = restore_state(workdir, 8)
@@ -639,11 +635,7 @@ def test_a_run_killed_once_its_checkpoint_is_saved_resumes_with_every_record(
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
   trainer.train_and_evaluate(tiny_config(), workdir)
 
-  def without_timing(metrics):
-    return {k: v for k, v in metrics.items() if "steps_per_second" not in k}
-
-  records = [without_timing(r) for r in metrics_logging.read_metrics(workdir)]
-  assert records == [without_timing(r) for r in metrics_logging.read_metrics(reference_dir)]
+  assert helpers.records_without_timing(workdir) == helpers.records_without_timing(reference_dir)
 
 
 def test_batch_reads_train_and_resume_exactly(tmp_path):
