@@ -42,6 +42,19 @@ PAPER_REPORTS = {
       "--sweep_seeds=0,1,2",
     ],
   ),
+  "sraven_points_linear_plain": (
+    "sraven",
+    [
+      "--scale=paper",
+      "--steps_per_call=125",
+      "--protocol=points",
+      "--sweep_variants=linear_plain",
+      "--points",
+      "lr=0.001,wd=0.1,attn_dropout=0.0",
+      "lr=0.001,wd=0.1,attn_dropout=0.1",
+      "--sweep_seeds=0,1",
+    ],
+  ),
 }
 REPORTS = [(study, study, []) for study in STUDIES] + [
   (f"paper/{stem}", study, flags) for stem, (study, flags) in PAPER_REPORTS.items()
