@@ -259,6 +259,7 @@ def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
     value_chunk=setting.value_chunk,
     causal_offset=0 if setting.causal else None,
     precision=None,
+    value_rounding="bf16",
     bias_shape=None,
     mask_shape=None,
     num_warps=ht.LaunchWarps(*setting.launch_warps),

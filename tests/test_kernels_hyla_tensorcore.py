@@ -89,9 +89,11 @@ def test_broadcast_bias_gets_its_own_shape_gradient():
     assert_close(grad, ref_grad, floor=max(0.05, float(np.abs(ref_out).max())))
 
 
-def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients_close_to_blockwise():
+@pytest.mark.parametrize("widen", [False, True])
+def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients_close_to_blockwise(widen):
   """The same roundings of a and u as the blockwise path: equal up to float32 summation order and
-  one bfloat16 rounding (the interpreter mended to round and multiply bfloat16 as a GPU does)."""
+  one bfloat16 rounding (the interpreter mended to round and multiply bfloat16 as a GPU does),
+  whether the 16-bit kernels run or the float32 ones on widened inputs (a GPU's default)."""
   rng = np.random.default_rng(3)
   q, k, v = (
     jnp.asarray(x, jnp.bfloat16) for x in helpers.random_qkv(rng, (1,), 12, 20, 3, d=8, d_v=8)
@@ -103,7 +105,8 @@ def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients_close_to_blockwise(
     out, vjp = jax.vjp(lambda *x: attention(*x, None, mask), q, k, v)
     return out, vjp(cotangent)
 
-  out, grads = jax.jit(lambda: out_and_grads(ht.hyla_tensorcore_attention))()
+  tensorcore = functools.partial(ht.hyla_tensorcore_attention, widen_16bit=widen)
+  out, grads = jax.jit(lambda: out_and_grads(tensorcore))()
   ref_out, ref_grads = jax.jit(lambda: out_and_grads(blockwise))()
   assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
   assert_close(out, ref_out, 5e-3)
@@ -115,8 +118,9 @@ def test_hyla_attention_runs_it_only_when_asked():
   """``implementation='tensorcore'`` runs these kernels; ``'auto'`` never picks them."""
   rng = np.random.default_rng(5)
   q, k, v = helpers.random_qkv(rng, (1,), 6, 7, 2)
-  out = hyla.hyla_attention(q, k, v, implementation="tensorcore", block_size=4)
-  ref = hyla.hyla_attention(q, k, v, implementation="xla", block_size=4)
+  # HIGHEST: float32 products in both (by default a GPU runs TF32 products, each path its own).
+  out = hyla.hyla_attention(q, k, v, implementation="tensorcore", block_size=4, precision=HIGHEST)
+  ref = hyla.hyla_attention(q, k, v, implementation="xla", block_size=4, precision=HIGHEST)
   assert_close(out, ref, 1e-4)
   jaxpr = str(
     jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x, implementation="tensorcore"))(q, k, v)
@@ -143,6 +147,40 @@ def test_auto_never_selects_it_on_a_gpu_backend(monkeypatch):
     hyla.select_path(call, "softmax", "auto", "tensorcore")
   with pytest.raises(ValueError, match="implementation='tensorcore' is tiled"):
     hyla.select_path(call, "rms_head", None, "tensorcore")
+
+
+def test_16bit_inputs_widen_on_a_gpu_by_default_and_round_as_their_dtype():
+  """A GPU call widens 16-bit inputs until a device run shows the 16-bit kernels right; the
+  interpreter runs the 16-bit kernels; the kernels round a and u as the inputs' dtype."""
+  assert not ht.NATIVE_16BIT_ON_GPU
+  assert ht.widens_16bit(None, interpret=False) and not ht.widens_16bit(None, interpret=True)
+  assert ht.widens_16bit(True, interpret=True) and not ht.widens_16bit(False, interpret=False)
+  assert [ht.value_rounding(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)] == [
+    "bf16",
+    "fp16",
+    "fp32",
+  ]
+
+
+def test_widened_16bit_inputs_give_the_16bit_kernels_function():
+  """Float32 kernels on widened bfloat16 inputs, a and u rounded to bfloat16, equal the bfloat16
+  kernels up to float32 summation order (float32 outputs; without the rounding they differ by
+  about 1e-3)."""
+  rng = np.random.default_rng(4)
+  q, k, v = (
+    jnp.asarray(x, jnp.bfloat16) for x in helpers.random_qkv(rng, (1,), 12, 20, 3, d=8, d_v=20)
+  )
+  mask = helpers.padding_mask(rng, (1,), 20, min_valid=10)
+  outs = {
+    widen: jax.jit(
+      functools.partial(ht.hyla_tensorcore_attention, dtype=jnp.float32, widen_16bit=widen)
+    )(q, k, v, None, mask)
+    for widen in (False, True)
+  }
+  assert outs[True].dtype == jnp.float32
+  assert_close(outs[True], outs[False], 1e-5)
+  unrounded = blockwise(*(x.astype(jnp.float32) for x in (q, k, v)), None, mask)
+  assert np.abs(np.asarray(unrounded) - np.asarray(outs[False])).max() > 1e-3
 
 
 @pytest.mark.parametrize(

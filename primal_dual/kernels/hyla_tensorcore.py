@@ -86,7 +86,9 @@ Numerics: scores, normalisation, ``z``, ``u``, gradients and accumulators are fl
 other paths the forward's value-network operands are rounded to the value dtype, and the
 backward's products take float32 operands. ``precision``: ``HIGHEST`` gives float32 products
 (``ieee``), anything else TF32 for float32 operands on a GPU (XLA's default there); the interpreter
-always multiplies exactly in float32. Not covered (``ValueError``): softmax normalisation; through
+always multiplies exactly in float32. 16-bit inputs: on a GPU they run, by default, through the
+float32 kernels with ``a`` and ``u`` rounded to their dtype (``widen_16bit``; lease 7 measured the
+16-bit kernels wrong as Triton 3.6 compiles them, see :data:`NATIVE_16BIT_ON_GPU`). Not covered (``ValueError``): softmax normalisation; through
 ``hyla_attention``: dropout, returned or sown weights. Reverse-mode differentiation only.
 """
 
@@ -114,6 +116,30 @@ DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; u
 DEFAULT_VALUE_CHUNK = 32
 # Causal calls: at chunk 32 ptxas spills the causal dq_dk launch (H = 8, d = 64); at 16 it does not.
 DEFAULT_CAUSAL_VALUE_CHUNK = 16
+
+
+# Lease 7 (one H100, the device image's Triton 3.6.0 through jax-triton 0.3.1, 2026-11-26): with
+# bfloat16 inputs the compiled kernels' output was far from the blockwise path (286 of 288
+# elements, errors up to 33 on values up to 11), while every float32 case matched it and the
+# float64 reference; Triton 3.9's interpreter computes the bfloat16 kernels right. Until a device
+# run shows the 16-bit kernels right (``benchmarks/tensorcore_probe.py`` locates the fault), a GPU
+# call widens 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``).
+NATIVE_16BIT_ON_GPU = False
+_ROUNDING_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
+
+
+def value_rounding(value_dtype) -> str:
+  """The ``VALUE_ROUNDING`` constant for values of ``value_dtype``: ``'bf16'``, ``'fp16'``, or
+  ``'fp32'`` (no rounding)."""
+  return _ROUNDING_NAMES.get(jnp.dtype(value_dtype), "fp32")
+
+
+def widens_16bit(requested: bool | None, interpret: bool) -> bool:
+  """Whether a call runs 16-bit inputs as float32: as ``requested``, or by default on a GPU unless
+  :data:`NATIVE_16BIT_ON_GPU` (the interpreter runs the 16-bit kernels the tests check)."""
+  if requested is not None:
+    return bool(requested)
+  return not interpret and not NATIVE_16BIT_ON_GPU
 
 
 def default_value_chunk(is_causal: bool) -> int:
@@ -201,6 +227,18 @@ def _mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _as_value_operand(x, v, VALUE_ROUNDING: tl.constexpr):
+  """``x`` rounded to the inputs' value dtype (``VALUE_ROUNDING``: ``'bf16'``, ``'fp16'`` or
+  ``'fp32'``), held in ``v``'s dtype: the value dtype itself, or float32 when a GPU call widened
+  16-bit inputs (products of the rounded values are then exact in TF32, as in a 16-bit product)."""
+  if VALUE_ROUNDING == "bf16":
+    x = x.to(tl.bfloat16)
+  elif VALUE_ROUNDING == "fp16":
+    x = x.to(tl.float16)
+  return x.to(v.dtype)
+
+
+@triton.jit
 def _key_tiles_seen(qt, KV_LEN: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                     CAUSAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
   """Key tiles query tile ``qt`` sees: all, or (causal) up to its last visible column."""
@@ -245,7 +283,7 @@ def _cut_heads(x, HX: tl.constexpr):
 
 # The constants every kernel takes (constexpr keyword arguments; see ``_constants``).
 _TILE_PARAMS = """Q_LEN KV_LEN H D DV HP HB HX DP BQ BK BV SCALE CAUSAL OFFSET HAS_BIAS BS0 BS1 BS2 BS3
-HAS_MASK MS0 MS1 MS2 MS3 RMS EPS MLP RELU PRECISION""".split()
+HAS_MASK MS0 MS1 MS2 MS3 RMS EPS MLP RELU PRECISION VALUE_ROUNDING""".split()
 
 
 @triton.jit
@@ -258,7 +296,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
                     BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
                     HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
                     MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
-                    MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+                    VALUE_ROUNDING: tl.constexpr):  # fmt: skip
   """Program ``(b, query tile, value chunk)``: float32 ``out [B, Q_LEN, H, DV]`` of the chunk."""
   b, qt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   rows = qt * BQ + tl.arange(0, BQ)
@@ -272,17 +311,17 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
     if MLP:
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
-      a_v = _pad_heads(a, HX).to(v.dtype)
+      a_v = _as_value_operand(_pad_heads(a, HX), v, VALUE_ROUNDING)
       z, u = _mix_heads(a_v, v, RELU, PRECISION)
       # out_i = A_i[H, bk] @ U_i[bk, chunk] per query.
       acc += tl.dot(
         tl.permute(a_v, (1, 0, 2)),
-        tl.permute(u.to(v.dtype), (1, 0, 2)),
+        tl.permute(_as_value_operand(u, v, VALUE_ROUNDING), (1, 0, 2)),
         input_precision=PRECISION,
       )
     else:  # per head: out_h = A_h @ V_h
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
-      out = tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
+      out = tl.dot(_as_value_operand(a, v, VALUE_ROUNDING), v, input_precision=PRECISION)
       acc += tl.permute(_pad_heads(out, HX), (1, 0, 2))
   hs = tl.arange(0, HP)[None, :, None]
   fs = chunk * BV + tl.arange(0, BV)[None, None, :]
@@ -328,7 +367,7 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
              Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, DV: tl.constexpr,
              HP: tl.constexpr, HB: tl.constexpr, HX: tl.constexpr, BQ: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, RMS: tl.constexpr, MLP: tl.constexpr, RELU: tl.constexpr,
-             PRECISION: tl.constexpr):  # fmt: skip
+             PRECISION: tl.constexpr, VALUE_ROUNDING: tl.constexpr):  # fmt: skip
   """Float32 ``ds [HB, bq, bk]`` of one tile (0 where not valid): ``da`` summed over the value
   chunks, then through the normalisation."""
   n_chunks = (DV + BV - 1) // BV
@@ -338,7 +377,9 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
     for chunk in range(0, n_chunks):
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
       dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
-      da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+      da_chunk, dz = _chunk_backward(
+        a_p, _as_value_operand(a_p, v, VALUE_ROUNDING), v, dout, RELU, PRECISION
+      )
       da_p += da_chunk
     da = _cut_heads(da_p, HX)
   else:  # da_hij = dout_hi · v_hj
@@ -375,7 +416,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
                 HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
                 MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
                 MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
-                WANT_DK: tl.constexpr):  # fmt: skip
+                VALUE_ROUNDING: tl.constexpr, WANT_DK: tl.constexpr):  # fmt: skip
   """Program ``(b, key tile, value chunk)``. ``WANT_DK`` (launched with one chunk program): float32
   ``dk [B, KV_LEN, H, D]``, and the program's part of ``dq [B, Q_LEN, H, D]`` (and of the bias's
   gradient, the bias's broadcast shape) added atomically into zeroed float32 arrays; otherwise
@@ -400,7 +441,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
     if WANT_DK:
       ds = _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr, Q_LEN, KV_LEN, H, DV, HP,
-                    HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION)  # fmt: skip
+                    HB, HX, BQ, BK, BV, RMS, MLP, RELU, PRECISION, VALUE_ROUNDING)  # fmt: skip
       dk += tl.dot(tl.permute(ds, (0, 2, 1)), q.to(tl.float32), input_precision=PRECISION)
       dq = tl.dot(ds, k, input_precision=PRECISION) * SCALE
       _add_rows(dq_ptr, dq, b, rows, Q_LEN, H, D, HB, DP)
@@ -412,7 +453,9 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
         v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
         dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
         a_p = _pad_heads(a, HX)
-        da_chunk, dz = _chunk_backward(a_p, a_p.to(v.dtype), v, dout, RELU, PRECISION)
+        da_chunk, dz = _chunk_backward(
+          a_p, _as_value_operand(a_p, v, VALUE_ROUNDING), v, dout, RELU, PRECISION
+        )
         dv += tl.dot(tl.permute(a_p, (2, 0, 1)), dz, input_precision=PRECISION)
       else:  # dv_h = A_hᵀ @ dout_h per head
         dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
@@ -446,6 +489,7 @@ class Config(NamedTuple):
   value_chunk: int
   causal_offset: int | None  # query i sees keys j <= i + offset; None: not causal
   precision: Any
+  value_rounding: str  # the inputs' value dtype, as the kernels round a and u (value_rounding())
   bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
   mask_shape: tuple[int, int, int, int] | None
   num_warps: LaunchWarps
@@ -500,6 +544,7 @@ def _constants(cfg: Config) -> dict:
     "MLP": cfg.value_network != "linear",
     "RELU": cfg.value_network == "mlp_relu",
     "PRECISION": _input_precision(cfg.precision),
+    "VALUE_ROUNDING": cfg.value_rounding,
   }
   assert sorted(constants) == sorted(_TILE_PARAMS)
   return constants
@@ -539,10 +584,11 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _helpers_interpreted():
-  """Every ``@triton.jit`` function a kernel may call (this module's helpers, Triton's standard
-  library such as ``tl.zeros``) swapped for an interpreted one while a kernel runs in the
-  interpreter, which resolves calls through module globals. Setting ``TRITON_INTERPRET=1``
+def _helpers_interpreted(*namespaces: dict):
+  """Every ``@triton.jit`` function a kernel may call (this module's helpers, those in the other
+  module ``namespaces`` given, Triton's standard library such as ``tl.zeros``) swapped for an
+  interpreted one while a kernel runs in the interpreter, which resolves calls through module
+  globals. Setting ``TRITON_INTERPRET=1``
   before importing Triton does the same for the whole process, but would stop this process from
   compiling kernels for a GPU."""
   import triton.experimental.gluon.language  # noqa: F401 (imported by the interpreter; needs
@@ -550,7 +596,7 @@ def _helpers_interpreted():
   # the compiled library in place when it first loads)
   from triton.runtime.interpreter import InterpretedFunction
 
-  namespaces = [globals()] + [
+  namespaces = [globals(), *namespaces] + [
     vars(m) for name, m in list(sys.modules.items()) if name.startswith("triton.language")
   ]
   saved = [
@@ -666,6 +712,7 @@ def hyla_tensorcore_attention(
   precision=None,
   num_warps: LaunchWarps | tuple[int, int, int] = DEFAULT_NUM_WARPS,
   interpret: bool | None = None,
+  widen_16bit: bool | None = None,
 ):
   """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
 
@@ -685,6 +732,10 @@ def hyla_tensorcore_attention(
     num_warps: warps per program of the ``forward``, ``dq_dk`` and ``dv`` launches on a GPU
       (a :class:`LaunchWarps` or a tuple in that order).
     interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
+    widen_16bit: run bfloat16/float16 inputs through the float32 kernels, ``a`` and ``u`` rounded
+      to the input dtype as the 16-bit kernels round them (the same function; TF32 products of
+      those values are exact), at float32's memory and speed; None: on a GPU, until a device run
+      shows the 16-bit kernels right (:data:`NATIVE_16BIT_ON_GPU`), not in the interpreter.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` in ``dtype`` (default ``query.dtype``).
@@ -726,12 +777,15 @@ def hyla_tensorcore_attention(
     value_chunk=min(_dot_size(value_chunk), _dot_size(shapes.d_v)),
     causal_offset=offset if is_causal else None,
     precision=precision,
+    value_rounding=value_rounding(value.dtype),
     bias_shape=None if bias is None else tuple(bias.shape),
     mask_shape=None if mask is None else tuple(mask.shape),
     num_warps=LaunchWarps(*num_warps),
     interpret=C.interpret_off_gpu() if interpret is None else bool(interpret),
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
+  if cfg.value_rounding != "fp32" and widens_16bit(widen_16bit, cfg.interpret):
+    q, k, v = (x.astype(C.F32) for x in (q, k, v))
   # Placeholders keep one kernel signature when there is no bias or mask (never read).
   bias = jnp.zeros((1,), C.F32) if bias is None else bias
   mask = jnp.zeros((1,), jnp.int8) if mask is None else mask.astype(jnp.int8)
