@@ -556,6 +556,27 @@ def time_estimate(
   }
 
 
+# A matrix product's first operand in Triton's GPU IR: its shape, element type and layout.
+_DOT_FIRST_OPERAND = re.compile(
+  r"tt\.dot [^:]*: tensor<(?P<shape>[0-9x]+)x(?P<dtype>bf16|f16), "
+  r"#ttg\.dot_op<\{opIdx = 0, [^}]*kWidth = (?P<k_width>\d+)\}>"
+)
+
+
+def dot_operand_widths(ttgir: str) -> list[dict[str, int | bool]]:
+  """Each 16-bit matrix product of a kernel's TTGIR: its contraction length ``k``, the operands'
+  ``k_width`` (consecutive K values a thread holds) and whether it ``fits``: at most ``k / 4``, as
+  an ``mma.m16n8k16`` gives each thread 4 of a row's 16 K values per instruction. Triton 3.6 and
+  3.7 chose ``k_width`` 8 for ``k`` = 16 when an operand was converted in registers, and such
+  products computed wrong values on an H100 (lease 7; fixed upstream by bounding ``k_width`` with
+  ``k``, triton-lang/triton#11691; Triton 3.8 and 3.9 choose 4)."""
+  widths = []
+  for match in _DOT_FIRST_OPERAND.finditer(ttgir):
+    k, k_width = int(match["shape"].split("x")[-1]), int(match["k_width"])
+    widths.append({"k": k, "k_width": k_width, "fits": k_width <= k // 4})
+  return widths
+
+
 def kernel_numbers(
   ptxas_log: str,
   dynamic_shared_bytes: int,
@@ -563,6 +584,7 @@ def kernel_numbers(
   ptx: str,
   num_warps: int | None = None,
   launch: LaunchShape | None = None,
+  ttgir: str = "",
 ) -> dict:
   """One kernel's record fields from what its compilation produced (pure: testable anywhere);
   with the ``launch``'s shape, the counts of one main-loop iteration (``sass_iteration``) and the
@@ -570,7 +592,9 @@ def kernel_numbers(
 
   The targets: no spill bytes, shared memory within an H100's block, and more matrix instructions
   than FFMAs in the main loop (the whole kernel where it has no loop), i.e. the products that
-  couple the heads run on the matrix units rather than as multiply-adds.
+  couple the heads run on the matrix units rather than as multiply-adds; with the kernel's
+  ``ttgir``, also every 16-bit product's operand width within its contraction
+  (:func:`dot_operand_widths`).
   """
   numbers = parse_ptxas_log(ptxas_log)
   sass_counts = count_instructions(sass, SASS_INSTRUCTIONS)
@@ -582,6 +606,10 @@ def kernel_numbers(
     "shared_fits": shared <= SHARED_MEMORY_LIMIT_BYTES,
     "matrix_in_loop": matrix_instructions(loop_counts) > loop_counts["ffma"],
   }
+  operand_widths = {}
+  if ttgir:
+    operand_widths = {"dot_operands": dot_operand_widths(ttgir)}
+    targets["operand_widths_fit"] = all(w["fits"] for w in operand_widths["dot_operands"])
   return {
     **numbers,
     "dynamic_shared_bytes": dynamic_shared_bytes,
@@ -591,6 +619,7 @@ def kernel_numbers(
     "sass": sass_counts,
     "sass_loop": loop_counts,
     "ptx": count_instructions(ptx, PTX_INSTRUCTIONS),
+    **operand_widths,
     "targets": targets,
     "meets_targets": all(targets.values()),
     **_launch_estimate(numbers["registers"], shared, sass, num_warps, launch),
@@ -656,6 +685,7 @@ def compile_worker(job: CompileJob) -> dict[str, Any]:
     "dynamic_shared_bytes": int(kernel.metadata.shared),
     "sass": sass,
     "ptx": kernel.asm["ptx"],
+    "ttgir": kernel.asm["ttgir"],
     "triton_version": triton.__version__,
     "ptxas_version": nvidia_compiler.get_ptxas_version(CAPABILITY).strip().splitlines()[-1],
   }
@@ -711,7 +741,13 @@ def compile_kernel(job: CompileJob, workdir: Path, memory_cap_gib: float, timeou
   try:
     launch = None if job.launch is None else LaunchShape(**job.launch)
     numbers = kernel_numbers(
-      raw["ptxas_log"], raw["dynamic_shared_bytes"], raw["sass"], raw["ptx"], job.num_warps, launch
+      raw["ptxas_log"],
+      raw["dynamic_shared_bytes"],
+      raw["sass"],
+      raw["ptx"],
+      job.num_warps,
+      launch,
+      raw.get("ttgir", ""),
     )
   except ValueError as error:
     return {"status": "failed", "reason": str(error)[:400]}

@@ -5,10 +5,8 @@ and float32 operands, against NumPy (float64, operands rounded as the kernel rou
 Why: lease 7 (one H100, the device image's Triton 3.6.0, jax-triton 0.3.1) ran the kernels' tests
 on the GPU. Every float32 case equalled the blockwise path and the float64 reference; bfloat16
 inputs gave an output far from them (286 of 288 elements). Triton 3.9's interpreter computes the
-bfloat16 kernels right, and Triton 3.6 compiles the head-coupled products with bfloat16 operands of
-``kWidth`` 8 where Triton 3.9 uses 4 (their TTGIR), so the fault is in what the compiler makes of
-one of these patterns, or in jax-triton's launch. Each pattern is a small ``@triton.jit`` kernel
-launched by Triton itself on torch tensors (no JAX in the launch):
+bfloat16 kernels right. Each pattern is a small ``@triton.jit`` kernel launched by Triton itself on
+torch tensors (no JAX in the launch):
 
 * ``loaded``: a 3-D ``tl.dot`` of two loaded blocks (``q · k``: heads batched);
 * ``mix_heads``: the kernels' ``_mix_heads`` on loaded ``a [16, bq, bk]`` and ``v [16, bk, chunk]``
@@ -21,8 +19,15 @@ launched by Triton itself on torch tensors (no JAX in the launch):
   heads, rounded, ``_mix_heads``, the read-out;
 * ``forward``: the module's ``_forward_kernel`` itself (``rms_head``, ``mlp_relu``, a padding mask;
   3 heads, 12 queries, 20 keys, d = d_v = 8: the failing test's shape), against the blockwise path
-  run on the CPU; ``fp32`` with ``VALUE_ROUNDING='bf16'`` is what a GPU call runs today
-  (``widen_16bit``).
+  run on the CPU; ``forward_widened``: float32 inputs rounded as ``bf16``/``fp16`` inside, what a
+  GPU call runs today (``widen_16bit``); ``forward_unmasked``: the 16-bit forward without the mask.
+
+Compiled here for sm_90a, Triton 3.6 and 3.7 give the masked forward's head-coupled 16-bit
+products operands of ``kWidth`` 8 at K = 16 (without the mask, and in every pattern above, 2 or 4;
+Triton 3.8 and 3.9: 4 everywhere), past the quarter of K a thread holds per ``mma.m16n8k16``
+(``benchmarks/gpu_compile.py``, ``dot_operand_widths``); upstream fixed wrong results of exactly
+that (triton-lang/triton#11691). If the device shows the 16-bit ``forward`` wrong, and
+``forward_unmasked`` and the patterns right, that is the fault.
 
 Operands: ``bf16``, ``fp16``, ``fp32`` (TF32 products) and ``ieee`` (float32 products); warps 4 and
 8. A row is right when ‖out − ref‖ / ‖ref‖ is within its operands' tolerance
@@ -235,16 +240,18 @@ def _read_out(from_scores: bool):
   return pattern
 
 
-def _forward(launch: Launcher, operands: str, warps: int, rng, widened: bool = False):
+def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, masked=True):
   """The module's forward kernel at the failing test's shape; ``widened``: the 16-bit inputs held
-  as float32, the kernel rounding as their dtype (what a GPU call runs by default)."""
+  as float32, the kernel rounding as their dtype (what a GPU call runs by default); ``masked``:
+  with the key-padding mask (Triton 3.6 then gives the coupled products' 16-bit operands kWidth 8
+  at K = 16; without it, 4)."""
   batch, q_len, kv_len, heads, d = 1, 12, 20, 3, 8
   storage = "fp32" if widened else _storage(operands)
   np_dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32)
   q, k, v = (
     rng.normal(size=(batch, n, heads, d)).astype(np_dtype) for n in (q_len, kv_len, kv_len)
   )
-  mask = (np.arange(kv_len) < 14)[None, None, None, :]
+  mask = (np.arange(kv_len) < (14 if masked else kv_len))[None, None, None, :]
   cfg = ht.Config(
     batch=batch,
     q_len=q_len,
@@ -261,7 +268,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened: bool = F
     precision="highest" if operands == "ieee" else None,
     value_rounding=ht.value_rounding(np_dtype),
     bias_shape=None,
-    mask_shape=mask.shape,
+    mask_shape=mask.shape if masked else None,
     num_warps=ht.LaunchWarps(forward=warps),
     interpret=launch.interpret,
   )
@@ -288,6 +295,10 @@ def _widened_forward(launch: Launcher, operands: str, warps: int, rng):
   return _forward(launch, operands, warps, rng, widened=True)
 
 
+def _unmasked_forward(launch: Launcher, operands: str, warps: int, rng):
+  return _forward(launch, operands, warps, rng, masked=False)
+
+
 PATTERNS: dict[str, tuple[Callable, tuple[str, ...]]] = {
   "loaded": (_loaded, OPERANDS),
   "mix_heads": (_mix_heads(wide=False), OPERANDS),
@@ -296,6 +307,7 @@ PATTERNS: dict[str, tuple[Callable, tuple[str, ...]]] = {
   "padded": (_read_out(from_scores=True), OPERANDS),
   "forward": (_forward, OPERANDS),
   "forward_widened": (_widened_forward, ("bf16", "fp16")),  # float32 kernels, rounded as these
+  "forward_unmasked": (_unmasked_forward, ("bf16", "fp16")),
 }
 
 

@@ -381,3 +381,28 @@ def test_estimate_section_sums_the_launches_of_each_setting():
   as_written = json.loads(json.dumps(records))  # the report is rendered from its JSON: lists
   again = gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, as_written)
   assert "\n".join(again) == lines
+
+
+# Two products as Triton 3.6 writes them for the tensorcore forward (bfloat16, K = 16): the q·k
+# product from shared memory (kWidth 2) and a head-coupled one converted in registers (kWidth 8).
+TTGIR_DOTS = """
+    %s = tt.dot %q, %k, %c, inputPrecision = tf32 : tensor<4x16x16xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>> * tensor<4x16x16xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>> -> tensor<4x16x16xf32, #mma> loc(#loc1)
+    %z = tt.dot %a, %v, %c2, inputPrecision = tf32 : tensor<16x16x16xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 8}>> * tensor<16x16x16xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 8}>> -> tensor<16x16x16xf32, #mma> loc(#loc2)
+    %f = tt.dot %x, %y, %c3, inputPrecision = tf32 : tensor<16x16x8xf32, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 1}>> * tensor<16x8x16xf32, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 1}>> -> tensor<16x16x16xf32, #mma> loc(#loc3)
+"""
+
+
+def test_16bit_products_with_operands_wider_than_a_quarter_of_k_miss_a_target():
+  """kWidth 8 at K = 16 (Triton 3.6/3.7): wrong values on an H100; 4 (Triton 3.8+) fits."""
+  assert gpu_compile.dot_operand_widths(TTGIR_DOTS) == [
+    {"k": 16, "k_width": 2, "fits": True},
+    {"k": 16, "k_width": 8, "fits": False},
+  ]
+  wide = gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 1024, SASS, PTX, ttgir=TTGIR_DOTS)
+  assert not wide["targets"]["operand_widths_fit"] and not wide["meets_targets"]
+  fixed = TTGIR_DOTS.replace("kWidth = 8", "kWidth = 4")
+  assert gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 1024, SASS, PTX, ttgir=fixed)["meets_targets"]
+  assert (
+    "operand_widths_fit"
+    not in gpu_compile.kernel_numbers(OLDER_PTXAS_LOG, 1024, SASS, PTX)["targets"]
+  )

@@ -199,6 +199,24 @@ def test_bad_input_raises_value_error_naming_it(call, message):
     call(q, k, v)
 
 
+@pytest.mark.parametrize("launch", ["forward", "dq_dk", "dv"])
+def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
+  """With a key-padding mask (as in lease 7's failing test), Triton 3.6 and 3.7 give the
+  forward's head-coupled bfloat16 products operands of kWidth 8 at K = 16, which an H100
+  computed wrong; the installed Triton must keep them within K / 4 (Triton 3.8 and 3.9: 4)."""
+  from benchmarks import gpu_compile
+
+  family = gpu_compile.FAMILIES["tensorcore"]
+  job = gpu_compile.tensorcore_job(family.settings()[0], family.shape, launch)
+  strides = ht._broadcast_strides((1, 1, 1, family.shape.length))
+  mask = {"HAS_MASK": True, **{f"MS{i}": stride for i, stride in enumerate(strides)}}
+  job = job._replace(source={**job.source, "constants": {**job.source["constants"], **mask}})
+  figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
+  assert figures["status"] == "ok", figures
+  widths = figures["dot_operands"]
+  assert widths and all(w["fits"] for w in widths), widths
+
+
 @pytest.mark.parametrize(  # dq_dk: the most registers; causal: its own default value chunk
   "launch, causal", [("forward", False), ("dq_dk", False), ("dq_dk", True)]
 )
@@ -217,4 +235,8 @@ def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch
   assert figures["shared_bytes"] <= gpu_compile.SHARED_MEMORY_LIMIT_BYTES
   loop = figures["sass_loop"]
   assert loop["hmma"] + loop["hgmma"] > loop["ffma"], loop
+  # The 16-bit products (the forward's; the backward multiplies float32 outside _mix_heads) with
+  # operands of at most a quarter of K per thread: the Triton 3.6 fault of lease 7 is absent.
+  widths = figures["dot_operands"]
+  assert all(w["fits"] for w in widths) and (launch != "forward" or len(widths) == 3), widths
   assert figures["meets_targets"], figures["targets"]

@@ -121,9 +121,11 @@ DEFAULT_CAUSAL_VALUE_CHUNK = 16
 # Lease 7 (one H100, the device image's Triton 3.6.0 through jax-triton 0.3.1, 2026-11-26): with
 # bfloat16 inputs the compiled kernels' output was far from the blockwise path (286 of 288
 # elements, errors up to 33 on values up to 11), while every float32 case matched it and the
-# float64 reference; Triton 3.9's interpreter computes the bfloat16 kernels right. Until a device
-# run shows the 16-bit kernels right (``benchmarks/tensorcore_probe.py`` locates the fault), a GPU
-# call widens 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``).
+# float64 reference; Triton 3.9's interpreter computes the bfloat16 kernels right. Compiled with a
+# mask, Triton 3.6 and 3.7 give the coupled products 16-bit operands of kWidth 8 at K = 16 (3.8
+# and 3.9: 4), the fault upstream fixed in triton-lang/triton#11691 (benchmarks/README.md). Until a
+# device run shows the 16-bit kernels right (``benchmarks/tensorcore_probe.py``), a GPU call widens
+# 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``).
 NATIVE_16BIT_ON_GPU = False
 _ROUNDING_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
 
