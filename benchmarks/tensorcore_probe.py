@@ -72,10 +72,14 @@ def _precision(operands: str) -> str:
   return "ieee" if operands == "ieee" else "tf32"
 
 
+def numpy_dtype(operands: str) -> np.dtype:
+  """The NumPy dtype of operands (or of a ``VALUE_ROUNDING`` name): float32 for ``fp32``/``ieee``."""
+  return np.dtype({"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32))
+
+
 def rounded(x: np.ndarray, operands: str) -> np.ndarray:
   """``x`` (float64) rounded to the operand dtype and back (float32 operands: to float32)."""
-  dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32)
-  return np.asarray(x).astype(np.float32).astype(dtype).astype(np.float64)
+  return np.asarray(x).astype(np.float32).astype(numpy_dtype(operands)).astype(np.float64)
 
 
 def relative_error(out, ref) -> float:
@@ -247,7 +251,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   at K = 16; without it, 4)."""
   batch, q_len, kv_len, heads, d = 1, 12, 20, 3, 8
   storage = "fp32" if widened else _storage(operands)
-  np_dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32)
+  np_dtype = numpy_dtype(operands)
   q, k, v = (
     rng.normal(size=(batch, n, heads, d)).astype(np_dtype) for n in (q_len, kv_len, kv_len)
   )
@@ -278,7 +282,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   grid = ht.launch_grids(cfg)["forward"]
   launch.run(ht._forward_kernel, grid, [*inputs, *placeholders, out], ht._constants(cfg), warps)
   # The blockwise path on the CPU, on the values the kernel rounds as (value_rounding's dtype).
-  reference_dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(cfg.value_rounding, jnp.float32)
+  reference_dtype = numpy_dtype(cfg.value_rounding)
   with jax.default_device(jax.devices("cpu")[0]):
     ref = hb.hyla_blockwise_attention(
       *(jnp.asarray(x.astype(np.float32), reference_dtype) for x in (q, k, v)),
