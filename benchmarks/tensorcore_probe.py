@@ -63,11 +63,6 @@ WARPS = (4, 8)
 HEADS_BATCHED, HEADS_PADDED, TILE, CHUNK = 4, ht.HEAD_PAD, 16, 16
 
 
-def _storage(operands: str) -> str:
-  """The dtype an operand is held in (``ieee`` and ``fp32`` are float32 held alike)."""
-  return {"bf16": "bf16", "fp16": "fp16"}.get(operands, "fp32")
-
-
 def _precision(operands: str) -> str:
   return "ieee" if operands == "ieee" else "tf32"
 
@@ -75,6 +70,11 @@ def _precision(operands: str) -> str:
 def numpy_dtype(operands: str) -> np.dtype:
   """The NumPy dtype of operands (or of a ``VALUE_ROUNDING`` name): float32 for ``fp32``/``ieee``."""
   return np.dtype({"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32))
+
+
+def _storage(operands: str) -> str:
+  """The dtype an operand is held in, by the kernels' name (``ieee`` and ``fp32``: float32)."""
+  return ht.value_rounding(numpy_dtype(operands))
 
 
 def rounded(x: np.ndarray, operands: str) -> np.ndarray:
@@ -109,16 +109,6 @@ def _block_offsets(X: tl.constexpr, Y: tl.constexpr, Z: tl.constexpr):
 
 
 @triton.jit
-def _rounded(x, OPERANDS: tl.constexpr):
-  """``x`` in the operand dtype (float32 operands stay float32)."""
-  if OPERANDS == "bf16":
-    x = x.to(tl.bfloat16)
-  elif OPERANDS == "fp16":
-    x = x.to(tl.float16)
-  return x
-
-
-@triton.jit
 def _loaded_kernel(a_ptr, b_ptr, out_ptr, NB: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
                    N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
   a = tl.load(a_ptr + _block_offsets(NB, M, K))
@@ -135,8 +125,8 @@ def _mix_heads_kernel(a_ptr, v_ptr, out_ptr, HP: tl.constexpr, BQ: tl.constexpr,
   a = tl.load(a_ptr + _block_offsets(HP, BQ, BK))
   v = tl.load(v_ptr + _block_offsets(HP, BK, BV))
   if WIDE_PERMUTE:
-    a_t = _rounded(tl.permute(a, (2, 1, 0)), OPERANDS)
-    v_t = _rounded(tl.permute(v, (1, 0, 2)), OPERANDS)
+    a_t = ht._rounded_as(tl.permute(a, (2, 1, 0)), OPERANDS)
+    v_t = ht._rounded_as(tl.permute(v, (1, 0, 2)), OPERANDS)
     z = tl.dot(a_t, v_t, input_precision=PRECISION)
   else:
     z, u = ht._mix_heads(a, v, False, PRECISION)
@@ -151,13 +141,15 @@ def _read_out_kernel(a_ptr, v_ptr, out_ptr, HP: tl.constexpr, BQ: tl.constexpr,
   tile ``[HP / 2^HX, BQ, BK]`` padded by ``_pad_heads`` and rounded, as the forward does."""
   v = tl.load(v_ptr + _block_offsets(HP, BK, BV))
   if FROM_SCORES:
-    a = _rounded(ht._pad_heads(tl.load(a_ptr + _block_offsets(HP >> HX, BQ, BK)), HX), OPERANDS)
+    a = ht._rounded_as(
+      ht._pad_heads(tl.load(a_ptr + _block_offsets(HP >> HX, BQ, BK)), HX), OPERANDS
+    )
   else:
     a = tl.load(a_ptr + _block_offsets(HP, BQ, BK))
   z, u = ht._mix_heads(a, v, True, PRECISION)
   out = tl.dot(
     tl.permute(a, (1, 0, 2)),
-    tl.permute(_rounded(u, OPERANDS), (1, 0, 2)),
+    tl.permute(ht._rounded_as(u, OPERANDS), (1, 0, 2)),
     input_precision=PRECISION,
   )
   tl.store(out_ptr + _block_offsets(BQ, HP, BV), out)
@@ -176,8 +168,12 @@ class Launcher(NamedTuple):
   def tensor(self, x: np.ndarray, storage: str):
     import torch
 
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    dtypes["i8"] = torch.int8
+    dtypes = {
+      "bf16": torch.bfloat16,
+      "fp16": torch.float16,
+      "fp32": torch.float32,
+      "i8": torch.int8,
+    }
     held = np.int8 if storage == "i8" else np.float32  # rounded once, from float32, as NumPy
     x = torch.from_numpy(np.ascontiguousarray(x, dtype=held))
     return x.to(self.device).to(dtypes[storage]).contiguous()

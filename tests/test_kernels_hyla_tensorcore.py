@@ -207,10 +207,13 @@ def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
   from benchmarks import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
-  job = gpu_compile.tensorcore_job(family.settings()[0], family.shape, launch)
-  strides = ht._broadcast_strides((1, 1, 1, family.shape.length))
-  mask = {"HAS_MASK": True, **{f"MS{i}": stride for i, stride in enumerate(strides)}}
-  job = job._replace(source={**job.source, "constants": {**job.source["constants"], **mask}})
+  setting = family.settings()[0]
+  job = gpu_compile.tensorcore_job(setting, family.shape, launch)
+  masked = gpu_compile.tensorcore_config(setting, family.shape)._replace(
+    mask_shape=(1, 1, 1, family.shape.length)
+  )
+  constants = {**job.source["constants"], **ht._constants(masked)}  # keeps the launch's WANT_DK
+  job = job._replace(source={**job.source, "constants": constants})
   figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures
   widths = figures["dot_operands"]

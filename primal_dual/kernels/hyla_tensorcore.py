@@ -88,8 +88,9 @@ backward's products take float32 operands. ``precision``: ``HIGHEST`` gives floa
 (``ieee``), anything else TF32 for float32 operands on a GPU (XLA's default there); the interpreter
 always multiplies exactly in float32. 16-bit inputs: on a GPU they run, by default, through the
 float32 kernels with ``a`` and ``u`` rounded to their dtype (``widen_16bit``; lease 7 measured the
-16-bit kernels wrong as Triton 3.6 compiles them, see :data:`NATIVE_16BIT_ON_GPU`). Not covered (``ValueError``): softmax normalisation; through
-``hyla_attention``: dropout, returned or sown weights. Reverse-mode differentiation only.
+16-bit kernels wrong as Triton 3.6 compiles them, see :data:`NATIVE_16BIT_ON_GPU`). Not covered
+(``ValueError``): softmax normalisation; through ``hyla_attention``: dropout, returned or sown
+weights. Reverse-mode differentiation only.
 """
 
 from __future__ import annotations
@@ -229,15 +230,21 @@ def _mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _rounded_as(x, ROUNDING: tl.constexpr):
+  """``x`` in the 16-bit dtype ``ROUNDING`` names (``'bf16'``, ``'fp16'``); otherwise unchanged."""
+  if ROUNDING == "bf16":
+    x = x.to(tl.bfloat16)
+  elif ROUNDING == "fp16":
+    x = x.to(tl.float16)
+  return x
+
+
+@triton.jit
 def _as_value_operand(x, v, VALUE_ROUNDING: tl.constexpr):
   """``x`` rounded to the inputs' value dtype (``VALUE_ROUNDING``: ``'bf16'``, ``'fp16'`` or
   ``'fp32'``), held in ``v``'s dtype: the value dtype itself, or float32 when a GPU call widened
   16-bit inputs (products of the rounded values are then exact in TF32, as in a 16-bit product)."""
-  if VALUE_ROUNDING == "bf16":
-    x = x.to(tl.bfloat16)
-  elif VALUE_ROUNDING == "fp16":
-    x = x.to(tl.float16)
-  return x.to(v.dtype)
+  return _rounded_as(x, VALUE_ROUNDING).to(v.dtype)
 
 
 @triton.jit
@@ -590,9 +597,8 @@ def _helpers_interpreted(*namespaces: dict):
   """Every ``@triton.jit`` function a kernel may call (this module's helpers, those in the other
   module ``namespaces`` given, Triton's standard library such as ``tl.zeros``) swapped for an
   interpreted one while a kernel runs in the interpreter, which resolves calls through module
-  globals. Setting ``TRITON_INTERPRET=1``
-  before importing Triton does the same for the whole process, but would stop this process from
-  compiling kernels for a GPU."""
+  globals. Setting ``TRITON_INTERPRET=1`` before importing Triton does the same for the whole
+  process, but would stop this process from compiling kernels for a GPU."""
   import triton.experimental.gluon.language  # noqa: F401 (imported by the interpreter; needs
 
   # the compiled library in place when it first loads)
