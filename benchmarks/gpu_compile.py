@@ -202,18 +202,20 @@ def pallas_jobs(setting: PallasSetting, shape: Shape, workdir: Path) -> list[Com
 # --- Family 2: the fused Triton HYLA kernels (implementation='tensorcore') -----------------------
 
 TENSORCORE_MODULE = "primal_dual.kernels.hyla_tensorcore"
-# (function, extra constants, pointer types in argument order) of each launch.
+# (function, extra constants, pointer types after q, k, v in argument order) of each launch.
 TENSORCORE_LAUNCHES = {
-  "forward": ("_forward_kernel", {}, ("bf16", "bf16", "bf16", "fp32", "i8", "fp32")),
-  "dq_dk": ("_dkv_kernel", {"WANT_DK": True}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 5),
-  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("bf16",) * 3 + ("fp32", "i8") + ("fp32",) * 5),
+  "forward": ("_forward_kernel", {}, ("fp32", "i8", "fp32")),
+  "dq_dk": ("_dkv_kernel", {"WANT_DK": True}, ("fp32", "i8") + ("fp32",) * 5),
+  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("fp32", "i8") + ("fp32",) * 5),
 }
-TENSORCORE_NUM_STAGES = 2  # Triton's default, what jax_triton.triton_call launches with
 
 
 class TensorcoreSetting(NamedTuple):
   """One configuration of the fused Triton HYLA kernels (three launches each); ``launch_warps``:
-  warps of the forward, dq_dk and dv launches."""
+  warps of the forward, dq_dk and dv launches; ``num_stages``: Triton's pipelining stages;
+  ``operands``: the ``q, k, v`` pointers' type, ``bf16`` (bfloat16 inputs run natively) or
+  ``fp32`` (bfloat16 inputs a GPU call widens, ``a`` and ``u`` rounded to bfloat16: float32
+  inputs compile to the same products less two conversions)."""
 
   value_network: str
   normalization: str
@@ -221,28 +223,45 @@ class TensorcoreSetting(NamedTuple):
   value_chunk: int
   launch_warps: tuple[int, int, int]
   causal: bool = False
+  num_stages: int = 2
+  operands: str = "bf16"
+
+
+def tensorcore_default_setting(operands: str = "bf16", causal: bool = False) -> TensorcoreSetting:
+  """The default HYLA (rms_head, mlp_relu) at the kernels' default tuning for ``operands``."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
+  dtype = {"bf16": "bfloat16", "fp32": "float32"}[operands]
+  chunk, warps, stages = ht.default_tuning(dtype, causal)
+  return TensorcoreSetting(
+    "mlp_relu", "rms_head", ht.DEFAULT_BLOCK_SIZE, chunk, tuple(warps), causal, stages, operands
+  )
 
 
 def tensorcore_settings() -> list[TensorcoreSetting]:
-  """Every value network × normalisation at the default tile, chunk and warps; then other tiles,
-  chunks and warps for the default HYLA (rms_head, mlp_relu), and a causal call."""
+  """Every value network × normalisation at the default tuning (bfloat16); then other tiles,
+  chunks and warps for the default HYLA (rms_head, mlp_relu), a causal call, and the float32
+  operands' defaults (the default HYLA, causal or not)."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
-  tile, chunk, warps = ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK, tuple(ht.DEFAULT_NUM_WARPS)
+  default = tensorcore_default_setting()
   settings = [
-    TensorcoreSetting(v, n, tile, chunk, warps)
+    default._replace(value_network=v, normalization=n)
     for v in ht.VALUE_NETWORKS
     for n in ht.NORMALIZATIONS
   ]
   variants = ((16, 16, (4, 8, 8)), (16, 16, (4, 4, 4)), (16, 32, (4, 4, 8)), (16, 64, (8, 8, 8)))
   variants += ((32, 16, (4, 8, 8)), (32, 32, (8, 8, 8)), (64, 16, (8, 8, 8)))
-  settings += [TensorcoreSetting("mlp_relu", "rms_head", t, c, w) for t, c, w in variants]
-  causal_chunk = ht.default_value_chunk(is_causal=True)
-  return settings + [TensorcoreSetting("mlp_relu", "rms_head", tile, causal_chunk, warps, True)]
+  settings += [
+    default._replace(block_size=t, value_chunk=c, launch_warps=w) for t, c, w in variants
+  ]
+  settings.append(tensorcore_default_setting(causal=True))
+  return settings + [tensorcore_default_setting("fp32", causal) for causal in (False, True)]
 
 
 def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
-  """The kernels' ``Config`` for bfloat16 ``shape`` inputs, no mask or bias."""
+  """The kernels' ``Config`` for ``shape`` inputs of bfloat16 values (as ``setting.operands``),
+  no mask or bias."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
   return ht.Config(
@@ -263,12 +282,13 @@ def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
     bias_shape=None,
     mask_shape=None,
     num_warps=ht.LaunchWarps(*setting.launch_warps),
+    num_stages=setting.num_stages,
     interpret=False,
   )
 
 
 def tensorcore_constants(setting: TensorcoreSetting, shape: Shape) -> dict[str, Any]:
-  """The kernels' constexpr constants for bfloat16 ``shape`` inputs, no mask or bias."""
+  """The kernels' constexpr constants for ``tensorcore_config``."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
   return ht._constants(tensorcore_config(setting, shape))
@@ -295,7 +315,8 @@ def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> Com
   """The job of one launch (a key of ``TENSORCORE_LAUNCHES``)."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
-  function, extra, pointer_types = TENSORCORE_LAUNCHES[launch]
+  function, extra, other_pointers = TENSORCORE_LAUNCHES[launch]
+  pointer_types = (setting.operands,) * 3 + other_pointers
   constants = {**tensorcore_constants(setting, shape), **extra}
   pointers = [n for n in getattr(ht, function).arg_names if n not in constants]
   signature = {n: "*" + t for n, t in zip(pointers, pointer_types, strict=True)}
@@ -304,7 +325,7 @@ def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> Com
   )
   warps = getattr(tensorcore_config(setting, shape).num_warps, launch)
   shape_of_launch = tensorcore_launch_shape(setting, shape, launch)._asdict()
-  return CompileJob(launch, source, warps, TENSORCORE_NUM_STAGES, shape_of_launch)
+  return CompileJob(launch, source, warps, setting.num_stages, shape_of_launch)
 
 
 def tensorcore_jobs(setting: TensorcoreSetting, shape: Shape, workdir: Path) -> list[CompileJob]:
@@ -812,6 +833,7 @@ def _setting_columns(setting_type: type):
     "block_size": "tile",
     "value_chunk": "chunk",
     "launch_warps": "warps fwd/dq_dk/dv",
+    "num_stages": "stages",
   }
   formats = {"launch_warps": lambda warps: "/".join(map(str, warps))}
   return tuple(
@@ -957,11 +979,14 @@ def _family_section(name: str, config: Mapping, records: Sequence[Mapping]) -> l
   mine = [r for r in records if r["family"] == name]
   settings_done = {setting_key(r, family.setting_type) for r in mine}
   passing = sum(1 for r in mine if r.get("meets_targets"))
+  widened = (
+    "; operands fp32: widened to float32" if "operands" in family.setting_type._fields else ""
+  )
   return [
     f"## {family.title}",
     "",
     f"bfloat16 q, k, v of shape {tuple(config['shapes'][name])} "
-    f"(`[batch, length, heads, head_dim]`): {family.how}.",
+    f"(`[batch, length, heads, head_dim]`{widened}): {family.how}.",
     "",
     f"Settings compiled: {len(settings_done)} of {len(config['settings'][name])}. "
     f"Targets met: {passing} of {len(mine)} kernels.",

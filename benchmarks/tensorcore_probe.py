@@ -178,14 +178,17 @@ class Launcher(NamedTuple):
     x = torch.from_numpy(np.ascontiguousarray(x, dtype=held))
     return x.to(self.device).to(dtypes[storage]).contiguous()
 
-  def run(self, kernel, grid, args, constants: dict, num_warps: int) -> None:
+  def run(self, kernel, grid, args, constants: dict, num_warps: int, num_stages=None) -> None:
+    """``kernel[grid](*args)``; ``num_stages`` None: Triton's default (the patterns have no
+    loop to pipeline)."""
     if self.interpret:
       from triton.runtime.interpreter import InterpretedFunction
 
       with ht._helpers_interpreted(globals()):
         InterpretedFunction(kernel.fn)[grid](*args, **constants)
     else:
-      kernel[grid](*args, **constants, num_warps=num_warps)
+      stages = {} if num_stages is None else {"num_stages": num_stages}
+      kernel[grid](*args, **constants, num_warps=num_warps, **stages)
 
 
 def _as_numpy(t) -> np.ndarray:
@@ -252,6 +255,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
     rng.normal(size=(batch, n, heads, d)).astype(np_dtype) for n in (q_len, kv_len, kv_len)
   )
   mask = (np.arange(kv_len) < (14 if masked else kv_len))[None, None, None, :]
+  tuning = ht.default_tuning(numpy_dtype(storage), is_causal=False)  # as a call would launch
   cfg = ht.Config(
     batch=batch,
     q_len=q_len,
@@ -269,14 +273,16 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
     value_rounding=ht.value_rounding(np_dtype),
     bias_shape=None,
     mask_shape=mask.shape if masked else None,
-    num_warps=ht.LaunchWarps(forward=warps),
+    num_warps=tuning.num_warps._replace(forward=warps),
+    num_stages=tuning.num_stages,
     interpret=launch.interpret,
   )
   out = launch.tensor(np.zeros((batch, q_len, heads, d), np.float32), "fp32")
   inputs = [launch.tensor(x.astype(np.float32), storage) for x in (q, k, v)]
   placeholders = [launch.tensor(np.zeros(1), "fp32"), launch.tensor(mask.astype(np.int8), "i8")]
   grid = ht.launch_grids(cfg)["forward"]
-  launch.run(ht._forward_kernel, grid, [*inputs, *placeholders, out], ht._constants(cfg), warps)
+  args = [*inputs, *placeholders, out]
+  launch.run(ht._forward_kernel, grid, args, ht._constants(cfg), warps, cfg.num_stages)
   # The blockwise path on the CPU, on the values the kernel rounds as (value_rounding's dtype).
   reference_dtype = numpy_dtype(cfg.value_rounding)
   with jax.default_device(jax.devices("cpu")[0]):

@@ -1,7 +1,8 @@
 """Each launch of the tensor-core HYLA kernels timed alone on a GPU, over a few clean settings.
 
 ``python -m benchmarks.tensorcore_sweep --budget-s 150`` times, for the default setting of
-``primal_dual/kernels/hyla_tensorcore.py`` and a handful of other tiles, value chunks and warps
+``primal_dual/kernels/hyla_tensorcore.py``, the default of float32 operands (bfloat16 inputs
+widened, as a GPU call runs them by default) and a handful of other tiles, value chunks and warps
 (each one clean in the sm_90a compile report: no spills, shared memory within a block), the three
 launches separately — ``forward``, ``dq_dk`` (dq, dk and a bias gradient), ``dv`` — and the whole
 forward + backward (``jax.vjp``) of the default, at N = 8192, H = 8, d = d_v = 64, bfloat16, batch
@@ -66,22 +67,23 @@ CHECK_TOLERANCE = 1e-3
 
 
 def settings() -> list[gpu_compile.TensorcoreSetting]:
-  """The default setting, then the others (tile, value chunk, warps of forward/dq_dk/dv), each
-  clean in the sm_90a compile report at N = 8192: the lease-1 tiles and warps (chunk 16, 8 warps
-  in the backward), chunk 16 with the default warps, and 8 warps for dv or the forward."""
-  from primal_dual.kernels import hyla_tensorcore as ht
-
-  default = (ht.DEFAULT_BLOCK_SIZE, ht.DEFAULT_VALUE_CHUNK, tuple(ht.DEFAULT_NUM_WARPS))
+  """The default setting, the widened one, then the others (tile, value chunk, warps of
+  forward/dq_dk/dv), each clean in the sm_90a compile report at N = 8192: the lease-1 tiles and
+  warps (chunk 16, 8 warps in the backward), chunk 16 with the default warps, and 8 warps for dv
+  or the forward."""
+  default = gpu_compile.tensorcore_default_setting()
+  widened = gpu_compile.tensorcore_default_setting("fp32")  # a GPU call's bfloat16 default
   others = ((16, 16, (4, 8, 8)), (16, 16, (4, 8, 4)), (16, 32, (4, 8, 8)), (16, 32, (8, 8, 4)))
-  return [
-    gpu_compile.TensorcoreSetting("mlp_relu", "rms_head", tile, chunk, warps)
-    for tile, chunk, warps in (default, *others)
+  return [default, widened] + [
+    default._replace(block_size=tile, value_chunk=chunk, launch_warps=warps)
+    for tile, chunk, warps in others
   ]
 
 
 def setting_name(setting: gpu_compile.TensorcoreSetting) -> str:
   warps = "/".join(map(str, setting.launch_warps))
-  return f"tile {setting.block_size} chunk {setting.value_chunk} warps {warps}"
+  name = f"tile {setting.block_size} chunk {setting.value_chunk} warps {warps}"
+  return f"{name} stages {setting.num_stages} {setting.operands}"
 
 
 # Multiply-adds per (query, key) pair and head, in units of d = d_v (×2 for FLOPs): the forward's
@@ -98,11 +100,15 @@ def launch_flops(launch: str, shape: gpu_compile.Shape) -> float:
   return 2.0 * pairs * per_pair * shape.head_dim
 
 
-def inputs(shape: gpu_compile.Shape, seed: int = 0):
-  """bfloat16 ``q, k, v`` and float32 ``dout`` (``[B, N, H, d]``), and the no-bias, no-mask
-  placeholders the kernels take."""
+def inputs(shape: gpu_compile.Shape, seed: int = 0, operands: str = "bf16"):
+  """bfloat16 ``q, k, v`` (held as float32 for ``operands`` ``fp32``: a GPU call's widening)
+  and float32 ``dout`` (``[B, N, H, d]``), and the no-bias, no-mask placeholders the kernels
+  take."""
   rng = np.random.default_rng(seed)
-  q, k, v = (jnp.asarray(rng.normal(size=tuple(shape)), jnp.bfloat16) for _ in range(3))
+  held = jnp.float32 if operands == "fp32" else jnp.bfloat16
+  q, k, v = (
+    jnp.asarray(rng.normal(size=tuple(shape)), jnp.bfloat16).astype(held) for _ in range(3)
+  )
   dout = jnp.asarray(rng.normal(size=tuple(shape)), jnp.float32)
   return q, k, v, jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int8), dout
 
@@ -172,7 +178,7 @@ def measure(
   estimate, where it has one)."""
   cfg = gpu_compile.tensorcore_config(setting, sizes.shape)._replace(interpret=interpret)
   fn = jax.jit(LAUNCH_FUNCTIONS[launch](cfg))
-  args = inputs(sizes.shape)
+  args = inputs(sizes.shape, operands=setting.operands)
   first_call_s = common.time_call(fn, *args)
   timing = common.time_warm(fn, *args, repeats=sizes.repeats)
   return {

@@ -241,7 +241,9 @@ def test_default_settings_of_both_families():
   pallas = gpu_compile.pallas_settings()
   assert len(pallas) == 3 * 2 + 3 and {s.block_size for s in pallas} == {16, 64}
   tensorcore = gpu_compile.tensorcore_settings()
-  assert len(tensorcore) == 3 * 2 + 7 + 1 and sum(s.causal for s in tensorcore) == 1
+  assert len(tensorcore) == 3 * 2 + 7 + 1 + 2 and sum(s.causal for s in tensorcore) == 2
+  widened = [s for s in tensorcore if s.operands == "fp32"]
+  assert widened == [gpu_compile.tensorcore_default_setting("fp32", c) for c in (False, True)]
   args = gpu_compile.parse_args(["--tiles", "64", "--normalizations", "rms_head"])
   kept = gpu_compile.select_settings(pallas, args)
   assert [s.value_network for s in kept] == ["linear", "mlp_relu", "mlp_linear"]
@@ -337,7 +339,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     in (pallas_part)
   )
   assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
-  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 4 |" in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 2 | bf16 | 4 |" in tensorcore_part
   assert "over 420 s (killed)" in tensorcore_part
 
 
@@ -375,7 +377,9 @@ def test_estimate_section_sums_the_launches_of_each_setting():
   ]
   records.append(_record("tensorcore", setting, "dv", status="timeout", reason="over 420 s"))
   lines = "\n".join(gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records))
-  assert "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4/8/4 | False | 4 | 168 | 1000 |" in lines
+  assert (
+    "| dq_dk | mlp_relu | rms_head | 16 | 16 | 4/8/4 | False | 2 | bf16 | 4 | 168 | 1000 |" in lines
+  )
   assert f"**{2 * numbers['estimate_ms']:.1f} ms**" in lines
   assert gpu_compile.estimate_section(gpu_compile.TensorcoreSetting, records[2:]) == []
   as_written = json.loads(json.dumps(records))  # the report is rendered from its JSON: lists

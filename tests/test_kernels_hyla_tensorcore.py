@@ -4,6 +4,8 @@ its sm_90a compilation (no GPU needed)."""
 
 import functools
 import itertools
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -149,12 +151,18 @@ def test_auto_never_selects_it_on_a_gpu_backend(monkeypatch):
     hyla.select_path(call, "rms_head", None, "tensorcore")
 
 
-def test_16bit_inputs_widen_on_a_gpu_by_default_and_round_as_their_dtype():
-  """A GPU call widens 16-bit inputs until a device run shows the 16-bit kernels right; the
-  interpreter runs the 16-bit kernels; the kernels round a and u as the inputs' dtype."""
+def test_16bit_inputs_widen_on_a_gpu_by_default_and_round_as_their_dtype(monkeypatch):
+  """A GPU call widens 16-bit inputs until a device run shows the 16-bit kernels right, and then
+  still under the Triton versions with the fault; the interpreter runs the 16-bit kernels; the
+  kernels round a and u as the inputs' dtype."""
   assert not ht.NATIVE_16BIT_ON_GPU
   assert ht.widens_16bit(None, interpret=False) and not ht.widens_16bit(None, interpret=True)
   assert ht.widens_16bit(True, interpret=True) and not ht.widens_16bit(False, interpret=False)
+  monkeypatch.setattr(ht, "NATIVE_16BIT_ON_GPU", True)
+  assert ht.widens_16bit(None, interpret=False, triton_version="3.7.1")
+  assert not ht.widens_16bit(None, interpret=False, triton_version="3.8.0")
+  assert not ht.widens_16bit(None, interpret=False, triton_version="3.10.0+git8f1e2d")
+  assert ht.triton_version_tuple("3.6.0") == (3, 6)
   assert [ht.value_rounding(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)] == [
     "bf16",
     "fp16",
@@ -184,11 +192,53 @@ def test_widened_16bit_inputs_give_the_16bit_kernels_function():
 
 
 @pytest.mark.parametrize(
+  "dtype, widen, causal, operand_bits",
+  [
+    (jnp.float32, None, False, 32),
+    (jnp.bfloat16, None, True, 32),  # a GPU call widens by default
+    (jnp.bfloat16, False, False, 16),
+    (jnp.bfloat16, False, True, 16),
+  ],
+)
+def test_gpu_launches_take_the_default_tuning_of_their_operands(
+  monkeypatch, dtype, widen, causal, operand_bits
+):
+  """Each jax-triton launch gets the value chunk, warps and pipelining stages of
+  ``default_tuning`` for the operands it is given (the settings the compile report checks;
+  jax-triton's own default is 3 stages), recorded here by a stand-in for jax-triton."""
+  launches = []
+
+  def triton_call(*inputs, kernel, out_shape, grid, num_warps, num_stages, **constants):
+    operands = {x.dtype for x in inputs[:3]}
+    launches.append((grid, num_warps, num_stages, constants["BV"], operands))
+    return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+
+  monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
+  q, k, v = (
+    jnp.asarray(x, dtype)
+    for x in helpers.random_qkv(np.random.default_rng(0), (1,), 40, 40, 8, d=64, d_v=64)
+  )
+  attend = functools.partial(
+    ht.hyla_tensorcore_attention, is_causal=causal, interpret=False, widen_16bit=widen
+  )
+  out, vjp = jax.vjp(attend, q, k, v)
+  vjp(out)
+  operand_dtype = jnp.float32 if operand_bits == 32 else jnp.bfloat16
+  chunk, warps, stages = ht.default_tuning(operand_dtype, causal)
+  assert [launch[1:] for launch in launches] == [
+    (getattr(warps, name), stages, chunk, {jnp.dtype(operand_dtype)})
+    for name in ("forward", "dq_dk", "dv")
+  ]
+  assert launches[0][0] == (1, 3, 64 // chunk)  # forward grid: example, query tiles, chunks
+
+
+@pytest.mark.parametrize(
   "call, message",
   [
     (lambda q, k, v: ht.hyla_tensorcore_attention(q, k[:, :, :1], v), r"\(1, 5, 1, 4\)"),
     (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, normalization="softmax"), "softmax"),
     (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, value_chunk=0), "value_chunk"),
+    (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, num_stages=1.5), "num_stages must"),
     (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, block_size=0), "block_size"),
     (lambda q, k, v: ht.hyla_tensorcore_attention(q, k, v, mask=np.ones((3, 4))), "mask"),
   ],
@@ -207,7 +257,7 @@ def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
   from benchmarks import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
-  setting = family.settings()[0]
+  setting = gpu_compile.tensorcore_default_setting()
   job = gpu_compile.tensorcore_job(setting, family.shape, launch)
   masked = gpu_compile.tensorcore_config(setting, family.shape)._replace(
     mask_shape=(1, 1, 1, family.shape.length)
@@ -220,17 +270,28 @@ def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
   assert widths and all(w["fits"] for w in widths), widths
 
 
-@pytest.mark.parametrize(  # dq_dk: the most registers; causal: its own default value chunk
-  "launch, causal", [("forward", False), ("dq_dk", False), ("dq_dk", True)]
+@pytest.mark.parametrize(  # dq_dk: the most registers; causal: its own default value chunk;
+  "operands, launch, causal",  # fp32: float32 inputs, and 16-bit ones a GPU call widens
+  [
+    ("bf16", "forward", False),
+    ("bf16", "dq_dk", False),
+    ("bf16", "dq_dk", True),
+    ("fp32", "dq_dk", False),
+    ("fp32", "dq_dk", True),
+    ("fp32", "dv", False),
+  ],
 )
-def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(launch, causal, tmp_path):
-  """At the issue's shape (bfloat16, H = 8, d = 64) and the default tiles and warps: no spills,
-  shared memory within an H100 block, the loop's products on mma (more of them than FFMAs)."""
+def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(
+  operands, launch, causal, tmp_path
+):
+  """At the issue's shape (bfloat16 values, H = 8, d = 64) and the default tuning of the
+  operands: no spills, shared memory within an H100 block, the loop's products on mma (more of
+  them than FFMAs)."""
   from benchmarks import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
-  setting = family.settings()[-1 if causal else 0]
-  assert setting.causal == causal
+  setting = gpu_compile.tensorcore_default_setting(operands, causal)
+  assert setting in family.settings()
   job = gpu_compile.tensorcore_job(setting, family.shape, launch)
   figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
@@ -33,13 +34,16 @@ def _run(tmp_path, *extra):
 
 def test_settings_start_with_the_default_and_stay_few():
   settings = tensorcore_sweep.settings()
-  default = settings[0]
-  assert (default.block_size, default.value_chunk) == (
-    ht.DEFAULT_BLOCK_SIZE,
-    ht.DEFAULT_VALUE_CHUNK,
-  )
-  assert default.launch_warps == tuple(ht.DEFAULT_NUM_WARPS)
-  assert len(set(settings)) == len(settings) <= 1 + 8
+  default, widened = settings[:2]
+  for setting, dtype in ((default, jnp.bfloat16), (widened, jnp.float32)):
+    tuning = ht.default_tuning(dtype, is_causal=False)
+    assert (setting.block_size, setting.value_chunk) == (ht.DEFAULT_BLOCK_SIZE, tuning.value_chunk)
+    assert (setting.launch_warps, setting.num_stages) == (
+      tuple(tuning.num_warps),
+      tuning.num_stages,
+    )
+  assert (default.operands, widened.operands) == ("bf16", "fp32")
+  assert len(set(settings)) == len(settings) <= 2 + 8
 
 
 def test_every_launch_of_every_setting_is_timed_in_one_report(tmp_path):

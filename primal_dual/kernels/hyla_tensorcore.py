@@ -34,11 +34,12 @@ forward and of the ``da`` loop (causal calls keep 16: at 32 their dq_dk spills);
 (two programs per SM); the query loop of a non-causal dq_dk is rotated per key tile so that
 concurrent atomic adds land on different rows. Estimated 52 ms at 8k (forward 5, dq_dk 32, dv 15;
 the atomic adds unmodelled), still latency-bound; not yet timed on a GPU
-(``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk and warps
-(:class:`LaunchWarps`) are the clean settings (no spills, ≤ 255 registers) with the least
-estimated time in the sm_90a compile report at H = 8, d = 64
-(``benchmarks/results/gpu_compile.md``, its tensorcore section). Larger tiles, the obvious way
-to more work per stage, spill in the backward (tile 32) or exceed an H100's shared memory.
+(``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk, warps and pipelining
+stages (:func:`default_tuning`, by operand width and causality) are the clean settings (no
+spills, ≤ 255 registers) with the least estimated time in the sm_90a compile report at H = 8,
+d = 64 (``benchmarks/results/gpu_compile.md``, its tensorcore section), and the launches ask
+jax-triton for those stages (its default, 3, spills float32 operands). Larger tiles, the obvious
+way to more work per stage, spill in the backward (tile 32) or exceed an H100's shared memory.
 
 Kernels, one program per (example, tile[, value chunk]); the backward is a ``jax.custom_vjp``
 whose residuals are the inputs (tiles recomputed, as in flash attention):
@@ -114,9 +115,6 @@ NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
-DEFAULT_VALUE_CHUNK = 32
-# Causal calls: at chunk 32 ptxas spills the causal dq_dk launch (H = 8, d = 64); at 16 it does not.
-DEFAULT_CAUSAL_VALUE_CHUNK = 16
 
 
 # Lease 7 (one H100, the device image's Triton 3.6.0 through jax-triton 0.3.1, 2026-11-26): with
@@ -126,8 +124,10 @@ DEFAULT_CAUSAL_VALUE_CHUNK = 16
 # mask, Triton 3.6 and 3.7 give the coupled products 16-bit operands of kWidth 8 at K = 16 (3.8
 # and 3.9: 4), the fault upstream fixed in triton-lang/triton#11691 (benchmarks/README.md). Until a
 # device run shows the 16-bit kernels right (``benchmarks/tensorcore_probe.py``), a GPU call widens
-# 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``).
+# 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``); once one has,
+# only under a Triton older than FIRST_TRITON_WITHOUT_16BIT_FAULT.
 NATIVE_16BIT_ON_GPU = False
+FIRST_TRITON_WITHOUT_16BIT_FAULT = (3, 8)
 _ROUNDING_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
 
 
@@ -137,27 +137,63 @@ def value_rounding(value_dtype) -> str:
   return _ROUNDING_NAMES.get(jnp.dtype(value_dtype), "fp32")
 
 
-def widens_16bit(requested: bool | None, interpret: bool) -> bool:
-  """Whether a call runs 16-bit inputs as float32: as ``requested``, or by default on a GPU unless
-  :data:`NATIVE_16BIT_ON_GPU` (the interpreter runs the 16-bit kernels the tests check)."""
+def triton_version_tuple(version: str) -> tuple[int, int]:
+  """``(3, 9)`` of ``'3.9.0'`` (or ``'3.9.0+git1a2b'``)."""
+  major, minor = version.split(".")[:2]
+  return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def widens_16bit(
+  requested: bool | None, interpret: bool, triton_version: str | None = None
+) -> bool:
+  """Whether a call runs 16-bit inputs as float32: as ``requested``; by default on a GPU unless
+  :data:`NATIVE_16BIT_ON_GPU` and the installed Triton (or ``triton_version``) is at least
+  :data:`FIRST_TRITON_WITHOUT_16BIT_FAULT`; never in the interpreter (it runs the 16-bit kernels
+  the tests check)."""
   if requested is not None:
     return bool(requested)
-  return not interpret and not NATIVE_16BIT_ON_GPU
-
-
-def default_value_chunk(is_causal: bool) -> int:
-  return DEFAULT_CAUSAL_VALUE_CHUNK if is_causal else DEFAULT_VALUE_CHUNK
+  fixed = triton_version_tuple(triton_version or triton.__version__)
+  return not interpret and not (NATIVE_16BIT_ON_GPU and fixed >= FIRST_TRITON_WITHOUT_16BIT_FAULT)
 
 
 class LaunchWarps(NamedTuple):
   """Warps per program of each launch (names of :func:`launch_grids`)."""
 
-  forward: int = 4
-  dq_dk: int = 8  # the most per-program state: at 4 warps ptxas spills it
-  dv: int = 4
+  forward: int
+  dq_dk: int
+  dv: int
 
 
-DEFAULT_NUM_WARPS = LaunchWarps()
+class Tuning(NamedTuple):
+  """The GPU settings of a call: value features per chunk, warps per launch, and Triton's
+  software-pipelining stages (every launch)."""
+
+  value_chunk: int
+  num_warps: LaunchWarps
+  num_stages: int
+
+
+# The defaults: the clean settings (no spills, ≤ 255 registers, shared memory within a block) with
+# the least estimated time in the sm_90a compile report at H = 8, d = 64 (Triton 3.9;
+# benchmarks/results/gpu_compile.md), by the operands' width and causality. 16-bit: at chunk 32
+# ptxas spills the causal dq_dk launch, at 16 it does not; dq_dk needs 8 warps (at 4 it spills).
+# Float32 (float32 inputs, and 16-bit ones a GPU call widens) holds twice the registers per
+# operand: at 2 stages its dq_dk spills (356/268 B at chunk 32, 36/24 B causal at chunk 16) and so
+# does its dv at 4 warps; without software pipelining (1 stage) chunk 32 is clean with dv at 8.
+# jax-triton would otherwise launch with 3 stages, which the report does not check.
+_DEFAULT_TUNING = {  # (operand bits, causal)
+  (16, False): Tuning(32, LaunchWarps(forward=4, dq_dk=8, dv=4), num_stages=2),
+  (16, True): Tuning(16, LaunchWarps(forward=4, dq_dk=8, dv=4), num_stages=2),
+  (32, False): Tuning(32, LaunchWarps(forward=4, dq_dk=8, dv=8), num_stages=1),
+  (32, True): Tuning(32, LaunchWarps(forward=4, dq_dk=8, dv=8), num_stages=1),
+}
+
+
+def default_tuning(operand_dtype, is_causal: bool) -> Tuning:
+  """The default :class:`Tuning` for kernels whose ``q, k, v`` operands are ``operand_dtype``
+  (after any widening, :func:`widens_16bit`)."""
+  bits = 16 if jnp.dtype(operand_dtype).itemsize == 2 else 32
+  return _DEFAULT_TUNING[bits, bool(is_causal)]
 
 
 # --- Tile maths (Triton) -------------------------------------------------------------------------
@@ -502,6 +538,7 @@ class Config(NamedTuple):
   bias_shape: tuple[int, int, int, int] | None  # [B', H', Q', K'] (1 on broadcast axes)
   mask_shape: tuple[int, int, int, int] | None
   num_warps: LaunchWarps
+  num_stages: int
   interpret: bool
 
 
@@ -681,6 +718,7 @@ def _launch(name: str, kernel, out_shapes, cfg: Config, *inputs, **extra_constan
     out_shape=tuple(out_shapes),
     grid=grid,
     num_warps=num_warps,
+    num_stages=cfg.num_stages,  # as the compile report checks (jax-triton's own default is 3)
     zeroed_outputs=tuple(range(len(out_shapes))),
     **constants,
   )
@@ -718,7 +756,8 @@ def hyla_tensorcore_attention(
   scale: float | None = None,
   dtype=None,
   precision=None,
-  num_warps: LaunchWarps | tuple[int, int, int] = DEFAULT_NUM_WARPS,
+  num_warps: LaunchWarps | tuple[int, int, int] | None = None,
+  num_stages: int | None = None,
   interpret: bool | None = None,
   widen_16bit: bool | None = None,
 ):
@@ -732,13 +771,15 @@ def hyla_tensorcore_attention(
     mask: any dtype, broadcastable like ``bias``; nonzero = may attend.
     block_size: query and key tile, rounded up to a power of two of at least 16; ragged lengths
       are masked by index.
-    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s);
-      None: :func:`default_value_chunk`.
+    value_chunk: value features per chunk, rounded like ``block_size`` (capped at ``d_v``'s).
     is_causal, causal_alignment, normalization (``'rms_head'`` | ``'none'``), value_network
       (``'mlp_relu'`` | ``'mlp_linear'`` | ``'linear'``), scale, dtype, precision: as in
       ``hyla_attention``.
     num_warps: warps per program of the ``forward``, ``dq_dk`` and ``dv`` launches on a GPU
       (a :class:`LaunchWarps` or a tuple in that order).
+    num_stages: Triton's software-pipelining stages of every launch on a GPU.
+      ``value_chunk``, ``num_warps``, ``num_stages``: None takes :func:`default_tuning`'s for the
+      kernels' operand dtype (after ``widen_16bit``) and ``is_causal``.
     interpret: run the kernels in Triton's interpreter; None: when the backend is not a GPU.
     widen_16bit: run bfloat16/float16 inputs through the float32 kernels, ``a`` and ``u`` rounded
       to the input dtype as the 16-bit kernels round them (the same function; TF32 products of
@@ -750,8 +791,8 @@ def hyla_tensorcore_attention(
 
   Raises:
     ValueError: bad shapes (naming them), grouped key/value heads, an unsupported
-      ``normalization``/``value_network``, or a ``block_size``/``value_chunk`` that is not a
-      positive int.
+      ``normalization``/``value_network``, or a ``block_size``/``value_chunk``/``num_stages``
+      that is not a positive int.
   """
   shapes = hb.check_tiled_call(
     "hyla_tensorcore_attention",
@@ -763,10 +804,15 @@ def hyla_tensorcore_attention(
     block_size,
     normalization_note=" (softmax needs per-key running statistics: use the dense path)",
   )
-  if value_chunk is None:
-    value_chunk = default_value_chunk(is_causal)
-  if not isinstance(value_chunk, int) or isinstance(value_chunk, bool) or value_chunk < 1:
-    raise ValueError(f"value_chunk must be a positive int or None; got {value_chunk!r}")
+  interpret = C.interpret_off_gpu() if interpret is None else bool(interpret)
+  rounding = value_rounding(value.dtype)
+  widen = rounding != "fp32" and widens_16bit(widen_16bit, interpret)
+  tuning = default_tuning(C.F32 if widen else query.dtype, is_causal)
+  value_chunk = tuning.value_chunk if value_chunk is None else value_chunk
+  num_stages = tuning.num_stages if num_stages is None else num_stages
+  for name, count in (("value_chunk", value_chunk), ("num_stages", num_stages)):
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+      raise ValueError(f"{name} must be a positive int or None; got {count!r}")
   offset = C.causal_offset(causal_alignment, shapes.q_len, shapes.kv_len)
   mask = hb.reduced_broadcast(C.as_bool_mask(mask), "mask", shapes)
   bias = hb.reduced_broadcast(bias, "bias", shapes)
@@ -785,14 +831,15 @@ def hyla_tensorcore_attention(
     value_chunk=min(_dot_size(value_chunk), _dot_size(shapes.d_v)),
     causal_offset=offset if is_causal else None,
     precision=precision,
-    value_rounding=value_rounding(value.dtype),
+    value_rounding=rounding,
     bias_shape=None if bias is None else tuple(bias.shape),
     mask_shape=None if mask is None else tuple(mask.shape),
-    num_warps=LaunchWarps(*num_warps),
-    interpret=C.interpret_off_gpu() if interpret is None else bool(interpret),
+    num_warps=LaunchWarps(*(tuning.num_warps if num_warps is None else num_warps)),
+    num_stages=num_stages,
+    interpret=interpret,
   )
   q, k, v = (x.reshape((batch, *x.shape[-3:])) for x in (query, key, value))
-  if cfg.value_rounding != "fp32" and widens_16bit(widen_16bit, cfg.interpret):
+  if widen:
     q, k, v = (x.astype(C.F32) for x in (q, k, v))
   # Placeholders keep one kernel signature when there is no bias or mask (never read).
   bias = jnp.zeros((1,), C.F32) if bias is None else bias
