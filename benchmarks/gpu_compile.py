@@ -231,8 +231,7 @@ def tensorcore_default_setting(operands: str = "bf16", causal: bool = False) -> 
   """The default HYLA (rms_head, mlp_relu) at the kernels' default tuning for ``operands``."""
   from primal_dual.kernels import hyla_tensorcore as ht
 
-  dtype = {"bf16": "bfloat16", "fp32": "float32"}[operands]
-  chunk, warps, stages = ht.default_tuning(dtype, causal)
+  chunk, warps, stages = ht.default_tuning(ht.rounding_dtype(operands), causal)
   return TensorcoreSetting(
     "mlp_relu", "rms_head", ht.DEFAULT_BLOCK_SIZE, chunk, tuple(warps), causal, stages, operands
   )
@@ -361,7 +360,8 @@ FAMILIES = {
     tensorcore_jobs,
     Shape(length=8192),  # the length of the HYLA speed target (constexpr in these kernels)
     "each launch's `@triton.jit` function compiled with the constants of a call without mask or "
-    "bias; the heads batch the per-head products and are padded to 16 for the coupled ones",
+    "bias; the heads batch the per-head products and are padded to 16 for the coupled ones; "
+    "`operands` fp32: the inputs widened to float32",
   ),
 }
 
@@ -979,14 +979,11 @@ def _family_section(name: str, config: Mapping, records: Sequence[Mapping]) -> l
   mine = [r for r in records if r["family"] == name]
   settings_done = {setting_key(r, family.setting_type) for r in mine}
   passing = sum(1 for r in mine if r.get("meets_targets"))
-  widened = (
-    "; operands fp32: widened to float32" if "operands" in family.setting_type._fields else ""
-  )
   return [
     f"## {family.title}",
     "",
     f"bfloat16 q, k, v of shape {tuple(config['shapes'][name])} "
-    f"(`[batch, length, heads, head_dim]`{widened}): {family.how}.",
+    f"(`[batch, length, heads, head_dim]`): {family.how}.",
     "",
     f"Settings compiled: {len(settings_done)} of {len(config['settings'][name])}. "
     f"Targets met: {passing} of {len(mine)} kernels.",

@@ -47,7 +47,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import triton
 import triton.language as tl
@@ -67,19 +66,14 @@ def _precision(operands: str) -> str:
   return "ieee" if operands == "ieee" else "tf32"
 
 
-def numpy_dtype(operands: str) -> np.dtype:
-  """The NumPy dtype of operands (or of a ``VALUE_ROUNDING`` name): float32 for ``fp32``/``ieee``."""
-  return np.dtype({"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(operands, np.float32))
-
-
 def _storage(operands: str) -> str:
   """The dtype an operand is held in, by the kernels' name (``ieee`` and ``fp32``: float32)."""
-  return ht.value_rounding(numpy_dtype(operands))
+  return ht.value_rounding(ht.rounding_dtype(operands))
 
 
 def rounded(x: np.ndarray, operands: str) -> np.ndarray:
   """``x`` (float64) rounded to the operand dtype and back (float32 operands: to float32)."""
-  return np.asarray(x).astype(np.float32).astype(numpy_dtype(operands)).astype(np.float64)
+  return np.asarray(x).astype(np.float32).astype(ht.rounding_dtype(operands)).astype(np.float64)
 
 
 def relative_error(out, ref) -> float:
@@ -250,12 +244,12 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   at K = 16; without it, 4)."""
   batch, q_len, kv_len, heads, d = 1, 12, 20, 3, 8
   storage = "fp32" if widened else _storage(operands)
-  np_dtype = numpy_dtype(operands)
+  np_dtype = ht.rounding_dtype(operands)
   q, k, v = (
     rng.normal(size=(batch, n, heads, d)).astype(np_dtype) for n in (q_len, kv_len, kv_len)
   )
   mask = (np.arange(kv_len) < (14 if masked else kv_len))[None, None, None, :]
-  tuning = ht.default_tuning(numpy_dtype(storage), is_causal=False)  # as a call would launch
+  tuning = ht.default_tuning(ht.rounding_dtype(storage), is_causal=False)  # as a call would launch
   cfg = ht.Config(
     batch=batch,
     q_len=q_len,
@@ -284,7 +278,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   args = [*inputs, *placeholders, out]
   launch.run(ht._forward_kernel, grid, args, ht._constants(cfg), warps, cfg.num_stages)
   # The blockwise path on the CPU, on the values the kernel rounds as (value_rounding's dtype).
-  reference_dtype = numpy_dtype(cfg.value_rounding)
+  reference_dtype = ht.rounding_dtype(cfg.value_rounding)
   with jax.default_device(jax.devices("cpu")[0]):
     ref = hb.hyla_blockwise_attention(
       *(jnp.asarray(x.astype(np.float32), reference_dtype) for x in (q, k, v)),

@@ -104,8 +104,10 @@ def inputs(shape: gpu_compile.Shape, seed: int = 0, operands: str = "bf16"):
   """bfloat16 ``q, k, v`` (held as float32 for ``operands`` ``fp32``: a GPU call's widening)
   and float32 ``dout`` (``[B, N, H, d]``), and the no-bias, no-mask placeholders the kernels
   take."""
+  from primal_dual.kernels import hyla_tensorcore as ht
+
   rng = np.random.default_rng(seed)
-  held = jnp.float32 if operands == "fp32" else jnp.bfloat16
+  held = ht.rounding_dtype(operands)
   q, k, v = (
     jnp.asarray(rng.normal(size=tuple(shape)), jnp.bfloat16).astype(held) for _ in range(3)
   )

@@ -137,6 +137,13 @@ def value_rounding(value_dtype) -> str:
   return _ROUNDING_NAMES.get(jnp.dtype(value_dtype), "fp32")
 
 
+def rounding_dtype(name: str) -> np.dtype:
+  """The dtype a ``VALUE_ROUNDING`` or operand name stands for (inverse of
+  :func:`value_rounding`): bfloat16 for ``'bf16'``, float16 for ``'fp16'``, float32 for any other
+  (``'fp32'``, and the probe's ``'ieee'``)."""
+  return next((d for d, n in _ROUNDING_NAMES.items() if n == name), np.dtype(np.float32))
+
+
 def triton_version_tuple(version: str) -> tuple[int, int]:
   """``(3, 9)`` of ``'3.9.0'`` (or ``'3.9.0+git1a2b'``)."""
   major, minor = version.split(".")[:2]
