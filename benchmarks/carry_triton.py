@@ -8,8 +8,9 @@ symbols: 480 → 185 MB, about 37 MB as xz) and its Python files; this keeps tho
 the profiler (``libproton.so``, CUPTI), the AMD backend, the bundled CUDA tools and the headers for
 building plugins. The device then takes the image's own ptxas (``TRITON_PTXAS_*_PATH``): it makes
 the PTX version the image's jaxlib already compiles (8.7 for sm_90a), which a newer bundled ptxas
-would raise. Checked on a CPU (cp311 build): jax-triton 0.3.1 compiles the three tensorcore
-launches to sm_90a PTX with the slim Triton 3.9.0 and the image's Triton 3.6 ptxas.
+would raise. Checked on a CPU with the cp312 archive under Python 3.12: jax-triton 0.3.1 compiles
+the three tensorcore launches to sm_90a PTX with the slim Triton 3.9.0 and the image's Triton 3.6
+ptxas.
 
 Here (the registry is reachable; about 3 minutes, mostly xz)::
 
