@@ -768,7 +768,7 @@ def compile_kernel(job: CompileJob, workdir: Path, memory_cap_gib: float, timeou
       raw["ptx"],
       job.num_warps,
       launch,
-      raw.get("ttgir", ""),
+      raw["ttgir"],
     )
   except ValueError as error:
     return {"status": "failed", "reason": str(error)[:400]}

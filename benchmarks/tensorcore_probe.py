@@ -277,11 +277,10 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   grid = ht.launch_grids(cfg)["forward"]
   args = [*inputs, *placeholders, out]
   launch.run(ht._forward_kernel, grid, args, ht._constants(cfg), warps, cfg.num_stages)
-  # The blockwise path on the CPU, on the values the kernel rounds as (value_rounding's dtype).
-  reference_dtype = ht.rounding_dtype(cfg.value_rounding)
+  # The blockwise path on the CPU, on the values the kernel rounds as (np_dtype).
   with jax.default_device(jax.devices("cpu")[0]):
     ref = hb.hyla_blockwise_attention(
-      *(jnp.asarray(x.astype(np.float32), reference_dtype) for x in (q, k, v)),
+      *(jnp.asarray(x.astype(np.float32), np_dtype) for x in (q, k, v)),
       None,
       jnp.asarray(mask),
       block_size=8,
