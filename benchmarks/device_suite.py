@@ -5,9 +5,12 @@ first), each as one *row*:
 
 1. attention, bfloat16, forward + backward (``benchmarks.attention.measure``): the fused reference
    (cuDNN on a GPU), softmax, bn, sh, bn_sh, HYLA blockwise and HYLA fused (Pallas; on a GPU only)
-   at N = 4k, 8k, 32k (the rows the attention targets read);
+   at N = 4k, 8k, 32k (the rows the attention targets read); then, at 4k, softmax, sh and bn_sh
+   once and 8 times in one program (``benchmarks.call_cost``): a call's fixed cost apart from its
+   per-call cost;
 2. small-model throughput (``benchmarks.small_models.time_steps``): the sRAVEN and logic paper
-   models with softmax, linear_plain and hyla, K = 100 steps per call, 1, 4, 12 and 24 replicas;
+   models with softmax, linear_plain and hyla, K = 100 steps per call, 1, 4, 12 and 24 replicas
+   (N = 4k: the paper grid's lr × weight decay × k seeds, each seed its own held-out split);
 3. where the sRAVEN step's time goes: on-device data generation, forward, forward + backward +
    update on ready batches, the whole trainer step, and an evaluation pass, each timed alone;
 4. every other attention row (other variants, reference and dense paths) at 4k.
@@ -37,7 +40,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from benchmarks import attention, common, small_models
+from benchmarks import attention, call_cost, common, small_models
 
 STEM = "device_suite"
 TARGET_VARIANTS = ("softmax", "bn", "sh", "bn_sh", "hyla")
@@ -71,6 +74,7 @@ PRIOR_ESTIMATES_S = {
   "small_models/12": 20.0,
   "small_models/24": 25.0,
   "step_breakdown": 45.0,
+  "call_cost": 10.0,
 }
 DEFAULT_ESTIMATE_S = 5.0
 
@@ -143,8 +147,31 @@ def _attention_row(case, length, sizes, previous) -> Row:
   )
 
 
+def call_cost_rows(sizes: Sizes, variants: Sequence[str] | None) -> list[Row]:
+  """Softmax, sh and bn_sh (those of ``variants``) at the first length: one forward + backward
+  per program against ``call_cost.DEFAULT_CALLS`` in one (``benchmarks.call_cost``)."""
+  names = [v for v in call_cost.VARIANTS if variants is None or v in variants]
+  cases = attention.all_cases(
+    sizes.heads, attention.default_sh_ratios(sizes.heads), sizes.hyla_block, names
+  )
+  length, calls = sizes.lengths[0], call_cost.DEFAULT_CALLS
+  shape = attention.Shape(1, length, sizes.heads, sizes.head_dim)
+  return [
+    Row(
+      "call_cost",
+      f"{case.name} N={length} 1 vs {calls} calls",
+      "call_cost",
+      functools.partial(call_cost.measure, case, shape, DTYPE, calls=calls, repeats=sizes.repeats),
+    )
+    for case in cases
+    if case.name in names
+  ]
+
+
 def small_model_rows(sizes: Sizes, models: Sequence[str], variants: Sequence[str]) -> list[Row]:
-  """Model-steps per second of each model × variant × replica count, K steps per call."""
+  """Model-steps per second of each model × variant × replica count, K steps per call: N
+  replicas of the paper grid's program (2 lr × 2 weight decays × N/4 seeds, each seed its own
+  held-out split) where 4 divides N, else N seeds."""
   rows = []
   for model in models:
     for replicas in sizes.replicas:
@@ -156,6 +183,7 @@ def small_model_rows(sizes: Sizes, models: Sequence[str], variants: Sequence[str
           device_data=True,
           quick=sizes.quick_models,
           num_replicas=replicas,
+          sweep="lr_wd_seeds" if replicas % small_models.POINTS_PER_SEED == 0 else "seeds",
         )
         rows.append(
           Row(
@@ -198,8 +226,8 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
   # One replica: the Program's state has no replica axis, and its one optimizer is replica 0's.
   program, state = small_models.build(measurement)
   config, task = program.config, program.task
-  make_batch = task.device_train_stream(config, program.metadata)
-  seed = jnp.int32(config.seed)
+  stream = task.device_train_stream(config, program.metadata)
+  make_batch = functools.partial(stream.batch, arguments=stream.arguments)
   tx = program.optimizer.transformation(
     {name: jnp.asarray(values[0]) for name, values in program.optimizer.hyperparameters.items()}
   )
@@ -210,7 +238,7 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
     )
 
   def generate(checksum, step_index):  # the checksum keeps every batch live
-    batch = make_batch(records_of(step_index), seed)
+    batch = make_batch(records_of(step_index))
     return checksum + sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(batch))
 
   def forward(total, batch):
@@ -223,7 +251,7 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
     return steps.train_step(current, batch, **bound)[0]
 
   step_indices = jnp.arange(k, dtype=jnp.uint32)
-  batches = jax.jit(jax.vmap(lambda i: make_batch(records_of(i), seed)))(step_indices)
+  batches = jax.jit(jax.vmap(lambda i: make_batch(records_of(i))))(step_indices)
   timed = {
     "data_ms": (generate, jnp.float32(0), step_indices),
     "forward_ms": (forward, jnp.float32(0), batches),
@@ -361,6 +389,16 @@ ATTENTION_COLUMNS = (
   common.Column("status", "status"),
   common.Column("reason", "reason"),
 )
+CALL_COST_COLUMNS = (
+  common.Column("row", "row"),
+  common.Column("1 call ms", "one_call_s", common.format_ms),
+  common.Column("calls", "calls"),
+  common.Column("all calls ms", "calls_s", common.format_ms),
+  common.Column("per call ms", "per_call_s", common.format_ms),
+  common.Column("fixed ms", "fixed_s", common.format_ms),
+  common.Column("status", "status"),
+  common.Column("reason", "reason"),
+)
 SMALL_MODEL_COLUMNS = (
   common.Column("row", "row"),
   common.Column("ms / model-step", "ms_per_step", lambda v: f"{v:.3g}"),
@@ -382,6 +420,10 @@ BREAKDOWN_COLUMNS = (
 )
 SECTIONS = {
   "attention": ("Attention, bfloat16, forward + backward", ATTENTION_COLUMNS),
+  "call_cost": (
+    "A call's fixed cost: 1 vs several forward + backward in one program",
+    CALL_COST_COLUMNS,
+  ),
   "small_models": ("Small models, model-steps per second", SMALL_MODEL_COLUMNS),
   "step_breakdown": ("Where the sRAVEN step's time goes (each part alone)", BREAKDOWN_COLUMNS),
 }
@@ -464,12 +506,14 @@ def sizes_of(args) -> Sizes:
 
 
 def build_rows(args, sizes: Sizes) -> list[Row]:
-  """The rows of ``args.sections``: the attention target rows, small models, the step breakdown,
-  then the other attention rows (which no target reads)."""
+  """The rows of ``args.sections``: the attention target rows, the call-cost rows, small models,
+  the step breakdown, then the other attention rows (which no target reads)."""
   wanted = set(args.sections)
   targets, others = attention_rows(sizes, args.variants) if "attention" in wanted else ([], [])
   models = args.models or list(small_models.MODELS)
   rows = list(targets)
+  if "call_cost" in wanted:
+    rows += call_cost_rows(sizes, args.variants)
   if "small_models" in wanted:
     rows += small_model_rows(sizes, models, args.model_variants)
   if "step_breakdown" in wanted:

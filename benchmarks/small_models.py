@@ -26,9 +26,12 @@ Variants: the paper's three by default (``PAPER_CODE_CPU_MS``), any registered o
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import importlib
 import itertools
 import json
+import re
 import sys
 import time
 from typing import Any, NamedTuple, Sequence
@@ -45,8 +48,9 @@ MODELS = {"sraven": "primal_dual.configs.sraven", "logic": "primal_dual.configs.
 # three variants, which are also this benchmark's default variants.
 PAPER_CODE_CPU_MS = {"softmax": 201.6, "linear_plain": 174.8, "hyla": 296.6}
 PAPER_GRID_RUNS, PAPER_GRID_STEPS = 9, 156_250  # 3 variants × 3 seeds × 156,250 steps
-# The swept values of `--sweep lr_wd_seeds` (× N/4 seeds).
-SWEEP_LEARNING_RATES, SWEEP_WEIGHT_DECAYS = (1e-3, 3e-4), (0.01, 0.1)
+# The swept values of `--sweep lr_wd_seeds` (× N/4 seeds): the HYLA paper's sRAVEN grid.
+SWEEP_LEARNING_RATES, SWEEP_WEIGHT_DECAYS = (1e-3, 3e-4), (0.1, 0.3)
+POINTS_PER_SEED = len(SWEEP_LEARNING_RATES) * len(SWEEP_WEIGHT_DECAYS)
 
 
 def sweep_fields(kind: str, num_replicas: int) -> dict[str, tuple]:
@@ -55,13 +59,14 @@ def sweep_fields(kind: str, num_replicas: int) -> dict[str, tuple]:
     return {}
   if kind == "seeds":
     return {"sweep.seed": tuple(range(num_replicas))}
-  per_seed = len(SWEEP_LEARNING_RATES) * len(SWEEP_WEIGHT_DECAYS)
-  if num_replicas % per_seed:
-    raise ValueError(f"--sweep lr_wd_seeds needs N divisible by {per_seed}, got {num_replicas}")
+  if num_replicas % POINTS_PER_SEED:
+    raise ValueError(
+      f"--sweep lr_wd_seeds needs N divisible by {POINTS_PER_SEED}, got {num_replicas}"
+    )
   return {
     "sweep.optimizer.lr": SWEEP_LEARNING_RATES,
     "sweep.optimizer.weight_decay": SWEEP_WEIGHT_DECAYS,
-    "sweep.seed": tuple(range(num_replicas // per_seed)),
+    "sweep.seed": tuple(range(num_replicas // POINTS_PER_SEED)),
   }
 
 
@@ -79,14 +84,11 @@ class Measurement(NamedTuple):
   sweep: str = "seeds"
 
 
-def build(m: Measurement):
-  """The trainer's Program of ``m`` and an initial state."""
+def build(m: Measurement, initialize: bool = True):
+  """The trainer's Program of ``m`` and an initial state (None unless ``initialize``)."""
+  # The paper preset as the grid runs it: replicas of different seeds each draw their own
+  # held-out split (`setup.ReplicaData`).
   arg = f"preset=paper,attention={m.variant}" + (",runlocal" if m.quick else "")
-  if m.num_replicas > 1:
-    # Replicas share one data stream, so they share the held-out split too (the paper preset
-    # draws it per seed, which trains one seed per program); which split is held out does not
-    # change the cost of a step.
-    arg += ",held_out=fixed"
   config = importlib.import_module(MODELS[m.model]).get_config(arg)
   config = ml_collections.ConfigDict(config.to_dict())
   config.update(
@@ -101,7 +103,7 @@ def build(m: Measurement):
   )
   config = config_lib.with_fields(config, sweep_fields(m.sweep, m.num_replicas))
   program = setup.build_program(setup.resolve_config(config))
-  return program, program.init()
+  return program, program.init() if initialize else None
 
 
 def _timed_call(program, state, steps_per_call: int, iterator):
@@ -143,6 +145,29 @@ def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
     row["paper_code_cpu_ms"] = PAPER_CODE_CPU_MS[m.variant]
     row["speedup_vs_paper_code_cpu"] = PAPER_CODE_CPU_MS[m.variant] / ms_per_step
   return row
+
+
+def lowered_op_counts(m: Measurement, platform: str = "cuda") -> collections.Counter:
+  """StableHLO op name → count in the K-step training program of ``m``, lowered for
+  ``platform`` on this machine (traced from abstract arguments; nothing compiles or runs). Its
+  total does not grow with the replicas unless something is unrolled per replica."""
+  from primal_dual.training import sharding
+
+  program, _ = build(m, initialize=False)
+  runner = program.run_steps
+  abstract = functools.partial(
+    jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  )
+  state = jax.eval_shape(program.init.__wrapped__)
+  with sharding.mesh_context(program.mesh):
+    lowered = (
+      runner._compile(m.steps_per_call)
+      .__wrapped__.trace(
+        state, None, abstract(runner.stream_arguments), abstract(runner.hyperparameters)
+      )
+      .lower(lowering_platforms=(platform,))
+    )
+  return collections.Counter(re.findall(r"= \"?(stablehlo\.[a-z_]+)", lowered.as_text()))
 
 
 def projection(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ built from a study module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -126,7 +127,18 @@ def build_runs(
 def sequence_grid_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun]:
   """``build_runs`` (with ``--protocol=paper_sweep`` ``build_sweep_runs``, with
   ``--protocol=points`` ``build_point_runs``) of the task's packaged config with the flags of
-  ``SEQUENCE_GRID_FLAGS``."""
+  ``SEQUENCE_GRID_FLAGS``; ``--no_selected_checkpoints`` sets ``keep_selected_checkpoint=False``
+  on every run (not a defining field: the records are the same)."""
+  runs = _protocol_runs(task, args)
+  if args.no_selected_checkpoints:
+    runs = [
+      dataclasses.replace(run, overrides={**run.overrides, "keep_selected_checkpoint": False})
+      for run in runs
+    ]
+  return runs
+
+
+def _protocol_runs(task: str, args: argparse.Namespace) -> list[grid.GridRun]:
   if args.protocol == "paper_sweep":
     return build_sweep_runs(
       task,
@@ -268,17 +280,17 @@ def build_sweep_runs(
   point's optimizer fields and the end rate relative to the peak (``end_lr=relative``, as the
   official code, so each lr keeps the schedule's shape).
 
-  With ``as_replicas`` (``--sweep_programs=replicas``) one ``GridRun`` per variant and seed trains
-  every point of the sweep as the replicas of one program (``config.sweep``; the points of one
-  seed share its held-out split and data), one record per replica; otherwise one ``GridRun`` per
-  point. Either way a record's tags: attention, preset, seed, protocol, setting (its label), lr,
+  With ``as_replicas`` (``--sweep_programs=replicas``) one ``GridRun`` per variant trains every
+  point of the sweep at every seed as the replicas of one program (``config.sweep``: lr × weight
+  decay (× warm-up) × seed, batches made on the device; each seed keeps its own held-out split,
+  ``setup.ReplicaData``), one record per replica; otherwise one ``GridRun`` per point and seed.
+  Either way a record's tags: attention, preset, seed, protocol, setting (its label), lr,
   weight_decay, warmup_steps (the run's) and preset_setting (the point is the preset's own lr,
   weight decay and warm-up: the fixed-setting protocol's run).
   """
   label = "quick" if quick else preset
-  device = {"train_data_on_device": True, "steps_per_call": steps_per_call}
   defaults: dict[str, Any] = {}
-  points: dict[tuple[str, int], list[tuple[SweepSetting, dict[str, Any]]]] = {}
+  points: dict[str, list[tuple[SweepSetting, int, dict[str, Any]]]] = {}
   config_args: dict[tuple[str, int], str] = {}
   for attention, setting, seed in sweep_points(task, variants, seeds):
     config_arg = grid.config_argument(
@@ -291,41 +303,55 @@ def build_sweep_runs(
       defaults[attention] = (opt.lr, opt.weight_decay, opt.warmup_steps)
     warmup = defaults[attention][2] if setting.warmup_steps is None else setting.warmup_steps
     tags = dict(
+      seed=seed,
       setting=setting.label,
       lr=setting.lr,
       weight_decay=setting.weight_decay,
       warmup_steps=warmup,
       preset_setting=(setting.lr, setting.weight_decay, warmup) == defaults[attention],
     )
-    points.setdefault((attention, seed), []).append((setting, tags))
+    points.setdefault(attention, []).append((setting, seed, tags))
     config_args[(attention, seed)] = config_arg
   runs = []
-  for (attention, seed), settings in points.items():
-    shared = dict(attention=attention, preset=label, seed=seed, protocol="paper_sweep")
-    on_device = device if steps_per_call > 1 else {}
+  for attention, settings in points.items():
+    shared = dict(attention=attention, preset=label, protocol="paper_sweep")
     if as_replicas:
+      variant_seeds = tuple(dict.fromkeys(seed for _, seed, _ in settings))
+      unique = list(dict.fromkeys(setting for setting, _, _ in settings))
       runs.append(
         grid.GridRun(
-          name=f"{task}_{label}_sweep_{attention}_s{seed}",
+          name=f"{task}_{label}_sweep_{attention}",
           config_file=config_file,
-          config_arg=config_args[(attention, seed)],
+          config_arg=config_args[(attention, variant_seeds[0])],
           tags=shared,
-          overrides={**_sweep_overrides([s for s, _ in settings]), **on_device},
-          replicas=tuple((_replica_name(setting), tags) for setting, tags in settings),
+          overrides={
+            **_sweep_overrides(unique),
+            "sweep.seed": variant_seeds,
+            **_on_device(steps_per_call, always=True),
+          },
+          replicas=tuple((_replica_name(setting, seed), tags) for setting, seed, tags in settings),
         )
       )
       continue
-    for setting, tags in settings:
+    for setting, seed, tags in settings:
       runs.append(
         grid.GridRun(
           name=f"{task}_{label}_sweep_{attention}_{setting.label}_s{seed}",
           config_file=config_file,
           config_arg=config_args[(attention, seed)],
           tags={**shared, **tags},
-          overrides={**setting.overrides(), **on_device},
+          overrides={**setting.overrides(), **_on_device(steps_per_call)},
         )
       )
   return runs
+
+
+def _on_device(steps_per_call: int, always: bool = False) -> dict[str, Any]:
+  """The overrides of batches made on the device, ``steps_per_call`` steps per call: when
+  ``steps_per_call > 1``, or ``always`` (replicas of several seeds need them)."""
+  if steps_per_call > 1 or always:
+    return {"train_data_on_device": True, "steps_per_call": steps_per_call}
+  return {}
 
 
 def _sweep_overrides(settings: Sequence[SweepSetting]) -> dict[str, tuple]:
@@ -350,13 +376,15 @@ def _seed_replicas(seeds: Sequence[int]) -> tuple[tuple[str, Mapping[str, Any]],
   return tuple((sweep.replica_name({"seed": seed}), {"seed": seed}) for seed in seeds)
 
 
-def _replica_name(setting: SweepSetting) -> str:
-  """The sub-workdir the trainer gives the replica of ``setting`` (``sweep.replica_name``)."""
+def _replica_name(setting: SweepSetting, seed: int) -> str:
+  """The sub-workdir the trainer gives the replica of ``setting`` at ``seed``
+  (``sweep.replica_name``)."""
   from primal_dual.training import sweep
 
   values = {"optimizer.lr": setting.lr, "optimizer.weight_decay": setting.weight_decay}
   if setting.warmup_steps is not None:
     values["optimizer.warmup_steps"] = setting.warmup_steps
+  values["seed"] = seed
   return sweep.replica_name({k: values[k] for k in sweep.SWEEPABLE if k in values})
 
 
@@ -388,13 +416,15 @@ def build_point_runs(
   steps_per_call: int = 1,
   held_out: str = "",
 ) -> list[grid.GridRun]:
-  """``--protocol=points``: per variant and seed one ``GridRun`` training exactly ``points``
-  (``config.sweep.points``, e.g. ``'lr=0.001,wd=0.1,attn_dropout=0.0'``) as the replicas of one
-  program, with the end rate relative to the peak as ``build_sweep_runs``.
+  """``--protocol=points``: per variant one ``GridRun`` training exactly ``points``
+  (``config.sweep.points``, e.g. ``'lr=0.001,wd=0.1,attn_dropout=0.0'``) at every seed
+  (``config.sweep.seed``; each seed keeps its own held-out split) as the replicas of one
+  program, batches made on the device, with the end rate relative to the peak as
+  ``build_sweep_runs``.
 
-  A record's tags: attention, preset, seed, protocol ('points'), setting (the replica's
-  sub-workdir name), the fields of ``POINT_TAGS`` (the replica's) and preset_setting (they are
-  the preset's own).
+  A record's tags: attention, preset, protocol ('points'), seed, setting (the replica's point,
+  named as a sub-workdir is), the fields of ``POINT_TAGS`` (the replica's) and preset_setting
+  (they are the preset's own).
 
   Raises:
     errors.UserError: a point the config refuses (``sweep.listed_points``).
@@ -402,34 +432,45 @@ def build_point_runs(
   from primal_dual.training import config_lib, sweep
 
   label = "quick" if quick else preset
-  on_device = {"train_data_on_device": True, "steps_per_call": steps_per_call}
-  overrides = {"sweep.points": tuple(points), **(on_device if steps_per_call > 1 else {})}
+  overrides = {
+    "sweep.points": tuple(points),
+    "sweep.seed": tuple(seeds),
+    **_on_device(steps_per_call, always=True),
+  }
   runs = []
   for attention in variants:
-    for seed in seeds:
-      config_arg = grid.config_argument(
-        dict(preset=preset, attention=attention, seed=seed, end_lr="relative"),
-        dict(steps=steps, held_out=held_out),
-        runlocal=quick,
-      )
-      config = config_lib.with_fields(grid.load_config(config_file, config_arg), overrides)
-      preset_values = {tag: _field(config, dotted) for tag, dotted in POINT_TAGS.items()}
-      replicas = []
-      for values in sweep.listed_points(config):
-        replica = sweep.replica_config(config, values)
-        tags = {tag: _field(replica, dotted) for tag, dotted in POINT_TAGS.items()}
-        name = sweep.replica_name(values)
-        replicas.append((name, dict(setting=name, **tags, preset_setting=tags == preset_values)))
-      runs.append(
-        grid.GridRun(
-          name=f"{task}_{label}_points_{attention}_s{seed}",
-          config_file=config_file,
-          config_arg=config_arg,
-          tags=dict(attention=attention, preset=label, seed=seed, protocol="points"),
-          overrides=overrides,
-          replicas=tuple(replicas),
+    config_arg = grid.config_argument(
+      dict(preset=preset, attention=attention, seed=seeds[0], end_lr="relative"),
+      dict(steps=steps, held_out=held_out),
+      runlocal=quick,
+    )
+    config = config_lib.with_fields(grid.load_config(config_file, config_arg), overrides)
+    preset_values = {tag: _field(config, dotted) for tag, dotted in POINT_TAGS.items()}
+    replicas = []
+    for replica in sweep.replicas_of(config):
+      tags = {tag: _field(replica.config, dotted) for tag, dotted in POINT_TAGS.items()}
+      setting = sweep.replica_name({k: v for k, v in replica.values.items() if k != "seed"})
+      replicas.append(
+        (
+          replica.name,
+          dict(
+            seed=replica.config.seed,
+            setting=setting,
+            **tags,
+            preset_setting=tags == preset_values,
+          ),
         )
       )
+    runs.append(
+      grid.GridRun(
+        name=f"{task}_{label}_points_{attention}",
+        config_file=config_file,
+        config_arg=config_arg,
+        tags=dict(attention=attention, preset=label, protocol="points"),
+        overrides=overrides,
+        replicas=tuple(replicas),
+      )
+    )
   return runs
 
 
@@ -513,18 +554,24 @@ def sweep_report(
   reference_column: str,
   scale: float = 100.0,
   protocol: str = "paper_sweep",
+  plateau: float | None = None,
 ) -> str:
   """The ``--protocol=<protocol>`` part of a report (a protocol of ``SELECTING_PROTOCOLS``): per
   variant the selected setting's mean ± s.e. over seeds beside the preset's own point (the fixed
-  setting) and the published reference, then every setting's row and every run's.
+  setting) and the published reference; beside it, labelled, the setting a selection on the
+  headline metric itself would pick (what code without a validation split can select); then every
+  setting's row and every run's.
 
   Args:
     records: the grid's records (those of other protocols are left out).
     validation_field: the record field that selects (mean over seeds, highest wins).
-    columns: header → record field, reported for the selected and the fixed setting.
+    columns: header → record field, reported for the selected and the fixed setting; the first
+      is the headline metric.
     references: attention → the published number (as printed), under ``reference_column``.
     scale: display multiplier (100: percentages).
     protocol: whose records are reported.
+    plateau: a validation value (unscaled) below which a run has not left the task's early
+      plateau; given, every setting's row counts the seeds above it ("escaped").
   """
   sweep = sweep_records(records, protocol)
   if not sweep:
@@ -562,8 +609,29 @@ def sweep_report(
       cells += [format_mean_se([r.get(name) for r in group], scale) for name in columns.values()]
     cells += [fixed_cell, references.get(attention, "–")]
     lines.append("| " + " | ".join(cells) + " |")
+  headline = columns[first]
+  by_headline = select_settings(
+    [dict(r, _headline=r.get(headline)) for r in sweep], "_headline", protocol
+  )
+  lines += [
+    f"\nFor comparison only, per variant the setting with the best mean {first} itself: what a "
+    "selection on the reported numbers would pick (the paper's code has no validation split). "
+    "It is optimistic and is not the result.\n",
+    f"| attention | best setting by {first} | n | {first} (best by itself, optimistic) | "
+    f"{first} (selected on validation) |",
+    "|---|---|---|---|---|",
+  ]
+  for attention, best in by_headline.items():
+    selected = chosen.get(attention)
+    selected_cell = (
+      format_mean_se([r.get(headline) for r in selected.records], scale) if selected else "–"
+    )
+    cells = [attention, best.setting, str(len(best.records))]
+    cells += [format_mean_se([r.get(headline) for r in best.records], scale), selected_cell]
+    lines.append("| " + " | ".join(cells) + " |")
   lines += ["\nEvery setting:\n"]
-  header = ["attention", "setting", "n", "validation", *columns, "selected"]
+  escaped = [] if plateau is None else [f"escaped (validation > {plateau * scale:g})"]
+  header = ["attention", "setting", "n", "validation", *columns, *escaped, "selected"]
   lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for (attention, setting), group in grid.group_records(sweep, ("attention", "setting")).items():
     picked = attention in chosen and chosen[attention].setting == setting
@@ -575,6 +643,10 @@ def sweep_report(
       format_mean_se([r.get(validation_field) for r in group], scale),
     ]
     cells += [format_mean_se([r.get(name) for r in group], scale) for name in columns.values()]
+    if plateau is not None:
+      values = [r.get(validation_field) for r in group]
+      known = [v for v in values if isinstance(v, (int, float)) and np.isfinite(v)]
+      cells.append(f"{sum(v > plateau for v in known)} of {len(known)}")
     cells.append("✓" if picked else "")
     lines.append("| " + " | ".join(cells) + " |")
   # Seeds can disagree by tens of points (one may never leave a plateau); a mean ± s.e. of
@@ -635,8 +707,14 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
   "--sweep_programs": dict(
     choices=("replicas", "separate"),
     default="replicas",
-    help="with --protocol=paper_sweep: replicas (one program per variant and seed trains every "
-    "point of the sweep, config.sweep) or separate (one run per point)",
+    help="with --protocol=paper_sweep: replicas (one program per variant trains every point of "
+    "the sweep at every seed, config.sweep) or separate (one run per point and seed)",
+  ),
+  "--no_selected_checkpoints": dict(
+    action="store_true",
+    help="keep no checkpoint of each run's selected step (its metrics are recorded all the "
+    "same): halves the state of a program, so that the 12 replicas of an sRAVEN paper-grid "
+    "program (4.8 MB each) come back from a device call in one carry (reproduce/lease.py)",
   ),
   "--sweep_variants": dict(
     type=grid.comma_list(),
@@ -655,13 +733,6 @@ def check_sequence_arguments(args: argparse.Namespace) -> None:
     raise ValueError("--points and --protocol=points go together")
   if args.sweep_seeds is not None and not args.sweep_seeds:
     raise ValueError("--sweep_seeds: give at least one seed")
-  per_seed = args.held_out == "per_seed" or (not args.held_out and args.preset == "paper")
-  if args.seeds_together and per_seed:
-    # Replicas of one program share its data, so one held-out set: not the per-seed rule.
-    raise ValueError(
-      "--seeds_together trains seeds on one shared held-out split: it needs --held_out=fixed "
-      "(the paper preset draws a held-out split per seed)"
-    )
   if args.protocol not in SELECTING_PROTOCOLS and (
     args.sweep_variants or args.sweep_seeds is not None
   ):

@@ -351,16 +351,32 @@ def test_small_models_benchmark_times_the_trainers_step(tmp_path):
   assert "| logic | linear_plain | 2 | 1 | single run | device |" in markdown
 
 
-def test_small_models_replicas_of_the_paper_preset_share_a_held_out_split():
-  """The paper presets draw the held-out split per seed (one seed per program); N > 1 replicas
-  share one data stream, so the benchmark measures them with one split for every seed."""
+def test_small_models_replicas_of_the_paper_preset_keep_a_held_out_split_per_seed():
+  """The paper presets draw the held-out split per seed; replicas of N seeds (on device batches)
+  are one program with N data groups: the grid's own program."""
   from benchmarks import small_models
 
   for model in small_models.MODELS:
     program, _ = small_models.build(
-      small_models.Measurement(model, "linear_plain", 2, True, False, num_replicas=2)
+      small_models.Measurement(model, "linear_plain", 2, True, True, num_replicas=2)
     )
-    assert program.config.data.split_seed >= 0
+    assert program.data.num_groups == 2
+
+
+def test_the_replica_program_is_not_unrolled_per_replica():
+  """The grid's training program for 4 replicas (2 lr × 2 weight decays, on device batches)
+  lowers for CUDA to about as many ops as one replica's: the replica axis is vmapped, so a
+  replica adds work to each kernel, not kernels (a per-replica loop would multiply them)."""
+  from benchmarks import small_models
+
+  def total(replicas):
+    m = small_models.Measurement(
+      "sraven", "hyla", 2, True, True, num_replicas=replicas, sweep="lr_wd_seeds"
+    )
+    return sum(small_models.lowered_op_counts(m).values())
+
+  one, four = total(1), total(4)
+  assert one > 100 and four < 1.3 * one, (one, four)
 
 
 def test_hylas_fused_rows_where_they_compile_and_the_hyla_target_reads_the_fastest(monkeypatch):

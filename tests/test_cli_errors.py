@@ -7,13 +7,18 @@ before any training step, most of them before JAX is imported, so the table runs
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
+
+import helpers
 
 from reproduce import grid
 from primal_dual.training import config_lib
@@ -111,6 +116,15 @@ def _a_file(tmp_path) -> str:
   path = tmp_path / "a_file"
   path.write_text("")
   return str(path)
+
+
+def _workdir_with_a_garbled(tmp_path, name: str) -> str:
+  """A workdir whose `name` (config.json, experiment.json) was cut short, as by an interrupted
+  copy."""
+  workdir = tmp_path / "garbled"
+  workdir.mkdir()
+  (workdir / name).write_text('{"task": "synth')
+  return str(workdir)
 
 
 # (script, arguments given the synthetic config file and tmp_path, expected message regex)
@@ -230,6 +244,18 @@ CASES = {
     lambda c, t: [f"--workdir={t}/nothing"],
     r"config\.json not found",
   ),
+  "eval of a damaged config.json": (
+    "eval.py",
+    lambda c, t: [f"--workdir={_workdir_with_a_garbled(t, 'config.json')}"],
+    r"garbled/config\.json is damaged \(not valid JSON: .*\); copy it again from the workdir "
+    r"this one was copied from",
+  ),
+  "train on a damaged experiment.json": (
+    "train.py",
+    lambda c, t: [f"--config={c}", f"--workdir={_workdir_with_a_garbled(t, 'experiment.json')}"],
+    r"garbled/experiment\.json is damaged \(not valid JSON: .*\); copy it again from the workdir "
+    r"this one was copied from",
+  ),
 }
 
 
@@ -291,6 +317,102 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
     stderr.strip(),
   ), stderr
   assert not (workdir / workdir_lib.LOCK_FILE).exists()
+
+
+def _train_job(args: list[str]) -> subprocess.Popen:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.Popen(
+    [sys.executable, os.path.join(REPO_ROOT, "train.py"), *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=env,
+    cwd=REPO_ROOT,
+  )
+
+
+def _params(workdir) -> dict:
+  from primal_dual.training import evaluation
+
+  _, state = evaluation.restore_workdir(str(workdir))
+  return jax.device_get(state.params)
+
+
+def test_sigterm_saves_a_checkpoint_in_one_line_and_the_run_resumes_exactly(tmp_path):
+  """SIGTERM to a training job (a pre-empted VM, SLURM, `docker stop`): one line, exit status
+  75, a checkpoint of the step reached; the same command resumes, and ends where a run that was
+  never stopped does."""
+  config_file = _synthetic_config_file(tmp_path)
+  workdir, reference = tmp_path / "run", tmp_path / "reference"
+  cadence = ["--config.log_every_steps=1", "--config.checkpoint_every_steps=1000"]
+  job = _train_job([f"--config={config_file}:steps=1000000", *cadence, f"--workdir={workdir}"])
+  try:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+      not (workdir / "metrics.jsonl").exists()
+      or len((workdir / "metrics.jsonl").read_text().splitlines()) < 5
+    ):
+      time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+  finally:
+    if job.poll() is None:
+      job.kill()
+  assert job.returncode == 75, stderr
+  stopped = re.fullmatch(
+    r"error: stopped by SIGTERM at step (\d+); checkpoint saved at step \1; re-run the same "
+    r"command to resume",
+    stderr.strip(),
+  )
+  assert stopped and len(stderr.splitlines()) == 1, stderr
+  step = int(stopped[1])
+  assert os.listdir(workdir / "checkpoints") == [str(step)]
+  assert not (workdir / workdir_lib.LOCK_FILE).exists()
+
+  # The run's length may change between runs: both end 3 steps after the stop.
+  end = [f"--config={config_file}:steps={step + 3}", *cadence]
+  resumed = _run("train.py", [*end, f"--workdir={workdir}"])
+  uninterrupted = _run("train.py", [*end, f"--workdir={reference}"])
+  assert resumed.returncode == 0 and uninterrupted.returncode == 0, resumed.stderr
+  assert f"resuming from step {step} " in resumed.stdout
+  assert helpers.records_without_timing(workdir) == helpers.records_without_timing(reference)
+  final, expected = (
+    json.loads((w / "final_metrics.json").read_text()) for w in (workdir, reference)
+  )
+  assert helpers.without_timing(final) == helpers.without_timing(expected)
+  jax.tree.map(np.testing.assert_array_equal, _params(workdir), _params(reference))
+
+
+def test_a_damaged_checkpoint_is_one_line_and_the_newest_intact_one_is_used(tmp_path):
+  """An interrupted copy of a workdir: its newest checkpoint's arrays cut short. Evaluation and a
+  longer training each say so in one line, move it aside and go on from the intact one."""
+  config_file = _synthetic_config_file(tmp_path)
+  trained = tmp_path / "trained"
+  training = [f"--config={config_file}:steps=8", "--config.checkpoint_every_steps=4"]
+  assert _run("train.py", [*training, f"--workdir={trained}"]).returncode == 0
+  for path in (trained / "checkpoints" / "8" / "state" / "d").iterdir():
+    os.truncate(path, path.stat().st_size // 2)
+  for command, args, going_on in [
+    ("eval.py", [], "evaluating step 4, the newest intact one"),
+    (
+      "train.py",
+      [f"--config={config_file}:steps=12"],
+      "resuming from step 4, the newest intact one",
+    ),
+  ]:
+    workdir = tmp_path / command
+    shutil.copytree(trained, workdir)
+    result = _run(command, [*args, f"--workdir={workdir}"])
+    folder = workdir / "checkpoints"
+    assert result.returncode == 0, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert re.fullmatch(
+      rf"warning: checkpoint step 8 in {folder} cannot be restored \(OUT_OF_RANGE: .*\); moved "
+      rf"it to {folder}/8\.damaged; {going_on}",
+      result.stderr.strip(),
+    ), result.stderr
+    assert (folder / "8.damaged").is_dir()
+  assert "checkpoint: latest (step 4)" in _run("eval.py", [f"--workdir={tmp_path}/eval.py"]).stdout
 
 
 # Commands beyond train.py/eval.py: (argv after `python`, given tmp_path; expected message regex).

@@ -77,6 +77,8 @@ def _with_model(**fields):
     ({"hidden": True}, r"config.model.hidden=True must be a positive integer"),
     ({"dropout_rate": 1.0}, r"config.model.dropout_rate=1.0 must be in \[0, 1\)"),
     ({"attention_dropout_rate": -0.1}, r"config.model.attention_dropout_rate=-0.1 must be in"),
+    ({"dtype": "float16"}, r"config.model.dtype='float16'; choose one of float32, bfloat16"),
+    ({"param_dtype": "bf16"}, r"config.model.param_dtype='bf16'; choose one of float32, bf"),
   ],
 )
 def test_validate_refuses_bad_sizes_and_rates(fields, message):
@@ -91,6 +93,13 @@ def test_validate_accepts_sound_models_and_empty_ones():
     )
   )
   config_lib.validate(config_lib.training_defaults())
+  config_lib.validate(_with_model(dtype="bfloat16", param_dtype="bfloat16"))
+
+
+def test_model_dtypes_default_to_float32():
+  """Every config starts with float32 compute and parameters (the results' setting)."""
+  model = config_lib.training_defaults().model
+  assert (model.dtype, model.param_dtype) == ("float32", "float32")
 
 
 def test_lock_refuses_new_fields_but_allows_overrides():
@@ -132,7 +141,7 @@ def test_write_then_read_config_round_trips(tmp_path):
   path = config_lib.write_config(config_lib.freeze(config), str(tmp_path))
   assert path == str(tmp_path / "config.json")
   with open(path) as f:
-    assert json.load(f)["model"] == {"hidden": 7}
+    assert json.load(f)["model"] == {**config_lib.MODEL_DTYPES, "hidden": 7}
   restored = config_lib.read_config(str(tmp_path))
   assert restored.model.hidden == 7
   assert tuple(restored.eval_splits) == ("validation", "test")

@@ -148,3 +148,27 @@ def test_both_ways_of_choosing_a_variant_resolve_to_the_same_run(name):
   # The options really are the variant's: SH gets ratios, softmax none.
   sh = setup.resolve_config(load_config(name, "attention=sh,runlocal"))
   assert "ratios" in sh.model.attention_options
+
+
+# -- compute and parameter dtypes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", configs.packaged_names())
+def test_model_dtype_is_a_field_and_bf16_is_its_shorthand(name):
+  """``--config.model.dtype=bfloat16`` (parsed as the commands parse it) and the config argument
+  ``bf16`` give the same run; both configs start float32 (the published results' setting)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from primal_dual.training import setup
+
+  argv = ["train", f"--config={configs.resolve(name)}:runlocal", "--config.model.dtype=bfloat16"]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  by_field = flag_values.config
+  by_shorthand = load_config(name, "runlocal,bf16")
+  assert (by_shorthand.model.dtype, by_shorthand.model.param_dtype) == ("bfloat16", "float32")
+  assert setup.resolve_config(by_field) == setup.resolve_config(by_shorthand)
+  plain = load_config(name, "runlocal").model
+  assert (plain.dtype, plain.param_dtype) == ("float32", "float32")

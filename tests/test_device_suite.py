@@ -12,13 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import attention, device_suite
+from benchmarks import attention, call_cost, device_suite
 from primal_dual import registry
 
 
@@ -169,3 +171,32 @@ def test_attention_measure_records_a_build_failure(monkeypatch):
   )
   assert record["status"] == "error"
   assert record["reason"].startswith("build: RuntimeError: cannot build")
+
+
+# --- The call-cost rows: one forward + backward per program against several in one ---------------
+
+
+def test_call_cost_splits_a_program_from_its_calls():
+  assert call_cost.split_cost(1.0, 4.5, 8) == {"per_call_s": 0.5, "fixed_s": 0.5}
+  with pytest.raises(ValueError, match="calls must be at least 2"):
+    call_cost.split_cost(1.0, 1.0, 1)
+  # Each call of the program reads its own inputs.
+  xs = [jnp.arange(3.0) + i for i in range(4)]
+  outs = call_cost.repeated(lambda q, k, v: q * k + v, 4)(*(jnp.stack(xs),) * 3)
+  for out, x in zip(outs, xs):
+    np.testing.assert_array_equal(out, x * x + x)
+
+
+def test_call_cost_rows_of_softmax_sh_and_bn_sh(tmp_path):
+  args = _args(tmp_path, "--sections", "call_cost", "--lengths", "16")
+  rows = device_suite.build_rows(args, device_suite.sizes_of(args))
+  calls = call_cost.DEFAULT_CALLS
+  assert [r.name for r in rows] == [f"{v} N=16 1 vs {calls} calls" for v in call_cost.VARIANTS]
+  device_suite.run(args, rows, log=lambda line: None)
+  records = _read(tmp_path)["records"]
+  assert [r["status"] for r in records] == ["ok"] * 3, records
+  for record in records:
+    assert record["calls"] == calls and record["length"] == 16
+    assert record["one_call_s"] > 0 and record["calls_s"] > 0
+    assert record["per_call_s"] + record["fixed_s"] == pytest.approx(record["one_call_s"])
+  assert "## A call's fixed cost" in (tmp_path / "device_suite.md").read_text()

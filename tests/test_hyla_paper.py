@@ -219,11 +219,11 @@ def test_per_seed_held_out_set_refuses_replica_seeds(task):
   family = getattr(module, "problem_family" if task == "sraven" else "task_family")
   one = config_lib.with_fields(config, {"sweep.seed": (2,)})
   assert family(one).split_seed == 2  # a single replica seed is the run's seed
-  # Replicas of several seeds share one data pipeline.
-  with pytest.raises(ValueError, match="cannot train the seeds"):
+  # A sweep's config of several seeds has no one held-out set (each replica's own config has).
+  with pytest.raises(ValueError, match="one held-out set per seed"):
     module.build_data(config_lib.with_fields(config, {"sweep.seed": (0, 1)}))
   # Seeds set by listed points are replica seeds too.
-  with pytest.raises(ValueError, match="cannot train the seeds"):
+  with pytest.raises(ValueError, match="one held-out set per seed"):
     module.build_data(config_lib.with_fields(config, {"sweep.points": ("seed=0", "seed=1")}))
   points = config_lib.with_fields(config, {"sweep.points": ("seed=3,lr=0.001", "seed=3,lr=0.0003")})
   assert family(points).split_seed == 3

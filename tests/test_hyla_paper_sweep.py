@@ -67,25 +67,27 @@ def test_sraven_quick_sweep_lists_exactly_the_official_points(capsys):
 
 def _replica_points(runs):
   return {
-    (r.tags["attention"], t["lr"], t["weight_decay"], t["warmup_steps"], r.tags["seed"])
+    (r.tags["attention"], t["lr"], t["weight_decay"], t["warmup_steps"], t["seed"])
     for r in runs
     for _, t in r.replicas
   }
 
 
-def test_the_sweep_trains_each_variant_and_seed_as_one_program_of_its_points():
+def test_the_sweep_trains_each_variant_as_one_program_of_its_points_and_seeds():
   from primal_dual.training import setup, sweep
 
   separate = sraven_study.REPRODUCTION.build_runs(_args(sraven_study, "--quick"))
   together = sraven_study.REPRODUCTION.build_runs(
     _args(sraven_study, "--quick", programs="replicas")
   )
-  # 2 variants × 3 seeds programs, holding the same 36 points (softmax 8 per program, HYLA 4).
-  assert len(together) == 6 and _replica_points(together) == _points(separate)
-  assert sorted(len(r.replicas) for r in together) == [4, 4, 4, 8, 8, 8]
+  # One program per variant, holding the same 36 points (softmax 8 × 3 seeds, HYLA 4 × 3).
+  assert len(together) == 2 and _replica_points(together) == _points(separate)
+  assert sorted(len(r.replicas) for r in together) == [12, 24]
   for run in together:
     # The sub-workdirs the grid reads are those the trainer writes, with each point's settings.
-    replicas = sweep.replicas_of(setup.resolve_config(run.config()))
+    config = setup.resolve_config(run.config())
+    assert config.train_data_on_device  # replicas of several seeds: batches made on the device
+    replicas = sweep.replicas_of(config)
     assert sorted(r.name for r in replicas) == sorted(name for name, _ in run.replicas)
     by_name = dict(run.replicas)
     for replica in replicas:
@@ -93,11 +95,28 @@ def test_the_sweep_trains_each_variant_and_seed_as_one_program_of_its_points():
       assert replica.config.optimizer.lr == tags["lr"]
       assert replica.config.optimizer.weight_decay == tags["weight_decay"]
       assert replica.config.optimizer.warmup_steps == tags["warmup_steps"]
-      assert replica.config.seed == run.tags["seed"]
+      assert replica.config.seed == tags["seed"]
       assert (replica.config.optimizer.end_lr, replica.config.optimizer.end_lr_factor) == (
         None,
         0.1,
       )
+
+
+def test_the_paper_grid_of_hyla_is_one_program_of_12_replicas_with_a_held_out_split_per_seed():
+  """G1 of the sRAVEN grid: Table A1's lr × weight decay × seeds 0, 1, 2 for HYLA, one program
+  whose three seeds keep each its own held-out split."""
+  from primal_dual.training import setup
+
+  argv = ("--scale=paper", "--sweep_variants=hyla", "--no_selected_checkpoints")
+  (run,) = sraven_study.REPRODUCTION.build_runs(_args(sraven_study, *argv, programs="replicas"))
+  config = setup.resolve_config(run.config())
+  assert config.data.split_seed == -1 and config.model.attention_dropout_rate == 0.1
+  assert not config.keep_selected_checkpoint  # the newest checkpoint only: 12 × 4.8 MB of state
+  assert setup.build_program(config, for_training=False).data.num_groups == 3
+  assert len(run.replicas) == 12
+  assert {(t["lr"], t["weight_decay"], t["seed"]) for _, t in run.replicas} == set(
+    itertools.product((1e-3, 3e-4), (0.1, 0.3), SEEDS)
+  )
 
 
 @pytest.mark.slow
@@ -115,7 +134,7 @@ def test_a_quick_logic_sweep_of_replicas_trains_and_reports(tmp_path, monkeypatc
   records = grid.load_records(str(results))
   # HYLA: lr {1e-3, 3e-3} × wd {0.1, 0.03} at seed 0, one program of 4 replicas.
   assert len(records) == 4 and len({r["name"] for r in records}) == 4
-  assert {r["name"].split("/")[0] for r in records} == {"logic_quick_sweep_hyla_s0"}
+  assert {r["name"].split("/")[0] for r in records} == {"logic_quick_sweep_hyla"}
   assert {(r["lr"], r["weight_decay"]) for r in records} == set(
     itertools.product((1e-3, 3e-3), (0.1, 0.03))
   )
@@ -146,16 +165,9 @@ def test_paper_preset_sweeps_every_variant_and_marks_the_presets_own_point():
 def test_sweep_refuses_flags_that_do_not_go_together():
   for argv in (["--protocol=paper_sweep", "--seeds_together"], ["--sweep_variants=hyla"]):
     assert grid.reproduce(sraven_study.REPRODUCTION, [*argv, "--dry_run"]) == 2
-  # --seeds_together shares one held-out split: refused under the paper preset's per-seed rule.
+  # Seeds as replicas keep the paper preset's per-seed held-out splits.
   assert (
     grid.reproduce(sraven_study.REPRODUCTION, ["--scale=paper", "--seeds_together", "--dry_run"])
-    == 2
-  )
-  assert (
-    grid.reproduce(
-      sraven_study.REPRODUCTION,
-      ["--scale=paper", "--seeds_together", "--held_out=fixed", "--dry_run"],
-    )
     == 0
   )
 
@@ -203,8 +215,12 @@ def test_sweep_report_gives_selected_fixed_and_reference_with_standard_errors():
   # OOD of B: mean 52.00, s.e. = std(50, 54)/√2 = 2.83/1.41 = 2.00; fixed setting A: 41.00 ± 1.00.
   assert "52.00 ± 2.00" in selected and "41.00 ± 1.00" in selected and "69.13 ± 1.90" in selected
   rows = [line for line in report.splitlines() if line.startswith("| hyla | ")]
-  per_setting, per_run = rows[1:4], rows[4:]
-  assert len(per_setting) == 3 and per_setting[1].endswith("| ✓ |")
+  best_by_ood, per_setting, per_run = rows[1], rows[2:5], rows[5:]
+  # Beside the selection, labelled: C, the setting a selection on OOD itself would pick.
+  assert best_by_ood == "| hyla | C | 2 | 91.00 ± 1.00 | 52.00 ± 2.00 |"
+  assert "optimistic" in report
+  assert len(per_setting) == 3 and per_setting[1].endswith("| 2 of 2 | ✓ |")
+  assert per_setting[2].endswith("| 1 of 2 |  |")  # C's seed 1 stayed under the plateau (35 %)
   # Every run, in (setting, seed) order: C's seeds apart (validation 95 and 30), steps unknown.
   assert [row.split(" | ")[1:4] for row in per_run] == [
     [setting, str(seed), f"{100 * validation:.2f}"]
@@ -218,7 +234,7 @@ def test_sweep_report_gives_selected_fixed_and_reference_with_standard_errors():
     ]
   ]
   assert per_run[5].endswith("| 92.00 | 90.00 | 92.00 | – |")
-  assert "A (fixed setting)" in per_setting[0] and not per_setting[2].endswith("✓ |")
+  assert "A (fixed setting)" in per_setting[0]
   assert "91.00 ± 1.00" in per_setting[2]  # C's OOD is listed, not selected
   assert (
     "(reference)" in report
@@ -259,7 +275,7 @@ def test_logic_sweep_report_selects_on_validation_r2():
 PROBE_POINTS = ("lr=0.001,wd=0.1,attn_dropout=0.0", "lr=0.0003,wd=0.1,attn_dropout=0.1")
 
 
-def test_points_protocol_trains_the_listed_points_as_one_program_per_variant_and_seed(capsys):
+def test_points_protocol_trains_the_listed_points_and_seeds_as_one_program_per_variant(capsys):
   from primal_dual.training import setup, sweep
 
   args = grid.parse_arguments(
@@ -276,31 +292,28 @@ def test_points_protocol_trains_the_listed_points_as_one_program_per_variant_and
     ],
   )
   runs = sraven_study.REPRODUCTION.build_runs(args)
-  assert [(r.tags["attention"], r.tags["seed"]) for r in runs] == [
-    ("hyla", 1),
-    ("hyla", 2),
-    ("softmax", 1),
-    ("softmax", 2),
+  assert [r.tags["attention"] for r in runs] == ["hyla", "softmax"]
+  listed = [
+    "lr=0.001,wd=0.1,attn_dropout=0.0",
+    "lr=0.0003,wd=0.1,attn_dropout=0.1",
+    "lr=0.001,wd=0.1,attn_dropout=0.1",
   ]
   for run in runs:
     config = setup.resolve_config(run.config())
     assert config.train_data_on_device and config.steps_per_call == 125
     replicas = sweep.replicas_of(config)
-    # Exactly the listed points, in their order, in the sub-workdirs the grid reads.
+    # Exactly the listed points, in their order, at each seed, in the sub-workdirs the grid reads.
     assert (
       [r.name for r in replicas]
       == [name for name, _ in run.replicas]
-      == [
-        "lr=0.001,wd=0.1,attn_dropout=0.0",
-        "lr=0.0003,wd=0.1,attn_dropout=0.1",
-        "lr=0.001,wd=0.1,attn_dropout=0.1",
-      ]
+      == [f"{point},seed={seed}" for point in listed for seed in (1, 2)]
     )
     for replica, (_, tags) in zip(replicas, run.replicas):
       assert replica.config.model.attention_dropout_rate == tags["attention_dropout_rate"]
-      assert replica.config.optimizer.lr == tags["lr"] and replica.config.seed == run.tags["seed"]
+      assert replica.config.optimizer.lr == tags["lr"] and replica.config.seed == tags["seed"]
       assert replica.config.optimizer.end_lr_factor == 0.1
-    assert [tags["preset_setting"] for _, tags in run.replicas] == [False, False, True]
+    assert [tags["setting"] for _, tags in run.replicas] == [p for p in listed for _ in (1, 2)]
+    assert [tags["preset_setting"] for _, tags in run.replicas] == [False] * 4 + [True] * 2
   assert grid.reproduce(sraven_study.REPRODUCTION, ["--points", PROBE_POINTS[0], "--dry_run"]) == 2
   assert "--points and --protocol=points go together" in capsys.readouterr().err
   assert grid.reproduce(sraven_study.REPRODUCTION, ["--sweep_seeds=1", "--dry_run"]) == 2

@@ -13,7 +13,11 @@ cuDNN. Nothing is compiled or run; the arguments are abstract (``jax.ShapeDtypeS
   256 and 1024, without a mask, with a key-padding mask and causal, lowers for CUDA and TPU; where
   a variant can take the fused softmax path, the CUDA program holds cuDNN's attention calls;
 * the trainer's jitted train and evaluation programs of every packaged config (``runlocal``)
-  lower for CUDA and TPU.
+  lower for CUDA and TPU;
+* in bfloat16 (``bf16``), the train program of every packaged config with softmax, and of the
+  default one with BN, SH and BN+SH, one run and two replicas, holds cuDNN's forward and backward
+  attention calls, each fed bias and lengths rows of its own queries, and no float32 matrix
+  product; it lowers for TPU too.
 """
 
 import re
@@ -24,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src import custom_partitioning  # names the partitioned cuDNN calls
 from jax._src.cudnn import fused_attention_stablehlo  # its cuDNN version check is stubbed
 
 from primal_dual import configs, registry
 from primal_dual import nnx as pd_nnx
 from primal_dual.kernels import hyla_pallas as hp
 from primal_dual.layers import MultiHeadAttention
-from primal_dual.training import setup, sharding
+from primal_dual.training import config_lib, setup, sharding
 
 # Lowering platform -> what jax.default_backend() says on such a device.
 BACKENDS = {"cuda": "gpu", "tpu": "tpu"}
@@ -273,18 +278,20 @@ def test_every_variant_layer_lowers_for_cuda_and_tpu(name, layer, platform, devi
 
 @pytest.fixture(scope="module")
 def runlocal_program(tmp_path_factory):
-  """``get(name)``: the trainer's Program of packaged config ``name`` with ``runlocal``, built once (its
-  data are generated or shipped; a TFDS preparation goes to a temporary folder)."""
+  """``get(name, arg='runlocal', fields={})``: the trainer's Program of packaged config ``name``
+  with the config argument ``arg`` and the dotted ``fields`` set (as ``--config.<field>``), built
+  once (its data are generated or shipped; a TFDS preparation goes to a temporary folder)."""
   built = {}
   data_dir = tmp_path_factory.mktemp("tfds")
 
-  def get(name: str) -> setup.Program:
-    if name not in built:
-      config = configs.load(name, "runlocal")
+  def get(name: str, arg: str = "runlocal", fields: dict | None = None) -> setup.Program:
+    key = (name, arg, tuple(sorted((fields or {}).items())))
+    if key not in built:
+      config = config_lib.with_fields(configs.load(name, arg), fields or {})
       if "data_dir" in config.data:
         config.data.data_dir = str(data_dir)
-      built[name] = setup.build_program(setup.resolve_config(config))
-    return built[name]
+      built[key] = setup.build_program(setup.resolve_config(config))
+    return built[key]
 
   return get
 
@@ -312,7 +319,7 @@ def trainer_programs(program: setup.Program) -> dict:
   train_source = program.splits["train"]
   steps = runner.steps_per_call
   if runner.device_data:
-    train_args = (state, None, abstract(runner.data_seed), abstract(runner.hyperparameters))
+    train_args = (state, None, abstract(runner.stream_arguments), abstract(runner.hyperparameters))
   elif steps == 1:
     train_args = (
       state,
@@ -321,7 +328,12 @@ def trainer_programs(program: setup.Program) -> dict:
     )
   else:
     batches = abstract_batch(train_source, program.config.batch_size, leading=(steps,))
-    train_args = (state, batches, abstract(runner.data_seed), abstract(runner.hyperparameters))
+    train_args = (
+      state,
+      batches,
+      abstract(runner.stream_arguments),
+      abstract(runner.hyperparameters),
+    )
   eval_source = program.splits[program.eval_splits[0]]
   eval_args = (state, abstract_batch(eval_source, program.eval_batch_size, valid=True))
   return {
@@ -342,3 +354,155 @@ def test_every_packaged_config_trains_and_evaluates_on_cuda_and_tpu(
     for step, (jitted, args) in trainer_programs(program).items():
       calls = custom_calls(jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text())
       assert not any(MOSAIC_GPU_CALL in call for call in calls), (step, calls)
+
+
+# --- bfloat16 train programs reach cuDNN --------------------------------------------------------
+
+# The variants whose product can go to cuDNN's fused attention (kernels.fused).
+FUSED_VARIANTS = ("softmax", "bn", "sh", "bn_sh")
+# A sweep of two replicas (jax.vmap over the steps), which share each batch's padding mask.
+TWO_REPLICAS = {"sweep.optimizer.lr": (1e-3, 3e-4)}
+# sRAVEN's and logic's presets drop attention weights out in training (the HYLA paper's 0.1), which
+# only the kernels' own path serves (jax.nn.dot_product_attention takes no dropout): their
+# training reaches cuDNN without it, their evaluation with it.
+NO_WEIGHT_DROPOUT = {"model.attention_dropout_rate": 0.0}
+BF16_PROGRAMS = [
+  *((name, "softmax") for name in configs.packaged_names()),
+  *(("default", variant) for variant in FUSED_VARIANTS[1:]),
+]
+MATMUL = re.compile(
+  r"stablehlo\.(dot_general|convolution)\b[^\n]*: \(tensor<([^>]*)>, tensor<([^>]*)>\)"
+)
+CUDNN_PARTITIONS = {
+  "_dot_product_attention_fwd_partition": "forward",
+  "_dot_product_attention_bwd_partition": "backward",
+}
+
+
+CALL_LINE = re.compile(r"custom_call @([^\s(]+)\([^\n]*: \(([^)]*)\)")
+CALLBACK_KEY = re.compile(r'backend_config = "(\d+)"')
+
+
+def cudnn_attention_operands(text: str) -> list[tuple[str, list[str]]]:
+  """``('forward' | 'backward', operand shapes such as '6x30x2x8')`` of each cuDNN attention
+  call of lowered StableHLO ``text``: the custom calls themselves (``__cudnn$fmha…``, with or
+  without the bias cuDNN makes of a mask), or, in a program of several partitions (the trainer's
+  mesh), the ``CustomSPMDPartitioning`` calls that become them when compiled, named by their
+  partitioning callback. ``text`` must come from a ``Lowered`` that is still alive (the
+  callbacks are held weakly)."""
+  found = []
+  for call in CALL_LINE.finditer(text):
+    target, operands = call.groups()
+    key = CALLBACK_KEY.search(call.group(0))
+    if target.startswith("__cudnn$fmha"):
+      direction = "backward" if target.endswith("Backward") else "forward"
+    elif target == "CustomSPMDPartitioning" and key:
+      callback = custom_partitioning._sharding_callbacks[key[1].encode()].partition.__name__
+      direction = CUDNN_PARTITIONS.get(callback)
+      if direction is None:
+        continue
+    else:
+      continue
+    found.append((direction, re.findall(r"tensor<([\dx]*)x\w+>", operands)))
+  return found
+
+
+def cudnn_attention_calls(text: str) -> tuple[int, int]:
+  """(forward, backward) counts of ``cudnn_attention_operands``."""
+  directions = [direction for direction, _ in cudnn_attention_operands(text)]
+  return directions.count("forward"), directions.count("backward")
+
+
+def unpaired_cudnn_operands(text: str) -> list[list[str]]:
+  """The cuDNN attention calls of ``text`` with an operand whose leading (batch) axis is neither
+  the queries' nor 1 (0: the placeholder of an absent operand): a bias or lengths of other rows
+  than the queries' (under vmap, jax 0.10.2's batching rule pairs a shared mask's rows so)."""
+  unpaired = []
+  for _, shapes in cudnn_attention_operands(text):
+    rows = shapes[0].split("x")[0]
+    if any(shape and shape.split("x")[0] not in ("0", "1", rows) for shape in shapes):
+      unpaired.append(shapes)
+  return unpaired
+
+
+DIM_NAMES = ("batching_dims", "contracting_dims")
+BF16_ALGORITHM = "lhs_precision_type = bf16, rhs_precision_type = bf16"
+
+
+def _dims(line: str, name: str) -> tuple[list[int], list[int]]:
+  """The lhs and rhs axes of ``name = [..] x [..]`` in a ``dot_general`` line (none if absent)."""
+  found = re.search(name + r" = \[([\d, ]*)\] x \[([\d, ]*)\]", line)
+  if not found:
+    return [], []
+  return tuple([int(d) for d in side.split(",") if d.strip()] for side in found.groups())
+
+
+def float32_matmuls(text: str) -> list[str]:
+  """The float32 matrix products of lowered StableHLO text: ``dot_general``s and convolutions
+  with a float32 operand (unless their algorithm rounds both operands to bfloat16, as XLA's
+  attention on a TPU does), both of whose operands keep a free axis (neither batched nor
+  contracted). Statistics are excepted: weighted sums over the keys (a weights vector: no free
+  axis) and their gradients (outer products: nothing contracted), e.g. Attention-BN's key means."""
+  found = []
+  for match in MATMUL.finditer(text):
+    op, lhs, rhs = match.groups()
+    if "f32" not in lhs + rhs or BF16_ALGORITHM in match.group(0):
+      continue
+    if op == "dot_general":
+      line = match.group(0)
+      (batch_l, batch_r), (contract_l, contract_r) = (_dims(line, name) for name in DIM_NAMES)
+      free_l = lhs.count("x") - len(batch_l) - len(contract_l)
+      free_r = rhs.count("x") - len(batch_r) - len(contract_r)
+      if not contract_l or not free_l or not free_r:
+        continue
+    found.append(match.group(0)[:200])
+  return found
+
+
+def lowered_train_program(program: setup.Program, platform: str):
+  """The ``Lowered`` train program of ``program`` for ``platform``."""
+  with sharding.mesh_context(program.mesh):
+    jitted, args = trainer_programs(program)["train"]
+    return jitted.trace(*args).lower(lowering_platforms=(platform,))
+
+
+def bf16_train_program(runlocal_program, name, variant, replicas, platform):
+  """The ``Lowered`` bfloat16 (``bf16``) train program of packaged config ``name``
+  (``runlocal``) with ``variant``, one run or ``TWO_REPLICAS``, for ``platform``."""
+  fields = {**NO_WEIGHT_DROPOUT, **(TWO_REPLICAS if replicas == 2 else {})}
+  program = runlocal_program(name, f"runlocal,bf16,attention={variant}", fields)
+  return lowered_train_program(program, platform)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("name, variant", BF16_PROGRAMS)
+def test_bfloat16_train_programs_call_cudnn_and_no_float32_matmul(
+  name, variant, replicas, device_backend, runlocal_program
+):
+  """Every packaged config with softmax, and the default one with BN, SH and BN+SH, single and
+  as two replicas (the vmap whose old batching rule needs ``kernels.fused``'s workaround)."""
+  device_backend("cuda")
+  lowered = bf16_train_program(runlocal_program, name, variant, replicas, "cuda")
+  text = lowered.as_text()
+  forward, backward = cudnn_attention_calls(text)
+  assert forward and backward, custom_calls(text)
+  assert not unpaired_cudnn_operands(text)
+  assert not float32_matmuls(text)
+
+
+def test_float32_train_programs_have_float32_matmuls_and_no_cudnn(device_backend, runlocal_program):
+  """What the bfloat16 test tells apart: the float32 run (the default) keeps XLA's attention."""
+  device_backend("cuda")
+  lowered = lowered_train_program(runlocal_program("default"), "cuda")
+  text = lowered.as_text()
+  assert cudnn_attention_calls(text) == (0, 0)
+  assert float32_matmuls(text)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_bfloat16_train_programs_lower_for_tpu(replicas, device_backend, runlocal_program):
+  device_backend("tpu")
+  lowered = bf16_train_program(runlocal_program, "default", "bn_sh", replicas, "tpu")
+  text = lowered.as_text()
+  assert cudnn_attention_calls(text) == (0, 0)
+  assert not float32_matmuls(text)

@@ -1,5 +1,6 @@
-"""The README's commands: the first training command is a quick one, the long ones are labelled
-for a GPU, and the README and docs/training.md give the same command for the same model."""
+"""The README's commands: its Python blocks run as written, the first training command is a quick
+one, the long ones are labelled for a GPU, and the README and docs/training.md give the same
+command for the same model."""
 
 import os
 import re
@@ -70,3 +71,10 @@ def test_every_doc_the_code_and_readme_cite_exists():
   cited.update(re.findall(r"docs/[\w/]+\.md", _read("README.md")))
   missing = sorted(path for path in cited if not os.path.exists(os.path.join(REPO_ROOT, path)))
   assert not missing
+
+
+def test_every_python_block_runs_as_written():
+  blocks = re.findall(r"```python\n(.*?)```", _read("README.md"), re.S)
+  assert blocks
+  for block in blocks:
+    exec(compile(block, "README.md", "exec"), {})

@@ -112,12 +112,14 @@ def test_device_stream_equals_the_host_records_and_is_disjoint(task, problems, s
 def test_device_batches_have_the_train_fields_and_depend_on_the_seed(module, task):
   config = _config(module)
   splits, metadata = task.build_data(config)
-  batch_fn = jax.jit(task.device_train_stream(config, metadata))
+  stream = task.device_train_stream(config, metadata)
+  batch_fn = jax.jit(stream.batch)
   indices = np.arange(8, dtype=np.uint32)
-  batch = batch_fn(indices, config.seed)
+  batch = batch_fn(indices, stream.arguments)
   assert set(batch) == set(task.TRAIN_FIELDS)
   assert batch["inputs"].shape == (8, *splits["train"].build()[0]["inputs"].shape)
-  other = batch_fn(indices, config.seed + 1)
+  other_seed = task.device_train_stream(config_lib.with_fields(config, {"seed": 1}), metadata)
+  other = batch_fn(indices, other_seed.arguments)
   assert not np.array_equal(np.asarray(batch["inputs"]), np.asarray(other["inputs"]))
 
 

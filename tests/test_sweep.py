@@ -17,6 +17,8 @@ import pytest
 
 import helpers
 from primal_dual.configs import sraven as sraven_configs
+from primal_dual.data import generated
+from primal_dual.data import sraven as sraven_data
 from primal_dual.kernels import _common as kernel_common
 from primal_dual.models import blocks
 from primal_dual.tasks import synthetic
@@ -205,6 +207,31 @@ def test_seeds_and_learning_rates_on_device_batches_equal_runs_alone(tmp_path):
   alone_final = trainer.train_and_evaluate(_sraven(seed=3, **{"optimizer.lr": 0.02}), str(alone))
   name = "lr=0.02,seed=3"
   _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
+
+
+def test_seeds_with_their_own_held_out_splits_are_replicas_of_one_program(tmp_path):
+  """`held_out=per_seed` (the paper presets' rule): two seeds draw two held-out sets, and still
+  train as replicas of one program; each replica, evaluated on its own splits, equals its setting
+  trained alone."""
+  per_seed = {"data.split_seed": generated.SPLIT_SEED_OF_RUN}
+  sweep_config = _sraven(**per_seed, **{"sweep.seed": (0, 1), "sweep.optimizer.lr": (0.05, 0.02)})
+  program = setup.build_program(setup.resolve_config(sweep_config))
+  assert program.data.num_groups == 2
+  np.testing.assert_array_equal(program.data.group_of_replica, [0, 1, 0, 1])  # lr × seed order
+  held_out = [sraven_data.heldout_latent_ids(m["problems"]) for m in program.data.metadata]
+  assert not np.array_equal(*held_out)
+  # Every evaluation batch pairs the two groups' batches: [G, B, ...].
+  batch = next(iter(program.eval_batches("ood")))
+  assert batch["inputs"].shape[0] == 2
+  assert not np.array_equal(batch["latent_id"][0], batch["latent_id"][1])
+  final = trainer.train_and_evaluate(sweep_config, str(tmp_path / "sweep"))
+  for index, (name, seed, lr) in enumerate(
+    (("lr=0.05,seed=0", 0, 0.05), ("lr=0.02,seed=1", 1, 0.02))
+  ):
+    alone = tmp_path / f"alone{index}"
+    alone_config = _sraven(**per_seed, seed=seed, **{"optimizer.lr": lr})
+    alone_final = trainer.train_and_evaluate(alone_config, str(alone))
+    _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
 
 
 def test_dropout_points_on_device_batches_equal_runs_alone(tmp_path):

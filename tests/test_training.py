@@ -521,7 +521,13 @@ def test_end_to_end_writes_checkpoints_metrics_and_tensorboard(uninterrupted):
   ]
   with open(os.path.join(workdir, "config.json")) as f:
     saved = json.load(f)
-  assert saved["model"] == {"hidden": 8, "dropout_rate": 0.1, "use_batch_norm": True}
+  assert saved["model"] == {
+    "hidden": 8,
+    "dropout_rate": 0.1,
+    "use_batch_norm": True,
+    "dtype": "float32",  # defaults filled in (config_lib.MODEL_DTYPES)
+    "param_dtype": "float32",
+  }
   assert saved["optimizer"]["name"] == "adamw"  # defaults filled in
 
   records = metrics_logging.read_metrics(workdir)
@@ -919,6 +925,83 @@ def test_ctrl_c_stops_with_the_step_and_the_last_checkpoint(interrupt, stopped_a
   )
   assert signal.getsignal(signal.SIGINT) is handler
   assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
+
+
+def _signal_in_dispatch(number: int, signum: int, events: list):
+  """A `StepRunner.__call__` that records each dispatch in `events` and sends this process
+  `signum` while dispatching the `number`-th call."""
+  original = setup.StepRunner.__call__
+
+  def dispatch(self, *args):
+    events.append("dispatch")
+    if events.count("dispatch") == number:
+      os.kill(os.getpid(), signum)
+    return original(self, *args)
+
+  return dispatch
+
+
+@pytest.mark.parametrize(
+  "steps_per_call, stop_step",
+  [
+    (1, 7),  # between two logs: step 7's training metrics are saved with the checkpoint
+    (2, 6),  # steps 7-8 were read ahead while the call ran: the iterator is put back first
+  ],
+)
+def test_sigterm_saves_the_step_reached_and_the_resumed_run_equals_an_uninterrupted_one(
+  steps_per_call, stop_step, tmp_path, monkeypatch
+):
+  """SIGTERM (a pre-empted VM, SLURM, `docker stop`) while the call ending at `stop_step` is
+  dispatched: that call finishes, a checkpoint of the step is saved, and the re-run ends exactly
+  where a run that was never stopped does."""
+  config = tiny_config(steps_per_call=steps_per_call)
+  reference, workdir = str(tmp_path / "reference"), str(tmp_path / "stopped")
+  reference_final = trainer.train_and_evaluate(config, reference)
+  handler = signal.getsignal(signal.SIGTERM)
+  with monkeypatch.context() as patch:
+    patch.setattr(
+      setup.StepRunner,
+      "__call__",
+      _signal_in_dispatch(stop_step // steps_per_call, signal.SIGTERM, []),
+    )
+    with pytest.raises(errors.PreemptedError) as info:
+      trainer.train_and_evaluate(config, workdir)
+  assert str(info.value) == (
+    f"stopped by SIGTERM at step {stop_step}; checkpoint saved at step {stop_step}; re-run the "
+    "same command to resume"
+  )
+  assert signal.getsignal(signal.SIGTERM) is handler
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", str(stop_step)]
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE))
+
+  final = trainer.train_and_evaluate(config, workdir)
+  assert helpers.without_timing(final) == helpers.without_timing(reference_final)
+  assert helpers.records_without_timing(workdir) == helpers.records_without_timing(reference)
+  _, expected, _ = restore_state(reference, 8, config)
+  _, actual, _ = restore_state(workdir, 8, config)
+  jax.tree.map(np.testing.assert_array_equal, expected, actual)
+
+
+def test_a_stop_waits_for_the_call_in_flight_and_dispatches_no_other(tmp_path, monkeypatch):
+  """One call is in flight at a time: the next is dispatched once the previous one's losses are
+  checked, so a stop waits for at most one call of K steps. Ctrl-C while the third call is
+  dispatched: it runs, and no fourth is dispatched."""
+  config = tiny_config(
+    num_train_steps=16,
+    steps_per_call=2,
+    log_every_steps=0,
+    eval_every_steps=0,
+    checkpoint_every_steps=0,
+  )
+  events = []
+  check = trainer._check_finite
+  monkeypatch.setattr(setup.StepRunner, "__call__", _signal_in_dispatch(3, signal.SIGINT, events))
+  monkeypatch.setattr(
+    trainer, "_check_finite", lambda *args: events.append("check") or check(*args)
+  )
+  with pytest.raises(errors.StoppedError, match="^stopped at step 6; no checkpoint was saved"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert events == ["dispatch", "check"] * 3
 
 
 def test_a_full_disk_is_one_error_naming_the_workdir(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """What the commands (`primal-dual train|eval`, `train.py`, `eval.py`) share: every problem a user
-can fix is one line, exit status 2.
+can fix is one line, exit status 2; training stopped by SIGTERM (pre-emption) is one line too,
+with its own status, 75 (`EXIT_PREEMPTED`), after saving a checkpoint.
 
 Flag parsing (absl, and ml_collections' `--config` file with its `--config.<field>` overrides)
 raises a variety of exceptions with multi-line messages or tracebacks; `parse_flags` turns each
@@ -21,6 +22,10 @@ from primal_dual.training import config_lib
 from primal_dual.training import errors
 
 EXIT_USER_ERROR = 2
+# Training stopped by SIGTERM after saving a checkpoint of the step reached: re-running the same
+# command resumes. 75 is sysexits.h's EX_TEMPFAIL ("try again later"); a process killed by the
+# signal itself (a second SIGTERM, or one outside the training loop) ends with 143 as usual.
+EXIT_PREEMPTED = 75
 
 # What absl and ml_collections raise while parsing flags or loading a config file.
 _FLAG_ERRORS = (
@@ -59,7 +64,8 @@ def not_a_save_wait_warning(record) -> bool:
 def start_main(argv: list[str]) -> None:
   """The common start of the commands' `main`: no stray positional arguments, and Orbax's
   per-save INFO logs and its save-wait warnings hidden unless `--verbosity` was given, and
-  libraries' logs of a full disk hidden (the command reports it in one line)."""
+  libraries' logs of a full disk and of a damaged checkpoint's reads hidden (the command reports
+  each in one line)."""
   if len(argv) > 1:
     fail(
       f"unexpected arguments: {' '.join(argv[1:])}; give every flag as --name=value "
@@ -71,6 +77,7 @@ def start_main(argv: list[str]) -> None:
     if not_a_save_wait_warning not in handler.filters:
       handler.addFilter(not_a_save_wait_warning)
   errors.hide_disk_full_logs()
+  errors.hide_abandoned_checkpoint_reads()
 
 
 def report(message: str) -> int:

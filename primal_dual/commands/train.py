@@ -5,7 +5,10 @@ the path of any config file, e.g. `--config=uea:dataset=Heartbeat` or
 `--config=primal_dual/configs/uea.py:dataset=Heartbeat`. Config fields can be overridden on the
 command line, e.g. `--config.optimizer.lr=3e-4 --config.num_train_steps=1000`. Re-running with the
 same workdir resumes from its last checkpoint. Problems the user can fix (bad config value, missing
-data, diverged loss) are printed as one line `error: ...` with exit status 2.
+data, diverged loss, Ctrl-C) are printed as one line `error: ...` with exit status 2. SIGTERM (a
+pre-empted VM, SLURM, `docker stop`) stops training after the call in flight, saves a checkpoint
+of the step reached and exits with status 75 after one line `error: stopped by SIGTERM at step N;
+...`.
 
 Multi-process (TPU pod, SLURM, several localhost processes): see primal_dual/training/sharding.py.
 """
@@ -51,6 +54,9 @@ def main(argv: list[str]) -> int:
     final = trainer.train_and_evaluate(config, workdir)
   except errors.DiskFullError as e:
     cli.report_and_exit_now(str(e))
+  except errors.PreemptedError as e:
+    cli.report(str(e))
+    return cli.EXIT_PREEMPTED
   except errors.UserError as e:
     return cli.report(str(e))
   except KeyboardInterrupt:  # during set-up; the training loop reports its own step

@@ -45,8 +45,9 @@ def apply(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
 def build(
   task: str, arg: ml_collections.ConfigDict, *presets: Mapping[str, Any]
 ) -> ml_collections.ConfigDict:
-  """The training defaults of ``task`` with ``presets`` applied in order, then the seed and the
-  attention variant of ``arg`` (``config_lib.RUN_ARGUMENTS``); unlocked.
+  """The training defaults of ``task`` with ``presets`` applied in order, then the seed, the
+  attention variant and the ``bf16`` shorthand (bfloat16 compute) of ``arg``
+  (``config_lib.RUN_ARGUMENTS``); unlocked.
 
   Raises:
     errors.ConfigError: ``arg.attention`` is not a variant of ``registry.ATTENTION_REGISTRY``.
@@ -58,6 +59,8 @@ def build(
     apply(config, values)
   config.seed = arg.seed
   apply(config, dict(model=dict(attention=arg.attention, attention_options={})))
+  if arg.bf16:
+    config.model.dtype = "bfloat16"
   return config
 
 

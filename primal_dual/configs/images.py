@@ -34,7 +34,8 @@ head keeps a grid of at least 2×2 (on the 4×4 digits grid: at most 2).
 
 Arguments: ``dataset``, ``model`` (micro | tiny | small; '' = the data set's default),
 ``attention`` (any name of ``primal_dual.layers.ATTENTION_REGISTRY``), ``seed``, ``epochs``
-(-1 = the recipe's), ``data_dir``, ``runlocal`` (a 1-layer d 16 model, 4 steps: a smoke test).
+(-1 = the recipe's), ``data_dir``, ``runlocal`` (a 1-layer d 16 model, 4 steps: a smoke test),
+``bf16`` (bfloat16 compute, float32 parameters: ``--config.model.dtype=bfloat16``).
 
 Commands::
 

@@ -36,7 +36,8 @@ Arguments: ``setting``, ``preset``, ``attention`` (any name of
 ``primal_dual.layers.ATTENTION_REGISTRY``), ``seed`` (model and data order; the data set itself
 is generated with ``data_seed``, default 0), ``steps`` (-1: the setting's 5000; a shorter run caps
 the warm-up at a fifth of it), ``data_dir`` (TFDS folder), ``runlocal`` (tiny preset, 1-layer d 16
-model, 4 steps: a smoke test).
+model, 4 steps: a smoke test), ``bf16`` (bfloat16 compute, float32 parameters:
+``--config.model.dtype=bfloat16``).
 
 Commands::
 

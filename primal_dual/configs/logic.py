@@ -19,6 +19,7 @@ Arguments (``--config=primal_dual/configs/logic.py:key=value,...``):
     ('relative' / 'absolute', 'per_seed' / 'fixed'; '' = the preset's: ``paper`` relative and
     per_seed as the paper's code, ``cpu`` absolute and fixed).
   runlocal: a tiny model and a few steps, for smoke tests.
+  bf16: bfloat16 compute, float32 parameters, as in ``primal_dual/configs/sraven.py``.
 
 Presets
 -------

@@ -18,8 +18,12 @@ Arguments (``--config=primal_dual/configs/sraven.py:key=value,...``):
   held_out: the held-out split, a rule of ``HELD_OUT_RULES``: 'per_seed' (drawn from the run's
     seed, ``data.split_seed = -1``, the paper's code; the ``paper`` preset's) or 'fixed' (split
     seed 0 for every seed; the ``cpu`` preset's, and the ``paper`` preset's before). '' = the
-    preset's. 'per_seed' trains one seed per program (not ``config.sweep.seed`` replicas).
+    preset's. Under 'per_seed' the seeds of a sweep (``config.sweep.seed``) keep each its own
+    held-out split in one program.
   runlocal: a tiny model and a few steps, for smoke tests.
+  bf16: bfloat16 compute, float32 parameters (``--config.model.dtype=bfloat16``); the presets are
+    float32, as the paper's code. With the presets' attention-weight dropout, training keeps the
+    kernels' own attention (``jax.nn.dot_product_attention``, cuDNN's path, takes no dropout).
 
 Presets
 -------

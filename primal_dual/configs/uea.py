@@ -18,6 +18,8 @@ Arguments (``--config=primal_dual/configs/uea.py:key=value,...``):
   seed: model/data-order seed. epochs: -1 = the protocol's (100, PEMS-SF 400).
   manual_dir, data_dir: data folders. runlocal: a tiny model (1 layer, d 16, 2 heads) and 2 epochs
     (whatever ``epochs`` says), batch 8, for smoke tests.
+  bf16: bfloat16 compute, float32 parameters (``--config.model.dtype=bfloat16``); float32
+    without it, as the protocol's results.
 
 SH head ratios (``DATASETS``). Attention-SH pools keys in windows of r_h; a pooled key then stands
 for r_h time steps, so a ratio is only sensible when a window is short next to the series. With 8

@@ -6,7 +6,9 @@ i)``. Each split draws uniformly from a *pool* of ids (latents, term sets) padde
 the task's table, so every split of a config shares one compiled generator. The task modules
 (``sraven.py``, ``logic.py``) keep only their maths: the sampler of one record and the ids of each
 split; a :class:`GeneratedTask` turns them into host batches (``generate_batch``) and traceable
-device streams (``split_stream``) that agree record for record.
+device streams that agree record for record (``pooled_stream``, whose seed and ids are arguments:
+``StreamArguments``, so runs of different seeds and held-out splits share one compiled program;
+``split_stream``, one split's own).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,25 +97,32 @@ def _check_indices(indices: Sequence[int] | np.ndarray) -> np.ndarray:
   return indices.astype(np.uint32)
 
 
-def device_stream(
-  sample: Callable[[jax.Array, jax.Array, int], Record],
-  stream_id: int,
-  pool: np.ndarray,
-  pool_size: int,
-) -> DeviceStream:
-  """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of one split's stream.
+class StreamArguments(NamedTuple):
+  """What one run's stream of a split reads at run time rather than at compile time, so that runs
+  differing in it (their seeds, their held-out splits) share one compiled program: the stream's
+  ``seed`` uint32 ``[]``, the split's ids ``pool`` int32 ``[P]`` (padded to the task's table) and
+  their count ``pool_size`` int32 ``[]``. Stacked ``[R, ...]`` for R replicas."""
+
+  seed: Any
+  pool: Any
+  pool_size: Any
+
+
+def pooled_stream(
+  sample: Callable[[jax.Array, jax.Array, Any], Record], stream_id: int
+) -> Callable[[StreamArguments, jax.Array], Record]:
+  """A traceable ``(arguments, indices uint32 [B]) -> batch`` of the split ``stream_id``.
 
   ``sample(key, pool, pool_size)`` makes one record; record ``i`` uses the key
-  ``fold_in(fold_in(key(seed), stream_id), i)``, exactly as ``GeneratedTask.generate_batch``, so a
-  batch made inside a jitted training step (no host work, nothing stored) equals the one the host
-  makes.
+  ``fold_in(fold_in(key(arguments.seed), stream_id), i)`` and draws its id from
+  ``arguments.pool``, exactly as ``GeneratedTask.generate_batch``, so a batch made inside a jitted
+  training step (no host work, nothing stored) equals the one the host makes.
   """
 
-  def generate(seed, indices):
-    stream = jax.random.fold_in(jax.random.key(seed), stream_id)
-    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), jnp.asarray(pool), pool_size))(
-      indices
-    )
+  def generate(arguments: StreamArguments, indices):
+    stream = jax.random.fold_in(jax.random.key(arguments.seed), stream_id)
+    pool, pool_size = jnp.asarray(arguments.pool), jnp.asarray(arguments.pool_size)
+    return jax.vmap(lambda i: sample(jax.random.fold_in(stream, i), pool, pool_size))(indices)
 
   return generate
 
@@ -205,14 +214,30 @@ class GeneratedTask:
     generator = _batched_generator(self.sample, config)
     return call_generator(generator, seed, stream_id, pool, pool_size, indices)
 
-  def split_stream(self, config: Any, split: str) -> DeviceStream:
-    """``device_stream`` of a split (records as ``generate_batch``'s)."""
+  def stream_arguments(self, config: Any, split: str, seed: Any) -> StreamArguments:
+    """The ``StreamArguments`` (NumPy) of a split's stream of ``seed`` (uint32, or a uint32
+    ``[]`` array such as ``replica_stream_seed``'s)."""
     pool, pool_size = self.pool(config, split)
-    return device_stream(
-      lambda key, p, n: self.sample(key, config, p, n),
+    return StreamArguments(np.asarray(seed, np.uint32), pool, np.int32(pool_size))
+
+  def pooled_stream(
+    self, config: Any, split: str
+  ) -> Callable[[StreamArguments, jax.Array], Record]:
+    """``pooled_stream`` of a split: ``config`` fixes the records' shapes and tables; the seed and
+    the ids drawn from are arguments (``stream_arguments``), so the same function serves every
+    split seed of the family."""
+    return pooled_stream(
+      lambda key, pool, pool_size: self.sample(key, config, pool, pool_size),
       self.split(split).stream_id,
-      pool,
-      pool_size,
+    )
+
+  def split_stream(self, config: Any, split: str) -> DeviceStream:
+    """A traceable ``(seed uint32 [], indices uint32 [B]) -> batch`` of a split (records as
+    ``generate_batch``'s): ``pooled_stream`` with the split's own ids."""
+    pool, pool_size = self.pool(config, split)
+    generate = self.pooled_stream(config, split)
+    return lambda seed, indices: generate(
+      StreamArguments(seed, jnp.asarray(pool), jnp.int32(pool_size)), indices
     )
 
 
@@ -237,19 +262,20 @@ def run_split_seed(split_seed: int, seed: int, seeds: tuple[int, ...] = ()) -> i
   Args:
     split_seed: ``config.data.split_seed`` (≥ 0, or ``SPLIT_SEED_OF_RUN``).
     seed: ``config.seed``.
-    seeds: the seeds of replicas trained in one program (``config.sweep.seed``).
+    seeds: the seeds of the replicas a sweep's config trains (``config.sweep.seed`` or its points).
 
   Raises:
-    ValueError: a per-run split with several replica seeds (they share one data pipeline, so one
-      held-out set; train them as separate runs).
+    ValueError: a per-run split asked of a sweep's config whose replicas have several seeds: it
+      has no one held-out set. Each replica's data comes from its own config (the trainer builds
+      one per held-out split: ``setup.ReplicaData``).
   """
   if split_seed != SPLIT_SEED_OF_RUN:
     return split_seed
   seeds = tuple(seeds)
   if len(seeds) > 1:
     raise ValueError(
-      f"data.split_seed={SPLIT_SEED_OF_RUN} (a held-out set per seed) cannot train the seeds "
-      f"{seeds} as replicas of one program, whose data is shared: run one seed per program, or "
-      "set data.split_seed ≥ 0 (one held-out set for every seed)"
+      f"data.split_seed={SPLIT_SEED_OF_RUN} (a held-out set per seed): a sweep of the seeds "
+      f"{seeds} has one held-out set per seed, not one for the sweep; build the data of each "
+      "replica's own config (sweep.replicas_of(config)[i].config), as the trainer does"
     )
   return seeds[0] if seeds else seed

@@ -7,9 +7,15 @@ Softmax, Attention-BN (softmax kernel), Attention-SH and BN+SH all end in the sa
 on their own queries, keys and values (BN: normalised q and k; SH: each ratio group's pooled keys
 and values). When a call needs neither the weights back (``return_weights``, sowing) nor dropout
 on them, that product goes to ``jax.nn.dot_product_attention``, with ``implementation='cudnn'``
-(fused flash attention, memory linear in the length) on NVIDIA GPUs where the dtype (bfloat16 or
-float16), head size (≤ 128, a multiple of 8, the same for keys and values) and masking (none, or
-only a top-left causal mask) allow, and XLA's implementation elsewhere. Otherwise, or with
+(fused flash attention) on NVIDIA GPUs where the dtype (bfloat16 or float16) and head size (≤ 128,
+the same for keys and values) allow, and XLA's implementation elsewhere. cuDNN's other conditions
+are met by padding, sliced off afterwards: head sizes to a multiple of 8 (zeros, which leave q·k
+unchanged) and lengths to even ones (in training with a bias, which a mask becomes and jax 0.10.2
+assumes of every call: a key masked or past the key lengths, a query row sliced off). On a jax
+whose cuDNN batching rules mishandle operands the vmap does not batch (before ``VMAP_SAFE_JAX``),
+a call's mask is made full-size and batched with the queries, and its lengths batched, so the
+replicas of a sweep (``jax.vmap``), which share a batch's mask, lower and compute right, at the
+memory of one bias ``[B, H, q_len, kv_len]`` in the compute dtype. Otherwise, or with
 ``implementation='reference'``, the kernels take their own path (``_common`` + one-head maths);
 the two agree within the dtype's rounding (tests). Rows with no visible key give zeros on both
 paths (XLA's implementation alone would average every value there). Attention-SH can send all its
@@ -32,6 +38,8 @@ Two rules of the fused path, exactly:
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +48,12 @@ from primal_dual.kernels import _common
 
 IMPLEMENTATIONS = ("auto", "fused", "reference")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_SIZE, _CUDNN_HEAD_MULTIPLE = 128, 8
+# The first jax whose cuDNN attention batching rules take operands without the vmap axis (a mask
+# or bias shared by a sweep's replicas, lengths jax makes itself): jax-ml/jax#39451. Up to 0.11.0
+# they crash (`cannot reshape array`) or pair each replica's queries with the wrong bias rows.
+VMAP_SAFE_JAX = (0, 11, 1)
+_log = logging.getLogger(__name__)
 
 
 def use_fused(
@@ -102,18 +116,81 @@ def is_default_precision(precision) -> bool:
   return True
 
 
-def backend_implementation(query: jax.Array, *, head_size: int, masked: bool) -> str:
+def backend_implementation(query: jax.Array, *, head_size: int, masked: bool = False) -> str:
   """``'cudnn'`` where cuDNN's fused attention takes the call (see module docstring), else
-  ``'xla'``."""
+  ``'xla'``. ``masked`` (a mask or bias with the call) no longer decides: ``attend`` meets
+  cuDNN's conditions for masked calls."""
+  del masked
   if (
     jax.default_backend() == "gpu"
     and query.dtype in _CUDNN_DTYPES
-    and head_size <= 128
-    and head_size % 8 == 0
-    and not masked
+    and head_size <= _CUDNN_MAX_HEAD_SIZE
   ):
     return "cudnn"
   return "xla"
+
+
+_workaround_logged = False
+
+
+def _log_vmap_workaround() -> None:
+  """One log line per process: on this jax, masked cuDNN calls carry full-size masks."""
+  global _workaround_logged
+  if not _workaround_logged:
+    _workaround_logged = True
+    _log.info(
+      "jax %s: masked cuDNN attention calls get a full-size mask batched with the queries, so "
+      "that vmap (a sweep's replicas) batches them right; jax >= %s passes them as given",
+      jax.__version__,
+      ".".join(map(str, VMAP_SAFE_JAX)),
+    )
+
+
+def _pad_axis(x: jax.Array, axis: int, amount: int, fill=0) -> jax.Array:
+  """``x`` with ``amount`` entries of ``fill`` appended along ``axis``."""
+  if not amount:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, amount)
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
+  """Heads-major ``q [N, H, T, d]``, ``k``/``v [N, H, S, d]``, ``bias``/``mask [N | 1, H | 1, T,
+  S]`` (or None) and ``lengths`` (``{'key_value_seq_lengths': int32 [N]}`` or empty) as cuDNN takes
+  them (module docstring): head size padded to a multiple of 8; T and S padded to even (the padded
+  key masked or beyond the key lengths, the padded query row seeing the real keys); a mask or bias
+  of full lengths, the bias in the compute dtype; on a jax older than ``VMAP_SAFE_JAX``, the mask
+  full-size and the lengths batched with ``q``. The caller slices the output back to
+  ``[..., :T, :d_v]``."""
+  q, k, v = (_pad_axis(x, 3, -q.shape[-1] % _CUDNN_HEAD_MULTIPLE) for x in (q, k, v))
+  # jax's check of a training call takes every call for one with a bias (jax 0.10.2 at least),
+  # and cuDNN takes a bias in training with even lengths only.
+  t, s = q.shape[2], k.shape[2]
+  pad_t, pad_s = t % 2, s % 2
+  q, k, v = _pad_axis(q, 2, pad_t), _pad_axis(k, 2, pad_s), _pad_axis(v, 2, pad_s)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (*mask.shape[:2], t, s))
+    mask = _pad_axis(_pad_axis(mask, 2, pad_t, True), 3, pad_s, False)
+  elif pad_s and not lengths:
+    lengths = {"key_value_seq_lengths": jnp.full((q.shape[0],), s, jnp.int32)}
+  if bias is not None:
+    bias = jnp.broadcast_to(bias, (*bias.shape[:2], t, s))
+    bias = _pad_axis(_pad_axis(bias, 2, pad_t), 3, pad_s).astype(q.dtype)
+  if lengths:
+    # Given explicitly: jax would make them itself, outside any vmap (see VMAP_SAFE_JAX).
+    lengths = {"query_seq_lengths": jnp.full_like(lengths["key_value_seq_lengths"], t), **lengths}
+  if jax.__version_info__ >= VMAP_SAFE_JAX or (bias is None and mask is None and not lengths):
+    return q, k, v, bias, mask, lengths
+  _log_vmap_workaround()
+  # True everywhere, but computed from q: under vmap it carries q's batch axis, and so does
+  # every operand combined with it (the old batching rules assume they all do).
+  tied = jnp.logical_or(jax.lax.stop_gradient(q[:, :, :1, :1]) != 0, True)
+  if bias is not None or mask is not None:
+    mask = tied if mask is None else mask
+    mask = jnp.broadcast_to(mask, (*q.shape[:3], k.shape[2])) & tied
+  lengths = {name: jnp.where(tied[:, 0, 0, 0], x, 0) for name, x in lengths.items()}
+  return q, k, v, bias, mask, lengths
 
 
 def attend(
@@ -138,10 +215,10 @@ def attend(
   """
   dtype = v.dtype if dtype is None else dtype
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-  implementation = backend_implementation(
-    q, head_size=q.shape[-1], masked=mask is not None or bias is not None
-  )
+  implementation = backend_implementation(q, head_size=q.shape[-1])
   batch, heads, q_len = q.shape[:3]
+  head_size = v.shape[-1]
+  given_mask = mask
   lengths = {}
   if key_lengths is not None:
     # One row per (example, head): [B·H, 1, L, d], and a mask or bias broadcast to match.
@@ -155,6 +232,8 @@ def attend(
       for x in (bias, mask)
     )
     lengths = {"key_value_seq_lengths": jnp.asarray(key_lengths, jnp.int32).reshape(-1)}
+  if implementation == "cudnn":
+    q, k, v, bias, mask, lengths = _cudnn_operands(q, k, v, bias, mask, lengths)
   out = jax.nn.dot_product_attention(
     *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
     bias=bias,
@@ -164,7 +243,8 @@ def attend(
     implementation=implementation,
     **lengths,
   )
-  out = jnp.swapaxes(out, 1, 2)
-  if mask is not None:
-    out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
-  return out.reshape((batch, heads, q_len, out.shape[-1]))
+  out = jnp.swapaxes(out, 1, 2)[:, :, :q_len, :head_size]
+  out = out.reshape((batch, heads, q_len, head_size))
+  if given_mask is not None:
+    out = jnp.where(jnp.any(given_mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
+  return out

@@ -16,8 +16,11 @@ length are unchanged. Attention cost relative to softmax: ``(1/H) Σ_h 1/r_h``
 (:func:`attention_cost_ratio`).
 
 The compute really shrinks: heads that share a ratio form a group (static, in Python), the group's
-heads are gathered, pooled once and attended on the pooled length, and the group outputs are
-scattered back into the original head order. Nothing is padded back to N.
+heads are static slices, pooled once and attended on the pooled length, and the group outputs go
+back into the original head order by static slices. Pooling is padding and reshaping the key axis
+into windows and reducing them (a broadcast in the backward): no gather, whose backward would be a
+scatter-add. On the fused path keys and values are pooled side by side, and BN+SH's statistics of
+one set per sequence are reductions over every head at once.
 
 Conventions (chosen here, where docs/maths.md is silent):
 
@@ -211,29 +214,95 @@ def _refuse_ratios_above_length(ratios, kv_len: int, grid_shape, num_prefix_toke
 
 
 # ---------------------------------------------------------------------------------------------
-# Pooling of one head.
+# Pooling of one head: the windows by padding and reshaping (no gather; a broadcast backward).
 # ---------------------------------------------------------------------------------------------
 
 
+class WindowLayout(NamedTuple):
+  """The static layout of one ratio's windows over the key axis (see :func:`key_windows`)."""
+
+  kv_len: int
+  ratio: int
+  grid_shape: tuple[int, int] | None
+  num_prefix_tokens: int
+
+  @property
+  def real(self) -> np.ndarray:
+    """bool ``[pooled_len, window]``: False in padding slots."""
+    return key_windows(*self).real
+
+
+def _pad_axis(x, axis: int, size: int):
+  """``x`` padded at the end of ``axis`` with zeros (False) to ``size``."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def to_windows(x, axis: int, layout: WindowLayout):
+  """``x`` with its key axis ``axis`` (``kv_len``) split into ``[pooled_len, window]``: slot
+  ``(w, s)`` holds ``x[..., index[w, s], ...]`` of :func:`key_windows`, padding slots 0 (False).
+
+  Static slices, pads, reshapes and (on a grid) one transpose: no gather, so the gradient is
+  their transposes (slices, reshapes, pads), never a scatter-add.
+  """
+  axis = axis % x.ndim
+  kv_len, ratio, grid_shape, prefix = layout
+  before, after = x.shape[:axis], x.shape[axis + 1 :]
+  rest = jax.lax.slice_in_dim(x, prefix, kv_len, axis=axis) if prefix else x
+  if grid_shape is None:
+    count = -(-(kv_len - prefix) // ratio)
+    rest = _pad_axis(rest, axis, count * ratio).reshape(*before, count, ratio, *after)
+  else:
+    (gh, gw), (ph, pw) = grid_shape, (-(-grid_shape[0] // ratio), -(-grid_shape[1] // ratio))
+    rest = rest.reshape(*before, gh, gw, *after)
+    rest = _pad_axis(_pad_axis(rest, axis, ph * ratio), axis + 1, pw * ratio)
+    rest = rest.reshape(*before, ph, ratio, pw, ratio, *after)
+    order = list(range(rest.ndim))
+    order[axis + 1], order[axis + 2] = order[axis + 2], order[axis + 1]  # row-major windows
+    rest = rest.transpose(order).reshape(*before, ph * pw, ratio * ratio, *after)
+  if not prefix:
+    return rest
+  # Prefix tokens: a window each, of one real slot.
+  head = jnp.expand_dims(jax.lax.slice_in_dim(x, 0, prefix, axis=axis), axis + 1)
+  return jnp.concatenate([_pad_axis(head, axis + 1, rest.shape[axis + 1]), rest], axis=axis)
+
+
+def _is_static(valid) -> bool:
+  """Whether a validity is known when tracing (NumPy: the windows' padding alone)."""
+  return isinstance(valid, np.ndarray)
+
+
 def _masked_mean(x, valid):
-  """x ``[n, w, d]``, valid ``[n, w]`` -> mean of the valid slots ``[n, d]`` (0 if none)."""
-  valid = valid[..., None]
-  total = jnp.sum(jnp.where(valid, x.astype(C.F32), 0.0), axis=1)
-  count = jnp.sum(valid, axis=1)
+  """x ``[n, w, d]``, valid ``[n, w]`` (NumPy when static) -> mean of the valid slots ``[n, d]``
+  (0 if none)."""
+  x32 = x.astype(C.F32)
+  if _is_static(valid) and valid.all():
+    return (jnp.sum(x32, axis=1) / valid.shape[1]).astype(x.dtype)
+  total = jnp.sum(jnp.where(valid[..., None], x32, 0.0), axis=1)
+  count = (np if _is_static(valid) else jnp).sum(valid, axis=1)[:, None]
   return (total / jnp.maximum(count, 1)).astype(x.dtype)
 
 
 def _masked_max(x, valid):
-  """Channel-wise max of the valid slots ``[n, d]`` (0 if none)."""
-  valid = valid[..., None]
-  top = jnp.max(jnp.where(valid, x.astype(C.F32), -jnp.inf), axis=1)
-  return jnp.where(jnp.any(valid, axis=1), top, 0.0).astype(x.dtype)
+  """Channel-wise max of the valid slots ``[n, d]`` (0 if none); exact in ``x``'s dtype."""
+  if _is_static(valid) and valid.all():
+    return jnp.max(x, axis=1)
+  top = jnp.max(jnp.where(valid[..., None], x, -jnp.inf), axis=1)
+  return jnp.where(jnp.any(valid, axis=1)[:, None], top, 0).astype(x.dtype)
 
 
 def _first_valid(x, valid):
   """The first valid slot of each window ``[n, d]`` (slot 0 if none; such windows are masked)."""
+  if _is_static(valid) and valid[:, 0].all():  # slot 0 of every window is real
+    return x[:, 0]
   first = jnp.argmax(valid, axis=1)
-  return jnp.take_along_axis(x, first[:, None, None], axis=1)[:, 0]
+  # A one-hot sum rather than take_along_axis: a select and a reduction, no gather (a scatter-add
+  # backward); adding exact zeros leaves the picked slot as it is.
+  pick = jnp.arange(x.shape[1])[None] == first[:, None]
+  return jnp.sum(jnp.where(pick[..., None], x, jnp.zeros((), x.dtype)), axis=1).astype(x.dtype)
 
 
 POOLS: dict[str, Callable] = {"avg": _masked_mean, "max": _masked_max, "stride": _first_valid}
@@ -243,27 +312,29 @@ class PooledKeys(NamedTuple):
   """One head's keys after pooling (``n`` = pooled length)."""
 
   key: jax.Array  # [n, d_qk], input dtype
-  value: jax.Array  # [n, d_v], input dtype
+  value: jax.Array | None  # [n, d_v], input dtype; None: ``key`` holds [keys | values]
   bias: jax.Array | None  # [q_len, n] float32
   mask: jax.Array | None  # [q_len, n] bool; None when the call has no mask (all visible)
-  key_valid: jax.Array  # [n] bool, window holds a valid key
+  key_valid: jax.Array | None  # [n] bool, window holds a valid key; None: every one does
 
 
 def pool_keys_one_head(
-  k, v, bias, mask, key_valid, *, windows: KeyWindows, pool: Callable
+  k, v, bias, mask, key_valid, *, layout: WindowLayout, pool: Callable
 ) -> PooledKeys:
-  """Pools one head's keys, values, bias and mask over ``windows``.
+  """Pools one head's keys, values, bias and mask over the windows of ``layout``.
 
   Args:
-    k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``.
+    k: ``[kv_len, d_qk]``. v: ``[kv_len, d_v]``, or None when ``k`` holds keys and values side
+      by side (``[kv_len, d_qk + d_v]``, pooled together; the value is then None).
     bias: ``[q_len, kv_len]`` or None. mask: ``[q_len, kv_len]`` bool or None.
-    key_valid: bool ``[kv_len]``, keys that may be pooled.
-    windows: static windows from :func:`key_windows`.
+    key_valid: bool ``[kv_len]``, keys that may be pooled; None: every key.
+    layout: static windows (:class:`WindowLayout`).
     pool: an entry of :data:`POOLS`.
   """
-  index, real = jnp.asarray(windows.index), jnp.asarray(windows.real)
-  valid = real & key_valid[index]  # [n, w]
-  pooled_valid = jnp.any(valid, axis=-1)
+  real = layout.real  # [n, w]
+  # Without a mask the validity is the windows' padding, static: the pools then skip the selects.
+  valid = real if key_valid is None else real & to_windows(key_valid, 0, layout)
+  pooled_valid = None if key_valid is None else jnp.any(valid, axis=-1)
   if mask is None:
     visible = valid[None]  # [1, n, w]: every query sees every valid key.
     # Without a mask every key is valid and every window holds a real key, so every query sees
@@ -271,18 +342,25 @@ def pool_keys_one_head(
     # (a mask, even all True, sends jax.nn.dot_product_attention to XLA's dense [q, n] path).
     pooled_mask = None
   else:
-    visible = mask[:, index] & real[None]  # [q_len, n, w]
+    visible = to_windows(mask, 1, layout) & real[None]  # [q_len, n, w]
     # A pooled key mixes the values of every valid key of its window: query i may see it only
     # when it may see all of them, else a hidden key would reach it (module docstring).
     sees_every_valid = jnp.all(visible | ~valid[None], axis=-1)
-    pooled_mask = sees_every_valid & pooled_valid[None]
+    pooled_mask = sees_every_valid
+    if pooled_valid is not None:
+      pooled_mask = pooled_mask & pooled_valid[None]
   pooled_bias = None
   if bias is not None:
     # Mean over the entries query i may see; 0 where it sees none (then masked anyway).
-    total = jnp.sum(jnp.where(visible, bias[:, index].astype(C.F32), 0.0), axis=-1)
+    windows = to_windows(bias.astype(C.F32), 1, layout)
+    total = jnp.sum(jnp.where(visible, windows, 0.0), axis=-1)
     pooled_bias = total / jnp.maximum(jnp.sum(visible, axis=-1), 1)
   return PooledKeys(
-    pool(k[index], valid), pool(v[index], valid), pooled_bias, pooled_mask, pooled_valid
+    pool(to_windows(k, 0, layout), valid),
+    None if v is None else pool(to_windows(v, 0, layout), valid),
+    pooled_bias,
+    pooled_mask,
+    pooled_valid,
   )
 
 
@@ -312,6 +390,38 @@ class BatchNormOptions(NamedTuple):
   per_query: bool
 
 
+def key_statistics(k, key_valid, count=None):
+  """``batchnorm.key_statistics`` over the key axis ``-2`` of ``k [..., n, d]``, by sums:
+  ``(mean, var)`` float32 ``[..., 1, d]`` over the valid rows (``key_valid`` bool ``[..., n]`` of
+  ``k``'s rank minus one, NumPy when static, or None: every row); ``0, 1`` with no valid row.
+  ``count``: the valid rows ``[..., 1, 1]`` when known statically (NumPy), else None.
+
+  Masked sums rather than products with 0/1 weights: reductions over every head at once that fuse
+  with the pooling before them, where an einsum per head is a matrix-vector product of its own.
+  """
+  k = k.astype(C.F32)
+  if key_valid is None:
+    mean = jnp.mean(k, axis=-2, keepdims=True)
+    return mean, jnp.mean(jnp.square(k - mean), axis=-2, keepdims=True)
+  valid = key_valid[..., None]
+  if count is None:
+    count = (np if _is_static(valid) else jnp).sum(valid, axis=-2, keepdims=True, dtype=np.float32)
+  safe_count = np.maximum(count, 1.0) if _is_static(count) else jnp.maximum(count, 1.0)
+  mean = jnp.sum(jnp.where(valid, k, 0.0), axis=-2, keepdims=True) / safe_count
+  var = jnp.sum(jnp.where(valid, jnp.square(k - mean), 0.0), axis=-2, keepdims=True) / safe_count
+  if _is_static(count) and (count > 0).all():
+    return mean, var
+  return mean, jnp.where(count > 0, var, 1.0)
+
+
+def _normalise(xs, mean, var, batchnorm: BatchNormOptions) -> list:
+  """Each of ``xs`` as ``(x − β·mean)/√(var + ε)`` in float32
+  (``batchnorm.normalize_with_key_stats``), any leading axes."""
+  shift = mean if batchnorm.mean_weight == 1.0 else batchnorm.mean_weight * mean
+  spread = jnp.sqrt(var + batchnorm.eps)
+  return [(x.astype(C.F32) - shift) / spread for x in xs]
+
+
 def _attention_inputs_one_head(
   q,
   k,
@@ -319,23 +429,21 @@ def _attention_inputs_one_head(
   bias,
   mask,
   *,
-  windows: KeyWindows | None,
+  layout: WindowLayout | None,
   pool: Callable,
   batchnorm: BatchNormOptions | None,
 ):
   """What one head of one group attends with: ``(q [q_len, d], PooledKeys)``.
 
-  ``windows`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
+  ``layout`` is None for ratio 1 (no pooling). With ``batchnorm``, q and the pooled keys are
   normalised with key statistics of the pooled keys (``statistics='pooled'``) or the full-length
   keys: one set per sequence (``per_query=False``), else each query's over the keys it may see.
   """
-  kv_len = k.shape[0]
-  key_valid = C.key_validity(mask, kv_len)
-  key_valid = jnp.ones((kv_len,), bool) if key_valid is None else key_valid
-  if windows is None:
+  key_valid = C.key_validity(mask, k.shape[0])  # None without a mask: every key
+  if layout is None:
     pooled = PooledKeys(k, v, bias, mask, key_valid)
   else:
-    pooled = pool_keys_one_head(k, v, bias, mask, key_valid, windows=windows, pool=pool)
+    pooled = pool_keys_one_head(k, v, bias, mask, key_valid, layout=layout, pool=pool)
   if batchnorm is None:
     return q, pooled
   keys, valid, visible = STATISTICS_SOURCES[batchnorm.statistics](k, key_valid, mask, pooled)
@@ -350,13 +458,7 @@ def _attention_inputs_one_head(
       mean_weight=batchnorm.mean_weight,
     )
     return q, pooled._replace(key=pooled_key)
-  mean, var = bn_lib.key_statistics(keys, valid)
-  q, pooled_key = (
-    bn_lib.normalize_with_key_stats(
-      x, mean, var, eps=batchnorm.eps, mean_weight=batchnorm.mean_weight
-    )
-    for x in (q, pooled.key)
-  )
+  q, pooled_key = _normalise((q, pooled.key), *key_statistics(keys, valid), batchnorm)
   return q, pooled._replace(key=pooled_key)
 
 
@@ -366,42 +468,94 @@ def _one_head(q, k, v, bias, mask, *, inputs: Callable, kernel: Callable):
   return kernel(q, pooled.key, pooled.bias, pooled.mask), pooled.value
 
 
-def _select_heads(x, heads: np.ndarray, num_heads: int):
-  """``x[:, heads]`` for ``[B, H, ...]`` arrays; a no-op for None, arrays shared by the heads
-  (size 1 on that axis) and when ``heads`` is every head in order."""
-  if x is None or x.shape[1] != num_heads or np.array_equal(heads, np.arange(num_heads)):
+def _runs(heads: Sequence[int]) -> list[tuple[int, int]]:
+  """``heads`` as ``[start, stop)`` runs of consecutive indices, in order."""
+  runs = []
+  for h in heads:
+    if runs and runs[-1][1] == h:
+      runs[-1] = (runs[-1][0], h + 1)
+    else:
+      runs.append((h, h + 1))
+  return runs
+
+
+def _take_heads(x, heads: Sequence[int], num_heads: int):
+  """``x[:, heads]`` for ``[B, H, ...]`` arrays, as static slices (one per run of consecutive
+  heads, concatenated): no gather, so no scatter-add in the backward. A no-op for None, arrays
+  shared by the heads (size 1 on that axis) and when ``heads`` is every head in order."""
+  if x is None or x.shape[1] != num_heads or tuple(heads) == tuple(range(num_heads)):
     return x
-  return x[:, heads]
+  parts = [jax.lax.slice_in_dim(x, start, stop, axis=1) for start, stop in _runs(heads)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _attend_groups_one_by_one(groups, *, scale: float, dtype) -> list[jax.Array]:
-  """One ``jax.nn.dot_product_attention`` call per ratio group; ``groups``: ``(q [B, H_g,
-  q_len, d], PooledKeys)`` each. Returns each group's ``[B, H_g, q_len, d_v]``."""
-  return [
-    fused.attend(q, p.key, p.value, p.bias, p.mask, scale=scale, dtype=dtype) for q, p in groups
-  ]
+def _split_heads(x, groups, num_heads: int) -> list:
+  """``x``'s heads of each group (:func:`_take_heads`); when the groups are consecutive runs in
+  head order (e.g. ratios ``(1, 1, 2, 2, 4, 4)``), one ``jnp.split``, whose backward is a single
+  concatenation rather than a pad and an add per group."""
+  order = [h for _, heads in groups for h in heads]
+  if x is None or x.shape[1] != num_heads or order != list(range(num_heads)):
+    return [_take_heads(x, heads, num_heads) for _, heads in groups]
+  if len(groups) == 1:
+    return [x]
+  return jnp.split(x, np.cumsum([len(heads) for _, heads in groups])[:-1].tolist(), axis=1)
+
+
+def _pool_group(k, v, bias, mask, *, layout: WindowLayout | None, pool: Callable) -> PooledKeys:
+  """One group's keys after pooling, ``[B, H_g, ...]`` arrays (:func:`pool_keys_one_head` on every
+  head; ratio 1, ``layout`` None: the keys as they are)."""
+  key_valid = None if mask is None else jnp.any(mask, axis=-2)  # _common.key_validity per head
+  if layout is None:
+    return PooledKeys(k, v, bias, mask, key_valid)
+  one_head = functools.partial(pool_keys_one_head, layout=layout, pool=pool)
+  return C.map_heads(one_head, k, v, bias, mask, key_valid)
 
 
 def _pad_keys(x, length: int, axis: int, fill):
   """``x`` padded with ``fill`` to ``length`` along ``axis`` (the pooled-key axis)."""
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, length - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=fill)
+  if x.shape[axis] == length:
+    return x
+  widths = [(0, 0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis], 0)
+  return jax.lax.pad(x, jnp.asarray(fill, x.dtype), widths)
 
 
-def _stack_pairwise(groups, field: str, length: int, absent, padding):
+def _concatenate_heads(parts):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _stack_pairwise(queries, pooled, field: str, length: int, absent, padding):
   """The groups' pooled ``bias`` or ``mask`` (``field``), each ``[B, H_g, q_len, n_g]`` (``absent``
   where a group has none), padded with ``padding`` to ``length`` keys and concatenated along the
   heads; None when no group has one."""
-  parts = [getattr(pooled, field) for _, pooled in groups]
+  parts = [getattr(p, field) for p in pooled]
   if all(x is None for x in parts):
     return None
   padded = []
-  for (q, pooled), x in zip(groups, parts):
-    shape = (*q.shape[:3], pooled.key.shape[2])
+  for q, p, x in zip(queries, pooled, parts):
+    shape = (*q.shape[:3], p.key.shape[2])
     x = jnp.full(shape, absent) if x is None else jnp.broadcast_to(x, shape)
     padded.append(_pad_keys(x, length, 3, padding))
-  return jnp.concatenate(padded, axis=1)
+  return _concatenate_heads(padded)
+
+
+def _stacked_validity(pooled, length: int):
+  """``(validity [B | 1, H, length], count)`` of the groups' pooled keys padded to ``length`` and
+  stacked along the heads (False in the padding); ``count`` ``[1, H, 1, 1]`` (NumPy) where it is
+  static (no mask), else None."""
+  if all(p.key_valid is None for p in pooled):
+    # No mask: head h's first n_h keys, as a comparison with an iota (no [H, length] constant).
+    counts = np.concatenate([np.full(p.key.shape[1], p.key.shape[2]) for p in pooled])
+    valid = jnp.arange(length)[None, None, :] < counts[None, :, None]
+    return valid, counts.reshape(1, -1, 1, 1).astype(np.float32)
+  parts = []
+  for p in pooled:
+    heads, n = p.key.shape[1:3]
+    valid = np.ones((1, 1, n), bool) if p.key_valid is None else p.key_valid  # [B|1, H_g|1, n]
+    valid = jnp.broadcast_to(valid, (valid.shape[0], heads, n))
+    parts.append(_pad_keys(valid, length, 2, False))
+  batch = max(x.shape[0] for x in parts)
+  return _concatenate_heads([jnp.broadcast_to(x, (batch, *x.shape[1:])) for x in parts]), None
 
 
 def pooled_key_lengths(key_lengths, ratio: int, num_prefix_tokens: int = 0):
@@ -414,56 +568,129 @@ def pooled_key_lengths(key_lengths, ratio: int, num_prefix_tokens: int = 0):
   return prefix + (rest + ratio - 1) // ratio
 
 
-def _attend_groups_at_once(groups, *, scale: float, dtype, key_lengths=None) -> list[jax.Array]:
-  """Every ratio group in one ``jax.nn.dot_product_attention`` call: the groups' pooled keys and
-  values padded to the longest, concatenated along the heads in group order, each head's pooled
-  length passed as its key length (the padding is never seen). Returns ``[[B, H, q_len, d_v]]``,
-  the groups' outputs already concatenated in group order. ``key_lengths``: one int ``[B]`` per
-  group, its valid pooled keys per example (padding given as lengths), else every pooled key."""
-  length = max(pooled.key.shape[2] for _, pooled in groups)
-  batch = groups[0][0].shape[0]
-  keys, values = (
-    jnp.concatenate([_pad_keys(getattr(p, field), length, 2, 0) for _, p in groups], axis=1)
-    for field in ("key", "value")
-  )
-  if key_lengths is None:
-    key_lengths = [jnp.full((batch,), p.key.shape[2], jnp.int32) for _, p in groups]
-  key_lengths = jnp.concatenate(
-    [jnp.repeat(n[:, None], q.shape[1], axis=1) for (q, _), n in zip(groups, key_lengths)], axis=1
-  )
+class FusedOptions(NamedTuple):
+  """The static choices of the fused path (``jax.nn.dot_product_attention``).
+
+  Attributes:
+    single_launch: every group in one call, else one call per group.
+    by_lengths: padding given as lengths alone (1-D windows, no causal constraint): the valid
+      pooled keys of each group are a prefix, so they go to the one launch as lengths and no mask
+      (cuDNN keeps the call), padded queries zeroed after it (the rows the pooled masks give).
+    scale: logits scale.
+    num_prefix_tokens: as the kernel's.
+    ratios: each group's ratio, in group order.
+  """
+
+  single_launch: bool
+  by_lengths: bool
+  scale: float
+  num_prefix_tokens: int
+  ratios: tuple[int, ...]
+
+
+def _keys_and_values(p: PooledKeys, d_qk: int) -> PooledKeys:
+  """``p`` with keys and values apart (pooled side by side: ``value`` None)."""
+  if p.value is not None:
+    return p
+  key, value = jnp.split(p.key, [d_qk], axis=-1)
+  return p._replace(key=key, value=value)
+
+
+def _batchnorm_by_sequence(queries, pooled, full_statistics, batchnorm):
+  """BN+SH with one set of statistics per sequence, group by group: ``(queries, pooled)`` with q
+  and the pooled keys normalised. ``full_statistics``: each group's ``(mean, var)`` of its
+  full-length keys (``statistics='full'``), else None (of its pooled keys)."""
+  normalised = [], []
+  for index, (q, p) in enumerate(zip(queries, pooled)):
+    if full_statistics is None:
+      mean, var = key_statistics(p.key, p.key_valid)
+    else:
+      mean, var = full_statistics[index]
+    q, key = _normalise((q, p.key), mean, var, batchnorm)
+    normalised[0].append(q)
+    normalised[1].append(p._replace(key=key))
+  return normalised
+
+
+def _attend_fused(
+  call, query, queries, pooled, *, options: FusedOptions, batchnorm=None, full_statistics=None
+):
+  """Softmax SH / BN+SH through ``jax.nn.dot_product_attention``: ``[B, H, q_len, d_v]``, the
+  groups' heads in group order.
+
+  Args:
+    call: the kernel's call.
+    query: the groups' queries concatenated in group order (q itself when the groups are in head
+      order), or None: they are concatenated here.
+    queries: each group's ``[B, H_g, q_len, d]``. pooled: each group's :class:`PooledKeys`
+      (keys and values apart, or side by side in ``key``).
+    options: :class:`FusedOptions`.
+    batchnorm: BN+SH with one set of statistics per sequence (normalised here, every head at once
+      on the single launch), or None: q and the keys go as they are (or were normalised before).
+    full_statistics: ``(mean, var)`` ``[B, H, 1, d]`` in group order of the full-length keys
+      (``statistics='full'``), or None.
+  """
+  dtype, scale, d_qk = call.compute_dtype, options.scale, call.shapes.d_qk
+  if not options.single_launch:
+    pooled = [_keys_and_values(p, d_qk) for p in pooled]
+    if batchnorm is not None:
+      if full_statistics is not None:
+        sizes = np.cumsum([q.shape[1] for q in queries])[:-1].tolist()
+        full_statistics = list(zip(*(jnp.split(x, sizes, axis=1) for x in full_statistics)))
+      queries, pooled = _batchnorm_by_sequence(queries, pooled, full_statistics, batchnorm)
+    return _concatenate_heads(
+      [
+        fused.attend(q, p.key, p.value, p.bias, p.mask, scale=scale, dtype=dtype)
+        for q, p in zip(queries, pooled)
+      ]
+    )
+  # One launch: pooled keys and values padded to the longest and stacked along the heads, each
+  # row's pooled length as its key length (the padding is never seen).
+  length = max(p.key.shape[2] for p in pooled)
+  if all(p.value is None for p in pooled):  # pooled side by side: stacked, then apart
+    stacked = _concatenate_heads([_pad_keys(p.key, length, 2, 0) for p in pooled])
+    keys, values = jnp.split(stacked, [d_qk], axis=-1)
+  else:
+    pooled = [_keys_and_values(p, d_qk) for p in pooled]
+    keys, values = (
+      _concatenate_heads([_pad_keys(getattr(p, field), length, 2, 0) for p in pooled])
+      for field in ("key", "value")
+    )
+  query = _concatenate_heads(queries) if query is None else query
+  if batchnorm is not None:
+    if full_statistics is None:
+      full_statistics = key_statistics(keys, *_stacked_validity(pooled, length))
+    query, keys = _normalise((query, keys), *full_statistics, batchnorm)
+  batch = query.shape[0]
+  bias = _stack_pairwise(queries, pooled, "bias", length, absent=0.0, padding=0.0)
+  if options.by_lengths:
+    key_lengths = call.key_value_seq_lengths
+    key_lengths = call.shapes.kv_len if key_lengths is None else key_lengths
+    key_lengths = jnp.broadcast_to(jnp.asarray(key_lengths, jnp.int32), call.shapes.batch_shape)
+    key_lengths = key_lengths.reshape(batch)
+    key_lengths = _concatenate_heads(
+      [
+        jnp.repeat(
+          pooled_key_lengths(key_lengths, ratio, options.num_prefix_tokens)[:, None],
+          p.key.shape[1],
+          axis=1,
+        )
+        for ratio, p in zip(options.ratios, pooled)
+      ]
+    )
+    mask = None
+  else:
+    key_lengths = np.concatenate([np.full(p.key.shape[1], p.key.shape[2]) for p in pooled])
+    key_lengths = np.broadcast_to(key_lengths.astype(np.int32), (batch, key_lengths.size))
+    mask = _stack_pairwise(queries, pooled, "mask", length, absent=True, padding=False)
   out = fused.attend(
-    jnp.concatenate([q for q, _ in groups], axis=1),
-    keys,
-    values,
-    _stack_pairwise(groups, "bias", length, absent=0.0, padding=0.0),
-    _stack_pairwise(groups, "mask", length, absent=True, padding=False),
-    scale=scale,
-    dtype=dtype,
-    key_lengths=key_lengths,
+    query, keys, values, bias, mask, scale=scale, dtype=dtype, key_lengths=key_lengths
   )
-  return [out]
-
-
-def _attend_groups_by_lengths(call, fused_groups, groups, *, num_prefix_tokens: int, scale):
-  """Padding given as lengths alone (1-D windows, no causal constraint): the valid pooled keys of
-  each group are a prefix, so they go to the one launch as lengths and no mask (cuDNN keeps the
-  call); padded queries are zeroed after it. The same rows as the pooled masks give."""
-  batch = fused_groups[0][0].shape[0]
-  key_lengths = call.key_value_seq_lengths
-  if key_lengths is None:
-    key_lengths = call.shapes.kv_len
-  key_lengths = jnp.broadcast_to(jnp.asarray(key_lengths, jnp.int32), call.shapes.batch_shape)
-  key_lengths = key_lengths.reshape(batch)
-  per_group = [pooled_key_lengths(key_lengths, ratio, num_prefix_tokens) for ratio, _ in groups]
-  unmasked = [(q, pooled._replace(mask=None)) for q, pooled in fused_groups]
-  (out,) = _attend_groups_at_once(
-    unmasked, scale=scale, dtype=call.compute_dtype, key_lengths=per_group
-  )
-  if call.query_seq_lengths is not None:
+  if options.by_lengths and call.query_seq_lengths is not None:
     query_lengths = jnp.asarray(call.query_seq_lengths).reshape(batch)
     real = jnp.arange(call.shapes.q_len)[None, :] < query_lengths[:, None]  # [B, q_len]
     out = jnp.where(real[:, None, :, None], out, jnp.zeros((), out.dtype))
-  return [out]
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,43 +785,80 @@ def scaled_head_attention(
   mask, bias = call.mask_and_bias()
 
   groups = head_groups(ratios)
-  take_fused = call.takes_fused(implementation, softmax_kernel=kernel == "softmax")
-  outputs, weights, fused_groups = [], [], []
-  for ratio, heads in groups:
-    windows = (
-      None if ratio == 1 else key_windows(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
-    )
-    inputs_one_head = functools.partial(
-      _attention_inputs_one_head, windows=windows, pool=pool_fn, batchnorm=bn_options
-    )
-    group_inputs = [
-      _select_heads(x, np.asarray(heads), shapes.heads) for x in (q, k, v, bias, mask)
-    ]
-    if take_fused:
-      fused_groups.append(C.map_heads(inputs_one_head, *group_inputs))
-      continue
-    group_rng = call.dropout_rng
-    if group_rng is not None and len(groups) > 1:
-      group_rng = jax.random.fold_in(group_rng, ratio)
-    group_out, group_weights = call.weigh_values(
-      functools.partial(_one_head, inputs=inputs_one_head, kernel=kernel_one_head),
-      *group_inputs,
-      dropout_rng=group_rng,
-    )
-    outputs.append(group_out)
-    weights.append(group_weights)
-
-  if fused_groups:
+  layouts = [
+    None if ratio == 1 else WindowLayout(shapes.kv_len, ratio, grid_shape, num_prefix_tokens)
+    for ratio, _ in groups
+  ]
+  order = [h for _, heads in groups for h in heads]  # head of each position in group order
+  in_order = order == list(range(shapes.heads))
+  # Each group's heads as static slices of q, k, v, bias and mask (no gather).
+  split = [_split_heads(x, groups, shapes.heads) for x in (q, k, v, bias, mask)]
+  group_args = [[parts[index] for parts in split] for index in range(len(groups))]
+  weights = None
+  if call.takes_fused(implementation, softmax_kernel=kernel == "softmax"):
     single = jax.default_backend() == "gpu" if single_launch is None else single_launch
-    if single and call.lengths_only and not call.is_causal and grid_shape is None:
-      outputs = _attend_groups_by_lengths(
-        call, fused_groups, groups, num_prefix_tokens=num_prefix_tokens, scale=scale
-      )
+    options = FusedOptions(
+      single_launch=single,
+      by_lengths=single and call.lengths_only and not call.is_causal and grid_shape is None,
+      scale=scale,
+      num_prefix_tokens=num_prefix_tokens,
+      ratios=tuple(ratio for ratio, _ in groups),
+    )
+    if bn_options is not None and bn_options.per_query:
+      # Each query's own statistics: q and the keys normalised head by head with the pooling.
+      pairs = [
+        C.map_heads(
+          functools.partial(
+            _attention_inputs_one_head, layout=layout, pool=pool_fn, batchnorm=bn_options
+          ),
+          *args,
+        )
+        for layout, args in zip(layouts, group_args)
+      ]
+      queries, pooled = ([pair[i] for pair in pairs] for i in (0, 1))
+      out = _attend_fused(call, None, queries, pooled, options=options)
     else:
-      attend_groups = _attend_groups_at_once if single else _attend_groups_one_by_one
-      outputs = attend_groups(fused_groups, scale=scale, dtype=call.compute_dtype)
+      if k.dtype == v.dtype:
+        # Keys and values side by side: one pooling (a reduction, a broadcast backward) per
+        # group for both, and one split once the groups are stacked.
+        keys_values = _split_heads(jnp.concatenate([k, v], axis=-1), groups, shapes.heads)
+        group_args = [[args[0], kv, None, *args[3:]] for args, kv in zip(group_args, keys_values)]
+      pooled = [
+        _pool_group(*args[1:], layout=layout, pool=pool_fn)
+        for layout, args in zip(layouts, group_args)
+      ]
+      full_statistics = None
+      if bn_options is not None and statistics == "full":
+        # The full-length keys' statistics, every head at once.
+        full_statistics = key_statistics(k, None if mask is None else jnp.any(mask, axis=-2))
+        full_statistics = tuple(_take_heads(x, order, shapes.heads) for x in full_statistics)
+      out = _attend_fused(
+        call,
+        q if in_order else None,
+        split[0],
+        pooled,
+        options=options,
+        batchnorm=bn_options,
+        full_statistics=full_statistics,
+      )
+  else:
+    outputs, weights = [], []
+    for (ratio, _), layout, args in zip(groups, layouts, group_args):
+      inputs_one_head = functools.partial(
+        _attention_inputs_one_head, layout=layout, pool=pool_fn, batchnorm=bn_options
+      )
+      group_rng = call.dropout_rng
+      if group_rng is not None and len(groups) > 1:
+        group_rng = jax.random.fold_in(group_rng, ratio)
+      group_out, group_weights = call.weigh_values(
+        functools.partial(_one_head, inputs=inputs_one_head, kernel=kernel_one_head),
+        *args,
+        dropout_rng=group_rng,
+      )
+      outputs.append(group_out)
+      weights.append(group_weights)
+    out, weights = _concatenate_heads(outputs), tuple(weights)
 
-  # Scatter the groups back into head order: position p of the concatenation is head order[p].
-  order = np.concatenate([np.asarray(heads) for _, heads in groups])
-  out = _select_heads(jnp.concatenate(outputs, axis=1), np.argsort(order), shapes.heads)
-  return call.finish(out, tuple(weights) if weights else None)
+  # Back into head order: position p of the group order is head order[p] (static slices).
+  out = _take_heads(out, np.argsort(order).tolist(), shapes.heads)
+  return call.finish(out, weights)

@@ -40,30 +40,37 @@ class MaskedBatchNorm(nn.Module):
 
   Inputs ``[batch, length, features]``; ``mask [batch, length]`` or None. Running averages are
   updated in training (``train=True``) and used in evaluation, like the UEA reference protocol.
+  Statistics and running averages are float32 whatever ``dtype`` (Flax's BatchNorm).
   """
 
   dtype: Any = None
   momentum: float = 0.9
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, mask=None, *, train: bool):
     bn_mask = None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
     return nn.BatchNorm(
-      use_running_average=not train, momentum=self.momentum, dtype=self.dtype, axis_name=None
+      use_running_average=not train,
+      momentum=self.momentum,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      axis_name=None,
     )(x, mask=bn_mask)
 
 
-# One registry for the normalisation layers a block may use: name -> factory(dtype).
-NORMS: dict[str, Callable[[Any], nn.Module]] = {
-  "layer": lambda dtype: nn.LayerNorm(dtype=dtype),
-  "batch": lambda dtype: MaskedBatchNorm(dtype=dtype),
+# One registry for the normalisation layers a block may use: name -> factory(dtype, param_dtype).
+# Both compute their statistics in float32 whatever the dtype.
+NORMS: dict[str, Callable[[Any, Any], nn.Module]] = {
+  "layer": lambda dtype, param_dtype: nn.LayerNorm(dtype=dtype, param_dtype=param_dtype),
+  "batch": lambda dtype, param_dtype: MaskedBatchNorm(dtype=dtype, param_dtype=param_dtype),
 }
 
 
-def make_norm(name: str, dtype) -> nn.Module:
+def make_norm(name: str, dtype, param_dtype=jnp.float32) -> nn.Module:
   if name not in NORMS:
     raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
-  return NORMS[name](dtype)
+  return NORMS[name](dtype, param_dtype)
 
 
 def apply_norm(norm: nn.Module, x, mask, train: bool):
@@ -89,6 +96,7 @@ class MlpBlock(nn.Module):
   dropout_rate: float = 0.0
   dtype: Any = None
   kernel_init: str = "xavier_uniform"
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, *, train: bool):
@@ -101,12 +109,16 @@ class MlpBlock(nn.Module):
     x = nn.Dense(
       self.mlp_dim,
       dtype=self.dtype,
+      param_dtype=self.param_dtype,
       kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
     )(x)
     x = nn.gelu(x)
     x = Dropout(self.dropout_rate)(x, deterministic=not train)
     x = nn.Dense(
-      width, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"))
+      width,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
     )(x)
     return Dropout(self.dropout_rate)(x, deterministic=not train)
 
@@ -115,7 +127,8 @@ class AttentionFields(nn.Module):
   """Keyword-only fields of every model and of its ``EncoderBlock``: the attention kernel by
   registry name (``attention``, ``attention_options``), dropout on residual branches
   (``dropout_rate``) and on the attention weights (``attention_dropout_rate``), each a number or
-  a traced ``[]`` (``Dropout``), ``dtype``."""
+  a traced ``[]`` (``Dropout``), the compute ``dtype`` (None: float32, from the parameters) and
+  the parameters' ``param_dtype``, as Flax's layers (``config.model.dtype`` / ``param_dtype``)."""
 
   _: dataclasses.KW_ONLY
   attention: str = "softmax"
@@ -123,6 +136,7 @@ class AttentionFields(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   dtype: Any = None
+  param_dtype: Any = jnp.float32
 
   def attention_fields(self) -> dict[str, Any]:
     """These fields' values, to hand on to an ``EncoderBlock``."""
@@ -165,15 +179,23 @@ class EncoderBlock(AttentionFields):
       attention_context=self.attention_context,
       dropout_rate=self.attention_dropout_rate,
       dtype=self.dtype,
+      param_dtype=self.param_dtype,
       name="attention",
     )
-    norm1, norm2 = make_norm(self.norm, self.dtype), make_norm(self.norm, self.dtype)
+    norm1, norm2 = (make_norm(self.norm, self.dtype, self.param_dtype) for _ in range(2))
 
     def attend(y):
       y = attention(y, mask=mask, bias=bias, deterministic=not train, sow_weights=sow_weights)
       return Dropout(self.dropout_rate)(y, deterministic=not train)
 
-    mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.mlp_kernel_init, name="mlp")
+    mlp = MlpBlock(
+      self.mlp_dim,
+      self.dropout_rate,
+      self.dtype,
+      self.mlp_kernel_init,
+      param_dtype=self.param_dtype,
+      name="mlp",
+    )
     if self.pre_norm:
       x = x + attend(apply_norm(norm1, x, token_mask, train))
       return x + mlp(apply_norm(norm2, x, token_mask, train), train=train)
@@ -191,13 +213,15 @@ def sinusoidal_positions(length: int, width: int) -> jax.Array:
 
 
 class PositionEmbedding(nn.Module):
-  """Adds learnable (``'learned'``) or fixed (``'sinusoidal'``) positions to ``[batch, L, width]``."""
+  """Adds learnable (``'learned'``, stored in ``param_dtype``) or fixed (``'sinusoidal'``)
+  positions to ``[batch, L, width]``, in the input's dtype."""
 
   kind: str = "learned"
+  param_dtype: Any = jnp.float32
 
   def _learned(self, length: int, width: int) -> jax.Array:
     init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed"))
-    return self.param("embedding", init, (length, width))
+    return self.param("embedding", init, (length, width), self.param_dtype)
 
   def _sinusoidal(self, length: int, width: int) -> jax.Array:
     return sinusoidal_positions(length, width)

@@ -24,10 +24,12 @@ def _pool_cls(x, mask):
 
 
 def _pool_mean(x, mask):
+  # Summed in float32: a bfloat16 sum over hundreds of steps (or its count) would round.
   if mask is None:
-    return x.mean(axis=1)
-  weights = mask[..., None].astype(x.dtype)
-  return (x * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1.0)
+    return x.mean(axis=1, dtype=jnp.float32).astype(x.dtype)
+  weights = mask[..., None].astype(jnp.float32)
+  total = (x * weights).sum(axis=1, dtype=jnp.float32)
+  return (total / jnp.maximum(weights.sum(axis=1), 1.0)).astype(x.dtype)
 
 
 def _pool_flatten(x, mask):
@@ -54,6 +56,7 @@ class EncoderClassifier(AttentionFields):
     pooling: 'cls' (prepends a learned CLS token), 'mean' (over valid steps) or 'flatten'.
     attention, attention_options: kernel by registry name (``primal_dual.layers``).
     dropout_rate, attention_dropout_rate: dropout.
+    dtype, param_dtype: compute and parameter dtypes (``AttentionFields``); logits are float32.
   """
 
   num_classes: int
@@ -75,14 +78,22 @@ class EncoderClassifier(AttentionFields):
         raise ValueError(
           f"input_kind='dense' expects inputs [batch, length, channels]; got shape {inputs.shape}"
         )
-      return nn.Dense(self.model_dim, dtype=self.dtype, name="input_projection")(inputs)
+      return nn.Dense(
+        self.model_dim, dtype=self.dtype, param_dtype=self.param_dtype, name="input_projection"
+      )(inputs)
     if self.input_kind == "embed":
       if self.vocab_size is None or inputs.ndim != 2:
         raise ValueError(
           f"input_kind='embed' needs vocab_size and inputs [batch, length]; got "
           f"vocab_size={self.vocab_size}, shape {inputs.shape}"
         )
-      return nn.Embed(self.vocab_size, self.model_dim, name="token_embedding")(inputs)
+      return nn.Embed(
+        self.vocab_size,
+        self.model_dim,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name="token_embedding",
+      )(inputs)
     raise ValueError(f"unknown input_kind {self.input_kind!r}; use 'dense' or 'embed'")
 
   @nn.compact
@@ -90,11 +101,13 @@ class EncoderClassifier(AttentionFields):
     if self.pooling not in POOLINGS:
       raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {sorted(POOLINGS)}")
     x = self._embed_inputs(inputs)
-    x = PositionEmbedding(self.positional, name="positions")(x)
+    x = PositionEmbedding(self.positional, self.param_dtype, name="positions")(x)
     prefix = 0
     if self.pooling == "cls":
       # Not zeros: a zero CLS has zero queries, and HYLA's normalised scores then vanish for it.
-      cls = self.param("cls", nn.initializers.normal(0.02), (1, 1, self.model_dim))
+      cls = self.param(
+        "cls", nn.initializers.normal(0.02), (1, 1, self.model_dim), self.param_dtype
+      )
       x = jnp.concatenate(
         [jnp.broadcast_to(cls, (x.shape[0], 1, self.model_dim)).astype(x.dtype), x], axis=1
       )
@@ -114,7 +127,10 @@ class EncoderClassifier(AttentionFields):
         **self.attention_fields(),
       )(x, mask=attention_mask, token_mask=mask, train=train, sow_weights=sow_weights)
     if self.pre_norm:
-      x = apply_norm(make_norm(self.norm, self.dtype), x, mask, train)
+      x = apply_norm(make_norm(self.norm, self.dtype, self.param_dtype), x, mask, train)
     x = POOLINGS[self.pooling](x, mask)
     x = Dropout(self.dropout_rate)(x, deterministic=not train)
-    return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x).astype(jnp.float32)
+    classifier = nn.Dense(
+      self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="classifier"
+    )
+    return classifier(x).astype(jnp.float32)

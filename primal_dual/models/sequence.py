@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -75,12 +75,14 @@ POSITION_BUCKET_SCHEMES: dict[str, PositionBucketScheme] = {
 
 
 class RelativePositionBias(nn.Module):
-  """A learned bias ``[1, heads, length, length]`` from a per-head table of ``num_buckets``."""
+  """A learned bias ``[1, heads, length, length]`` from a per-head table of ``num_buckets``
+  stored in ``param_dtype``; the bias has the table's dtype."""
 
   num_heads: int
   num_buckets: int = 32
   max_distance: int = 64
   scheme: str = "bidirectional"
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, length: int):
@@ -93,7 +95,9 @@ class RelativePositionBias(nn.Module):
     shape, axes = (self.num_buckets, self.num_heads), (None, "heads")
     if scheme.heads_first:
       shape, axes = shape[::-1], axes[::-1]
-    table = self.param("table", nn.with_logical_partitioning(scheme.init, axes), shape)
+    table = self.param(
+      "table", nn.with_logical_partitioning(scheme.init, axes), shape, self.param_dtype
+    )
     if scheme.heads_first:
       table = table.T
     buckets = scheme.buckets(length, self.num_buckets, self.max_distance)
@@ -110,7 +114,8 @@ class SequenceTransformer(AttentionFields):
 
   Attributes beyond the sizes: ``qkv_features`` (total q/k/v width, default ``model_dim``; the
   HYLA paper sets it apart), ``position_buckets`` (a key of ``POSITION_BUCKET_SCHEMES``),
-  ``attention_dropout_rate`` (on the attention weights, training only), ``mlp_kernel_init``.
+  ``attention_dropout_rate`` (on the attention weights, training only), ``mlp_kernel_init``,
+  ``dtype`` / ``param_dtype`` (compute and parameters, ``AttentionFields``; outputs are float32).
   """
 
   num_outputs: int
@@ -131,13 +136,16 @@ class SequenceTransformer(AttentionFields):
         f"SequenceTransformer expects inputs [batch, length, features]; got shape {inputs.shape}"
       )
     length = inputs.shape[1]
-    x = nn.Dense(self.model_dim, dtype=self.dtype, name="input_projection")(inputs)
+    x = nn.Dense(
+      self.model_dim, dtype=self.dtype, param_dtype=self.param_dtype, name="input_projection"
+    )(inputs)
     for i in range(self.num_layers):
       bias = RelativePositionBias(
         self.num_heads,
         self.num_buckets,
         self.max_distance,
         self.position_buckets,
+        self.param_dtype,
         name=f"relative_bias_{i}",
       )(length)
       x = EncoderBlock(
@@ -149,5 +157,8 @@ class SequenceTransformer(AttentionFields):
         name=f"block_{i}",
         **self.attention_fields(),
       )(x, bias=bias, train=train, sow_weights=sow_weights)
-    x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
-    return nn.Dense(self.num_outputs, dtype=self.dtype, name="readout")(x).astype(jnp.float32)
+    x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm")(x)
+    readout = nn.Dense(
+      self.num_outputs, dtype=self.dtype, param_dtype=self.param_dtype, name="readout"
+    )
+    return readout(x).astype(jnp.float32)

@@ -28,6 +28,7 @@ class ViT(AttentionFields):
     model_dim, num_layers, num_heads, mlp_dim: sizes (see ``VIT_PRESETS``).
     attention, attention_options: kernel by registry name.
     dropout_rate, attention_dropout_rate: dropout.
+    dtype, param_dtype: compute and parameter dtypes (``AttentionFields``); logits are float32.
   """
 
   num_classes: int
@@ -53,14 +54,15 @@ class ViT(AttentionFields):
       strides=(self.patch_size,) * 2,
       padding="VALID",
       dtype=self.dtype,
+      param_dtype=self.param_dtype,
       name="patch_embedding",
     )(images)
     batch, grid_h, grid_w, _ = x.shape
     x = x.reshape((batch, grid_h * grid_w, self.model_dim))
-    cls = self.param("cls", nn.initializers.zeros_init(), (1, 1, self.model_dim))
+    cls = self.param("cls", nn.initializers.zeros_init(), (1, 1, self.model_dim), self.param_dtype)
     x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, self.model_dim)).astype(x.dtype), x], 1)
     positions = self.param(
-      "positions", nn.initializers.normal(0.02), (1, x.shape[1], self.model_dim)
+      "positions", nn.initializers.normal(0.02), (1, x.shape[1], self.model_dim), self.param_dtype
     )
     x = Dropout(self.dropout_rate)(x + positions.astype(x.dtype), deterministic=not train)
     context = {"grid_shape": (grid_h, grid_w), "num_prefix_tokens": 1}
@@ -73,5 +75,6 @@ class ViT(AttentionFields):
         name=f"block_{i}",
         **self.attention_fields(),
       )(x, train=train, sow_weights=sow_weights)
-    x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
-    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x[:, 0]).astype(jnp.float32)
+    x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm")(x)
+    head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
+    return head(x[:, 0]).astype(jnp.float32)

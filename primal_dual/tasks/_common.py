@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from primal_dual.data import generated
@@ -122,9 +123,33 @@ def replica_seeds(config: ml_collections.ConfigDict) -> tuple[int, ...]:
 def run_family(cls: type[DataclassT], config: ml_collections.ConfigDict) -> DataclassT:
   """A generated task's problem family: ``config.data`` as the dataclass ``cls``, its held-out
   split seed resolved for this run (``generated.run_split_seed``: ``SPLIT_SEED_OF_RUN`` is the
-  run's seed; refused for replicas of several seeds, which share one data pipeline)."""
+  run's seed; refused for a sweep's config of several seeds, whose replicas' data come from
+  their own configs)."""
   split_seed = generated.run_split_seed(config.data.split_seed, config.seed, replica_seeds(config))
   return config_dataclass(cls, config.data, split_seed=split_seed)
+
+
+def generated_train_stream(
+  streams: generated.GeneratedTask,
+  family: Any,
+  config: ml_collections.ConfigDict,
+  fields: tuple[str, ...],
+  finish: Callable[[dict], dict] = lambda records: records,
+) -> task_registry.DeviceTrainStream:
+  """The device train stream of a generated task's run: records of the ``train`` split of
+  ``family`` (the run's problem family), ``finish``-ed (fields added from the records) and cut to
+  ``fields``. The run's stream seed (``generated.replica_stream_seed`` of ``data.stream_seed``
+  and ``config.seed``) and the split's ids are its arguments, so replicas of other seeds and
+  held-out splits run the same function."""
+  seed = generated.replica_stream_seed(config.data.get("stream_seed", 0), config.seed)
+  arguments = streams.stream_arguments(family, "train", np.asarray(seed))
+  stream = streams.pooled_stream(family, "train")
+
+  def batch(indices, arguments):
+    records = finish(stream(arguments, indices))
+    return {name: records[name] for name in fields}
+
+  return task_registry.DeviceTrainStream(batch, arguments)
 
 
 def attention_kwargs(model_config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -140,11 +165,27 @@ def model_kwargs(model_config: ml_collections.ConfigDict, names: tuple[str, ...]
   return {name: plain(model_config[name]) for name in names if name in model_config}
 
 
+# The dtype fields of every model (``config.model.dtype`` / ``param_dtype``, names such as
+# ``'bfloat16'``; ``config_lib.MODEL_DTYPES``).
+DTYPE_FIELDS = ("dtype", "param_dtype")
+
+
+def dtype_kwargs(model_config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The dtype fields of ``model_config`` that are set, as ``jnp.dtype``s (a config of an earlier
+  version has none: the model's float32 defaults)."""
+  return {name: jnp.dtype(model_config[name]) for name in DTYPE_FIELDS if name in model_config}
+
+
 def model_arguments(
   model_config: ml_collections.ConfigDict, names: tuple[str, ...]
 ) -> dict[str, Any]:
-  """``model_kwargs`` and ``attention_kwargs`` together: what a model class takes from a config."""
-  return {**model_kwargs(model_config, names), **attention_kwargs(model_config)}
+  """``model_kwargs``, ``attention_kwargs`` and ``dtype_kwargs`` together: what a model class
+  takes from a config."""
+  return {
+    **model_kwargs(model_config, names),
+    **attention_kwargs(model_config),
+    **dtype_kwargs(model_config),
+  }
 
 
 def stream_train_size(config: ml_collections.ConfigDict, task: str) -> int:

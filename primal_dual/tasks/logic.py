@@ -31,14 +31,13 @@ Loss and metrics (``logic_loss_and_metrics``), for predictions ``p_b`` and targe
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from primal_dual.data import generated
 from primal_dual.data import logic
 from primal_dual.tasks import _common as common
 from primal_dual.models import SequenceTransformer
@@ -216,20 +215,17 @@ def build_data(config: ml_collections.ConfigDict):
 
 def device_train_stream(
   config: ml_collections.ConfigDict, metadata: dict
-) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-  """``(indices uint32 [B], seed int []) -> TRAIN_FIELDS`` of run ``seed``'s train stream, made
-  on the device."""
+) -> task_registry.DeviceTrainStream:
+  """The run's train stream made on the device (``TRAIN_FIELDS``, each record's task variance
+  looked up from its task id; ``common.generated_train_stream``)."""
   tasks = metadata["tasks"]
-  stream = logic.split_stream(tasks, "train")
-  stream_seed = config.data.get("stream_seed", 0)
+  # Per task id, whatever the split seed: the same table serves every replica.
   variances = np.asarray(logic.task_moments(tasks)[1], np.float32)
 
-  def batch(indices, seed):
-    records = stream(generated.replica_stream_seed(stream_seed, seed), indices)
-    records["task_variance"] = jnp.asarray(variances)[records["task_id"]]
-    return {name: records[name] for name in TRAIN_FIELDS}
+  def with_variance(records):
+    return dict(records, task_variance=jnp.asarray(variances)[records["task_id"]])
 
-  return batch
+  return common.generated_train_stream(logic.STREAMS, tasks, config, TRAIN_FIELDS, with_variance)
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:

@@ -39,7 +39,6 @@ import ml_collections
 import numpy as np
 import optax
 
-from primal_dual.data import generated
 from primal_dual.data import sraven
 from primal_dual.tasks import _common as common
 from primal_dual.models import SequenceTransformer
@@ -264,17 +263,9 @@ def build_data(config: ml_collections.ConfigDict):
 
 def device_train_stream(
   config: ml_collections.ConfigDict, metadata: dict
-) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-  """``(indices uint32 [B], seed int []) -> {'inputs', 'targets'}`` of run ``seed``'s train
-  stream, made on the device."""
-  stream = sraven.split_stream(metadata["problems"], "train")
-  stream_seed = config.data.get("stream_seed", 0)
-
-  def batch(indices, seed):
-    records = stream(generated.replica_stream_seed(stream_seed, seed), indices)
-    return {name: records[name] for name in TRAIN_FIELDS}
-
-  return batch
+) -> task_registry.DeviceTrainStream:
+  """The run's train stream made on the device (``TRAIN_FIELDS``; ``common.generated_train_stream``)."""
+  return common.generated_train_stream(sraven.STREAMS, metadata["problems"], config, TRAIN_FIELDS)
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> SequenceTransformer:

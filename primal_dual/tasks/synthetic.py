@@ -103,12 +103,16 @@ class SyntheticClassifier(nn.Module):
     num_classes: number of logits.
     dropout_rate: dropout on the pooled features.
     use_batch_norm: add a BatchNorm (over valid positions) so the model has `batch_stats`.
+    dtype, param_dtype: compute and parameter dtypes (`config.model.dtype` / `param_dtype`);
+      logits are float32.
   """
 
   hidden: int = 16
   num_classes: int = 4
   dropout_rate: float = 0.0
   use_batch_norm: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(
@@ -120,20 +124,31 @@ class SyntheticClassifier(nn.Module):
     partitioned = nn.with_logical_partitioning
     x = nn.Dense(
       self.hidden,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
       kernel_init=partitioned(nn.initializers.lecun_normal(), ("embed", "mlp")),
       bias_init=partitioned(nn.initializers.zeros_init(), ("mlp",)),
     )(inputs)
     x = nn.gelu(x)
     if self.use_batch_norm:
-      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=mask[..., None])
-    weights = mask.astype(x.dtype)[..., None]
-    pooled = (x * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1.0)
+      x = nn.BatchNorm(
+        use_running_average=not train,
+        momentum=0.9,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+      )(x, mask=mask[..., None])
+    # Pooled in float32 (a low-precision sum would round), then back to the compute dtype.
+    weights = mask.astype(jnp.float32)[..., None]
+    total = (x * weights).sum(axis=1, dtype=jnp.float32)
+    pooled = (total / jnp.maximum(weights.sum(axis=1), 1.0)).astype(x.dtype)
     pooled = blocks.Dropout(self.dropout_rate)(pooled, deterministic=not train)
     return nn.Dense(
       self.num_classes,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
       kernel_init=partitioned(nn.initializers.lecun_normal(), ("mlp", "classes")),
       bias_init=partitioned(nn.initializers.zeros_init(), ("classes",)),
-    )(pooled)
+    )(pooled).astype(jnp.float32)
 
 
 def build_model(config: ml_collections.ConfigDict, metadata: dict) -> nn.Module:
@@ -143,6 +158,7 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> nn.Module:
     num_classes=metadata["num_classes"],
     dropout_rate=model.get("dropout_rate", 0.0),
     use_batch_norm=model.get("use_batch_norm", False),
+    **_common.dtype_kwargs(model),
   )
 
 

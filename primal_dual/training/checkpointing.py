@@ -10,13 +10,25 @@ Restoring all three and continuing gives bit-for-bit the run that was never inte
 per-step dropout key is `fold_in(state.rng, state.step)` and the iterator resumes at the next
 batch. The trainer decides *when* to save (`periodic.PeriodicActions`); this module only saves,
 keeps the last K and restores.
+
+A checkpoint that fails to restore (a truncated array file, a garbled JSON file, a missing item:
+an interrupted copy of a workdir looks like this) is stood in for by the newest older one that
+restores (`restore_newest_intact`); the failed one is then renamed `<step>.damaged`
+(`Checkpointer.move_aside`), which Orbax no longer lists, and never deleted. Nothing is moved when
+no checkpoint restores: the same failure on every one is more likely a program that does not fit
+them than damage.
 """
 
 import contextlib
+import dataclasses
+import gc
+import json
+import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
@@ -24,6 +36,8 @@ from primal_dual.training import errors
 
 CHECKPOINT_DIR = "checkpoints"
 SELECTED_DIR = "checkpoints_selected"
+# Appended to the folder of a checkpoint that failed to restore; Orbax lists step folders only.
+DAMAGED_SUFFIX = ".damaged"
 
 
 def _grain_args():
@@ -156,6 +170,20 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     return restored["state"], dict(restored["meta"])
 
+  def step_path(self, step: int) -> str:
+    """The folder of the checkpoint at `step`."""
+    return os.path.join(self.directory, str(step))
+
+  def move_aside(self, step: int) -> str:
+    """Renames the checkpoint at `step` to `<step>.damaged` (`.damaged.2`, ... when taken), where
+    Orbax no longer lists it; returns the new path. Process 0 renames (the folder is shared);
+    every process then lists the folder again."""
+    self._check_writable()
+    target = move_step_aside(self.directory, step)
+    _sync_processes(f"moved aside {self.directory} {step}")  # others list after the rename
+    self._manager.reload()
+    return target
+
   def delete_after(self, step: int) -> None:
     """Deletes checkpoints later than `step` (left by a run that crashed and is now resumed)."""
     self._check_writable()
@@ -182,3 +210,165 @@ class Checkpointer:
 
   def __exit__(self, *exc_info):
     self.close()
+
+
+def move_step_aside(directory: str, step: int) -> str:
+  """Renames `directory/<step>` to `directory/<step>.damaged` (`.damaged.2`, ... when that is
+  taken) on process 0; returns the new path (what it would be, on other processes)."""
+  source = os.path.join(directory, str(step))
+  target, number = source + DAMAGED_SUFFIX, 1
+  while os.path.exists(target):
+    number += 1
+    target = f"{source}{DAMAGED_SUFFIX}.{number}"
+  if jax.process_index() == 0:
+    os.rename(source, target)
+  return target
+
+
+def _sync_processes(name: str) -> None:
+  """A barrier across processes; nothing with one process."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def true_on_any_process(flags: Sequence[bool]) -> list[bool]:
+  """Each of `flags` OR-ed over every process (the same answer everywhere); with one process,
+  `flags` themselves, at no cost."""
+  flags = [bool(flag) for flag in flags]
+  if jax.process_count() == 1:
+    return flags
+  from jax.experimental import multihost_utils
+
+  gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32).reshape(-1))
+  return [bool(flag) for flag in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0)]
+
+
+# JSON files of a checkpoint folder, read when a restore fails with a JSON error (which does not
+# say which file it was reading). Orbax only logs a garbled _CHECKPOINT_METADATA, hence last.
+_JSON_FILES = ("meta/metadata", "state/_METADATA", "state/_sharding")
+
+
+def _unreadable_json_file(step_path: str) -> str | None:
+  """The first JSON file of the checkpoint folder `step_path` that does not parse, or None."""
+  data = os.path.join(step_path, "data")
+  data_files = sorted(os.listdir(data)) if os.path.isdir(data) else []
+  candidates = [
+    *_JSON_FILES,
+    *(f"data/{name}" for name in data_files if name.endswith(".json")),
+    "_CHECKPOINT_METADATA",
+  ]
+  for name in candidates:
+    path = os.path.join(step_path, name)
+    try:
+      with open(path) as f:
+        json.load(f)
+    except ValueError:
+      return path
+    except OSError:
+      continue
+  return None
+
+
+def describe_restore_error(error: BaseException, step_path: str) -> str:
+  """Why restoring the checkpoint in `step_path` failed, in one short line (`errors.describe`);
+  a JSON error names the file."""
+  cause = errors.describe(error)
+  if isinstance(error, json.JSONDecodeError):
+    path = _unreadable_json_file(step_path)
+    if path is not None:
+      cause = f"{os.path.relpath(path, step_path)}: {cause}"
+  return cause
+
+
+def _forget_abandoned_reads() -> None:
+  """Collects the read tasks a failed restore abandoned, without their reports
+  (`errors.not_an_abandoned_checkpoint_read`): now, while the interpreter is whole, and not one
+  traceback each later or at exit."""
+  logger = logging.getLogger("asyncio")
+  installed = errors.not_an_abandoned_checkpoint_read in logger.filters  # by the commands
+  logger.addFilter(errors.not_an_abandoned_checkpoint_read)
+  try:
+    gc.collect()
+  finally:
+    if not installed:
+      logger.removeFilter(errors.not_an_abandoned_checkpoint_read)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unrestorable:
+  """A checkpoint that failed to restore.
+
+  Attributes:
+    index: which of the checkpointers given to `restore_newest_intact` holds it.
+    directory: that checkpointer's folder.
+    step: the checkpoint's step.
+    cause: why, in one line (another process's failure: only that it failed there).
+  """
+
+  index: int
+  directory: str
+  step: int
+  cause: str
+
+
+def restore_newest_intact(
+  checkpointers: Sequence[Checkpointer],
+  steps: Sequence[int],
+  restore: Callable[[Checkpointer, int], Any],
+  what_to_do: str,
+) -> tuple[int, list, list[Unrestorable]]:
+  """Restores the newest of `steps` whose checkpoint every checkpointer restores, on every
+  process (all of them stand in for a damaged one together).
+
+  Args:
+    checkpointers: one per run (a sweep's replicas), restored at the same step.
+    steps: the candidate steps, each held by every checkpointer.
+    restore: `restore(checkpointer, step)` restores one checkpoint and returns it; an exception
+      means that checkpoint cannot be restored.
+    what_to_do: the end of the message when none restores.
+
+  Returns:
+    `(step, what restore returned for each checkpointer, the checkpoints at newer steps that
+    failed)`; the caller decides whether to move those aside (`Checkpointer.move_aside`).
+
+  Raises:
+    errors.DamagedCheckpointError: no step restores (nothing is moved).
+    FileNotFoundError: a step folder vanished while it was read (a run training in the folder
+      deletes its older checkpoints): list the folder again and retry.
+  """
+  failed: list[Unrestorable] = []
+  for step in sorted(steps, reverse=True):
+    restored, causes = [], []
+    for checkpointer in checkpointers:
+      try:
+        restored.append(restore(checkpointer, step))
+        causes.append(None)
+      except Exception as error:  # noqa: BLE001 - any failure to read it: the next step stands in
+        path = checkpointer.step_path(step)
+        if not os.path.isdir(path):
+          raise FileNotFoundError(f"checkpoint {path} vanished while it was read") from error
+        restored.append(None)
+        causes.append(describe_restore_error(error, path))
+    if any(causes):
+      _forget_abandoned_reads()
+    anywhere = true_on_any_process([cause is not None for cause in causes])
+    if not any(anywhere):
+      return step, restored, failed
+    failed.extend(
+      Unrestorable(index, checkpointer.directory, step, cause or "it failed on another process")
+      for index, (checkpointer, cause, bad) in enumerate(zip(checkpointers, causes, anywhere))
+      if bad
+    )
+  newest = failed[0]
+  if len(steps) == 1:
+    raise errors.DamagedCheckpointError(
+      f"checkpoint step {newest.step} in {newest.directory} cannot be restored "
+      f"({newest.cause}); {what_to_do}"
+    )
+  listed = ", ".join(str(step) for step in sorted(steps))
+  raise errors.DamagedCheckpointError(
+    f"no checkpoint in {newest.directory} can be restored (steps {listed}; step {newest.step}: "
+    f"{newest.cause}); {what_to_do}"
+  )

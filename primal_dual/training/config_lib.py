@@ -94,8 +94,16 @@ def count_or_default(value: int, default: int, name: str) -> int:
 
 
 # The arguments every task config takes (`parse_arg(arg, **RUN_ARGUMENTS, ...)`): the attention
-# variant, the training seed and the `runlocal` smoke-test flag.
-RUN_ARGUMENTS = dict(attention="softmax", seed=0, runlocal=False)
+# variant, the training seed, the `runlocal` smoke-test flag and `bf16`, short for
+# `--config.model.dtype=bfloat16` (bfloat16 compute, float32 parameters).
+RUN_ARGUMENTS = dict(attention="softmax", seed=0, runlocal=False, bf16=False)
+
+# `config.model.dtype` (what the model computes in) and `config.model.param_dtype` (what its
+# parameters, and with them the optimizer state, are stored in), by name. Statistics (LayerNorm,
+# BatchNorm), softmax, losses and metrics are float32 whatever the compute dtype.
+# float16 is left out: it would need loss scaling.
+COMPUTE_DTYPES = PARAM_DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = dict(dtype="float32", param_dtype="float32")
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -178,7 +186,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   """Every field the trainer reads, with its default. Configs start from this.
 
   Returns:
-    An unlocked ConfigDict. `model` and `data` are empty: they belong to the task.
+    An unlocked ConfigDict. `data` is empty and `model` holds only its dtypes (`MODEL_DTYPES`):
+    the rest belongs to the task.
   """
   config = ml_collections.ConfigDict()
   config.task = "synthetic"
@@ -242,7 +251,8 @@ def training_defaults() -> ml_collections.ConfigDict:
     dict(worker_count=0, num_threads=2, prefetch_buffer_size=64, batch_reads=False)
   )
 
-  config.model = ml_collections.ConfigDict()
+  # The rest of `model` belongs to the task; its dtypes are every model's (`MODEL_DTYPES`).
+  config.model = ml_collections.ConfigDict(MODEL_DTYPES)
   config.data = ml_collections.ConfigDict()
   return config
 
@@ -252,13 +262,20 @@ POSITIVE_MODEL_FIELDS = ("num_layers", "model_dim", "num_heads", "mlp_dim", "hid
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks model sizes and dropout rates, which otherwise fail deep inside a trace (or not at all).
+  """Checks model sizes, dropout rates and dtypes, which otherwise fail deep inside a trace (or not
+  at all).
 
   Raises:
     errors.ConfigError: a field of `POSITIVE_MODEL_FIELDS` that is not an integer > 0, a
-      `config.model.*dropout_rate` outside [0, 1), or an unknown `config.selection.mode`.
+      `config.model.*dropout_rate` outside [0, 1), a `config.model.dtype` / `param_dtype` outside
+      `COMPUTE_DTYPES` / `PARAM_DTYPES`, or an unknown `config.selection.mode`.
   """
   model = config.get("model") or {}
+  for name, known in (("dtype", COMPUTE_DTYPES), ("param_dtype", PARAM_DTYPES)):
+    if name in model and model[name] not in known:
+      raise errors.ConfigError(
+        f"config.model.{name}={model[name]!r}; choose one of {', '.join(known)}"
+      )
   for name in POSITIVE_MODEL_FIELDS:
     value = model.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -419,11 +436,22 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
   Raises:
     errors.CheckpointNotFoundError: the file does not exist.
+    errors.DamagedFileError: it is not a JSON object (truncated, garbled).
   """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise errors.CheckpointNotFoundError(
       f"{path} not found: is {workdir!r} the workdir of a training run?"
     )
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+    if not isinstance(stored, dict):
+      raise ValueError(f"a JSON {type(stored).__name__}, not an object")
+  except ValueError as e:
+    raise errors.DamagedFileError(
+      path,
+      errors.describe(e),
+      "copy it again from the workdir this one was copied from",
+    ) from None
+  return ml_collections.ConfigDict(stored)

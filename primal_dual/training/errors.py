@@ -92,6 +92,69 @@ class StoppedError(UserError):
     self.last_checkpoint_step = last_checkpoint_step
 
 
+class PreemptedError(StoppedError):
+  """SIGTERM (a pre-empted VM, SLURM, `docker stop`) stopped training after the call in flight;
+  a checkpoint of the step reached was saved (none at step 0, where there is nothing to keep).
+  The commands exit with their own status for it (`cli.EXIT_PREEMPTED`)."""
+
+  def __init__(self, step: int, last_checkpoint_step: int | None):
+    UserError.__init__(
+      self,
+      f"stopped by SIGTERM at step {step}; "
+      + (
+        "nothing to save yet, so a re-run of the same command starts again from step 0"
+        if last_checkpoint_step is None
+        else f"checkpoint saved at step {last_checkpoint_step}; re-run the same command to resume"
+      ),
+    )
+    self.step = step
+    self.last_checkpoint_step = last_checkpoint_step
+
+
+class DamagedFileError(UserError):
+  """A file of a workdir cannot be read: truncated or garbled (an interrupted copy, a full disk
+  at the time it was written). The message names the file and what to do.
+
+  Attributes:
+    path: the damaged file.
+  """
+
+  def __init__(self, path: str, cause: str, what_to_do: str):
+    super().__init__(f"{path} is damaged ({cause}); {what_to_do}")
+    self.path = path
+
+
+class DamagedCheckpointError(UserError):
+  """A checkpoint cannot be restored, and no older one can stand in for it."""
+
+
+def describe(error: BaseException, limit: int = 300) -> str:
+  """``error`` in one short line for a message about a damaged file.
+
+  A JSON error says where; tensorstore's (under Orbax) keeps its status code and its layers from
+  the innermost one that names a file (the outer ones name drivers, and its spec is a page of
+  JSON); anything else is ``Type: message``. At most ``limit`` characters.
+  """
+  import json
+  import re
+
+  if isinstance(error, json.JSONDecodeError):
+    text = f"not valid JSON: {error}"
+  elif isinstance(error, KeyError) and error.args:
+    text = str(error.args[0])
+  else:
+    text = re.split(r" \[(?:tensorstore_spec|source locations)", str(error))[0]
+    code, _, rest = text.partition(": ")
+    if re.fullmatch(r"[A-Z]+(_[A-Z]+)*", code) and rest.startswith("Error "):
+      layers = rest.removeprefix("Error ").split(": Error ")
+      named = [index for index, layer in enumerate(layers) if 'file "' in layer] or [0]
+      text = f"{code}: Error " + ": Error ".join(layers[named[-1] :])
+    else:
+      text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  text = " ".join(text.split())
+  return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 # How tensorstore (under Orbax) says ENOSPC: a `ValueError("RESOURCE_EXHAUSTED: ... No space left
 # on device [os_error_code='28'] ...")`, not an OSError.
 _DISK_FULL_TEXTS = ("No space left on device", "os_error_code='28'")
@@ -159,6 +222,31 @@ def hide_disk_full_logs() -> None:
 
   unraisablehook.hides_closed_loop_callbacks = True
   sys.unraisablehook = unraisablehook
+
+
+def not_an_abandoned_checkpoint_read(record) -> bool:
+  """A `logging` filter for the `asyncio` logger: False for its report of an Orbax read task
+  whose failure nobody retrieved. Orbax reads a checkpoint's arrays in concurrent tasks and
+  raises the first failure; each other failed task is reported, with its traceback, when it is
+  collected, or at exit (where formatting it fails again: `ImportError: sys.meta_path is None`).
+  The damaged checkpoint is reported in one line instead (`checkpointing`)."""
+  if not record.getMessage().startswith("Task exception was never retrieved"):
+    return True
+  traceback = record.exc_info[2] if record.exc_info else None
+  while traceback is not None:  # frame by frame: nothing imported, it may run at exit
+    if "/orbax/checkpoint/" in traceback.tb_frame.f_code.co_filename:
+      return False
+    traceback = traceback.tb_next
+  return True
+
+
+def hide_abandoned_checkpoint_reads() -> None:
+  """Installs `not_an_abandoned_checkpoint_read` on the `asyncio` logger. Idempotent."""
+  import logging
+
+  logger = logging.getLogger("asyncio")
+  if not_an_abandoned_checkpoint_read not in logger.filters:
+    logger.addFilter(not_an_abandoned_checkpoint_read)
 
 
 def close_all(closers, pending: BaseException | None = None) -> None:

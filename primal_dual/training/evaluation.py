@@ -4,6 +4,7 @@ reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved wor
 
 import functools
 import os
+import sys
 from typing import Mapping
 
 import jax
@@ -13,8 +14,8 @@ from primal_dual import atomic
 from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
 from primal_dual.training import errors
-from primal_dual.training import sharding
 from primal_dual.training import steps
+from primal_dual.training import workdir as workdir_lib
 from primal_dual.training.setup import Program, build_program, resolve_config
 from primal_dual.training.steps import TrainState
 
@@ -69,7 +70,7 @@ def evaluate_runs(
     if split not in program.splits:
       raise errors.ConfigError(f"unknown split {split!r}; the task has {sorted(program.splits)}")
     per_batch = [
-      program.eval_step(state, sharding.shard_batch(batch, program.mesh))
+      program.eval_step(state, program.place_eval_batch(batch))
       for batch in program.eval_batches(split)
     ]
     per_split[split] = reduce_runs(per_batch)
@@ -97,7 +98,7 @@ def reported_metrics(program: Program) -> frozenset[str]:
   """The metric names an evaluation of `program` reports (per split), found by tracing the
   eval step on one batch of the first evaluation split (nothing is compiled or run)."""
   splits = program.eval_splits or (program.config.selection.split,)
-  batch = next(iter(program.eval_batches(splits[0])))
+  batch = next(iter(program.eval_batches(splits[0], group=0)))
   evaluate_one = functools.partial(
     steps.eval_step, model=program.model, loss_fn=program.task.loss_and_metrics
   )
@@ -160,9 +161,14 @@ def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Program, 
   Returns:
     `(program, state)`: the Program of `build_program` and the restored TrainState.
 
+  A newer checkpoint that fails to restore ('latest') is reported in one line and moved aside
+  unless a run holds the workdir; the newest intact one is restored instead.
+
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
     errors.ConfigError: `checkpoint` is neither 'latest', 'selected' nor a step number.
+    errors.DamagedCheckpointError: the checkpoint (for 'latest': every one) fails to restore.
+    errors.DamagedFileError: config.json is damaged.
     errors.WorkdirError: `workdir` holds a sweep's sub-workdirs instead (one per replica).
   """
   directory, step = _checkpoint_location(checkpoint)
@@ -183,12 +189,82 @@ def restore_workdir(workdir: str, checkpoint: str = "latest") -> tuple[Program, 
 
 
 def _restore_read_only(folder: str, step: int | None, program: Program) -> TrainState:
+  """Restores checkpoint `step` of `folder`, or for None the newest that restores: each newer
+  one that fails is reported in one line and moved aside (`_move_aside`).
+
+  Raises:
+    errors.CheckpointNotFoundError: no checkpoint (at `step`).
+    errors.DamagedCheckpointError: it (for None: every one) fails to restore.
+    FileNotFoundError: a checkpoint vanished while it was read.
+  """
+  target = program.restore_target()
   # Read-only: the workdir may be training right now, and its unfinished saves must stay.
   with checkpointing.Checkpointer(
     folder, keep=None, async_save=False, read_only=True
   ) as checkpointer:
-    state, _ = checkpointer.restore(step, program.restore_target())
+    steps = checkpointer.all_steps()
+    if (step is None and not steps) or (step is not None and step not in steps):
+      checkpointer.restore(step, target)  # raises CheckpointNotFoundError, naming the steps
+    if step is not None:
+      others = ", ".join(str(s) for s in sorted(steps) if s != step)
+      what_to_do = "evaluate another: --checkpoint=latest" + (
+        f" or a step of {others}" if others else ""
+      )
+    elif os.path.basename(folder) == checkpointing.SELECTED_DIR:
+      what_to_do = (
+        "evaluate --checkpoint=latest, or copy the workdir again if it is an interrupted copy"
+      )
+    else:
+      what_to_do = "copy the workdir again if it is an interrupted copy"
+    restored_step, (state,), failed = checkpointing.restore_newest_intact(
+      [checkpointer],
+      steps if step is None else [step],
+      lambda checkpointer, step: checkpointer.restore(step, target)[0],
+      what_to_do,
+    )
+  _move_aside(folder, failed, restored_step)
   return state
+
+
+def _move_aside(folder: str, failed: list, restored_step: int) -> None:
+  """Reports each checkpoint of `failed` (`checkpointing.Unrestorable`) in one line and moves it
+  aside (`checkpointing.move_step_aside`) when no run holds the workdir, as a training run would;
+  a workdir in use or read-only keeps it (on process 0, which alone writes)."""
+  if not failed or jax.process_index() != 0:
+    return
+  workdir = os.path.dirname(folder)
+  lock = workdir_lib.WorkdirLock(workdir)
+  try:
+    lock.acquire()  # no run may list or delete checkpoints while one is moved
+  except errors.WorkdirError:
+    writable = os.access(workdir, os.W_OK)
+    kept = "in use by a training run" if writable else "read-only"
+    moves = {
+      unrestorable.step: f"left it in place (the workdir is {kept})" for unrestorable in failed
+    }
+  else:
+    try:
+      moves = {
+        unrestorable.step: _move_step_aside(folder, unrestorable.step) for unrestorable in failed
+      }
+    finally:
+      lock.release()
+  for unrestorable in failed:
+    print(
+      f"warning: checkpoint step {unrestorable.step} in {folder} cannot be restored "
+      f"({unrestorable.cause}); {moves[unrestorable.step]}; evaluating step {restored_step}, "
+      "the newest intact one",
+      file=sys.stderr,
+      flush=True,
+    )
+
+
+def _move_step_aside(folder: str, step: int) -> str:
+  """`checkpointing.move_step_aside`, said in words for `_move_aside`'s line."""
+  try:
+    return f"moved it to {checkpointing.move_step_aside(folder, step)}"
+  except OSError as e:
+    return f"left it in place (renaming it failed: {e.strerror})"
 
 
 def evaluate_workdir(

@@ -12,6 +12,11 @@ as it was), `open` (restore or initialise, write the definitions, drop what a cr
 after its checkpoint, open the writers), then at the steps `periodic.PeriodicActions` says:
 `add_train_metrics` after each call, `log`, `evaluated`, `checkpoint` and `write`, and at the end
 `finish`; `close` always (`Runs` is a context manager).
+
+A checkpoint that fails to restore is moved aside and the newest step every replica has intact
+resumes (`checkpointing.restore_newest_intact`), in one line per damaged checkpoint; another
+damaged file of a run's workdir (`final_metrics.json`, `metrics.jsonl`) is one
+`errors.DamagedFileError` naming it and what to do.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 
 from primal_dual import atomic
 from primal_dual.training import checkpointing
@@ -41,6 +47,10 @@ FINAL_METRICS_FILE = "final_metrics.json"
 # Calls whose training metrics wait for the next log; more are summed on the host at once (long
 # log periods: memory stays bounded).
 _MAX_PENDING_METRICS = 500
+
+# Checkpoint meta key of the training metrics summed since the last log: a run resumed from a
+# checkpoint between two logs then logs the same means as one that never stopped.
+_UNLOGGED_METRICS = "train_metrics_since_log"
 
 
 @dataclasses.dataclass
@@ -67,11 +77,27 @@ class _Run:
 
 
 def _read_final_metrics(workdir: str) -> dict | None:
+  """The run's `final_metrics.json`, None if there is none.
+
+  Raises:
+    errors.DamagedFileError: it is not a JSON object.
+  """
   path = os.path.join(workdir, FINAL_METRICS_FILE)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      final = json.load(f)
+    if not isinstance(final, dict):
+      raise ValueError(f"a JSON {type(final).__name__}, not an object")
+  except ValueError as e:
+    raise errors.DamagedFileError(
+      path,
+      errors.describe(e),
+      "delete it and re-run the same command: the final metrics are computed again from the "
+      "last checkpoint",
+    ) from None
+  return final
 
 
 def _is_main_process() -> bool:
@@ -106,26 +132,27 @@ class Runs:
   # ----------------------------------------------------------------------------------------------
   # Before training.
 
-  def _start_step(self) -> int | None:
-    """The newest checkpoint step every run has (replicas saved together; a kill during a save
-    can leave one replica a checkpoint ahead), or None when a run has none."""
+  def _common_steps(self) -> list[int]:
+    """The checkpoint steps every run has (replicas saved together; a kill during a save can
+    leave one replica a checkpoint ahead), oldest first; [] when a run has none."""
     steps = [set(run.checkpointer.all_steps()) for run in self._runs]
     common = set.intersection(*steps)
-    if not common:
-      if any(steps):
-        raise errors.CheckpointNotFoundError(
-          f"the replicas under {os.path.dirname(self._runs[0].workdir)} share no checkpoint "
-          "step; delete their checkpoints/ folders to start again"
-        )
-      return None
-    return max(common)
+    if not common and any(steps):
+      raise errors.CheckpointNotFoundError(
+        f"the replicas under {os.path.dirname(self._runs[0].workdir)} share no checkpoint "
+        "step; delete their checkpoints/ folders to start again"
+      )
+    return sorted(common)
 
   def finished(self) -> dict | None:
     """Every replica's stored final metrics (`combined`) when every run has finished, else None;
     a finished workdir is left as it was."""
-    start_step = self._start_step()
+    steps = self._common_steps()
+    if not steps or steps[-1] < self.program.total_steps:
+      return None
+    start_step = steps[-1]
     finals = [_read_final_metrics(run.workdir) for run in self._runs]
-    if start_step is None or start_step < self.program.total_steps or None in finals:
+    if None in finals:
       return None
     if _is_main_process():
       print(
@@ -136,15 +163,20 @@ class Runs:
     return self.combined(finals)
 
   def open(self, train_iterator) -> tuple[TrainState, int]:
-    """Restores every run from the newest checkpoint they share (state, iterator position,
-    tracker), or initialises them; then writes their definitions and configs, drops what a
-    crashed run wrote after the checkpoint and opens the writers.
+    """Restores every run from the newest checkpoint they share intact (state, iterator
+    position, tracker; a damaged newer one is moved aside), or initialises them; then writes
+    their definitions and configs, drops what a crashed run wrote after the checkpoint and opens
+    the writers.
 
     Returns:
       `(state, start_step)`: the trained state of every replica and the step it is at.
+
+    Raises:
+      errors.DamagedCheckpointError: no shared checkpoint restores.
+      errors.DamagedFileError: a run's `metrics.jsonl` or `experiment.json` is damaged.
     """
     program, config = self.program, self.program.config
-    start_step = self._start_step()
+    steps = self._common_steps()
     if config.keep_selected_checkpoint and config.selection.split in program.eval_splits:
       for run in self._runs:
         run.selected_checkpointer = checkpointing.Checkpointer(
@@ -152,10 +184,10 @@ class Runs:
           keep=1,
           async_save=config.async_checkpointing,
         )
-    if start_step is None:
+    if not steps:
       start_step, state = 0, program.init()
     else:
-      state = self._restore(start_step, train_iterator)
+      start_step, state = self._restore(steps, train_iterator)
     if _is_main_process() and all(run.workdir != self.workdir for run in self._runs):
       # The sweep's own definition, so that the workdir refuses another sweep (a single run's
       # workdir is its replica's, written below).
@@ -166,18 +198,46 @@ class Runs:
     self._log_clock = (time.monotonic(), start_step)
     return state, start_step
 
-  def _restore(self, step: int, train_iterator) -> TrainState:
-    states = []
-    for run in self._runs:
-      state, meta = run.checkpointer.restore(
-        step, self.program.restore_target(), data_iterator=train_iterator
-      )
+  def _restore(self, steps: list[int], train_iterator) -> tuple[int, TrainState]:
+    """Restores every run from the newest of `steps` they all restore (state, iterator position,
+    tracker, training metrics not yet logged); each newer checkpoint that failed is moved aside
+    and reported in one line. Returns `(step, stacked state)`.
+
+    Raises:
+      errors.DamagedCheckpointError: none of `steps` restores.
+    """
+
+    def restore(checkpointer, step):
+      return checkpointer.restore(step, self.program.restore_target(), data_iterator=train_iterator)
+
+    checkpointers = [run.checkpointer for run in self._runs]
+    step, restored, failed = checkpointing.restore_newest_intact(
+      checkpointers,
+      steps,
+      restore,
+      what_to_do="copy the workdir again if it is an interrupted copy, or move the checkpoints/ "
+      "folder aside to start again from step 0",
+    )
+    intact = "the newest intact one" if len(self._runs) == 1 else "the newest every replica has"
+    for unrestorable in failed:
+      moved = checkpointers[unrestorable.index].move_aside(unrestorable.step)
+      if _is_main_process():
+        print(
+          f"warning: checkpoint step {unrestorable.step} in {unrestorable.directory} cannot be "
+          f"restored ({unrestorable.cause}); moved it to {moved}; resuming from step {step}, "
+          f"{intact}",
+          file=sys.stderr,
+          flush=True,
+        )
+    metas = [meta for _, meta in restored]
+    for run, meta in zip(self._runs, metas):
       run.tracker.load_state_dict(meta.get("tracker", {}))
-      states.append(state)
+    if all(_UNLOGGED_METRICS in meta for meta in metas):
+      self._pending_metrics = [_stacked_metric_sums([meta[_UNLOGGED_METRICS] for meta in metas])]
     if _is_main_process():
       checkpoints = os.path.join(self._runs[0].workdir, checkpointing.CHECKPOINT_DIR)
       print(f"resuming from step {step} (checkpoint in {checkpoints})", flush=True)
-    return self.program.stack_replicas(states)
+    return step, self.program.stack_replicas([state for state, _ in restored])
 
   # ----------------------------------------------------------------------------------------------
   # During training.
@@ -219,13 +279,23 @@ class Runs:
         )
 
   def checkpoint(self, step: int, state: TrainState, train_iterator) -> None:
-    """Saves each replica's state, tracker and the data iterator's position."""
+    """Saves each replica's state, tracker, training metrics not yet logged and the data
+    iterator's position."""
+    unlogged = None
+    if self._pending_metrics:
+      # Summed once on the host (float64, in call order, as `log` would): the resumed run adds
+      # the next calls to the same sums.
+      totals = evaluation.sum_metrics(self._pending_metrics)
+      self._pending_metrics = [totals]
+      unlogged = {name: (total.tolist(), count.tolist()) for name, (total, count) in totals.items()}
     for index, run in enumerate(self._runs):
+      meta = run.checkpoint_meta(step)
+      if unlogged is not None:
+        meta[_UNLOGGED_METRICS] = {
+          name: [total[index], count[index]] for name, (total, count) in unlogged.items()
+        }
       run.checkpointer.save(
-        step,
-        self.program.replica_state(state, index),
-        meta=run.checkpoint_meta(step),
-        data_iterator=train_iterator,
+        step, self.program.replica_state(state, index), meta=meta, data_iterator=train_iterator
       )
     self.last_checkpoint_step = step
 
@@ -286,6 +356,37 @@ class Runs:
     self.close(pending=exc)
 
 
+def _stacked_metric_sums(per_run: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Each run's `{name: [sum, count]}` from its checkpoint → `{name: (sums [R], counts [R])}`,
+  the form `evaluation.sum_metrics` adds up."""
+  return {
+    name: tuple(np.asarray([sums[name][part] for sums in per_run], np.float64) for part in (0, 1))
+    for name in per_run[0]
+  }
+
+
+def _truncate_metrics_after(run: _Run, start_step: int) -> None:
+  """`metrics_logging.truncate_metrics_after`, with a damaged `metrics.jsonl` reported as one
+  error naming its first bad line."""
+  try:
+    metrics_logging.truncate_metrics_after(run.workdir, start_step)
+  except ValueError:
+    path = os.path.join(run.workdir, metrics_logging.METRICS_FILE)
+    with open(path) as f:
+      for number, line in enumerate(f, 1):
+        try:
+          if line.strip():
+            json.loads(line)
+        except ValueError as e:
+          raise errors.DamagedFileError(
+            path,
+            f"line {number}: {errors.describe(e)}",
+            "delete that line (or move the file aside) and re-run the same command; the "
+            "checkpoints are intact",
+          ) from None
+    raise
+
+
 def _prepare_workdir(run: _Run, start_step: int) -> None:
   """Writes the run's definition and config, drops what a crashed run wrote after `start_step`
   (it will be redone) and opens its writer."""
@@ -302,7 +403,7 @@ def _prepare_workdir(run: _Run, start_step: int) -> None:
         flush=True,
       )
     config_lib.write_config(run.config, run.workdir)
-  metrics_logging.truncate_metrics_after(run.workdir, start_step)
+  _truncate_metrics_after(run, start_step)
   for manager in (run.checkpointer, run.selected_checkpointer):
     if manager is not None:
       manager.delete_after(start_step)

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from primal_dual.data import generated
 from primal_dual.data import pipeline
 from primal_dual.training import checkpointing
 from primal_dual.training import config_lib
@@ -98,8 +99,7 @@ class Program:
 
   config: ml_collections.FrozenConfigDict
   task: task_registry.Task
-  splits: LazySplits
-  metadata: dict[str, Any]
+  data: "ReplicaData"  # each replica's splits and metadata
   model: nn.Module
   mesh: jax.sharding.Mesh
   replicas: tuple[sweep.Replica, ...]  # trained in one program; one for a single run
@@ -116,6 +116,17 @@ class Program:
   @property
   def total_steps(self) -> int:
     return self.length.total_steps
+
+  @property
+  def splits(self) -> LazySplits:
+    """The first replica's splits (every replica's, unless their held-out splits differ:
+    `ReplicaData`)."""
+    return self.data.splits[0]
+
+  @property
+  def metadata(self) -> dict[str, Any]:
+    """The first replica's data metadata (what the model is built from; shared)."""
+    return self.data.metadata[0]
 
   @property
   def eval_batch_size(self) -> int:
@@ -155,9 +166,17 @@ class Program:
       batch_reads=loader.get("batch_reads", False),
     )
 
-  def eval_batches(self, split: str) -> Iterator[dict[str, np.ndarray]]:
-    """This process's padded batches covering split `split` once (with `valid`)."""
-    return pipeline.iterate_eval(self.splits[split], self.eval_batch_size // jax.process_count())
+  def eval_batches(self, split: str, group: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """This process's padded batches covering split `split` once (with `valid`), as `eval_step`
+    takes them: `[B, ...]`, or `[G, B, ...]` (every data group's batch) when the replicas' data
+    differ (`ReplicaData`); `[B, ...]` of one group's split if `group` is given."""
+    return self.data.eval_batches(split, self.eval_batch_size // jax.process_count(), group)
+
+  def place_eval_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A host batch of `eval_batches` on the mesh, its batch axis split over `data`."""
+    if self.data.num_groups == 1:
+      return sharding.shard_batch(batch, self.mesh)
+    return sharding.shard_stacked_batch(batch, self.mesh)
 
   def restore_target(self) -> TrainState:
     """One replica's state as a checkpoint restores it (abstract, with its shardings)."""
@@ -218,7 +237,7 @@ def _replica_step(
 def _replica_steps(
   state,
   batches,
-  data_seed,
+  stream_arguments,
   hyperparameters,
   *,
   optimizer: optim.ReplicaOptimizer,
@@ -226,10 +245,10 @@ def _replica_steps(
   **steps,
 ):
   """`train_steps` of one replica with its `hyperparameters` (`[]` each: its optimizer's and its
-  model's numbers) and `data_seed` `[]`."""
+  model's numbers) and its `stream_arguments` (of its generated batches)."""
   tx = optimizer.transformation(hyperparameters)
   model = sweep.replica_model(model, hyperparameters)
-  return train_steps(state, batches, data_seed, model=model, tx=tx, **steps)
+  return train_steps(state, batches, stream_arguments, model=model, tx=tx, **steps)
 
 
 class StepRunner:
@@ -251,7 +270,8 @@ class StepRunner:
     hyperparameters: `[R]` arrays of the replicas' numbers (`ReplicaOptimizer.hyperparameters`
       and `sweep.model_numbers`), which go to every call.
     steps_per_call: K.
-    data_seed: int32 `[R]`: the seed of each replica's generated stream.
+    stream_arguments: `[R, ...]` leaves: each replica's arguments of its generated train stream
+      (`task_registry.DeviceTrainStream`; its seeds, unused, with host batches).
   """
 
   def __init__(
@@ -264,7 +284,7 @@ class StepRunner:
     replica_axis: ReplicaAxis,
     hyperparameters: Mapping[str, np.ndarray],
     steps_per_call: int,
-    data_seed: np.ndarray,
+    stream_arguments: Any,
   ):
     self._single_step, self._scanned_steps = single_step, scanned_steps
     self._compiled: dict[int, Callable] = {}
@@ -272,7 +292,7 @@ class StepRunner:
     self._run_shardings, self._replica_axis = run_shardings, replica_axis
     # Placed once: host arrays would be transferred again by every call.
     replicated = sharding.replicated(mesh)
-    self.data_seed = jax.device_put(replica_axis.from_host(data_seed), replicated)
+    self.stream_arguments = jax.device_put(replica_axis.from_host(stream_arguments), replicated)
     self.hyperparameters = jax.device_put(replica_axis.from_host(hyperparameters), replicated)
     self.device_data = scanned_steps.keywords.get("device_batch") is not None
     self._step_per_call = steps_per_call == 1 and not self.device_data
@@ -308,7 +328,7 @@ class StepRunner:
       batches = sharding.shard_stacked_batch(
         stack_records([next(train_iterator) for _ in range(num_steps)]), self.mesh
       )
-    return program(state, batches, self.data_seed, self.hyperparameters)
+    return program(state, batches, self.stream_arguments, self.hyperparameters)
 
 
 def _action_periods(config, steps_per_epoch: int) -> dict[str, int]:
@@ -396,6 +416,74 @@ class LazySplits(Mapping[str, Any]):
     return name in self._built
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaData:
+  """The data of a program's replicas: one `(splits, metadata)` per distinct data (a *group*), and
+  each replica's group.
+
+  Replicas share their data unless it depends on their seed: a held-out split drawn per seed
+  (`data.split_seed = SPLIT_SEED_OF_RUN`, the HYLA paper's rule) gives one group per seed, each
+  built from a replica's own config, exactly as that replica's run alone builds it. Evaluation
+  batches then stack every group's batch, `[G, B, ...]`, and the evaluation step gives each
+  replica its group's; generated training batches take each replica's own stream arguments
+  (`task_registry.DeviceTrainStream`). Nothing is stored per group beyond its sources: generated
+  evaluation splits are made batch by batch, so G groups hold G batches at a time.
+
+  Attributes:
+    splits, metadata: per group.
+    group_of_replica: int32 `[R]`.
+  """
+
+  splits: tuple[LazySplits, ...]
+  metadata: tuple[dict[str, Any], ...]
+  group_of_replica: np.ndarray
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.splits)
+
+  def replica_metadata(self, index: int) -> dict[str, Any]:
+    return self.metadata[int(self.group_of_replica[index])]
+
+  def eval_batches(
+    self, split: str, batch_size: int, group: int | None = None
+  ) -> Iterator[dict[str, np.ndarray]]:
+    """Padded batches of `batch_size` covering `split` once: `[B, ...]` for one group (or of
+    group `group`), else `[G, B, ...]` (the groups' splits have one size, so their batches pair
+    up)."""
+    groups = self.splits if group is None else (self.splits[group],)
+    batches = [pipeline.iterate_eval(splits[split], batch_size) for splits in groups]
+    if len(batches) == 1:
+      return batches[0]
+    return (stack_records(group_batches) for group_batches in zip(*batches, strict=True))
+
+
+def _data_group_key(config) -> int | None:
+  """What a replica's data depends on besides the config every replica shares (`config.data` is
+  not sweepable): its seed, where the held-out split is drawn per seed."""
+  if (config.get("data") or {}).get("split_seed") == generated.SPLIT_SEED_OF_RUN:
+    return int(config.seed)
+  return None
+
+
+def _replica_data(
+  task: task_registry.Task, config, replicas: tuple[sweep.Replica, ...]
+) -> ReplicaData:
+  """The data of every replica: `task.build_data` once per group (the config itself when every
+  replica shares its data, as for a single run), see `ReplicaData`."""
+  keys = [_data_group_key(replica.config) for replica in replicas]
+  distinct = list(dict.fromkeys(keys))
+  if len(distinct) == 1:
+    built = [_build_data(task, config)]
+  else:
+    built = [_build_data(task, replicas[keys.index(key)].config) for key in distinct]
+  return ReplicaData(
+    splits=tuple(splits for splits, _ in built),
+    metadata=tuple(metadata for _, metadata in built),
+    group_of_replica=np.asarray([distinct.index(key) for key in keys], np.int32),
+  )
+
+
 def _build_data(task: task_registry.Task, config) -> tuple[LazySplits, dict[str, Any]]:
   """`task.build_data(config)`, with data problems (missing or malformed files, bad data
   options: FileNotFoundError / ValueError) turned into one-line user errors."""
@@ -471,21 +559,32 @@ def _state_shardings(abstract_variables, abstract_state: TrainState, mesh) -> Tr
   )
 
 
-def _device_batch(task: task_registry.Task, config, metadata, seeds: set[int]) -> Callable | None:
-  """The task's on-device train stream when `config.train_data_on_device`, else None (host
-  batches, which the replicas share: they must share their seed, which orders the examples)."""
+def _device_stream(
+  task: task_registry.Task, config, data: ReplicaData, replicas: tuple[sweep.Replica, ...]
+) -> tuple[Callable | None, Any]:
+  """`(batch function, stream arguments [R, ...])` of the task's on-device train stream when
+  `config.train_data_on_device`, each replica's arguments from its own config and data; else
+  `(None, [R] seeds)` (host batches, which the replicas share: they must share their seed, which
+  orders the examples)."""
+  seeds = np.asarray([replica.config.seed for replica in replicas], np.int32)
   if not config.get("train_data_on_device", False):
-    if len(seeds) > 1:
+    if len(set(seeds.tolist())) > 1:
       raise errors.ConfigError(
         "replicas of different seeds (config.sweep.seed) train in one program on "
         "batches made on the device; set config.train_data_on_device=True (sRAVEN, logic)"
       )
-    return None
+    return None, seeds
   if task.device_train_stream is None:
     raise errors.ConfigError(
       f"task {task.name!r} has no on-device train stream; set config.train_data_on_device=False"
     )
-  return task.device_train_stream(config, metadata)
+  streams = [
+    task.device_train_stream(replica.config, data.replica_metadata(index))
+    for index, replica in enumerate(replicas)
+  ]
+  return streams[0].batch, jax.tree.map(
+    lambda *values: np.stack(values), *[stream.arguments for stream in streams]
+  )
 
 
 def _eval_splits(config, task: task_registry.Task, splits: LazySplits) -> tuple[str, ...]:
@@ -523,7 +622,7 @@ def _run_length(config, splits: LazySplits, for_training: bool) -> RunLength:
 def _step_runner(
   config,
   task,
-  metadata,
+  data: ReplicaData,
   model,
   optimizer,
   mesh,
@@ -535,8 +634,10 @@ def _step_runner(
 ) -> StepRunner:
   """The K-step program of every replica (`StepRunner`), with the task's on-device stream when
   the batches are made on the device."""
-  seeds = [replica.config.seed for replica in replicas]
-  device_batch = _device_batch(task, config, metadata, set(seeds)) if for_training else None
+  if for_training:
+    device_batch, stream_arguments = _device_stream(task, config, data, replicas)
+  else:
+    device_batch, stream_arguments = None, np.zeros(len(replicas), np.int32)
   model_numbers = sweep.model_numbers(config, replicas, model)
   scanned_steps = functools.partial(
     _replica_steps,
@@ -558,16 +659,27 @@ def _step_runner(
     replica_axis=replica_axis,
     hyperparameters={**optimizer.hyperparameters, **model_numbers},
     steps_per_call=int(config.get("steps_per_call", 1)),
-    data_seed=np.asarray(seeds, np.int32),
+    stream_arguments=stream_arguments,
   )
 
 
-def _replicated_eval_step(model, task, mesh, replica_axis, run_shardings) -> Callable:
-  """`steps.eval_step` of every replica on one shared batch, jitted."""
+def _replicated_eval_step(model, task, mesh, replica_axis, run_shardings, data) -> Callable:
+  """`steps.eval_step` of every replica, jitted: on one shared batch, or, when the replicas' data
+  differ (`ReplicaData`), each on its group's batch of `[G, B, ...]`."""
   evaluate_one = functools.partial(eval_step, model=model, loss_fn=task.loss_and_metrics)
+  if data.num_groups == 1:
+    evaluate, batch_sharding = replica_axis.map(evaluate_one, (0, None)), sharding.batch_sharding
+  else:
+    group_of_replica = np.asarray(data.group_of_replica)
+
+    def evaluate(state, batches):
+      per_replica = jax.tree.map(lambda x: x[group_of_replica], batches)  # [R, B, ...]
+      return jax.vmap(evaluate_one)(state, per_replica)
+
+    batch_sharding = sharding.stacked_batch_sharding
   jitted = jax.jit(
-    replica_axis.map(evaluate_one, (0, None)),
-    in_shardings=(run_shardings, sharding.batch_sharding(mesh)),
+    evaluate,
+    in_shardings=(run_shardings, batch_sharding(mesh)),
     out_shardings=sharding.replicated(mesh),
   )
   return _in_mesh(jitted, mesh)
@@ -593,12 +705,13 @@ def build_program(config: ml_collections.FrozenConfigDict, *, for_training: bool
     errors.UserError: unknown task / optimizer / schedule, bad sizes, missing train split.
   """
   task = task_registry.get_task(config.task)
-  splits, metadata = _build_data(task, config)
+  replicas = sweep.replicas_of(config)
+  data = _replica_data(task, config, replicas)
+  splits, metadata = data.splits[0], data.metadata[0]
   mesh = sharding.make_mesh(config.mesh)
   _check_batch_sizes(config, mesh)
   eval_splits = _eval_splits(config, task, splits)
   length = _run_length(config, splits, for_training)
-  replicas = sweep.replicas_of(config)
   optimizer = optim.make_replica_optimizer(
     [replica.config.optimizer for replica in replicas], max(length.total_steps, 1)
   )
@@ -616,8 +729,7 @@ def build_program(config: ml_collections.FrozenConfigDict, *, for_training: bool
   return Program(
     config=config,
     task=task,
-    splits=splits,
-    metadata=metadata,
+    data=data,
     model=model,
     mesh=mesh,
     replicas=replicas,
@@ -631,7 +743,7 @@ def build_program(config: ml_collections.FrozenConfigDict, *, for_training: bool
     run_steps=_step_runner(
       config,
       task,
-      metadata,
+      data,
       model,
       optimizer,
       mesh,
@@ -640,5 +752,5 @@ def build_program(config: ml_collections.FrozenConfigDict, *, for_training: bool
       run_shardings=run_shardings,
       for_training=for_training,
     ),
-    eval_step=_replicated_eval_step(model, task, mesh, replica_axis, run_shardings),
+    eval_step=_replicated_eval_step(model, task, mesh, replica_axis, run_shardings, data),
   )

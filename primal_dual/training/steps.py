@@ -96,7 +96,7 @@ def train_step(
 def train_steps(
   state: TrainState,
   batches: Mapping[str, jax.Array] | None,
-  data_seed: jax.Array | None = None,
+  stream_arguments: Any = None,
   *,
   num_steps: int,
   model: nn.Module,
@@ -112,10 +112,11 @@ def train_steps(
     state: the current TrainState.
     batches: dict of `[num_steps, batch_size, ...]` arrays, or None when `device_batch` makes
       each step's batch on the device.
-    data_seed: int32 `[]`, the run's seed, which picks its stream of generated batches.
+    stream_arguments: the run's arguments of `device_batch` (its seed, its held-out split:
+      `task_registry.DeviceTrainStream`).
     num_steps: K, the scan length.
     model, tx, loss_fn: as for `train_step`.
-    device_batch: `device_batch(indices uint32 [batch_size], data_seed) -> batch`; step s (the
+    device_batch: `device_batch(indices uint32 [batch_size], stream_arguments) -> batch`; step s (the
       state's step before the update) trains on records `s·batch_size … s·batch_size + B − 1`
       of the task's train stream, so the data do not depend on K.
     batch_size: the global batch size (with `device_batch`).
@@ -130,7 +131,7 @@ def train_steps(
       indices = state.step.astype(jnp.uint32) * jnp.uint32(batch_size) + jnp.arange(
         batch_size, dtype=jnp.uint32
       )
-      batch = device_batch(indices, data_seed)
+      batch = device_batch(indices, stream_arguments)
       if batch_sharding is not None:
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
     state, loss, metrics = train_step(state, batch, model=model, tx=tx, loss_fn=loss_fn)

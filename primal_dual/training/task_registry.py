@@ -17,10 +17,13 @@ A `Task` bundles four things:
   padding and no `valid`).
 * `eval_splits`: the splits evaluated periodically and at the end (those absent from `splits`
   are skipped), and the default model-selection metric (`selection_metric`, `selection_mode`).
-* optionally `device_train_stream(config, metadata) -> batch_fn`, for generated tasks:
-  `batch_fn(indices uint32 [batch], seed int32 []) -> batch` makes records `indices` of run
-  `seed`'s train stream inside a jitted step (traceable in both; used with
-  `config.train_data_on_device`).
+* optionally `device_train_stream(config, metadata) -> DeviceTrainStream`, for generated tasks
+  (used with `config.train_data_on_device`): `batch(indices uint32 [batch], arguments) -> batch`
+  makes records `indices` of the run's train stream inside a jitted step, traceable in both;
+  `arguments` (a pytree of NumPy arrays) is what the run of `config` passes it: its seed, its
+  held-out split. Replicas of one program use the first replica's `batch` with each its own
+  `arguments` (stacked `[R, ...]`), so `batch` may depend on `config` only through what every
+  replica of a sweep shares (`sweep.SWEEPABLE` fields never shape it).
 
 Registering a task::
 
@@ -36,7 +39,7 @@ package statically (the tasks sit above the trainer in the package's layer order
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -46,6 +49,14 @@ from primal_dual.training import errors
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+
+class DeviceTrainStream(NamedTuple):
+  """A run's train stream made on the device: `batch(indices, arguments) -> batch` (traceable)
+  and this run's `arguments` (a pytree of NumPy arrays; see the module docstring)."""
+
+  batch: Callable[[jax.Array, Any], Batch]
+  arguments: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +71,7 @@ class Task:
   selection_metric: str = "accuracy"
   selection_mode: str = "max"
   device_train_stream: (
-    Callable[[ml_collections.ConfigDict, dict[str, Any]], Callable[[jax.Array, jax.Array], Batch]]
-    | None
+    Callable[[ml_collections.ConfigDict, dict[str, Any]], DeviceTrainStream] | None
   ) = None
 
 

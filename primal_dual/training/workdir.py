@@ -113,19 +113,42 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
   ]
 
 
+def _read_experiment(workdir: str) -> dict:
+  """`experiment.json`, checked to hold a definition.
+
+  Raises:
+    errors.DamagedFileError: it does not (truncated, garbled).
+  """
+  path = os.path.join(workdir, EXPERIMENT_FILE)
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+    if not isinstance(stored, dict) or not isinstance(stored.get("definition"), dict):
+      raise ValueError("no 'definition' object")
+  except ValueError as e:
+    config_path = os.path.join(workdir, CONFIG_FILE)
+    remedy = (
+      f"delete it and re-run: it is written again from {CONFIG_FILE} (its record of optimizer "
+      "changes is lost)"
+      if os.path.exists(config_path)
+      else "copy it again from the workdir this one was copied from"
+    )
+    raise errors.DamagedFileError(path, errors.describe(e), remedy) from None
+  return stored
+
+
 def stored_definition(workdir: str) -> dict[str, Any] | None:
   """The definition the workdir's runs so far had; None for a workdir without runs.
 
   Read from `experiment.json`, or for workdirs of earlier versions from `config.json`.
+
+  Raises:
+    errors.DamagedFileError: the file it reads is damaged.
   """
-  experiment_path = os.path.join(workdir, EXPERIMENT_FILE)
-  if os.path.exists(experiment_path):
-    with open(experiment_path) as f:
-      return json.load(f)["definition"]
-  config_path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(config_path):
-    with open(config_path) as f:
-      return definition(json.load(f))
+  if os.path.exists(os.path.join(workdir, EXPERIMENT_FILE)):
+    return _read_experiment(workdir)["definition"]
+  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    return definition(config_lib.read_config(workdir))
   return None
 
 
@@ -200,8 +223,7 @@ def write_definition(workdir: str, config, step: int = 0) -> dict[str, list]:
   path = os.path.join(workdir, EXPERIMENT_FILE)
   history = []
   if os.path.exists(path):
-    with open(path) as f:
-      history = json.load(f).get("history", [])
+    history = _read_experiment(workdir).get("history", [])
   stored, current = stored_definition(workdir), definition(config)
   changes = {} if stored is None else optimizer_changes(stored, current)
   if changes:
