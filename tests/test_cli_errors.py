@@ -283,15 +283,7 @@ def test_a_running_job_refuses_a_second_one_and_stops_on_ctrl_c(tmp_path):
     "--config.checkpoint_every_steps=5",
     f"--workdir={workdir}",
   ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  job = subprocess.Popen(
-    [sys.executable, os.path.join(REPO_ROOT, "train.py"), *args],
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    env=env,
-    cwd=REPO_ROOT,
-  )
+  job = _train_job(args)
   try:
     deadline = time.monotonic() + 120
     while not (workdir / "checkpoints" / "5").exists() and time.monotonic() < deadline:

@@ -443,15 +443,5 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     raise errors.CheckpointNotFoundError(
       f"{path} not found: is {workdir!r} the workdir of a training run?"
     )
-  try:
-    with open(path) as f:
-      stored = json.load(f)
-    if not isinstance(stored, dict):
-      raise ValueError(f"a JSON {type(stored).__name__}, not an object")
-  except ValueError as e:
-    raise errors.DamagedFileError(
-      path,
-      errors.describe(e),
-      "copy it again from the workdir this one was copied from",
-    ) from None
+  stored = errors.read_json_object(path, "copy it again from the workdir this one was copied from")
   return ml_collections.ConfigDict(stored)

@@ -124,6 +124,24 @@ class DamagedFileError(UserError):
     self.path = path
 
 
+def read_json_object(path: str, what_to_do: str) -> dict:
+  """The JSON object in ``path``.
+
+  Raises:
+    DamagedFileError: the file is not a JSON object (truncated, garbled), with ``what_to_do``.
+  """
+  import json
+
+  try:
+    with open(path) as f:
+      value = json.load(f)
+    if not isinstance(value, dict):
+      raise ValueError(f"a JSON {type(value).__name__}, not an object")
+  except ValueError as e:
+    raise DamagedFileError(path, describe(e), what_to_do) from None
+  return value
+
+
 class DamagedCheckpointError(UserError):
   """A checkpoint cannot be restored, and no older one can stand in for it."""
 

@@ -85,19 +85,11 @@ def _read_final_metrics(workdir: str) -> dict | None:
   path = os.path.join(workdir, FINAL_METRICS_FILE)
   if not os.path.exists(path):
     return None
-  try:
-    with open(path) as f:
-      final = json.load(f)
-    if not isinstance(final, dict):
-      raise ValueError(f"a JSON {type(final).__name__}, not an object")
-  except ValueError as e:
-    raise errors.DamagedFileError(
-      path,
-      errors.describe(e),
-      "delete it and re-run the same command: the final metrics are computed again from the "
-      "last checkpoint",
-    ) from None
-  return final
+  return errors.read_json_object(
+    path,
+    "delete it and re-run the same command: the final metrics are computed again from the "
+    "last checkpoint",
+  )
 
 
 def _is_main_process() -> bool:
