@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install install-gpu-dev gpu-compile device-suite lint test train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
+.PHONY: install install-gpu-dev gpu-compile device-suite lint test test-soak train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ lint: $(STAMP)
 
 test: $(GPU_DEV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# Every property test (the files with @given) at 50x its examples, freshly drawn, and nothing else
+# (tests/conftest.py, profile 'soak'); CI's 'ci' profile is derandomized and never draws new ones.
+PROPERTY_TESTS = $(shell grep -lE "^ *@(hypothesis\.)?given" tests/test_*.py)
+test-soak: $(GPU_DEV_STAMP)
+	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q -n 2 --dist loadfile $(PROPERTY_TESTS)
 
 train: $(STAMP)
 	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR)

@@ -1,5 +1,9 @@
-"""Test session set-up: 8 virtual CPU devices, no implicit rank promotion, quick hypothesis
-settings.
+"""Test session set-up: 8 virtual CPU devices, no implicit rank promotion, hypothesis profiles.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``): ``ci``, the default, is derandomized, so every run
+tries the same examples and a clean CI run cannot fail on a case it has never met; ``soak``
+(``make test-soak``) runs only the property tests, each at ``SOAK_FACTOR`` times its examples,
+freshly drawn, and prints a failure's reproduction blob.
 
 XLA_FLAGS must be set before JAX initialises its backends, hence at import time here. Rank
 promotion (implicit broadcasting between arrays of different rank, a common source of silent
@@ -15,15 +19,44 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
+import hypothesis
 import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
-settings.register_profile(
-  "ci",
-  max_examples=15,
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+SOAK_FACTOR = 50
+_QUIET = dict(
   deadline=None,
+  print_blob=True,
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# derandomize: the examples are a function of the test's source, so no run draws new ones (and
+# the example database, which could replay one machine's failures on another, is off).
+settings.register_profile("ci", max_examples=15, derandomize=True, database=None, **_QUIET)
+settings.register_profile("soak", max_examples=15, derandomize=False, **_QUIET)
+settings.load_profile(PROFILE)
+
+
+def _property_test(item):
+  """The @given function behind a collected item, or None."""
+  test = getattr(item, "obj", None)
+  test = getattr(test, "__func__", test)  # a method's function
+  return test if hypothesis.is_hypothesis_test(test) else None
+
+
+def pytest_collection_modifyitems(config, items):
+  """Soak profile: keep the property tests only, each at SOAK_FACTOR× its own max_examples and
+  random (a test's explicit settings, derandomize included, would otherwise win)."""
+  if PROFILE != "soak":
+    return
+  tests = {id(test): test for test in map(_property_test, items) if test is not None}
+  for test in tests.values():  # once per function: parametrized items share one
+    # Where @given keeps the test's settings (no public way to scale them after decoration).
+    own = test._hypothesis_internal_use_settings
+    test._hypothesis_internal_use_settings = settings(
+      own, max_examples=own.max_examples * SOAK_FACTOR, derandomize=False
+    )
+  config.hook.pytest_deselected(items=[item for item in items if _property_test(item) is None])
+  items[:] = [item for item in items if _property_test(item) is not None]

@@ -38,8 +38,12 @@ DEFAULT_EPS = 1e-6
 
 
 def elu_feature_map(x):
-  """``Φ(x) = elu(x) + 1``, elementwise, strictly positive. Returns float32 of ``x``'s shape."""
-  return jax.nn.elu(x.astype(C.F32)) + 1.0
+  """``Φ(x) = elu(x) + 1``, elementwise, strictly positive. Returns float32 of ``x``'s shape.
+
+  Computed as ``exp(x)`` for ``x ≤ 0`` (the same function): ``elu(x) + 1`` rounds to exactly 0
+  below x ≈ −17 in float32, which a query seeing one key turns into a 0/0."""
+  x = x.astype(C.F32)
+  return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
 def positional_factor(bias):
