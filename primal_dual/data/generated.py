@@ -236,9 +236,7 @@ class GeneratedTask:
     ``generate_batch``'s): ``pooled_stream`` with the split's own ids."""
     pool, pool_size = self.pool(config, split)
     generate = self.pooled_stream(config, split)
-    return lambda seed, indices: generate(
-      StreamArguments(seed, jnp.asarray(pool), jnp.int32(pool_size)), indices
-    )
+    return lambda seed, indices: generate(StreamArguments(seed, pool, pool_size), indices)
 
 
 @functools.lru_cache(maxsize=None)

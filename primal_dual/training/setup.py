@@ -460,10 +460,10 @@ class ReplicaData:
 
 def _data_group_key(config) -> int | None:
   """What a replica's data depends on besides the config every replica shares (`config.data` is
-  not sweepable): its seed, where the held-out split is drawn per seed."""
-  if (config.get("data") or {}).get("split_seed") == generated.SPLIT_SEED_OF_RUN:
-    return int(config.seed)
-  return None
+  not sweepable): the split seed it resolves to (`generated.run_split_seed`: its own seed where
+  the held-out split is drawn per seed); None for a task without one."""
+  split_seed = (config.get("data") or {}).get("split_seed")
+  return None if split_seed is None else generated.run_split_seed(split_seed, config.seed)
 
 
 def _replica_data(
