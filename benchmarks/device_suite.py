@@ -215,14 +215,15 @@ def _scan_steps(step: Callable) -> Callable:
   return jax.jit(run)
 
 
-def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
-  """Milliseconds per step of each part of ``model``'s training step, each run alone, K steps per
-  program: data generation, forward (loss), forward + backward + update on K ready batches (the
-  backward + update is their difference), the trainer's whole step, and one evaluation pass."""
+def step_breakdown(sizes: Sizes, variant: str = "softmax", model: str = "sraven") -> dict[str, Any]:
+  """Milliseconds per step of each part of ``model``'s training step with attention ``variant``,
+  each run alone, K steps per program: data generation, forward (loss), forward + backward +
+  update on K ready batches (the backward + update is their difference), the trainer's whole
+  step, and one evaluation pass."""
   from primal_dual.training import evaluation, steps
 
   k = sizes.steps_per_call
-  measurement = small_models.Measurement(model, "softmax", k, True, sizes.quick_models)
+  measurement = small_models.Measurement(model, variant, k, True, sizes.quick_models)
   # One replica: the Program's state has no replica axis, and its one optimizer is replica 0's.
   program, state = small_models.build(measurement)
   config, task = program.config, program.task
@@ -274,7 +275,7 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
   examples = len(program.splits[config.selection.split])
   return {
     "model": model,
-    "variant": "softmax",
+    "variant": variant,
     "steps_per_call": k,
     **per_step,
     "trainer_step_ms": whole["ms_per_step"],
@@ -285,14 +286,16 @@ def step_breakdown(sizes: Sizes, model: str = "sraven") -> dict[str, Any]:
   }
 
 
-def breakdown_rows(sizes: Sizes) -> list[Row]:
+def breakdown_rows(sizes: Sizes, variants: Sequence[str]) -> list[Row]:
+  """One step breakdown of the sRAVEN paper model per attention variant."""
   return [
     Row(
       "step_breakdown",
-      "sraven softmax step parts",
+      f"sraven {variant} step parts",
       "step_breakdown",
-      functools.partial(step_breakdown, sizes),
+      functools.partial(step_breakdown, sizes, variant),
     )
+    for variant in variants
   ]
 
 
@@ -517,7 +520,7 @@ def build_rows(args, sizes: Sizes) -> list[Row]:
   if "small_models" in wanted:
     rows += small_model_rows(sizes, models, args.model_variants)
   if "step_breakdown" in wanted:
-    rows += breakdown_rows(sizes)
+    rows += breakdown_rows(sizes, args.model_variants)
   return rows + others
 
 

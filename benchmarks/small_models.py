@@ -147,10 +147,10 @@ def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
   return row
 
 
-def lowered_op_counts(m: Measurement, platform: str = "cuda") -> collections.Counter:
-  """StableHLO op name → count in the K-step training program of ``m``, lowered for
-  ``platform`` on this machine (traced from abstract arguments; nothing compiles or runs). Its
-  total does not grow with the replicas unless something is unrolled per replica."""
+def traced_program(m: Measurement):
+  """The K-step training program of ``m`` traced from abstract arguments (``jax.stages.Traced``:
+  ``.lower(lowering_platforms=...)`` for any platform, ``.lower().compile()`` for this machine's);
+  nothing is initialised or run."""
   from primal_dual.training import sharding
 
   program, _ = build(m, initialize=False)
@@ -160,13 +160,16 @@ def lowered_op_counts(m: Measurement, platform: str = "cuda") -> collections.Cou
   )
   state = jax.eval_shape(program.init.__wrapped__)
   with sharding.mesh_context(program.mesh):
-    lowered = (
-      runner._compile(m.steps_per_call)
-      .__wrapped__.trace(
-        state, None, abstract(runner.stream_arguments), abstract(runner.hyperparameters)
-      )
-      .lower(lowering_platforms=(platform,))
+    return runner._compile(m.steps_per_call).__wrapped__.trace(
+      state, None, abstract(runner.stream_arguments), abstract(runner.hyperparameters)
     )
+
+
+def lowered_op_counts(m: Measurement, platform: str = "cuda") -> collections.Counter:
+  """StableHLO op name → count in the K-step training program of ``m``, lowered for
+  ``platform`` on this machine. Its total does not grow with the replicas unless something is
+  unrolled per replica."""
+  lowered = traced_program(m).lower(lowering_platforms=(platform,))
   return collections.Counter(re.findall(r"= \"?(stablehlo\.[a-z_]+)", lowered.as_text()))
 
 

@@ -430,3 +430,43 @@ def test_key_padded_rows_pass_lengths_and_feed_the_padded_sh_targets():
   index = attention.RecordIndex(records)
   assert attention.target_sh_vs_flop_ratio(index, cases)["measured"] == pytest.approx(0.1)
   assert attention.target_sh_padded_vs_flop_ratio(index, cases)["measured"] == pytest.approx(0.4)
+
+
+def test_written_bytes_splits_attention_matrices_from_the_rest_and_skips_fused_bodies():
+  from benchmarks import step_traffic
+
+  hlo = "\n".join(
+    [
+      "%fused_computation (p: f32[2,3,5,5]) -> f32[2,3,5,5] {",
+      "  %inner = f32[2,3,5,5]{3,2,1,0} multiply(%p, %p)",  # inside a fusion: not written
+      "}",
+      "ENTRY %main (a: f32[2,3,5,5]) -> f32[2,5,4] {",
+      "  %a = f32[2,3,5,5]{3,2,1,0} parameter(0)",
+      "  %f = f32[2,3,5,5]{3,2,1,0} fusion(%a), kind=kLoop, calls=%fused_computation",
+      "  %m = pred[2,3,5,5]{3,2,1,0} compare(%f, %f), direction=GT",
+      "  %g = f32[2,5,4]{2,1,0} dot(%f, %f)",
+      "  %b = f32[2,5,4]{2,1,0} bitcast(%g)",
+      "  ROOT %r = f32[2,5,4]{2,1,0} add(%g, %g)",
+      "}",
+    ]
+  )
+  split = step_traffic.written_bytes(hlo, seq_len=5)
+  assert split == {"attention_matrix": 150 * 4 + 150, "other": 2 * 40 * 4}
+
+
+def test_step_traffic_reports_the_programs_cost_and_compares_with_measured_rows(tmp_path):
+  """One replica's one-step program has FLOPs and bytes, attention matrices among what it
+  writes; the floor beside a measured row is its bytes over the device's bandwidth."""
+  from benchmarks import small_models, step_traffic
+
+  row = step_traffic.traffic_row(small_models.Measurement("sraven", "softmax", 1, True, True))
+  assert row["gflop"] > 0 and row["gb_accessed"] > 0
+  assert row["gb_written_attention_matrix"] > 0 and row["gb_written_other"] > 0
+  device = "NVIDIA H200"
+  measured = dict(model="sraven", variant="softmax", replicas=24, steps_per_call=100)
+  measured.update(device=device, ms_per_step=2.0, source="x.json")
+  [compared] = step_traffic.compare([row], [measured])
+  floor_ms = row["gb_accessed"] * 1e9 / step_traffic.BANDWIDTH[device] * 1e3
+  assert compared["floor_ms"] == pytest.approx(floor_ms)
+  assert compared["measured_over_floor"] == pytest.approx(2.0 / floor_ms)
+  assert step_traffic.compare([row], [dict(measured, device="unknown chip")]) == []
