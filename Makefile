@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install install-gpu-dev gpu-compile device-suite lint test test-soak train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
+.PHONY: install dist install-gpu-dev gpu-compile device-suite lint test test-soak train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The package as one wheel (dist/primal_dual-<version>-py3-none-any.whl, pure Python, no
+# dependencies bundled): what the notebook's first cell installs in a runtime without a clone
+# (Colab: upload it, or serve it at an https:// address; notebooks/quickstart.ipynb).
+dist: $(STAMP)
+	rm -rf build  # setuptools keeps build/lib between builds: a removed module would ship
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	rm -rf build
+	@ls dist/*.whl
 
 # The [gpu-dev] extra (triton, torch, jax-triton): the sm_90a compile report and tests, and the
 # fused Triton HYLA kernels run by Triton's interpreter in the test suite. torch 2.13.0 is pinned:

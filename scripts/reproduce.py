@@ -14,7 +14,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [REPO_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != SCRIPT_DIR]
 
+from primal_dual import commands
 from primal_dual.commands import reproduce as reproduce_command
 
 if __name__ == "__main__":
-  sys.exit(reproduce_command.main(sys.argv[1:]))
+  sys.exit(commands.quiet_when_the_reader_leaves(lambda: reproduce_command.main(sys.argv[1:])))

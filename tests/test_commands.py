@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import re
+import signal
+import statistics
 import subprocess
 import sys
 import tomllib
@@ -210,6 +212,40 @@ def test_output_cut_short_by_a_pipe_ends_quietly(tmp_path):
   assert result.stdout.startswith("uea grid:")
 
 
+@pytest.mark.parametrize(
+  "args",
+  [
+    ["-m", "primal_dual", "list", "variants"],
+    ["-m", "primal_dual", "--help"],
+    ["-m", "primal_dual", "train", "--help"],
+    ["train.py", "--help"],
+    ["eval.py", "--help"],
+    ["scripts/reproduce.py", "uea", "--dry_run", "--root={tmp}"],
+  ],
+  ids=" ".join,
+)
+def test_output_to_a_reader_that_left_ends_quietly_with_status_141(args, tmp_path):
+  """The reader of the pipe is gone before the first line (`| head -0`, a pager quit early): no
+  traceback, no `error:` line; status 141 (128 + SIGPIPE), as a shell reports a Unix tool's."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)
+  read_end, write_end = os.pipe()
+  os.close(read_end)  # closed before the command starts: its first write finds no reader
+  try:
+    result = subprocess.run(
+      [sys.executable, *(arg.format(tmp=tmp_path) for arg in args)],
+      stdout=write_end,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+      cwd=REPO_ROOT,
+      timeout=120,
+    )
+  finally:
+    os.close(write_end)
+  assert (result.returncode, result.stderr) == (commands.EXIT_BROKEN_PIPE, "")
+  assert commands.EXIT_BROKEN_PIPE == 128 + signal.SIGPIPE
+
+
 def test_list_names_every_variant_config_argument_and_study(tmp_path):
   from primal_dual import configs, registry
 
@@ -234,6 +270,52 @@ def test_list_names_every_variant_config_argument_and_study(tmp_path):
   assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "configs" in wrong.stderr
 
 
+# The base install (jax, flax, numpy and what they bring: absl, optax, orbax): the [train] extra's
+# other modules and the gpu-dev extra's are missing (None in sys.modules: importing one raises).
+NOT_IN_THE_BASE_INSTALL = (
+  "ml_collections",
+  "grain",
+  "tensorboardX",
+  "tensorflow_datasets",
+  "sklearn",
+  "aeon",
+  "matplotlib",
+  "tqdm",
+  "filelock",
+  "triton",
+  "torch",
+  "jax_triton",
+)
+IN_THE_BASE_INSTALL = f"""
+import sys
+sys.modules.update(dict.fromkeys({NOT_IN_THE_BASE_INSTALL!r}))
+from primal_dual.commands import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_list_names_the_variants_in_the_base_install(tmp_path):
+  """`primal-dual list` without the [train] and gpu-dev extras: every variant and study; the
+  configs (ml_collections) say how to get them."""
+  from primal_dual import registry
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)
+  result = subprocess.run(
+    [sys.executable, "-c", IN_THE_BASE_INSTALL, "list"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=tmp_path,
+    timeout=120,
+  )
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  lines = result.stdout.splitlines()
+  for name in registry.ATTENTION_REGISTRY:
+    assert any(line.split()[:1] == [name] for line in lines), name
+  assert "  (the configs need the train extra: pip install 'primal_dual[train]')" in lines
+  assert all(study in result.stdout for study in reproduce.study_names())
+
+
 def test_the_summary_says_which_numbers_to_report():
   from primal_dual.commands import train
 
@@ -255,41 +337,79 @@ def test_the_summary_says_which_numbers_to_report():
   on_test = dict(final, **{"selected/rule": "max test accuracy; ties: lower test loss"})
   (line,) = train.which_to_report(on_test)
   assert line.endswith("chosen by max test accuracy; optimistic: test also chose it)")
-  # A sweep's replicas: their names carry the replica's prefix.
-  sweep = {f"lr=0.1,seed=0/{name}": value for name, value in final.items()}
-  (line,) = train.which_to_report(sweep)
-  assert line == (
-    "report: <replica>/selected/test_accuracy of each replica (chosen by max validation accuracy)"
-  )
   assert all(len(line) <= 120 for line in train.which_to_report(final))
 
 
-def test_a_sweep_ends_with_a_table_and_a_summary_file(tmp_path, capsys):
+def _sweep_final(settings: list[str], seeds: int, splits: dict[str, float]) -> dict:
+  """A sweep's final metrics: per replica `<setting>,seed=<s>/...`, its selected number on each
+  split `splits[split] + index of the setting / 100 + seed / 100`, chosen by max validation
+  accuracy."""
+  final = {}
+  for index, setting in enumerate(settings):
+    for seed in range(seeds):
+      replica = f"{setting},seed={seed}" if setting else f"seed={seed}"
+      final.update({f"{replica}/step": 100, f"{replica}/test/accuracy": 0.8})
+      for split, base in splits.items():
+        final[f"{replica}/selected/{split}_accuracy"] = base + index / 100 + seed / 100
+      final[f"{replica}/selected/step"] = 40
+      final[f"{replica}/selected/rule"] = "max validation accuracy; ties: lower validation loss"
+  return final
+
+
+def _mean_se(values: list[float]) -> str:
+  return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) / len(values) ** 0.5:.4f}"
+
+
+def test_a_sweep_ends_with_a_table_of_its_settings_and_a_summary_file(tmp_path, capsys):
+  """Replicas grouped by setting (the swept values but the seed), each number mean ± s.e. over
+  its seeds; the report line names the number of the setting the validation split chose."""
   from primal_dual.commands import train
   from primal_dual.training import sweep
 
-  final = {}
-  for lr in ("0.001", "0.0003"):
-    for seed in range(6):
-      replica = f"lr={lr},seed={seed}"
-      final.update(
-        {
-          f"{replica}/step": 100,
-          f"{replica}/train/loss": 0.5,
-          f"{replica}/test/accuracy": 0.8,
-          f"{replica}/selected/test_accuracy": 0.9 + seed / 100,
-          f"{replica}/selected/step": 40,
-          f"{replica}/selected/rule": "max validation accuracy; ties: lower validation loss",
-        }
-      )
+  final = _sweep_final(["lr=0.001", "lr=0.0003"], 6, {"validation": 0.7, "test": 0.9})
   train.print_final(final, str(tmp_path))
   lines = capsys.readouterr().out.splitlines()
-  assert lines[0].split() == ["replica", "selected/step", "selected/test_accuracy"]
-  assert lines[1].split() == ["lr=0.0003,seed=0", "40", "0.9000"]
-  assert len(lines) == 1 + 12 + 2  # header, 12 replicas, the summary file, the report line
+  assert lines[0] == "replicas by setting: mean ± s.e. over seeds of selected/<split>_accuracy"
+  assert lines[1].split() == ["setting", "seeds", "validation", "test"]
+  # lr=0.0003 (the second setting, +0.01) comes first by name.
+  tests = {s: [0.9 + s / 100 + i / 100 for i in range(6)] for s in (0, 1)}
+  assert lines[2].split("  ")[0] == "lr=0.0003" and lines[2].endswith(_mean_se(tests[1]))
+  assert lines[3].split()[:2] == ["lr=0.001", "6"] and lines[3].endswith(_mean_se(tests[0]))
+  assert len(lines) == 2 + 2 + 2  # title, header, 2 settings, the summary file, the report line
+  assert lines[4] == f"every replica's final metrics: {tmp_path / sweep.SUMMARY_FILE}"
   summary = json.loads((tmp_path / sweep.SUMMARY_FILE).read_text())
-  assert lines[13] == f"every replica's final metrics: {tmp_path / sweep.SUMMARY_FILE}"
-  assert (
-    len(summary) == 12 and summary["lr=0.001,seed=5"]["selected/test_accuracy"] == 0.9 + 5 / 100
+  assert len(summary) == 12 and summary["lr=0.001,seed=5"][
+    "selected/test_accuracy"
+  ] == pytest.approx(0.95)
+  assert lines[5] == (
+    f"report: selected/test_accuracy = {_mean_se(tests[1])} at lr=0.0003 (6 seeds; setting and "
+    "checkpoints chosen by max validation accuracy)"
   )
-  assert lines[14].startswith("report: <replica>/selected/test_accuracy of each replica")
+  assert all(len(line) <= 100 for line in lines[:4])
+
+
+def test_a_sweep_summary_fits_100_columns():
+  """Five swept fields and three splits: the split neither choosing nor reported is left out."""
+  from primal_dual.commands import train
+
+  long = "lr=0.0003,wd=0.1,warmup=100,dropout=0.1,attn_dropout=0.1"
+  splits = {"ood": 0.5, "validation": 0.7, "test": 0.9}
+  wide = train.sweep_summary(_sweep_final([long, long.replace("wd=0.1", "wd=0.3")], 3, splits))
+  assert wide[1].split() == ["setting", "seeds", "validation", "test"]
+  assert max(map(len, wide)) <= 100
+  narrow = train.sweep_summary(_sweep_final(["lr=0.001"], 3, splits))
+  assert narrow[1].split() == ["setting", "seeds", "validation", "test", "ood"]
+  # A seed-only sweep: one setting, the config's own; no test split: the report says optimistic.
+  (line,) = train.which_to_report(_sweep_final([""], 2, {"validation": 0.7}))
+  assert line == (
+    "report: selected/validation_accuracy = 0.7050 ± 0.0050 (2 seeds; checkpoints chosen by max "
+    "validation accuracy; optimistic: validation also chose it)"
+  )
+  assert train.sweep_summary(_sweep_final([""], 2, {"validation": 0.7}))[2].split()[:2] == [
+    "-",
+    "2",
+  ]
+  # No replica chose a checkpoint (no evaluation): the settings and their seeds, no report.
+  unchosen = {"lr=0.1,seed=0/step": 4, "lr=0.1,seed=1/step": 4}
+  assert train.sweep_summary(unchosen) == ["setting  seeds", "lr=0.1   2"]
+  assert train.which_to_report(unchosen) == []

@@ -172,3 +172,25 @@ def test_model_dtype_is_a_field_and_bf16_is_its_shorthand(name):
   assert setup.resolve_config(by_field) == setup.resolve_config(by_shorthand)
   plain = load_config(name, "runlocal").model
   assert (plain.dtype, plain.param_dtype) == ("float32", "float32")
+
+
+# -- count arguments ------------------------------------------------------------------------------
+
+COUNT_ARGUMENTS = ("epochs", "steps")
+
+
+@pytest.mark.parametrize("name", configs.packaged_names())
+def test_a_count_of_minus_one_is_the_configs_own(name):
+  """``epochs=-1`` / ``steps=-1`` (``config_lib.CONFIG_DEFAULT_COUNT``) is the config's own count,
+  the one it trains without the argument: ``default:epochs=-1`` is 40 epochs, not uea's 100."""
+  from primal_dual.commands import listing
+
+  counts = [key for key in listing.config_arguments(name) if key in COUNT_ARGUMENTS]
+  for key in counts:
+    own = load_config(name, None)
+    given = load_config(name, f"{key}={config_lib.CONFIG_DEFAULT_COUNT}")
+    assert given.to_dict() == own.to_dict(), (name, key)
+  if name == "default":
+    assert counts == ["epochs"] and load_config(name, "epochs=-1").num_epochs == 40
+    with pytest.raises(errors.ConfigError, match=r"epochs=0: .* the config's own \(40\)"):
+      load_config(name, "epochs=0")

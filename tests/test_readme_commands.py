@@ -78,3 +78,13 @@ def test_every_python_block_runs_as_written():
   assert blocks
   for block in blocks:
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_every_quick_training_command_says_what_it_reaches():
+  """The README's quick commands (the first bash block) state the accuracy each training
+  command reaches, in the comment just above it."""
+  quick_block = re.search(r"```bash\n(.*?)```", _read("README.md").split("Quick on a CPU")[1], re.S)
+  commands = _commands("```bash\n" + quick_block.group(1) + "```")
+  assert commands
+  for comments, command in commands:
+    assert re.search(r"\d%", comments), f"no accuracy stated above: {command}"

@@ -8,13 +8,15 @@
 `primal-dual <command> --help` lists a command's flags. `train` and `eval` are absl programs
 (`primal_dual/commands/train.py`, `evaluate.py`); `reproduce STUDY` runs the grid of
 the clone's `reproduce/<STUDY>.py`. A problem the user can fix is one line
-`error: ...` with exit status 2.
+`error: ...` with exit status 2; output cut short by its reader (`primal-dual list | head -3`)
+ends quietly with status 141, as a Unix tool's.
 """
 
 import importlib
 import os
+import signal
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 PROG = "primal-dual"
 
@@ -27,10 +29,12 @@ COMMANDS = (*ABSL_COMMANDS, "reproduce", "list")
 TRAIN_EXTRA_MODULES = frozenset(
   {"absl", "ml_collections", "orbax", "optax", "grain", "tensorboardX"}
 )
-INSTALL_TRAIN_EXTRA = "install the train extra: pip install 'primal_dual[train]'"
+PIP_INSTALL_TRAIN_EXTRA = "pip install 'primal_dual[train]'"
+INSTALL_TRAIN_EXTRA = f"install the train extra: {PIP_INSTALL_TRAIN_EXTRA}"
 
 
-def _missing_train_extra(error: ModuleNotFoundError) -> bool:
+def missing_train_extra(error: ModuleNotFoundError) -> bool:
+  """Whether `error` is the import of a module of the `[train]` extra."""
   return (error.name or "").partition(".")[0] in TRAIN_EXTRA_MODULES
 
 
@@ -42,7 +46,7 @@ def _run_absl_command(name: str, args: list[str]) -> NoReturn:
 
     module = importlib.import_module(ABSL_COMMANDS[name])
   except ModuleNotFoundError as e:
-    if not _missing_train_extra(e):
+    if not missing_train_extra(e):
       raise
     print(f"error: `{PROG} {name}` needs {e.name}; {INSTALL_TRAIN_EXTRA}", file=sys.stderr)
     sys.exit(2)
@@ -52,16 +56,30 @@ def _run_absl_command(name: str, args: list[str]) -> NoReturn:
   cli.run_command(module.main, sys.argv)
 
 
+# The status of output cut short by its reader: what a shell reports for a Unix tool that
+# SIGPIPE ended (Python ignores the signal and raises BrokenPipeError instead).
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def quiet_when_the_reader_leaves(run: Callable[[], int]) -> int:
+  """`run()`'s status, or `EXIT_BROKEN_PIPE` with nothing printed when the reader of stdout has
+  left (`primal-dual list | head -3`). A `SystemExit` (absl's commands exit) passes through."""
+  try:
+    try:
+      return run()
+    finally:
+      sys.stdout.flush()  # what is still buffered fails here, not in the interpreter's exit
+  except BrokenPipeError:
+    # Python flushes stdout again at exit; point it at /dev/null so that nothing more is raised.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
   """`primal-dual COMMAND [flags]`; returns the exit status (train and eval exit themselves).
 
   Output cut short by its reader (`primal-dual reproduce uea --dry_run | head`) ends quietly."""
-  try:
-    return _main(argv)
-  except BrokenPipeError:
-    # Python flushes stdout again at exit; point it at /dev/null so that nothing more is raised.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 1
+  return quiet_when_the_reader_leaves(lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> int:
@@ -77,13 +95,8 @@ def _main(argv: list[str] | None) -> int:
 
     return reproduce.main(args)
   if name == "list":
-    try:
-      from primal_dual.commands import listing
-    except ModuleNotFoundError as e:
-      if not _missing_train_extra(e):
-        raise
-      print(f"error: `{PROG} list` needs {e.name}; {INSTALL_TRAIN_EXTRA}", file=sys.stderr)
-      return 2
+    from primal_dual.commands import listing  # the base install's modules only
+
     return listing.main(args)
   print(
     f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} (`{PROG} --help`)",

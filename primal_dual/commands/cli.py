@@ -42,7 +42,14 @@ _FLAG_ERRORS = (
 
 def run_command(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
   """absl's `app.run` of a command's `main` (`primal_dual/commands/`) with `parse_flags`; exits
-  with main's return value."""
+  with main's return value, or quietly when the reader of its output has left
+  (`python train.py --help | head -1`)."""
+  from primal_dual import commands
+
+  sys.exit(commands.quiet_when_the_reader_leaves(lambda: _run_absl(main, argv)))
+
+
+def _run_absl(main: Callable[[list[str]], int], argv: list[str] | None) -> NoReturn:
   app.run(main, argv=argv, flags_parser=parse_flags)
   raise AssertionError("app.run returned")  # it exits
 
@@ -238,6 +245,8 @@ def parse_flags(argv: list[str], config_flag: str = "config") -> list[str]:
     argv = resolve_config_specs(argv, config_flag)
     remaining = flags.FLAGS(argv)
     _check_config_file(config_flag)
+  except BrokenPipeError:  # absl's --help to a reader that left: not a flag error
+    raise
   except _FLAG_ERRORS as e:  # UserError is a ValueError
     fail(describe_flag_error(e, argv, config_flag))
   except SystemExit as e:

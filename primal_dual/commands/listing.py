@@ -1,5 +1,9 @@
 """`primal-dual list`: the attention variants, the packaged configs with their arguments and
-defaults, and, in a clone, the paper studies `primal-dual reproduce` runs."""
+defaults, and, in a clone, the paper studies `primal-dual reproduce` runs.
+
+The variants and the studies need only the base install; the configs (ml_collections) need the
+`[train]` extra, so without it their section says how to install it instead.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from primal_dual import configs, registry
-from primal_dual.training import config_lib
+from primal_dual import commands, configs, registry  # configs: the base install's `os` only
 
 
 class _Declared(Exception):
@@ -22,6 +25,7 @@ class _Declared(Exception):
 def config_arguments(name: str) -> dict[str, Any]:
   """The ``key=value`` arguments config ``name`` takes, with their defaults: what its
   ``get_config`` passes to ``config_lib.parse_arg`` (caught there; nothing else is built)."""
+  from primal_dual.training import config_lib
 
   def declare(arg, **defaults):
     del arg
@@ -73,6 +77,12 @@ def _shown_argument(name: str, key: str, value: Any) -> str:
 
 
 def _config_lines() -> list[str]:
+  try:
+    from primal_dual.training import config_lib  # noqa: F401 - the configs' ml_collections
+  except ModuleNotFoundError as e:
+    if not commands.missing_train_extra(e):
+      raise
+    return [f"  (the configs need the train extra: {commands.PIP_INSTALL_TRAIN_EXTRA})"]
   lines = []
   for name in configs.packaged_names():
     arguments = config_arguments(name)

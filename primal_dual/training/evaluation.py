@@ -5,7 +5,7 @@ reduction of per-batch `(sum, count)` metrics, and the evaluation of a saved wor
 import functools
 import os
 import sys
-from typing import Mapping
+from typing import Mapping, TypedDict
 
 import jax
 import numpy as np
@@ -267,9 +267,18 @@ def _move_step_aside(folder: str, step: int) -> str:
     return f"left it in place (renaming it failed: {e.strerror})"
 
 
+class EvalReport(TypedDict):
+  """A workdir's evaluation (`evaluate_workdir`), as `<workdir>/eval.json` holds it
+  (`primal-dual eval --analyses` adds `analyses`)."""
+
+  checkpoint: str  # as asked: 'latest', 'selected' or a step
+  step: int  # the step of the checkpoint restored
+  results: dict[str, dict[str, float]]  # split → metric → value
+
+
 def evaluate_workdir(
   workdir: str, splits: tuple[str, ...] | None = None, checkpoint: str = "latest"
-) -> dict[str, dict[str, float]]:
+) -> EvalReport:
   """Restores a workdir's checkpoint and evaluates splits with its saved config.
 
   Args:
@@ -278,8 +287,8 @@ def evaluate_workdir(
     checkpoint: 'latest', 'selected' (the checkpoint chosen on the selection split) or a step.
 
   Returns:
-    `{'checkpoint': checkpoint, 'step': restored step, 'results': split → metric → value}`,
-    also written to `workdir/eval.json`.
+    An `EvalReport`, `{'checkpoint': checkpoint, 'step': restored step, 'results': split →
+    metric → value}`, also written to `workdir/eval.json`.
 
   Raises:
     errors.CheckpointNotFoundError: no config.json or no such checkpoint.
@@ -287,11 +296,9 @@ def evaluate_workdir(
   workdir = os.path.abspath(workdir)
   program, state = restore_workdir(workdir, checkpoint)
   results = evaluate(program, state, tuple(splits) if splits else None)
-  report = {
-    "checkpoint": str(checkpoint),
-    "step": int(jax.device_get(state.step)),
-    "results": results,
-  }
+  report = EvalReport(
+    checkpoint=str(checkpoint), step=int(jax.device_get(state.step)), results=results
+  )
   if jax.process_index() == 0:
     write_eval_report(workdir, report)
   return report

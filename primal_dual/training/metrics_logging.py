@@ -18,7 +18,7 @@ TensorBoard drops the earlier files' events at that step or later, so each step 
 import json
 import math
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 
@@ -165,15 +165,22 @@ class ProgressBar:
       self._bar = None
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]], *, row_title: str = "split") -> str:
-  """Renders `{row: {column: value}}` as an aligned text table (columns sorted by name).
+def format_table(
+  rows: Mapping[str, Mapping[str, float]],
+  *,
+  row_title: str = "split",
+  columns: Sequence[str] | None = None,
+) -> str:
+  """Renders `{row: {column: value}}` as an aligned text table (`columns`, by default every
+  column sorted by name).
 
   Example:
     >>> print(format_table({'test': {'accuracy': 0.75, 'loss': 0.9}}))
     split  accuracy  loss
     test   0.7500    0.9000
   """
-  columns = sorted({c for values in rows.values() for c in values})
+  if columns is None:
+    columns = sorted({c for values in rows.values() for c in values})
 
   def cell(value):
     return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -292,14 +292,26 @@ def per_replica(final: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   }
 
 
-def summary_rows(final: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-  """The rows of a sweep's summary table: per replica its ``selected/*`` numbers (the rule, the
-  same for all, left out)."""
-  return {
-    replica: {
-      name: value
-      for name, value in metrics.items()
-      if name.startswith("selected/") and name != "selected/rule"
-    }
-    for replica, metrics in per_replica(final).items()
-  }
+def setting_of(replica: str) -> str:
+  """A replica's setting, its sub-workdir name without the seed: `lr=0.001,seed=0` → `lr=0.001`
+  ('' for the replicas of a seed-only sweep, whose setting is the config's own)."""
+  seed = f"{SWEEPABLE['seed']}="
+  return ",".join(part for part in replica.split(",") if not part.startswith(seed))
+
+
+def by_setting(final: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+  """A sweep's final metrics as ``{setting: {replica: {metric: value}}}``: the replicas grouped by
+  their swept values other than the seed (`setting_of`), in name order."""
+  groups: dict[str, dict[str, dict[str, Any]]] = {}
+  for replica, metrics in per_replica(final).items():
+    groups.setdefault(setting_of(replica), {})[replica] = metrics
+  return groups
+
+
+def mean_and_standard_error(values) -> tuple[float, float | None]:
+  """The mean of ``values`` and its standard error over them (the sample standard deviation over
+  √n); None for a single value, which has no spread to estimate."""
+  values = np.asarray(values, np.float64)
+  if values.size < 2:
+    return float(values.mean()), None
+  return float(values.mean()), float(values.std(ddof=1) / np.sqrt(values.size))
