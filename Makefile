@@ -61,8 +61,8 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.attention --out-dir benchmarks/results
 	$(PY) -m benchmarks.train_throughput --out-dir benchmarks/results
 
-# Registers, spills, shared memory and matrix instructions of the GPU kernels (Pallas HYLA and the
-# fused Triton 'tensorcore' HYLA) compiled for sm_90a, without a GPU (benchmarks/results/
+# Registers, spills, shared memory and matrix instructions of the GPU kernels (the fused Triton
+# 'tensorcore' HYLA) compiled for sm_90a, without a GPU (benchmarks/results/
 # gpu_compile.{json,md}; each ptxas capped in memory and time). One family or tile, e.g.:
 # make gpu-compile GPU_COMPILE_FLAGS="--families tensorcore --tiles 16"
 gpu-compile: $(GPU_DEV_STAMP)

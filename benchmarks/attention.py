@@ -7,8 +7,8 @@ Kernels with alternative paths are measured on each: a kernel that takes ``imple
 through its default ``'auto'`` path (row ``softmax``) and through ``'reference'``
 (row ``softmax[implementation=reference]``); one that takes ``block_size`` runs dense
 (``block_size=None``, row ``hyla``) and blockwise (row ``hyla[block_size=128]``), and on a GPU
-HYLA also through its fused Pallas kernel (row ``hyla[implementation=pallas]``, which the HYLA
-targets then read; on a CPU Pallas only interprets, so the row is left out). A variant added
+HYLA also through its fused Triton kernel (row ``hyla[implementation=tensorcore]``, which the HYLA
+targets then read; on a CPU it only interprets, so the row is left out). A variant added
 to the registry is measured without any edit here. The fused reference (row ``fused_reference``)
 is ``jax.nn.dot_product_attention`` with ``implementation='cudnn'`` on a GPU (bfloat16, float16)
 and ``'xla'`` otherwise.
@@ -106,10 +106,11 @@ def default_sh_ratios(heads: int) -> tuple[int, ...]:
   return tuple(2 ** (h * 4 // heads) for h in range(heads))
 
 
-# Backends on which the Pallas kernels are compiled (elsewhere they run in interpret mode).
-PALLAS_BACKENDS = ("gpu",)
-# The fused GPU kernels measured beside the XLA paths (rows ``hyla[implementation=<name>]``).
-FUSED_IMPLEMENTATIONS = ("pallas", "tensorcore")
+# Backends on which the fused kernels are compiled (elsewhere they run interpreted).
+FUSED_BACKENDS = ("gpu",)
+# The fused GPU kernels measured beside the XLA paths (rows ``hyla[implementation=<name>]``),
+# the fastest last.
+FUSED_IMPLEMENTATIONS = ("tensorcore",)
 
 # --- The cases, from the registry ----------------------------------------------------------------
 
@@ -134,13 +135,12 @@ def variant_cases(name: str, heads: int, sh_ratios: Sequence[int], hyla_block: i
   for option, (_, other) in paths.items():
     if _serves(name, {**main, option: other}, heads):
       cases.append(Case(f"{name}[{option}={other}]", name, {**main, option: other}))
-  # HYLA's fused Pallas kernel, measured where it is compiled (on a CPU it runs interpreted, which
-  # says nothing about its speed): its own default tile.
-  # The same for the tensor-core Triton kernel (``implementation='tensorcore'``, GPU only).
+  # HYLA's fused kernels, measured where they are compiled (on a CPU they run interpreted, which
+  # says nothing about their speed): their own default tile.
   for fused in FUSED_IMPLEMENTATIONS:
     fused_options = {**main, "implementation": fused, "block_size": "auto"}
     if (
-      jax.default_backend() in PALLAS_BACKENDS
+      jax.default_backend() in FUSED_BACKENDS
       and {"implementation", "block_size"} <= set(accepted)
       and _serves(name, fused_options, heads)
     ):
@@ -582,8 +582,7 @@ def target_sh_memory_scaling(index, cases):
 
 def _blockwise_hyla(cases) -> str | None:
   """HYLA's linear-memory row the targets read: the first fused kernel of
-  ``FUSED_IMPLEMENTATIONS[::-1]`` measured (the tensor-core one, then Pallas), else the blockwise
-  path."""
+  ``FUSED_IMPLEMENTATIONS[::-1]`` measured (the fastest first), else the blockwise path."""
   tiled = [c for c in cases if c.variant == "hyla" and c.options.get("block_size")]
   fused = [
     c.name

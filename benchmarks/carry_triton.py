@@ -1,7 +1,7 @@
 """A Triton other than the device image's, small enough to carry to a device machine.
 
 The lent image has Triton 3.6.0 (torch's pin), whose masked 16-bit products in the tensorcore HYLA
-kernels an H100 computed wrong (``hyla_tensorcore.NATIVE_16BIT_ON_GPU``; fixed from 3.8) and whose
+kernels an H100 computed wrong (``hyla.tensorcore.NATIVE_16BIT_ON_GPU``; fixed from 3.8) and whose
 ptxas spills their dq_dk launch. A Triton wheel is 190–290 MB; a call carries 64 MiB in all. What
 jax-triton and the tensorcore probe need of it is the compiler (``libtriton.so``, stripped of its
 symbols: 480 → 185 MB, about 37 MB as xz) and its Python files; this keeps those and leaves out

@@ -4,7 +4,7 @@
 first), each as one *row*:
 
 1. attention, bfloat16, forward + backward (``benchmarks.attention.measure``): the fused reference
-   (cuDNN on a GPU), softmax, bn, sh, bn_sh, HYLA blockwise and HYLA fused (Pallas; on a GPU only)
+   (cuDNN on a GPU), softmax, bn, sh, bn_sh, HYLA blockwise and HYLA fused (tensorcore; on a GPU only)
    at N = 4k, 8k, 32k (the rows the attention targets read); then, at 4k, softmax, sh and bn_sh
    once and 8 times in one program (``benchmarks.call_cost``): a call's fixed cost apart from its
    per-call cost;

@@ -1,18 +1,15 @@
 """What ptxas makes of the project's GPU kernels for an H100 (sm_90a), on a machine without a GPU.
 
-Two families of GPU kernels are compiled for CUDA capability 9.0 (``sm_90a``) over their settings,
+Each family of GPU kernels is compiled for CUDA capability 9.0 (``sm_90a``) over its settings,
 each kernel by the ``triton`` wheel (``pip install -e ".[gpu-dev]"``) for
-``GPUTarget("cuda", 90, 32)``:
+``GPUTarget("cuda", 90, 32)``. One family today:
 
-* ``pallas``: the three Pallas HYLA kernels of ``primal_dual/kernels/hyla_pallas.py``
-  (``hyla_forward``, ``hyla_backward_dq``, ``hyla_backward_dkv``). The gradient of
-  ``sum(hyla_pallas_attention(q, k, v))`` is lowered for CUDA
-  (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``, no GPU needed) and each
-  Pallas-Triton custom call of the lowered module gives its kernel as Triton IR (``backend_config``:
-  ``name``, ``ir``, ``num_warps``, ``num_stages``), compiled as such.
 * ``tensorcore``: the three launches (``forward``, ``dq_dk``, ``dv``) of the fused Triton HYLA
-  kernels of ``primal_dual/kernels/hyla_tensorcore.py`` (``implementation='tensorcore'``): each
+  kernels of ``primal_dual/kernels/hyla/tensorcore.py`` (``implementation='tensorcore'``): each
   ``@triton.jit`` function compiled from its source with the constexpr constants of a call.
+
+(The Pallas HYLA kernels, a second family, were removed with their kernel: Pallas's Triton backend
+is deprecated and the kernel was 17× slower than the tensorcore one on an H100.)
 
 For each kernel: registers, spill stores/loads, stack frame and static shared memory from the
 ``ptxas -v`` log of the compilation Triton itself runs (so the figures are those of the cubin it
@@ -62,7 +59,6 @@ ARCH = "sm_90a"
 CAPABILITY = 90
 # An H100's shared memory per block (227 KiB usable of its 228 KiB).
 SHARED_MEMORY_LIMIT_BYTES = 227 * 1024
-TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 
 
 class Shape(NamedTuple):
@@ -75,9 +71,8 @@ class Shape(NamedTuple):
 
 
 class CompileJob(NamedTuple):
-  """One kernel to compile: its name, its source for the worker (``{"ir_path": ...}`` for Triton IR
-  text, or ``{"module", "function", "constants", "signature"}`` for a ``@triton.jit`` function)
-  and Triton's launch options."""
+  """One kernel to compile: its name, its source for the worker (``{"module", "function",
+  "constants", "signature"}`` of a ``@triton.jit`` function) and Triton's launch options."""
 
   kernel: str
   source: dict
@@ -95,113 +90,9 @@ class LaunchShape(NamedTuple):
   inner_trips: int
 
 
-# --- Family 1: the Pallas HYLA kernels -----------------------------------------------------------
+# --- The fused Triton HYLA kernels (implementation='tensorcore') ----------------------------------
 
-
-class PallasSetting(NamedTuple):
-  """One configuration of the Pallas HYLA kernels (each lowers to forward, dq and dk/dv)."""
-
-  value_network: str
-  normalization: str
-  block_size: int
-
-
-def pallas_settings() -> list[PallasSetting]:
-  """Every value network × normalisation at the default tile, then every value network at tile 64
-  with ``rms_head`` (the larger tile is where ptxas spills or runs out): ``linear`` first, as it
-  compiles in a minute where the MLP networks' kernels run into the memory cap or the time limit
-  (so a time-boxed run gets the most rows)."""
-  from primal_dual.kernels import hyla_pallas as hp
-
-  tile = hp.DEFAULT_BLOCK_SIZE
-  settings = [PallasSetting(v, n, tile) for v in hp.VALUE_NETWORKS for n in hp.NORMALIZATIONS]
-  by_cost = sorted(hp.VALUE_NETWORKS, key=lambda v: v != "linear")
-  return settings + [PallasSetting(v, "rms_head", 64) for v in by_cost]
-
-
-def lower_for_cuda(setting: PallasSetting, shape: Shape):
-  """The lowered gradient program of one setting, for CUDA, traced on this (GPU-less) machine."""
-  import jax
-  import jax.numpy as jnp
-
-  from primal_dual.kernels import hyla_pallas
-
-  def loss(q, k, v):
-    out = hyla_pallas.hyla_pallas_attention(
-      q,
-      k,
-      v,
-      block_size=setting.block_size,
-      normalization=setting.normalization,
-      value_network=setting.value_network,
-      interpret=False,
-    )
-    return jnp.sum(out.astype(jnp.float32))
-
-  qkv = jax.ShapeDtypeStruct(tuple(shape), jnp.bfloat16)
-  traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv)
-  return traced.lower(lowering_platforms=("cuda",))
-
-
-class TritonKernel(NamedTuple):
-  """One Pallas-Triton custom call: the kernel's name, its Triton IR (text) and launch settings."""
-
-  name: str
-  ir: str
-  num_warps: int
-  num_stages: int
-
-
-def _walk(operation):
-  for region in operation.regions:
-    for block in region.blocks:
-      for op in block.operations:
-        yield op
-        yield from _walk(op.operation)
-
-
-def triton_kernels(lowered) -> list[TritonKernel]:
-  """The Triton kernels a lowered CUDA program calls, in program order, IR printed as text."""
-  from jax._src.lib.mlir import ir
-  from jax._src.pallas.triton import lowering as triton_lowering
-
-  module = lowered.compiler_ir("stablehlo")
-  kernels = []
-  for op in _walk(module.operation):
-    if op.operation.name != "stablehlo.custom_call":
-      continue
-    if ir.StringAttr(op.attributes["call_target_name"]).value != TRITON_CALL_TARGET:
-      continue
-    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-    # The IR is MLIR bytecode of the Triton dialect: parse it where that dialect is registered.
-    with triton_lowering._new_ir_context():
-      text = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm()
-    kernels.append(
-      TritonKernel(
-        name=ir.StringAttr(config["name"]).value,
-        ir=text,
-        num_warps=ir.IntegerAttr(config["num_warps"]).value,
-        num_stages=ir.IntegerAttr(config["num_stages"]).value,
-      )
-    )
-  return kernels
-
-
-def pallas_jobs(setting: PallasSetting, shape: Shape, workdir: Path) -> list[CompileJob]:
-  """One job per Pallas kernel of ``setting``, its IR written under ``workdir``."""
-  jobs = []
-  for kernel in triton_kernels(lower_for_cuda(setting, shape)):
-    ir_path = workdir / f"{kernel.name}.ttir"
-    ir_path.write_text(kernel.ir)
-    jobs.append(
-      CompileJob(kernel.name, {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages)
-    )
-  return jobs
-
-
-# --- Family 2: the fused Triton HYLA kernels (implementation='tensorcore') -----------------------
-
-TENSORCORE_MODULE = "primal_dual.kernels.hyla_tensorcore"
+TENSORCORE_MODULE = "primal_dual.kernels.hyla.tensorcore"
 # (function, extra constants, pointer types after q, k, v in argument order) of each launch.
 TENSORCORE_LAUNCHES = {
   "forward": ("_forward_kernel", {}, ("fp32", "i8", "fp32")),
@@ -229,7 +120,7 @@ class TensorcoreSetting(NamedTuple):
 
 def tensorcore_default_setting(operands: str = "bf16", causal: bool = False) -> TensorcoreSetting:
   """The default HYLA (rms_head, mlp_relu) at the kernels' default tuning for ``operands``."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   chunk, warps, stages = ht.default_tuning(ht.rounding_dtype(operands), causal)
   return TensorcoreSetting(
@@ -241,7 +132,7 @@ def tensorcore_settings() -> list[TensorcoreSetting]:
   """Every value network × normalisation at the default tuning (bfloat16); then other tiles,
   chunks and warps for the default HYLA (rms_head, mlp_relu), a causal call, and the float32
   operands' defaults (the default HYLA, causal or not)."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   default = tensorcore_default_setting()
   settings = [
@@ -261,7 +152,7 @@ def tensorcore_settings() -> list[TensorcoreSetting]:
 def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
   """The kernels' ``Config`` for ``shape`` inputs of bfloat16 values (as ``setting.operands``),
   no mask or bias."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   return ht.Config(
     batch=shape.batch,
@@ -288,7 +179,7 @@ def tensorcore_config(setting: TensorcoreSetting, shape: Shape):
 
 def tensorcore_constants(setting: TensorcoreSetting, shape: Shape) -> dict[str, Any]:
   """The kernels' constexpr constants for ``tensorcore_config``."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   return ht._constants(tensorcore_config(setting, shape))
 
@@ -297,7 +188,7 @@ def tensorcore_launch_shape(setting: TensorcoreSetting, shape: Shape, launch: st
   """The work of one launch: its grid (from the kernel module), its main loop's trips (forward
   loops over key tiles, dq_dk and dv over query tiles; causal: the band's mean) and the value
   chunks the dq_dk loop nests in each trip."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   cfg = tensorcore_config(setting, shape)
   grid = ht.launch_grids(cfg)[launch]
@@ -312,7 +203,7 @@ def tensorcore_launch_shape(setting: TensorcoreSetting, shape: Shape, launch: st
 
 def tensorcore_job(setting: TensorcoreSetting, shape: Shape, launch: str) -> CompileJob:
   """The job of one launch (a key of ``TENSORCORE_LAUNCHES``)."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   function, extra, other_pointers = TENSORCORE_LAUNCHES[launch]
   pointer_types = (setting.operands,) * 3 + other_pointers
@@ -345,16 +236,8 @@ class Family(NamedTuple):
 
 
 FAMILIES = {
-  "pallas": Family(
-    "Pallas HYLA (`primal_dual/kernels/hyla_pallas.py`)",
-    PallasSetting,
-    pallas_settings,
-    pallas_jobs,
-    Shape(length=1024),
-    "the gradient of the sum lowered for CUDA; each Pallas-Triton custom call's Triton IR compiled",
-  ),
   "tensorcore": Family(
-    "tensorcore HYLA (`primal_dual/kernels/hyla_tensorcore.py`)",
+    "tensorcore HYLA (`primal_dual/kernels/hyla/tensorcore.py`)",
     TensorcoreSetting,
     tensorcore_settings,
     tensorcore_jobs,
@@ -665,9 +548,7 @@ def _triton_bin(tool: str) -> str:
 
 
 def _triton_source(source: Mapping[str, Any]):
-  """What ``triton.compile`` takes for a job's source: an IR file's path, or an ``ASTSource``."""
-  if "ir_path" in source:
-    return source["ir_path"]
+  """What ``triton.compile`` takes for a job's source: an ``ASTSource``."""
   from triton.compiler import ASTSource
 
   function = getattr(importlib.import_module(source["module"]), source["function"])
@@ -1071,7 +952,7 @@ def family_shape(family: Family, args) -> Shape:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   from benchmarks import common
-  from primal_dual.kernels import hyla_blockwise
+  from primal_dual.kernels.hyla import blockwise
 
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.gpu_compile",
@@ -1086,16 +967,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   keep = "keep only the settings with these (default: every setting of the family)"
   parser.add_argument(
-    "--value-networks", type=common.comma_list(choices=hyla_blockwise.VALUE_NETWORKS), help=keep
+    "--value-networks", type=common.comma_list(choices=blockwise.VALUE_NETWORKS), help=keep
   )
   parser.add_argument(
-    "--normalizations", type=common.comma_list(choices=hyla_blockwise.NORMALIZATIONS), help=keep
+    "--normalizations", type=common.comma_list(choices=blockwise.NORMALIZATIONS), help=keep
   )
   parser.add_argument("--tiles", type=common.comma_list(int), help=keep)
   for field in Shape._fields:
-    parser.add_argument(
-      f"--{field.replace('_', '-')}", type=int, help="default: the family's (pallas: length 1024)"
-    )
+    parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="default: the family's")
   parser.add_argument("--memory-cap-gib", type=float, default=6.0)
   parser.add_argument("--timeout-s", type=float, default=420.0)
   parser.add_argument("--out-dir", default="benchmarks/results")

@@ -4,7 +4,7 @@ Not a library path: a forward-only Triton kernel (``rms_head`` × ``mlp_relu``/`
 mask or bias, lengths a multiple of 16) written to measure, in the sm_90a compile report, the one
 cost the design's analysis could not count: the register-layout changes that build its operands
 from the scores (barrier-separated stages per key tile). Formulas: :mod:`primal_dual.kernels.
-hyla_blockwise`.
+hyla.blockwise`.
 
 The design. Flash attention hands its first product's accumulator ``[M, N]`` to the second
 product as the ``A`` operand ``[M, K = N]`` without leaving registers. HYLA's two products that
@@ -99,7 +99,7 @@ def run_interpreted(q, k, v, chunk: int, relu: bool) -> np.ndarray:
   import torch
   from triton.runtime.interpreter import InterpretedFunction
 
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]

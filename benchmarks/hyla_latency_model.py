@@ -3,7 +3,7 @@
 A model, not a measurement: each launch's time from counts, an H100 SXM's datasheet rates and two
 fitted constants, set beside the four committed H100 measurements (bfloat16 forward + backward,
 B 1, H 8, d 64; ``benchmarks/results/device_suite_gpu-h100.md``) and used to predict the staged
-kernel design of :mod:`primal_dual.kernels.hyla_staged`.
+kernel design of :mod:`primal_dual.kernels.hyla.staged`.
 
 Terms of one launch (each in seconds; the launch is their max, "overlapped", or their sum,
 "serial"):
@@ -18,7 +18,7 @@ Terms of one launch (each in seconds; the launch is their max, "overlapped", or 
 The Triton launches take their counts from the SASS of ``benchmarks/results/gpu_compile.json``
 (ptxas's, not re-run). The XLA blockwise path is a chain of small kernels run one tile after
 another (``lax.map``/``lax.scan`` over (N/128)² tiles, batch 1): per tile step, its matrix
-products' FLOPs and bytes (counted from the jaxpr of ``hyla_blockwise``'s tile functions) and a
+products' FLOPs and bytes (counted from the jaxpr of ``hyla.blockwise``'s tile functions) and a
 fixed cost per kernel, ``kernel_s``, fitted.
 
   python -m benchmarks.hyla_latency_model --out-dir benchmarks/results
@@ -179,14 +179,14 @@ BLOCKWISE_TILE = 128  # hyla[block_size=128], the measured row
 
 
 def blockwise_step_counts(tile: int = BLOCKWISE_TILE) -> dict[str, dict[str, float]]:
-  """Per tile step of the forward and the backward loop of ``hyla_blockwise`` (``rms_head``,
+  """Per tile step of the forward and the backward loop of ``hyla.blockwise`` (``rms_head``,
   ``mlp_relu``, bfloat16 inputs): matrix products, their FLOPs and the bytes of their operands and
   results (each product a kernel that reads its operands from and writes its result to memory;
   the elementwise work fuses into them), from the jaxpr of the tile functions."""
   import jax
   import jax.numpy as jnp
 
-  from primal_dual.kernels import hyla_blockwise as hb
+  from primal_dual.kernels.hyla import blockwise as hb
 
   cfg = hb.Config(HEAD_DIM**-0.5, "rms_head", "mlp_relu", tile, tile, tile, tile, None, None)
   x = jax.ShapeDtypeStruct((HEADS, tile, HEAD_DIM), jnp.bfloat16)
@@ -239,11 +239,11 @@ def blockwise_launches(step_counts, length: int, kernel_s: float, device=H100):
   return out
 
 
-# --- The staged design of hyla_staged (issue #52) -------------------------------------------------
+# --- The staged design of hyla.staged (issue #52) -------------------------------------------------
 
 
 class StagedDesign(NamedTuple):
-  """Per (query, key) pair counts of the staged design's forward pass (hyla_staged's tiling)."""
+  """Per (query, key) pair counts of the staged design's forward pass (hyla.staged's tiling)."""
 
   q_tile: int = 64
   k_tile: int = 16

@@ -1,5 +1,5 @@
 """Where the tensor-core HYLA kernels' 16-bit path goes wrong on a GPU: each matrix-product pattern
-of ``primal_dual/kernels/hyla_tensorcore.py`` alone, then its forward kernel, in bfloat16, float16
+of ``primal_dual/kernels/hyla/tensorcore.py`` alone, then its forward kernel, in bfloat16, float16
 and float32 operands, against NumPy (float64, operands rounded as the kernel rounds them).
 
 Why: lease 7 (one H100, the device image's Triton 3.6.0, jax-triton 0.3.1) ran the kernels' tests
@@ -51,8 +51,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from primal_dual.kernels import hyla_blockwise as hb
-from primal_dual.kernels import hyla_tensorcore as ht
+from primal_dual.kernels.hyla import blockwise as hb
+from primal_dual.kernels.hyla import tensorcore as ht
 
 # Relative Frobenius error allowed per operands: one rounding of a 16-bit operand is 2^-8 (bf16)
 # or 2^-11 (fp16) relative, TF32's 2^-11; the faults this looks for give errors of order 1.

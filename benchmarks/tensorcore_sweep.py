@@ -1,7 +1,7 @@
 """Each launch of the tensor-core HYLA kernels timed alone on a GPU, over a few clean settings.
 
 ``python -m benchmarks.tensorcore_sweep --budget-s 150`` times, for the default setting of
-``primal_dual/kernels/hyla_tensorcore.py``, the default of float32 operands (bfloat16 inputs
+``primal_dual/kernels/hyla/tensorcore.py``, the default of float32 operands (bfloat16 inputs
 widened, as a GPU call runs them by default) and a handful of other tiles, value chunks and warps
 (each one clean in the sm_90a compile report: no spills, shared memory within a block), the three
 launches separately — ``forward``, ``dq_dk`` (dq, dk and a bias gradient), ``dv`` — and the whole
@@ -104,7 +104,7 @@ def inputs(shape: gpu_compile.Shape, seed: int = 0, operands: str = "bf16"):
   """bfloat16 ``q, k, v`` (held as float32 for ``operands`` ``fp32``: a GPU call's widening)
   and float32 ``dout`` (``[B, N, H, d]``), and the no-bias, no-mask placeholders the kernels
   take."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   rng = np.random.default_rng(seed)
   held = ht.rounding_dtype(operands)
@@ -116,20 +116,20 @@ def inputs(shape: gpu_compile.Shape, seed: int = 0, operands: str = "bf16"):
 
 
 def _forward(cfg):
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   return lambda q, k, v, bias, mask, dout: ht.forward(q, k, v, bias, mask, cfg)
 
 
 def _backward(launch: str, cfg):
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   return functools.partial(ht.backward_launch, launch, cfg=cfg)
 
 
 def _forward_backward(cfg):
   """The layer's path: the forward, then both backward launches through ``jax.vjp``."""
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   attend = ht.make_tensorcore(cfg)
 
@@ -199,8 +199,8 @@ def agreement(shape: gpu_compile.Shape, interpret: bool) -> dict[str, Any]:
   """The default kernels' output and gradients (``vjp`` of a random cotangent) against the
   blockwise XLA path, float32 throughout, ragged tiles, a causal call; raises past
   ``CHECK_TOLERANCE``."""
-  from primal_dual.kernels import hyla_blockwise as hb
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import blockwise as hb
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   rng = np.random.default_rng(1)
   q, k, v, dout = (jnp.asarray(rng.normal(size=tuple(shape)), jnp.float32) for _ in range(4))

@@ -223,7 +223,7 @@ class MultiHeadAttention(nnx.Module):
         is causal already.
       query_seq_lengths, key_value_seq_lengths: int ``[batch...]``, as
         ``jax.nn.dot_product_attention``: only each example's first queries and keys are real
-        (the same as a padding mask; Attention-SH keeps them as lengths on its fused path).
+        (the same as a padding mask; softmax, BN, SH and BN+SH keep them as lengths on cuDNN).
 
     Returns:
       ``[batch..., q_len, out_features]``.

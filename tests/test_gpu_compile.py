@@ -1,12 +1,10 @@
 """The sm_90a compile report: reading ptxas and the disassembly (canned outputs), the capped
-subprocess, the kernels of both families (the Triton IR of the Pallas kernels' CUDA lowering on
-this CPU, the launches of the tensorcore kernels), the report, and, where the ``triton`` wheel is
-installed (``make install-gpu-dev``), one real compilation of a tiny kernel. The tensorcore
-kernels' own compilation is checked in ``test_kernels_hyla_tensorcore.py``."""
+subprocess, the launches of the tensorcore kernels, the report, and, where the ``triton`` wheel is
+installed (``make install-gpu-dev``), one real compilation of a tiny launch. The tensorcore
+kernels' own compilation targets are checked in ``test_kernels_hyla_tensorcore.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -23,7 +21,7 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an
 
 from benchmarks import gpu_compile
 
-# What the triton wheel's ptxas printed for a Pallas HYLA forward kernel (sm_90a).
+# What the triton wheel's ptxas printed for a HYLA forward kernel (sm_90a).
 PTXAS_LOG = """\
 ptxas-blackwell info    : 11 bytes gmem
 ptxas-blackwell info    : Compiling entry function 'hyla_forward' for 'sm_90a'
@@ -222,37 +220,24 @@ def test_run_capped_kills_on_timeout():
 
 
 TINY = gpu_compile.Shape(batch=1, length=32, heads=2, head_dim=16)
-SETTING = gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)
 
 
-@pytest.fixture(scope="module")
-def tiny_kernels():
-  return gpu_compile.triton_kernels(gpu_compile.lower_for_cuda(SETTING, TINY))
-
-
-def test_triton_ir_of_the_cuda_lowering(tiny_kernels):
-  assert [k.name for k in tiny_kernels] == ["hyla_forward", "hyla_backward_dq", "hyla_backward_dkv"]
-  for kernel in tiny_kernels:
-    assert f"tt.func public @{kernel.name}" in kernel.ir
-    assert kernel.num_warps > 0 and kernel.num_stages > 0
-
-
-def test_default_settings_of_both_families():
-  pallas = gpu_compile.pallas_settings()
-  assert len(pallas) == 3 * 2 + 3 and {s.block_size for s in pallas} == {16, 64}
+def test_default_settings():
   tensorcore = gpu_compile.tensorcore_settings()
   assert len(tensorcore) == 3 * 2 + 7 + 1 + 2 and sum(s.causal for s in tensorcore) == 2
   widened = [s for s in tensorcore if s.operands == "fp32"]
   assert widened == [gpu_compile.tensorcore_default_setting("fp32", c) for c in (False, True)]
-  args = gpu_compile.parse_args(["--tiles", "64", "--normalizations", "rms_head"])
-  kept = gpu_compile.select_settings(pallas, args)
-  assert [s.value_network for s in kept] == ["linear", "mlp_relu", "mlp_linear"]
-  assert args.families == ["pallas", "tensorcore"]  # both by default
+  args = gpu_compile.parse_args(["--tiles", "32", "--normalizations", "rms_head"])
+  kept = gpu_compile.select_settings(tensorcore, args)
+  assert [(s.block_size, s.value_chunk) for s in kept] == [(32, 16), (32, 32)]
+  assert args.families == ["tensorcore"]  # the one family, by default
+  with pytest.raises(SystemExit):  # the Pallas family is gone
+    gpu_compile.parse_args(["--families", "pallas"])
 
 
 def test_tensorcore_jobs_name_every_pointer_and_constant():
   pytest.importorskip("triton")
-  from primal_dual.kernels import hyla_tensorcore as ht
+  from primal_dual.kernels.hyla import tensorcore as ht
 
   setting = gpu_compile.tensorcore_settings()[0]
   jobs = gpu_compile.tensorcore_jobs(setting, TINY, Path("."))  # no file written for these
@@ -271,35 +256,26 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
   assert {j.launch["iterations"] for j in jobs} == {tiles}
 
 
-@pytest.mark.skipif(
-  importlib.util.find_spec("triton") is None,
-  reason="the triton wheel is not installed (make install-gpu-dev)",
-)
-def test_real_compile_of_a_tiny_kernel(tiny_kernels, tmp_path):
-  kernel = tiny_kernels[0]
-  ir_path = tmp_path / "forward.ttir"
-  ir_path.write_text(kernel.ir)
-  job = gpu_compile.CompileJob(
-    kernel.name, {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages
-  )
-  record = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=600)
+@pytest.fixture
+def tiny_forward_job():
+  """The forward launch of the default tensorcore setting at the tiny shape."""
+  pytest.importorskip("triton")
+  setting = gpu_compile.tensorcore_default_setting()
+  return gpu_compile.tensorcore_job(setting, TINY, "forward")
+
+
+def test_real_compile_of_a_tiny_kernel(tiny_forward_job, tmp_path):
+  record = gpu_compile.compile_kernel(tiny_forward_job, tmp_path, memory_cap_gib=6, timeout_s=600)
   assert record["status"] == "ok", record
   assert record["registers"] > 0 and record["shared_bytes"] > 0
-  assert record["matrix_instructions"] > 0  # the q·k products run on the tensor cores
+  assert record["matrix_instructions"] > 0  # the products run on the tensor cores
   assert record["ptxas_version"].startswith("Build cuda_")
+  assert record["estimate_ms"] > 0  # the launch's grid is known: a time estimate
 
 
-@pytest.mark.skipif(
-  importlib.util.find_spec("triton") is None,
-  reason="the triton wheel is not installed (make install-gpu-dev)",
-)
-def test_a_compilation_over_the_memory_cap_is_a_failed_record(tiny_kernels, tmp_path):
-  """The kernel that compiles above, under a 0.2 GiB address-space cap: recorded, not raised."""
-  kernel = tiny_kernels[0]
-  ir_path = tmp_path / "forward.ttir"
-  ir_path.write_text(kernel.ir)
-  job = gpu_compile.CompileJob("k", {"ir_path": str(ir_path)}, kernel.num_warps, kernel.num_stages)
-  record = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=0.2, timeout_s=300)
+def test_a_compilation_over_the_memory_cap_is_a_failed_record(tiny_forward_job, tmp_path):
+  """The launch that compiles above, under a 0.2 GiB address-space cap: recorded, not raised."""
+  record = gpu_compile.compile_kernel(tiny_forward_job, tmp_path, memory_cap_gib=0.2, timeout_s=300)
   assert record["status"] == "failed", record
   assert "0.2 GiB address-space cap" in record["reason"]
 
@@ -309,38 +285,39 @@ def _record(family, setting, kernel, **fields):
 
 
 def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
-  pallas = [gpu_compile.PallasSetting("mlp_relu", "rms_head", 16)] * 2
-  tensorcore = [gpu_compile.TensorcoreSetting("linear", "none", 16, 16, (4, 8, 4))]
+  tensorcore = [
+    gpu_compile.TensorcoreSetting("mlp_relu", "rms_head", 16, 16, (4, 8, 4)),
+    gpu_compile.TensorcoreSetting("linear", "none", 16, 16, (4, 8, 4)),
+    gpu_compile.TensorcoreSetting("linear", "none", 32, 16, (4, 8, 4)),
+  ]
   numbers = gpu_compile.kernel_numbers(PTXAS_LOG, 51200, SASS, PTX)
   records = [
-    _record("pallas", pallas[0], "hyla_forward", status="ok", reason="", **numbers),
-    _record("tensorcore", tensorcore[0], "dq", status="timeout", reason="over 420 s (killed)"),
+    _record("tensorcore", tensorcore[0], "forward", status="ok", reason="", **numbers),
+    _record("tensorcore", tensorcore[1], "dq", status="timeout", reason="over 420 s (killed)"),
   ]
   payload = {
     "metadata": {"command": "python -m benchmarks.gpu_compile"},
     "config": {
-      "families": ["pallas", "tensorcore"],
-      "shapes": {"pallas": [1, 1024, 8, 64], "tensorcore": [1, 8192, 8, 64]},
+      "families": ["tensorcore"],
+      "shapes": {"tensorcore": [1, 8192, 8, 64]},
       "memory_cap_gib": 6,
       "timeout_s": 420,
-      "settings": {
-        "pallas": [s._asdict() for s in pallas],
-        "tensorcore": [s._asdict() for s in tensorcore],
-      },
+      "settings": {"tensorcore": [s._asdict() for s in tensorcore]},
     },
     "records": records,
   }
   markdown = gpu_compile.render_markdown(payload)
   assert gpu_compile.render_markdown(json.loads(json.dumps(payload))) == markdown
-  pallas_part, tensorcore_part = markdown.split("## Pallas HYLA")[1].split("## tensorcore HYLA")
-  assert "Settings compiled: 1 of 2. Targets met: 0 of 1 kernels." in pallas_part
+  assert markdown.count("\n## ") == 1 and "Pallas" not in markdown
+  section = markdown.split("## tensorcore HYLA")[1]
+  assert "(1, 8192, 8, 64)" in section
+  assert "Settings compiled: 2 of 3. Targets met: 0 of 2 kernels." in section
   assert (
-    "| hyla_forward | mlp_relu | rms_head | 16 | 4 | 32 | 9400/11512 | 5968 | 50.0 | 3/3 |"
-    in (pallas_part)
+    "| forward | mlp_relu | rms_head | 16 | 16 | 4/8/4 | False | 2 | bf16 | 4 | 32 | 9400/11512 "
+    "| 5968 | 50.0 | 3/3 |" in section
   )
-  assert "(1, 8192, 8, 64)" in tensorcore_part and "Targets met: 0 of 1 kernels." in tensorcore_part
-  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 2 | bf16 | 4 |" in tensorcore_part
-  assert "over 420 s (killed)" in tensorcore_part
+  assert "| dq | linear | none | 16 | 16 | 4/8/4 | False | 2 | bf16 | 4 |" in section
+  assert "over 420 s (killed)" in section
 
 
 CALLER = """

@@ -11,7 +11,7 @@ from numpy_reference import hyla_ref
 
 from benchmarks import hyla_latency_model as hlm
 from primal_dual.kernels import hyla
-from primal_dual.kernels import hyla_staged as hs
+from primal_dual.kernels.hyla import staged as hs
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bfloat16: 8 significand bits, round to nearest
 CASES = [(n, v) for n in hs.NORMALIZATIONS for v in hs.VALUE_NETWORKS]

@@ -124,3 +124,103 @@ def test_linear_kernels_and_unknown_names_refuse_the_fused_path():
   assert fused.backend_implementation(q, head_size=8, masked=False) == (
     "cudnn" if jax.default_backend() == "gpu" else "xla"
   )
+
+
+# --- Padding given as lengths -------------------------------------------------------------------
+
+# Three examples: all 7 keys, 3 keys, none (a fully padded row); and their real queries.
+KEY_LENGTHS, QUERY_LENGTHS = (7, 3, 0), (5, 2, 4)
+LENGTH_CASES = {
+  "keys": dict(queries=False, is_causal=False),
+  "keys_and_queries": dict(queries=True, is_causal=False),
+  "keys_and_causal": dict(queries=False, is_causal=True),
+}
+
+
+def _lengths_and_mask(queries: bool) -> tuple[dict, np.ndarray]:
+  """The lengths keywords of a case and the bool mask ``[3, 1, 5, 7]`` they mean."""
+  keys = np.arange(7)[None, :] < np.array(KEY_LENGTHS)[:, None]
+  lengths = {"key_value_seq_lengths": jnp.array(KEY_LENGTHS, jnp.int32)}
+  real = np.ones((3, 5), bool)
+  if queries:
+    lengths["query_seq_lengths"] = jnp.array(QUERY_LENGTHS, jnp.int32)
+    real = np.arange(5)[None, :] < np.array(QUERY_LENGTHS)[:, None]
+  return lengths, keys[:, None, None, :] & real[:, None, :, None]
+
+
+def _prepared_for_cudnn(monkeypatch) -> None:
+  """From now on ``fused.attend`` prepares cuDNN's operands (padded head size and lengths, both
+  lengths given), which XLA's implementation then runs: the CPU has no cuDNN."""
+  monkeypatch.setattr(fused, "backend_implementation", lambda query, **_: "cudnn")
+  original = jax.nn.dot_product_attention
+  monkeypatch.setattr(
+    jax.nn,
+    "dot_product_attention",
+    lambda *args, implementation, **kwargs: original(*args, implementation="xla", **kwargs),
+  )
+
+
+@pytest.mark.parametrize("operands", ["as_given", "prepared_for_cudnn"])
+@pytest.mark.parametrize("case", sorted(LENGTH_CASES))
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_lengths_give_their_masks_outputs_and_gradients(kernel, case, operands, monkeypatch):
+  """Key (and query) lengths on the fused path equal the boolean mask they mean on the reference
+  path, outputs and gradients; the example of key length 0 and the padded queries give 0."""
+  q, k, v, _, bias = _inputs(batch=(3,))
+  queries, is_causal = LENGTH_CASES[case]["queries"], LENGTH_CASES[case]["is_causal"]
+  lengths, mask = _lengths_and_mask(queries)
+  if operands == "prepared_for_cudnn":
+    _prepared_for_cudnn(monkeypatch)
+
+  def loss(q, k, v, implementation, **masking):
+    out = KERNELS[kernel](
+      q, k, v, bias=bias, is_causal=is_causal, implementation=implementation, **masking
+    )
+    return jnp.sum(jnp.sin(out)), out
+
+  grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+  got_grads, got = grad(q, k, v, "fused", **lengths)
+  want_grads, want = grad(q, k, v, "reference", mask=mask)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+  assert np.isfinite(np.asarray(got)).all()
+  assert all(np.isfinite(np.asarray(g)).all() for g in got_grads)
+  np.testing.assert_array_equal(np.asarray(got)[2], 0.0)  # no key
+  np.testing.assert_array_equal(np.asarray(got_grads[0])[2], 0.0)
+  if queries:
+    np.testing.assert_array_equal(np.asarray(got)[1, 2:], 0.0)  # padded queries
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "bn"])
+def test_lengths_reach_jax_nn_as_lengths_and_a_mask_as_a_mask(kernel, monkeypatch):
+  """What decides cuDNN's path (tests/test_lowering.py pins it): lengths alone are passed as
+  ``key_value_seq_lengths``/``query_seq_lengths`` ``[B]`` with no mask or bias; a mask (a padding
+  one too: its values are data) as a mask; lengths with a mask, folded into it."""
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  q, k, v, _, _ = _inputs(batch=(3,))
+  lengths, mask = _lengths_and_mask(queries=True)
+  KERNELS[kernel](q, k, v, **lengths)
+  KERNELS[kernel](q, k, v, mask=mask)
+  KERNELS[kernel](q, k, v, mask=mask, **lengths)
+  by_lengths, by_mask, both = calls
+  assert by_lengths["mask"] is None and by_lengths["bias"] is None
+  for name, value in lengths.items():
+    np.testing.assert_array_equal(by_lengths[name], value)
+  assert by_mask["mask"] is not None and "key_value_seq_lengths" not in by_mask
+  assert both["mask"] is not None and "key_value_seq_lengths" not in both
+
+
+def test_attend_refuses_lengths_of_other_shapes():
+  q = jnp.zeros((2, 3, 4, 8))
+  with pytest.raises(ValueError, match=r"key_lengths must be int \[B\] or \[B, H\] = \[2\] or"):
+    fused.attend(q, q, q, None, None, scale=1.0, key_lengths=jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match=r"query_lengths must be int \[B\] = \[2\]; got shape"):
+    fused.attend(q, q, q, None, None, scale=1.0, query_lengths=jnp.zeros((2, 3), jnp.int32))

@@ -1,6 +1,9 @@
-"""HYLA attention (primal_dual/kernels/hyla.py) against a float64 loop reference."""
+"""HYLA attention (primal_dual/kernels/hyla/) against a float64 loop reference; its table of
+implementations and the order 'auto' walks."""
 
+import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -217,3 +220,100 @@ def test_the_output_grows_about_as_the_square_root_of_the_key_count():
     rms.append(float(jnp.sqrt(jnp.mean(attend(q, k, v) ** 2))))
   assert 2.5 < rms[1] / rms[0] < 6  # √16 = 4
   assert "√kv_len" in hyla.hyla_attention.__doc__
+
+
+# --- The table of implementations and 'auto' ---------------------------------------------------
+
+
+@pytest.mark.parametrize("unknown", ["pallas", "triton", "dense"])
+def test_an_unknown_implementation_raises_naming_the_known_ones(unknown):
+  q, k, v = random_qkv(np.random.default_rng(40), (2,), 3, 4, 2)
+  with pytest.raises(ValueError, match=r"one of \['tensorcore', 'xla'\]") as raised:
+    hyla.hyla_attention(q, k, v, implementation=unknown)
+  assert "'auto'" in str(raised.value) and repr(unknown) in str(raised.value)
+  assert sorted(hyla.IMPLEMENTATIONS) == ["tensorcore", "xla"]
+
+
+def test_every_backends_order_names_known_implementations_and_ends_with_xla():
+  """'xla' serves every call, so 'auto' always finds one; the orders stay on XLA for now."""
+  for backend in ("cpu", "gpu", "tpu", "some_future_backend"):
+    order = hyla.default_order(backend)
+    assert set(order) <= set(hyla.IMPLEMENTATIONS) and order[-1] == "xla", (backend, order)
+  assert hyla.DEFAULT_ORDER == {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
+
+
+def test_auto_takes_the_first_implementation_of_the_order_that_serves(monkeypatch):
+  """A fake first implementation that refuses softmax: 'auto' runs it for rms_head, falls back to
+  'xla' for softmax; by name, its refusal is a ValueError."""
+  served = []
+
+  def fake(call, *, normalization, **options):
+    if normalization == "softmax":
+      raise hyla.Unsupported(f"normalization={normalization!r}")
+    served.append(normalization)
+    return jnp.zeros(call.query.shape[:-1] + call.value.shape[-1:])
+
+  monkeypatch.setitem(hyla.IMPLEMENTATIONS, "fake", fake)
+  monkeypatch.setitem(hyla.DEFAULT_ORDER, jax.default_backend(), ("fake", "xla"))
+  q, k, v = random_qkv(np.random.default_rng(41), (1,), 4, 5, 2)
+  assert not np.any(hyla.hyla_attention(q, k, v)) and served == ["rms_head"]
+  out = hyla.hyla_attention(q, k, v, normalization="softmax")
+  np.testing.assert_allclose(out, hyla_ref(q, k, v, None, None, normalization="softmax")[0], **TOL)
+  with pytest.raises(ValueError, match=r"implementation='fake' cannot serve this call"):
+    hyla.hyla_attention(q, k, v, normalization="softmax", implementation="fake")
+  monkeypatch.setitem(hyla.DEFAULT_ORDER, jax.default_backend(), ("fake",))
+  with pytest.raises(ValueError, match=r"implementation='fake' cannot serve"):
+    hyla.hyla_attention(q, k, v, normalization="softmax")  # no implementation of the order serves
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("length,path", [(32, "dense"), (128, "blockwise")])
+def test_auto_on_a_device_backend_stays_on_the_xla_paths(monkeypatch, backend, length, path):
+  """Selection only: with the backend reported as a GPU or TPU, 'auto' takes 'xla', dense for
+  short sequences and blockwise from AUTO_BLOCKWISE_MIN_PAIRS pairs (as on a CPU)."""
+  taken = []
+  for path_name, module, function in (
+    ("dense", hyla.dense, "dense_attention"),
+    ("blockwise", hyla.blockwise, "hyla_blockwise_attention"),
+  ):
+    original = getattr(module, function)
+    recording = lambda *a, _name=path_name, _run=original, **kw: (
+      taken.append(_name) or _run(*a, **kw)
+    )
+    monkeypatch.setattr(module, function, recording)
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  q, k, v = random_qkv(np.random.default_rng(39), (1,), length, length, 2)
+  jax.make_jaxpr(lambda *x: hyla.hyla_attention(*x))(q, k, v)  # a fresh trace
+  assert taken == [path]
+
+
+def _grad_jaxpr(attention, q, k, v):
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v))
+  return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+
+
+def _dot_precisions(text):
+  """The ``precision`` parameter of every dot_general in a printed jaxpr (nested ones included)."""
+  params = [re.split(r"\]\s", chunk)[0] for chunk in text.split("dot_general[")[1:]]
+  found = [re.search(r"precision=(\([^)]*\)|\S+)", p) for p in params]
+  return [m.group(1) if m else "None" for m in found]  # the printer omits precision=None
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("value_network", sorted(hyla.VALUE_NETWORKS))
+def test_every_matrix_product_of_the_xla_paths_honours_precision(block_size, value_network):
+  """``precision=HIGHEST`` reaches every dot_general of the forward and backward programs, dense
+  (block_size None) and blockwise."""
+  q, k, v = random_qkv(np.random.default_rng(36), (2,), 5, 6, 2)
+  attention = functools.partial(
+    hyla.hyla_attention,
+    block_size=block_size,
+    implementation="xla",
+    value_network=value_network,
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  precisions = _dot_precisions(_grad_jaxpr(attention, q, k, v))
+  assert len(precisions) >= 3, precisions
+  assert all("HIGHEST" in p for p in precisions), precisions
+  default = functools.partial(attention, precision=None)
+  assert not any("HIGHEST" in p for p in _dot_precisions(_grad_jaxpr(default, q, k, v)))

@@ -1,4 +1,4 @@
-"""Blockwise HYLA (primal_dual/kernels/hyla_blockwise.py) against the dense kernel and jax.grad."""
+"""Blockwise HYLA (primal_dual/kernels/hyla/blockwise.py) against the dense kernel and jax.grad."""
 
 import functools
 import itertools
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from primal_dual.kernels import hyla
-from primal_dual.kernels import hyla_blockwise as hb
+from primal_dual.kernels.hyla import blockwise as hb
 
 COMBINATIONS = list(itertools.product(hb.NORMALIZATIONS, hb.VALUE_NETWORKS))
 STATIC = ("normalization", "value_network", "is_causal", "causal_alignment", "block_size")

@@ -1,4 +1,4 @@
-"""Fused Triton HYLA (primal_dual/kernels/hyla_tensorcore.py), its own kernel source run by Triton's
+"""Fused Triton HYLA (primal_dual/kernels/hyla/tensorcore.py), its own kernel source run by Triton's
 interpreter on the CPU, against the blockwise path, the float64 loop reference and jax.grad; and
 its sm_90a compilation (no GPU needed)."""
 
@@ -18,8 +18,8 @@ pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not in
 
 from numpy_reference import hyla_ref  # noqa: E402
 from primal_dual.kernels import hyla  # noqa: E402
-from primal_dual.kernels import hyla_blockwise as hb  # noqa: E402
-from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
+from primal_dual.kernels.hyla import blockwise as hb  # noqa: E402
+from primal_dual.kernels.hyla import tensorcore as ht  # noqa: E402
 
 COMBINATIONS = list(itertools.product(ht.NORMALIZATIONS, ht.VALUE_NETWORKS))
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 products in the blockwise path too
@@ -136,19 +136,21 @@ def test_hyla_attention_runs_it_only_when_asked():
 
 
 def test_auto_never_selects_it_on_a_gpu_backend(monkeypatch):
-  """Selection only (nothing runs): with the backend reported as a GPU, 'auto' keeps its own
-  choice; 'tensorcore' is chosen only by name, and refused like 'pallas' where tiles cannot serve."""
-  q, k, v = helpers.random_qkv(np.random.default_rng(39), (1,), 128, 128, 2)
+  """No backend's order names it yet ('tensorcore' runs only by name), and a call the tiles cannot
+  serve is refused by name before any kernel is built (nothing runs here)."""
+  assert all("tensorcore" not in order for order in hyla.DEFAULT_ORDER.values())
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  call = hyla.driver.AttentionCall(q, k, v)
-  for block_size in ("auto", 8):
-    assert hyla.select_path(call, "rms_head", block_size, "auto")[0] != "tensorcore"
-  assert hyla.select_path(call, "rms_head", "auto", "tensorcore") == ("tensorcore", None)
-  assert hyla.select_path(call, "none", 32, "tensorcore") == ("tensorcore", 32)
-  with pytest.raises(ValueError, match="implementation='tensorcore' cannot serve"):
-    hyla.select_path(call, "softmax", "auto", "tensorcore")
-  with pytest.raises(ValueError, match="implementation='tensorcore' is tiled"):
-    hyla.select_path(call, "rms_head", None, "tensorcore")
+  assert hyla.default_order() == ("xla",)
+  q, k, v = helpers.random_qkv(np.random.default_rng(39), (1,), 128, 128, 2)
+  for options, reason in (
+    (dict(normalization="softmax"), r"\(normalization='softmax'\)"),
+    (dict(block_size=None), r"\(block_size=None asks for the dense path\)"),
+    (dict(return_weights=True), r"\(return_weights=True\)"),
+  ):
+    with pytest.raises(
+      ValueError, match="implementation='tensorcore' cannot serve this call " + reason
+    ):
+      hyla.hyla_attention(q, k, v, implementation="tensorcore", **options)
 
 
 def test_16bit_inputs_widen_on_a_gpu_by_default_and_round_as_their_dtype(monkeypatch):

@@ -3,12 +3,13 @@
 ``jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))`` builds the device program without
 a device. With ``jax.default_backend()`` reported as the device's (``device_backend``), every
 ``implementation='auto'`` in the library chooses as it would on that device, so these tests see
-the failures a user would meet there: the fused HYLA kernel lowered through Mosaic GPU instead of
-Triton, a kernel path that does not lower for a platform, a softmax call that silently leaves
-cuDNN. Nothing is compiled or run; the arguments are abstract (``jax.ShapeDtypeStruct``).
+the failures a user would meet there: a kernel path that does not lower for a platform, a
+softmax call that silently leaves cuDNN. Nothing is compiled or run; the arguments are abstract
+(``jax.ShapeDtypeStruct``).
 
-* the Pallas HYLA kernel, in every configuration it claims, forward and gradient, lowers for CUDA
-  to Triton custom calls (and no Mosaic GPU one);
+* every HYLA implementation that ``implementation='auto'`` may pick on a GPU or a TPU (the
+  backend's ``hyla.DEFAULT_ORDER``), forward and gradient, lowers there for small calls (dense,
+  blockwise, masked, biased, causal);
 * every registered variant in the Linen and NNX layers, forward and gradient, bfloat16, lengths
   256 and 1024, without a mask, with a key-padding mask and causal, lowers for CUDA and TPU; where
   a variant can take the fused softmax path, the CUDA program holds cuDNN's attention calls;
@@ -33,13 +34,12 @@ from jax._src.cudnn import fused_attention_stablehlo  # its cuDNN version check 
 
 from primal_dual import configs, registry
 from primal_dual import nnx as pd_nnx
-from primal_dual.kernels import hyla_pallas as hp
+from primal_dual.kernels import hyla
 from primal_dual.layers import MultiHeadAttention
 from primal_dual.training import config_lib, setup, sharding
 
 # Lowering platform -> what jax.default_backend() says on such a device.
 BACKENDS = {"cuda": "gpu", "tpu": "tpu"}
-TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CALL = "mosaic_gpu"  # Mosaic GPU's custom calls are mosaic_gpu and mosaic_gpu_v2
 CUDNN_FORWARD, CUDNN_BACKWARD = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
 # A cuDNN release the fused attention accepts (the CPU has none to report).
@@ -72,56 +72,43 @@ def custom_calls(text: str) -> set[str]:
   return set(re.findall(r"custom_call @([^\s(]+)\(", text))
 
 
-# --- The Pallas HYLA kernel ----------------------------------------------------------------------
+# --- HYLA: every implementation that implementation='auto' may pick --------------------------
 
-BATCH, HEADS = 2, 3
-Q_LEN, KV_LEN, D, D_V = 40, 40, 8, 8
-# One change at a time from the base call (bfloat16, rms_head, mlp_relu, no mask or bias, tile 16).
-PALLAS_CASES = {
-  "base": {},
-  "float32": dict(dtype=jnp.float32),
-  "float16": dict(dtype=jnp.float16),
-  "norm_none": dict(normalization="none"),
-  "mlp_linear": dict(value_network="mlp_linear"),
-  "linear_value": dict(value_network="linear"),
-  "linear_value_norm_none": dict(value_network="linear", normalization="none"),
-  "key_padding_mask": dict(mask=(BATCH, 1, 1, KV_LEN)),
-  "full_mask": dict(mask=(BATCH, HEADS, Q_LEN, KV_LEN)),
-  "bias_full": dict(bias=(BATCH, HEADS, Q_LEN, KV_LEN)),
-  "bias_per_key": dict(bias=(1, HEADS, 1, KV_LEN)),
-  "bias_per_query": dict(bias=(BATCH, 1, Q_LEN, 1)),
-  "bias_scalar": dict(bias=(1, 1, 1, 1)),
-  "causal_top_left": dict(is_causal=True),
-  "causal_bottom_right": dict(is_causal=True, causal_alignment="bottom_right", q_len=24),
-  "causal_bias_per_key": dict(is_causal=True, bias=(1, HEADS, 1, KV_LEN)),
-  "causal_bias_full_mask": dict(
-    is_causal=True, bias=(BATCH, HEADS, Q_LEN, KV_LEN), mask=(BATCH, HEADS, Q_LEN, KV_LEN)
-  ),
-  "ragged_lengths": dict(q_len=37, kv_len=53, mask=(BATCH, 1, 1, 53)),
-  "tile_32": dict(block_size=32),
-  "tile_64_odd_features": dict(block_size=64, d=12, d_v=5),
+HYLA_BATCH, HYLA_HEADS, HYLA_LEN, HYLA_D = 2, 3, 40, 8
+# Small bfloat16 calls, one change at a time: the dense path, the blockwise one (ragged against
+# the tile), block_size='auto' short (dense) and long (blockwise), masks, a bias and causal.
+HYLA_CALLS = {
+  "dense": dict(block_size=None),
+  "blockwise": dict(block_size=16),
+  "auto_short": dict(),
+  "auto_long": dict(length=128),
+  "key_padding_mask": dict(block_size=16, mask=(HYLA_BATCH, 1, 1, HYLA_LEN)),
+  "bias_per_key_causal": dict(block_size=16, bias=(1, HYLA_HEADS, 1, HYLA_LEN), is_causal=True),
+  "norm_none_linear_value": dict(block_size=16, normalization="none", value_network="linear"),
+  "softmax_dense": dict(normalization="softmax"),
 }
+HYLA_ORDERS = [
+  (platform, name) for platform in BACKENDS for name in hyla.DEFAULT_ORDER[BACKENDS[platform]]
+]
 
 
-def pallas_program(case: dict):
-  """``(fn, args)``: the kernel's forward and its gradient w.r.t. q, k, v (and bias) in one
-  program."""
+def hyla_program(implementation: str, case: dict):
+  """``(fn, args)``: ``hyla_attention``'s forward and its gradient w.r.t. q, k, v (and bias)."""
   case = dict(case)
-  dtype = case.pop("dtype", jnp.bfloat16)
-  q_len, kv_len = case.pop("q_len", Q_LEN), case.pop("kv_len", KV_LEN)
-  d, d_v = case.pop("d", D), case.pop("d_v", D_V)
+  length = case.pop("length", HYLA_LEN)
   bias_shape, mask_shape = case.pop("bias", None), case.pop("mask", None)
+  qkv = jax.ShapeDtypeStruct((HYLA_BATCH, length, HYLA_HEADS, HYLA_D), jnp.bfloat16)
   args = [
-    jax.ShapeDtypeStruct((BATCH, q_len, HEADS, d), dtype),
-    jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, d), dtype),
-    jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, d_v), dtype),
+    qkv,
+    qkv,
+    qkv,
     None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape, jnp.float32),
     None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_),
   ]
   argnums = (0, 1, 2) if bias_shape is None else (0, 1, 2, 3)
 
   def loss(q, k, v, bias, mask):
-    out = hp.hyla_pallas_attention(q, k, v, bias, mask, **case)
+    out = hyla.hyla_attention(q, k, v, bias, mask, implementation=implementation, **case)
     return jnp.sum(out.astype(jnp.float32)), out
 
   def forward_and_gradient(*args):
@@ -130,23 +117,33 @@ def pallas_program(case: dict):
   return forward_and_gradient, args
 
 
-@pytest.mark.parametrize("name", list(PALLAS_CASES))
-def test_pallas_hyla_lowers_to_triton_for_cuda(name, device_backend):
-  device_backend("cuda")  # the kernel leaves interpret mode, as on a GPU
-  fn, args = pallas_program(PALLAS_CASES[name])
-  text = lowered_text(fn, args, "cuda")
-  calls = custom_calls(text)
-  assert not any(MOSAIC_GPU_CALL in call for call in calls), calls
-  assert text.count(f"@{TRITON_CALL}(") == 3, calls  # the forward, dq and dk/dv kernels
+@pytest.mark.parametrize("platform,implementation", HYLA_ORDERS)
+def test_every_hyla_implementation_auto_may_pick_lowers(platform, implementation, device_backend):
+  """Each implementation of the backend's order lowers every small call it serves (a refusal is
+  the ValueError of a named implementation that cannot serve the call), at least one."""
+  device_backend(platform)
+  assert hyla.default_order() == hyla.DEFAULT_ORDER[BACKENDS[platform]]
+  lowered = []
+  for name, case in HYLA_CALLS.items():
+    fn, args = hyla_program(implementation, case)
+    try:
+      text = lowered_text(fn, args, platform)
+    except ValueError as error:
+      assert "cannot serve this call" in str(error), (name, error)
+      continue
+    assert "stablehlo" in text, name
+    lowered.append(name)
+  assert lowered, f"{implementation} lowered no call for {platform}"
+  if implementation == "xla":
+    assert lowered == list(HYLA_CALLS)  # it serves every call
 
 
-def test_pallas_hyla_launch_parameters_reach_triton(device_backend):
-  device_backend("cuda")
-  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)
-  text = lowered_text(
-    lambda q, k, v: hp.hyla_pallas_attention(q, k, v, num_warps=8, num_stages=2), (q, q, q), "cuda"
-  )
-  assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
+@pytest.mark.parametrize("platform", list(BACKENDS))
+def test_hyla_auto_lowers_for_every_call(platform, device_backend):
+  device_backend(platform)
+  for name, case in HYLA_CALLS.items():
+    fn, args = hyla_program("auto", case)
+    assert "stablehlo" in lowered_text(fn, args, platform), name
 
 
 # --- Every registered variant in the Linen and NNX layers ---------------------------------------
@@ -506,3 +503,121 @@ def test_bfloat16_train_programs_lower_for_tpu(replicas, device_backend, runloca
   text = lowered.as_text()
   assert cudnn_attention_calls(text) == (0, 0)
   assert not float32_matmuls(text)
+
+
+# --- Which cuDNN call each (variant, masking) gets ----------------------------------------------
+
+# Each masking of a kernel call: its keyword arguments from lengths [B], a key-padding mask
+# [B, 1, 1, N] and a general mask [B, 1, N, N] (abstract: their values are data).
+PATH_MASKINGS = {
+  "none": lambda lengths, padding, general: {},
+  "lengths": lambda lengths, padding, general: {"key_value_seq_lengths": lengths},
+  "query_and_key_lengths": lambda lengths, padding, general: {
+    "key_value_seq_lengths": lengths,
+    "query_seq_lengths": lengths,
+  },
+  "lengths_and_causal": lambda lengths, padding, general: {
+    "key_value_seq_lengths": lengths,
+    "is_causal": True,
+  },
+  "padding_mask": lambda lengths, padding, general: {"mask": padding},
+  "general_mask": lambda lengths, padding, general: {"mask": general},
+}
+# (variant, masking) -> the forward cuDNN call of a bfloat16 call on CUDA: (target after
+# '__cudnn$fmha', cuDNN's mask type). 'ScaleBias…' carries a bias [B, 1, N, N] made of a mask;
+# 'PADDING' takes the lengths themselves. float32 calls take XLA's path (no cuDNN call).
+# Attention-SH sends its ratio groups in one launch with each row's pooled key length: PADDING
+# even unmasked, and a bias beside it under a mask or a causal constraint.
+BY_LENGTHS, BY_BIAS = ("Softmax", "PADDING"), ("ScaleBiasSoftmax", "NO_MASK")
+BY_BIAS_AND_LENGTHS = ("ScaleBiasSoftmax", "PADDING")
+CUDNN_PATHS = {
+  **{
+    (variant, masking): path
+    for variant in ("softmax", "bn")
+    for masking, path in {
+      "none": ("Softmax", "NO_MASK"),
+      "lengths": BY_LENGTHS,
+      "query_and_key_lengths": BY_LENGTHS,
+      "lengths_and_causal": ("Softmax", "PADDING_CAUSAL"),
+      "padding_mask": BY_BIAS,
+      "general_mask": BY_BIAS,
+    }.items()
+  },
+  **{
+    (variant, masking): path
+    for variant in ("sh", "bn_sh")
+    for masking, path in {
+      "none": BY_LENGTHS,
+      "lengths": BY_LENGTHS,
+      "query_and_key_lengths": BY_LENGTHS,
+      "lengths_and_causal": BY_BIAS_AND_LENGTHS,
+      "padding_mask": BY_BIAS_AND_LENGTHS,
+      "general_mask": BY_BIAS_AND_LENGTHS,
+    }.items()
+  },
+}
+PATH_B, PATH_N, PATH_H, PATH_D = 2, 64, 4, 16
+MASK_TYPE = re.compile(r"mask_type\\22: \\22(\w+)\\22")
+
+
+def cudnn_paths(text: str) -> set[tuple[str, str]]:
+  """``(target after '__cudnn$fmha', mask type)`` of the forward cuDNN attention calls of lowered
+  StableHLO ``text``."""
+  return {
+    (target, MASK_TYPE.search(line)[1])
+    for target, line in re.findall(r"custom_call @__cudnn\$fmha(\w+)\(([^\n]*)", text)
+    if not target.endswith("Backward")
+  }
+
+
+def kernel_program(variant: str, masking: str, dtype):
+  """``(fn, args)``: the gradient of a ``variant`` call with ``masking`` w.r.t. q, k and v."""
+  kernel = registry.make_attention_fn(variant, registry.model_options(variant, PATH_H))
+
+  def loss(q, k, v, lengths, padding, general):
+    options = PATH_MASKINGS[masking](lengths, padding, general)
+    return jnp.sum(kernel(q, k, v, **options).astype(jnp.float32))
+
+  args = (
+    *[jax.ShapeDtypeStruct((PATH_B, PATH_N, PATH_H, PATH_D), dtype)] * 3,
+    jax.ShapeDtypeStruct((PATH_B,), jnp.int32),
+    jax.ShapeDtypeStruct((PATH_B, 1, 1, PATH_N), jnp.bool_),
+    jax.ShapeDtypeStruct((PATH_B, 1, PATH_N, PATH_N), jnp.bool_),
+  )
+  return jax.grad(loss, argnums=(0, 1, 2)), args
+
+
+@pytest.mark.parametrize("masking", list(PATH_MASKINGS))
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+def test_each_variant_and_masking_takes_its_cudnn_path(variant, masking, device_backend):
+  """bfloat16 forward and backward on CUDA: lengths reach cuDNN as lengths (no bias), any mask as
+  a bias; float32 stays on XLA."""
+  device_backend("cuda")
+  text = lowered_text(*kernel_program(variant, masking, jnp.bfloat16), "cuda")
+  assert cudnn_paths(text) == {CUDNN_PATHS[variant, masking]}
+  assert cudnn_attention_calls(text)[1], "no backward cuDNN call"
+  assert cudnn_attention_calls(
+    lowered_text(*kernel_program(variant, masking, jnp.float32), "cuda")
+  ) == (0, 0)
+
+
+def forward_bias_and_lengths(text: str) -> set[tuple[bool, bool]]:
+  """``(bias?, lengths?)`` of each forward cuDNN attention call of ``text``
+  (``cudnn_attention_operands``, partitioned calls included): whether an operand after q, k and v
+  is a bias ``[B, H | 1, T, S]`` or lengths ``[B]`` (0: an absent operand's placeholder)."""
+  kinds = set()
+  for direction, shapes in cudnn_attention_operands(text):
+    extra = [shape.split("x") for shape in shapes[3:] if shape and shape != "0"]
+    if direction == "forward":
+      kinds.add((any(len(s) == 4 for s in extra), any(len(s) == 1 for s in extra)))
+  return kinds
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("name", ["uea", "listops"])
+def test_padded_tasks_reach_cudnn_by_lengths(name, replicas, device_backend, runlocal_program):
+  """The tasks that pad (UEA, ListOps) give their padding as lengths: every forward cuDNN call of
+  their bfloat16 train program, one run or two replicas, takes lengths and no bias."""
+  device_backend("cuda")
+  lowered = bf16_train_program(runlocal_program, name, "softmax", replicas, "cuda")
+  assert forward_bias_and_lengths(lowered.as_text()) == {(False, True)}

@@ -1,17 +1,21 @@
 """``config.model.dtype`` / ``param_dtype`` reach every task's model: parameters are stored in
 ``param_dtype``, every matrix product runs in ``dtype``, and BatchNorm statistics and the logits
-stay float32 (tiny models, traced and lowered, nothing compiled)."""
+stay float32 (tiny models, traced and lowered, nothing compiled); with bfloat16 parameters the
+optimizer's state and update are float32."""
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from primal_dual.models import EncoderClassifier, SequenceTransformer, ViT
 from primal_dual.tasks import _common, synthetic
+from primal_dual.training import config_lib, optim
 
 SIZES = dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 4, 6
@@ -116,3 +120,66 @@ def test_model_arguments_read_the_dtype_names_of_a_config():
   assert arguments["dtype"] == jnp.bfloat16 and arguments["param_dtype"] == jnp.float32
   # A config of an earlier version names no dtype: the models' defaults.
   assert "dtype" not in _common.model_arguments(ml_collections.ConfigDict({"attention": "sh"}), ())
+
+
+# --- The optimizer state and update stay float32 -------------------------------------------------
+
+
+def _optimizer(name: str):
+  """``config.optimizer`` ``name`` with every link of the chain (clipping, decay, momentum)."""
+  opt = config_lib.training_defaults().optimizer
+  opt.update(name=name, lr=0.05, weight_decay=0.1, grad_clip_norm=1.0, momentum=0.9)
+  return optim.make_optimizer(opt, total_steps=10)[0]
+
+
+def _parameters_and_gradients(dtype):
+  """Two steps' worth of parameters and gradients of several ranks, in ``dtype``."""
+  rng = np.random.default_rng(0)
+  shapes = {"kernel": (4, 3), "bias": (3,), "scale": ()}
+  params = {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}]
+  grads.append({k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()})
+  return params, grads
+
+
+def _steps(tx, params, grads):
+  """``(parameters after each step, final state)`` of ``tx`` applied to ``grads`` in turn."""
+  state, history = tx.init(params), []
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(params)
+  return history, state
+
+
+@pytest.mark.parametrize("name", sorted(optim.OPTIMIZERS))
+def test_optimizer_state_is_float32_and_a_step_is_the_float32_step_rounded(name):
+  """bfloat16 parameters: every float of the state is float32 (two steps), and a step gives the
+  parameters of the same step taken in float32 from float32 copies, rounded to bfloat16."""
+  tx = _optimizer(name)
+  params, grads = _parameters_and_gradients(jnp.bfloat16)
+  history, state = _steps(tx, params, grads)
+  floats = {str(x.dtype) for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)}
+  assert floats == {"float32"}
+  assert _dtypes(history[-1]) == {"bfloat16"}
+  upcast = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
+  params32, _ = _steps(tx, upcast(params), [upcast(g) for g in grads])
+  for got, want in zip(jax.tree.leaves(history[0]), jax.tree.leaves(params32[0])):
+    np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
+
+
+def test_float32_parameters_take_the_optimizer_unchanged():
+  """The float32 chain is optax's own: the wrapper adds nothing to a float32 run's program."""
+  opt = config_lib.training_defaults().optimizer
+  opt.update(name="adamw", lr=0.05, weight_decay=0.1, grad_clip_norm=1.0)
+  tx = _optimizer("adamw")
+  inner = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+    optax.add_decayed_weights(0.1, mask=optim.weight_decay_mask),
+    optax.scale_by_learning_rate(optim.make_schedule(opt, 10)),
+  )
+  params, grads = _parameters_and_gradients(jnp.float32)
+  got, want = _steps(tx, params, grads)[0], _steps(inner, params, grads)[0]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)

@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an
   sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import gpu_compile, tensorcore_sweep  # noqa: E402
-from primal_dual.kernels import hyla_tensorcore as ht  # noqa: E402
+from primal_dual.kernels.hyla import tensorcore as ht  # noqa: E402
 
 
 def _run(tmp_path, *extra):

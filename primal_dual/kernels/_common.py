@@ -54,8 +54,8 @@ def next_power_of_two(n: int) -> int:
 
 
 def interpret_off_gpu() -> bool:
-  """Whether a Triton kernel (Pallas-Triton or Triton itself) must run in an interpreter: unless
-  the default backend is a GPU."""
+  """Whether a Triton kernel must run in Triton's interpreter: unless the default backend is a
+  GPU."""
   return jax.default_backend() != "gpu"
 
 

@@ -444,19 +444,11 @@ def batchnorm_attention(
     key_valid = key_only_validity(call.mask, call.shapes, "")
   if call.takes_fused(implementation, softmax_kernel=kernel == "softmax"):
     q_in, k_in = C.map_heads(inputs, q, k, mask, key_valid)
-    # A causal constraint alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
-    causal_apart = call.is_causal and call.mask is None and call.causal_alignment == "top_left"
+    # The statistics saw the whole mask; the product takes lengths and a causal constraint alone
+    # as such (cuDNN skips the masked blocks).
+    mask, bias, masking = call.fused_masking()
     return call.finish(
-      fused.attend(
-        q_in,
-        k_in,
-        v,
-        bias,
-        None if causal_apart else mask,
-        scale=scale,
-        is_causal=causal_apart,
-        dtype=call.compute_dtype,
-      )
+      fused.attend(q_in, k_in, v, bias, mask, scale=scale, dtype=call.compute_dtype, **masking)
     )
 
   def one_head(q, k, v, bias, mask, key_valid):

@@ -57,7 +57,8 @@ class AttentionCall:
       ``jax.nn.dot_product_attention`` takes them: only the first ``query_seq_lengths[b]`` queries
       and ``key_value_seq_lengths[b]`` keys of example ``b`` are real (padded queries get zeros,
       padded keys are never seen). They are folded into ``mask`` here, so every kernel honours
-      them; Attention-SH also keeps them as lengths on its fused path (``lengths_only``).
+      them; without a mask, the fused paths of softmax, Attention-BN and Attention-SH keep them
+      as lengths, which cuDNN takes without a bias (``fused_masking``, ``lengths_only``).
     force_fp32_for_softmax: Flax's flag, accepted and without effect: the statistics and the
       softmax are float32 always.
     einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: Flax's hooks for
@@ -137,6 +138,31 @@ class AttentionCall:
       self.is_causal and with_causal,
       self.causal_alignment,
     )
+
+  def fused_masking(self) -> tuple[Array | None, Array | None, dict[str, Any]]:
+    """How the fused product (``fused.attend``) takes the call's masking: ``(mask, bias,
+    options)``, ``options`` the keywords ``is_causal``, ``key_lengths`` and ``query_lengths``
+    (int32 ``[B]``) it then takes.
+
+    Lengths alone (no ``mask`` given) stay lengths and a top-left causal constraint stays
+    ``is_causal``: cuDNN takes both without a bias. Any other masking is one mask
+    (``mask_and_bias``), the causal constraint included.
+    """
+    # jax.nn's is_causal is top-left; a bottom-right constraint can only be a mask.
+    causal_apart = self.is_causal and self.causal_alignment == "top_left"
+    if (self.is_causal and not causal_apart) or not (self.lengths_only or self.mask is None):
+      return (*self.mask_and_bias(), {})
+    bias = C.broadcast_logits_arg(self.bias, "bias", self.shapes)
+    options = {"is_causal": causal_apart}
+    if self.lengths_only:
+      batch = self.shapes.batch_shape
+      for name, lengths in (
+        ("query_lengths", self.query_seq_lengths),
+        ("key_lengths", self.key_value_seq_lengths),
+      ):
+        if lengths is not None:
+          options[name] = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), batch).reshape(-1)
+    return None, bias, options
 
   def dropout(self, weights: Array, dropout_rng=None) -> Array:
     """Flax dropout on ``weights [B, H, q_len, kv_len]`` (``dropout_rng`` overrides the call's)."""

@@ -18,10 +18,16 @@ replicas of a sweep (``jax.vmap``), which share a batch's mask, lower and comput
 memory of one bias ``[B, H, q_len, kv_len]`` in the compute dtype. Otherwise, or with
 ``implementation='reference'``, the kernels take their own path (``_common`` + one-head maths);
 the two agree within the dtype's rounding (tests). Rows with no visible key give zeros on both
-paths (XLA's implementation alone would average every value there). Attention-SH can send all its
-ratio groups in one call (``attend``'s ``key_lengths``: heads folded into the batch, each row's
-pooled length as ``key_value_seq_lengths``), and padding given as lengths then stays a length,
-not a mask, so cuDNN keeps the call.
+paths (XLA's implementation alone would average every value there).
+
+Padding given as lengths (``query_seq_lengths``, ``key_value_seq_lengths``, no mask) stays lengths
+to cuDNN, which takes them as its own padding mask: no bias ``[B, 1, T, S]`` is made and the padded
+blocks are skipped. Softmax and Attention-BN pass them per example (``attend``'s
+``query_lengths``/``key_lengths [B]``); Attention-SH sends all its ratio groups in one call, heads
+folded into the batch and each row's pooled length as its key length (``key_lengths [B, H]``).
+Any mask goes as a mask (a bias on cuDNN): a program cannot tell at trace time whether a mask's
+values hide a suffix, so the models whose padding is a suffix by construction (the UEA and ListOps
+encoders) give it as lengths.
 
 Two rules of the fused path, exactly:
 
@@ -157,11 +163,12 @@ def _pad_axis(x: jax.Array, axis: int, amount: int, fill=0) -> jax.Array:
 
 def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
   """Heads-major ``q [N, H, T, d]``, ``k``/``v [N, H, S, d]``, ``bias``/``mask [N | 1, H | 1, T,
-  S]`` (or None) and ``lengths`` (``{'key_value_seq_lengths': int32 [N]}`` or empty) as cuDNN takes
-  them (module docstring): head size padded to a multiple of 8; T and S padded to even (the padded
-  key masked or beyond the key lengths, the padded query row seeing the real keys); a mask or bias
-  of full lengths, the bias in the compute dtype; on a jax older than ``VMAP_SAFE_JAX``, the mask
-  full-size and the lengths batched with ``q``. The caller slices the output back to
+  S]`` (or None) and ``lengths`` (``query_seq_lengths`` and/or ``key_value_seq_lengths``, int32
+  ``[N]``, or empty) as cuDNN takes them (module docstring): head size padded to a multiple of 8;
+  T and S padded to even (the padded key masked or beyond the key lengths, the padded query row
+  seeing the real keys or beyond the query lengths); a mask or bias of full lengths, the bias in
+  the compute dtype; lengths both given once one is; on a jax older than ``VMAP_SAFE_JAX``, the
+  mask full-size and the lengths batched with ``q``. The caller slices the output back to
   ``[..., :T, :d_v]``."""
   q, k, v = (_pad_axis(x, 3, -q.shape[-1] % _CUDNN_HEAD_MULTIPLE) for x in (q, k, v))
   # jax's check of a training call takes every call for one with a bias (jax 0.10.2 at least),
@@ -178,8 +185,13 @@ def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
     bias = jnp.broadcast_to(bias, (*bias.shape[:2], t, s))
     bias = _pad_axis(_pad_axis(bias, 2, pad_t), 3, pad_s).astype(q.dtype)
   if lengths:
-    # Given explicitly: jax would make them itself, outside any vmap (see VMAP_SAFE_JAX).
-    lengths = {"query_seq_lengths": jnp.full_like(lengths["key_value_seq_lengths"], t), **lengths}
+    # Both given explicitly: jax would make the missing one itself, outside any vmap (see
+    # VMAP_SAFE_JAX).
+    full = {"query_seq_lengths": t, "key_value_seq_lengths": s}
+    lengths = {
+      name: lengths[name] if name in lengths else jnp.full((q.shape[0],), size, jnp.int32)
+      for name, size in full.items()
+    }
   if jax.__version_info__ >= VMAP_SAFE_JAX or (bias is None and mask is None and not lengths):
     return q, k, v, bias, mask, lengths
   _log_vmap_workaround()
@@ -193,8 +205,67 @@ def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
   return q, k, v, bias, mask, lengths
 
 
+def _lengths_by_row(key_lengths, query_lengths, batch: int, heads: int) -> tuple:
+  """``(key_lengths, query_lengths, per_head)``: int32 lengths of the rows ``attend`` sends, ``[B]``
+  (one row per example) or, with per-head key lengths, ``[B·H]`` (one row per example and head;
+  ``per_head`` True). Either may be None.
+
+  Raises:
+    ValueError: ``key_lengths`` neither ``[B]`` nor ``[B, H]``, or ``query_lengths`` not ``[B]``.
+  """
+  if key_lengths is not None:
+    key_lengths = jnp.asarray(key_lengths, jnp.int32)
+    if key_lengths.shape not in ((batch,), (batch, heads)):
+      raise ValueError(
+        f"key_lengths must be int [B] or [B, H] = [{batch}] or [{batch}, {heads}]; got shape "
+        f"{tuple(key_lengths.shape)}"
+      )
+  if query_lengths is not None:
+    query_lengths = jnp.asarray(query_lengths, jnp.int32)
+    if query_lengths.shape != (batch,):
+      raise ValueError(
+        f"query_lengths must be int [B] = [{batch}]; got shape {tuple(query_lengths.shape)}"
+      )
+  per_head = key_lengths is not None and key_lengths.ndim == 2
+  if per_head:
+    key_lengths = key_lengths.reshape(-1)
+    if query_lengths is not None:  # each example's query length on each of its head rows
+      query_lengths = jnp.repeat(query_lengths, heads)
+  return key_lengths, query_lengths, per_head
+
+
+def _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len: int):
+  """bool, broadcasting to the output ``[N, H, q_len, 1]`` of ``jax.nn.dot_product_attention``'s
+  rows: the query rows with a visible key (True), or None when every row has one. ``mask`` ``[N |
+  1, H | 1, q_len | 1, S]`` or None; ``key_lengths``/``query_lengths`` int ``[N]`` or None. XLA's
+  implementation averages every value in the other rows; the kernels give them 0."""
+  rows = []
+  if mask is not None:
+    rows.append(jnp.any(mask, axis=-1, keepdims=True))
+  if key_lengths is not None:
+    rows.append((key_lengths > 0)[:, None, None, None])
+  if query_lengths is not None:
+    rows.append((jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, None, :, None])
+  if not rows:
+    return None
+  seen = rows[0]
+  for row in rows[1:]:
+    seen = seen & row
+  return seen
+
+
 def attend(
-  q, k, v, bias, mask, *, scale: float, is_causal: bool = False, dtype=None, key_lengths=None
+  q,
+  k,
+  v,
+  bias,
+  mask,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  dtype=None,
+  key_lengths=None,
+  query_lengths=None,
 ):
   """Softmax attention of heads-major arrays through ``jax.nn.dot_product_attention``.
 
@@ -205,22 +276,27 @@ def attend(
     is_causal: a top-left causal mask on top of ``mask`` (query i sees keys j ≤ i).
     dtype: the dtype the product runs in (q, k and v are cast to it); default ``v``'s. The
       kernels pass the call's promoted input dtype (module docstring, "Dtype").
-    key_lengths: int ``[B, H]`` or None: head ``h`` of example ``b`` sees only its first
-      ``key_lengths[b, h]`` keys. The heads are then folded into the batch (one row per
-      example and head) and the lengths go to ``jax.nn.dot_product_attention`` as
-      ``key_value_seq_lengths``, which cuDNN takes without a mask.
+    key_lengths: int ``[B]`` or ``[B, H]``, or None: example ``b`` (head ``h``) sees only its
+      first ``key_lengths[b(, h)]`` keys. They go to ``jax.nn.dot_product_attention`` as
+      ``key_value_seq_lengths``, which cuDNN takes without a mask (no bias is made of them);
+      per-head lengths fold the heads into the batch (one row per example and head).
+    query_lengths: int ``[B]`` or None: only example ``b``'s first ``query_lengths[b]`` queries
+      are real (``query_seq_lengths``); the others give 0.
 
   Returns:
-    ``[B, H, q_len, d]`` in ``dtype``; rows with no visible key are 0.
+    ``[B, H, q_len, d]`` in ``dtype``; rows with no visible key (all masked, key length 0, or past
+    the query length) are 0.
+
+  Raises:
+    ValueError: lengths of other shapes (``_lengths_by_row``).
   """
   dtype = v.dtype if dtype is None else dtype
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
   implementation = backend_implementation(q, head_size=q.shape[-1])
   batch, heads, q_len = q.shape[:3]
   head_size = v.shape[-1]
-  given_mask = mask
-  lengths = {}
-  if key_lengths is not None:
+  key_lengths, query_lengths, per_head = _lengths_by_row(key_lengths, query_lengths, batch, heads)
+  if per_head:
     # One row per (example, head): [B·H, 1, L, d], and a mask or bias broadcast to match.
     q, k, v = (x.reshape((batch * heads, 1, *x.shape[2:])) for x in (q, k, v))
     bias, mask = (
@@ -231,7 +307,12 @@ def attend(
       )
       for x in (bias, mask)
     )
-    lengths = {"key_value_seq_lengths": jnp.asarray(key_lengths, jnp.int32).reshape(-1)}
+  seen = _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len)
+  lengths = {
+    name: x
+    for name, x in (("query_seq_lengths", query_lengths), ("key_value_seq_lengths", key_lengths))
+    if x is not None
+  }
   if implementation == "cudnn":
     q, k, v, bias, mask, lengths = _cudnn_operands(q, k, v, bias, mask, lengths)
   out = jax.nn.dot_product_attention(
@@ -244,7 +325,6 @@ def attend(
     **lengths,
   )
   out = jnp.swapaxes(out, 1, 2)[:, :, :q_len, :head_size]
-  out = out.reshape((batch, heads, q_len, head_size))
-  if given_mask is not None:
-    out = jnp.where(jnp.any(given_mask, axis=-1)[..., None], out, jnp.zeros((), out.dtype))
-  return out
+  if seen is not None:
+    out = jnp.where(seen, out, jnp.zeros((), out.dtype))
+  return out.reshape((batch, heads, q_len, head_size))

@@ -58,15 +58,9 @@ def softmax_attention(
     return call.attend(
       functools.partial(softmax_weights_one_head, scale=scale, precision=call.precision)
     )
-  # A causal mask alone goes to jax.nn as is_causal (cuDNN skips the masked blocks).
-  causal_apart = call.is_causal and call.mask is None and call.causal_alignment == "top_left"
-  mask, bias = call.mask_and_bias(with_causal=not causal_apart)
+  # Lengths and a causal constraint alone go to jax.nn as such (cuDNN skips the masked blocks).
+  mask, bias, masking = call.fused_masking()
   out = fused.attend(
-    *call.heads_major(),
-    bias,
-    mask,
-    scale=scale,
-    is_causal=causal_apart,
-    dtype=call.compute_dtype,
+    *call.heads_major(), bias, mask, scale=scale, dtype=call.compute_dtype, **masking
   )
   return call.finish(out)

@@ -168,9 +168,19 @@ class EncoderBlock(AttentionFields):
 
   @nn.compact
   def __call__(
-    self, x, *, mask=None, token_mask=None, bias=None, train: bool, sow_weights: bool = False
+    self,
+    x,
+    *,
+    mask=None,
+    token_mask=None,
+    bias=None,
+    key_lengths=None,
+    train: bool,
+    sow_weights: bool = False,
   ):
-    """x ``[batch, length, width]``; ``mask`` attention mask; ``token_mask [batch, length]``."""
+    """x ``[batch, length, width]``; ``mask`` attention mask; ``token_mask [batch, length]``;
+    ``key_lengths`` int ``[batch]``: each example attends to its first keys only (the attention's
+    ``key_value_seq_lengths``)."""
     attention = MultiHeadAttention(
       num_heads=self.num_heads,
       qkv_features=self.qkv_features,
@@ -185,7 +195,14 @@ class EncoderBlock(AttentionFields):
     norm1, norm2 = (make_norm(self.norm, self.dtype, self.param_dtype) for _ in range(2))
 
     def attend(y):
-      y = attention(y, mask=mask, bias=bias, deterministic=not train, sow_weights=sow_weights)
+      y = attention(
+        y,
+        mask=mask,
+        bias=bias,
+        key_value_seq_lengths=key_lengths,
+        deterministic=not train,
+        sow_weights=sow_weights,
+      )
       return Dropout(self.dropout_rate)(y, deterministic=not train)
 
     mlp = MlpBlock(

@@ -57,6 +57,10 @@ class EncoderClassifier(AttentionFields):
     attention, attention_options: kernel by registry name (``primal_dual.layers``).
     dropout_rate, attention_dropout_rate: dropout.
     dtype, param_dtype: compute and parameter dtypes (``AttentionFields``); logits are float32.
+    padding_as_lengths: every ``mask`` row is a prefix (padding at the end, as the UEA and ListOps
+      data build it), so attention takes it as ``key_value_seq_lengths`` (its count of real
+      steps), which cuDNN serves without a bias ``[batch, 1, length, length]``; False: as a
+      padding mask, right for any pattern.
   """
 
   num_classes: int
@@ -70,6 +74,7 @@ class EncoderClassifier(AttentionFields):
   pre_norm: bool = True
   norm: str = "layer"
   pooling: str = "mean"
+  padding_as_lengths: bool = False
   dropout_rate: float = dataclasses.field(default=0.1, kw_only=True)  # the others' is 0
 
   def _embed_inputs(self, inputs):
@@ -115,7 +120,11 @@ class EncoderClassifier(AttentionFields):
         mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
       prefix = 1
     x = Dropout(self.dropout_rate)(x, deterministic=not train)
-    attention_mask = None if mask is None else padding_mask(mask)
+    attention_mask = key_lengths = None
+    if mask is not None and self.padding_as_lengths:
+      key_lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    elif mask is not None:
+      attention_mask = padding_mask(mask)
     for i in range(self.num_layers):
       x = EncoderBlock(
         num_heads=self.num_heads,
@@ -125,7 +134,14 @@ class EncoderClassifier(AttentionFields):
         pre_norm=self.pre_norm,
         name=f"block_{i}",
         **self.attention_fields(),
-      )(x, mask=attention_mask, token_mask=mask, train=train, sow_weights=sow_weights)
+      )(
+        x,
+        mask=attention_mask,
+        key_lengths=key_lengths,
+        token_mask=mask,
+        train=train,
+        sow_weights=sow_weights,
+      )
     if self.pre_norm:
       x = apply_norm(make_norm(self.norm, self.dtype, self.param_dtype), x, mask, train)
     x = POOLINGS[self.pooling](x, mask)

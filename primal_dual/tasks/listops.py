@@ -67,6 +67,7 @@ def build_model(
     num_classes=metadata["num_classes"],
     input_kind="embed",
     vocab_size=metadata["vocab_size"],
+    padding_as_lengths=True,  # the data pad each expression's end
     **common.model_arguments(config.model, common.ENCODER_FIELDS),
   )
 

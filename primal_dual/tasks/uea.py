@@ -55,6 +55,7 @@ def build_model(config: ml_collections.ConfigDict, metadata: dict) -> EncoderCla
   return EncoderClassifier(
     num_classes=metadata["num_classes"],
     input_kind="dense",
+    padding_as_lengths=True,  # the data pad each series' end
     **common.model_arguments(config.model, common.ENCODER_FIELDS),
   )
 

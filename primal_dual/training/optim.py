@@ -7,6 +7,11 @@ Every optimizer is the same chain, so the options mean the same thing whatever t
   → add_decayed_weights(weight_decay, mask=non-vector parameters)   # if weight_decay > 0
   → scale_by_learning_rate(schedule)
 
+The whole chain runs in float32 (`float32_state`): with bfloat16 parameters
+(`config.model.param_dtype`) its state (Adam's moments, SGD's momentum) is float32 and its updates
+are float32, added to the parameters by `optax.apply_updates` in float32 and rounded to the
+parameter dtype once.
+
 Weight decay is therefore *decoupled* (AdamW-style: `p ← p − lr·(update + wd·p)`) for all three.
 Only parameters of rank ≥ 2 decay: kernels, embedding tables and positional embeddings. Rank ≤ 1
 parameters — biases, LayerNorm/BatchNorm scales and offsets, and any learned scalar — do not, as
@@ -144,6 +149,37 @@ OPTIMIZERS: dict[
 }
 
 
+def _upcast(tree: Any) -> Any:
+  """`tree` with floating leaves narrower than float32 (bfloat16, float16) as float32."""
+
+  def upcast(x):
+    if x is None or not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits >= 32:
+      return x
+    return jnp.asarray(x, jnp.float32)
+
+  return jax.tree.map(upcast, tree)
+
+
+def float32_state(
+  inner: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+  """`inner` on float32 copies of the gradients and parameters, whatever their dtype.
+
+  Its state is built from float32 parameters (optax's moments take the parameters' dtype, and
+  `mu_dtype` covers only Adam's first), and its updates stay float32: `optax.apply_updates` adds
+  them to 16-bit parameters in float32 and rounds the sum once, so a step gives the float32
+  step's parameters rounded to the parameter dtype. float32 parameters pass through unchanged.
+  """
+
+  def init(params):
+    return inner.init(_upcast(params))
+
+  def update(updates, state, params=None, **extra_args):
+    return inner.update(_upcast(updates), state, _upcast(params), **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
 def weight_decay_mask(params: Any) -> Any:
   """True for the parameters that decay: those of rank ≥ 2 (see the module docstring).
 
@@ -188,7 +224,7 @@ def _chain(
   if opt.weight_decay > 0:
     chain.append(optax.add_decayed_weights(value("weight_decay"), mask=weight_decay_mask))
   chain.append(optax.scale_by_learning_rate(schedule))
-  return optax.chain(*chain)
+  return float32_state(optax.chain(*chain))
 
 
 def make_optimizer(

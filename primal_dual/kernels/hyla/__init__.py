@@ -157,7 +157,9 @@ def xla_attention(call, *, normalization, value_network, query_chunk_size, scale
   )
 
 
-def tensorcore_attention(call, *, normalization, value_network, query_chunk_size, scale, block_size):
+def tensorcore_attention(
+  call, *, normalization, value_network, query_chunk_size, scale, block_size
+):
   """:func:`.tensorcore.hyla_tensorcore_attention`, the module imported on first use (it needs
   Triton, the ``gpu-dev`` extra); ``query_chunk_size`` does not apply to tiles."""
   del query_chunk_size

@@ -1,4 +1,4 @@
-"""Blockwise HYLA: the dense kernel of ``hyla.py`` over (query block × key block) tiles.
+"""Blockwise HYLA: the dense kernel of :mod:`dense` over (query block × key block) tiles.
 
 For one example, with heads ``h, g``, queries ``i``, keys ``j`` and scale ``c`` (``1/√D``)::
 
@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels.hyla.dense import RMS_EPS
 
-RMS_EPS = 1e-6
 NORMALIZATIONS = ("rms_head", "none")
 VALUE_NETWORKS = ("mlp_relu", "mlp_linear", "linear")
 
@@ -359,7 +359,7 @@ def recomputing_vjp(forward, backward):
   ``backward(q, k, v, bias, mask, dout) -> (dq, dk, dv, dbias)``, which recomputes the tiles from
   the inputs (the only residuals, as in flash attention); the mask gets no gradient.
 
-  The kernels' shared VJP (blockwise, Pallas, tensor-core). ``dbias`` may be None (no bias, or a
+  The kernels' shared VJP (blockwise, tensor-core). ``dbias`` may be None (no bias, or a
   placeholder bias, which gets zeros) or per example ``[B, H', Q', K']`` where the bias is shared
   by the batch (``B' = 1``: summed over it); cotangents come back in their inputs' dtypes.
   """
@@ -412,7 +412,7 @@ def check_tiled_call(
   *,
   normalization_note: str = "",
 ) -> C.QKVShapes:
-  """The checks every tiled HYLA entry point (``name``: this module's, the Pallas kernel's) makes
+  """The checks every tiled HYLA entry point (``name``: this module's, the tensor-core kernel's) makes
   before tiling; returns the validated shapes.
 
   Raises:
@@ -454,7 +454,7 @@ def hyla_blockwise_attention(
   dtype=None,
   precision=None,
 ):
-  """HYLA over (query block × key block) tiles; equals ``hyla.hyla_attention`` (module docstring).
+  """HYLA over (query block × key block) tiles; equals the dense path of ``hyla_attention`` (module docstring).
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``. key: ``[batch..., kv_len, heads, d_qk]``.

@@ -1,8 +1,9 @@
 """A pure-JAX emulation of the staged HYLA kernel design of issue #52 (forward only).
 
-Not a library path (neither ``primal_dual.kernels`` nor the registry imports it): it fixes, before
-any kernel is written, the tiling, the staging order and the points where the kernel rounds, so
-that a kernel can later be checked against it number for number. Formulas: :mod:`hyla` (module
+Not a library path (no implementation of ``hyla_attention``; neither the package's
+``__init__`` nor the registry imports it): it fixes, before any kernel is written, the tiling, the
+staging order and the points where the kernel rounds, so that a kernel can later be checked
+against it number for number. Formulas: :mod:`dense` (module
 docstring); with heads ``h``, queries ``i``, keys ``j`` and scale ``c`` (``1/√D`` by default)::
 
   s_hij  = c q_hi·k_hj
@@ -14,7 +15,7 @@ The tiling. One program (CTA) holds ``Q_TILE = 64`` queries of one example and a
 it loops over the keys in sub-blocks of ``K_TILE = 16``. Per key block:
 
 1. ``S_h = q_h · k_hᵀ`` per head: ``[64, D] × [D, 16]``, operands in the stage dtype (bfloat16),
-   float32 accumulation; the scale multiplies the float32 accumulator (as ``hyla.hyla_scores``).
+   float32 accumulation; the scale multiplies the float32 accumulator (as ``dense.hyla_scores``).
 2. ``rms_head`` across the heads, in float32; ``a`` rounded to the stage dtype into the A-stage
    ``[16 keys][64 queries][H heads]``.
 3. per key ``j``: ``U_j = A_j @ V_j``, ``[64, H] × [H, d_v]`` (the value network's hidden layer,
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 
 Q_TILE = 64  # queries per program (CTA)
 K_TILE = 16  # keys per sub-block (one matrix instruction's K)
-RMS_EPS = 1e-6  # as hyla_blockwise.RMS_EPS
+RMS_EPS = 1e-6  # as dense.RMS_EPS
 NORMALIZATIONS = ("rms_head", "none")
 VALUE_NETWORKS = ("mlp_relu", "mlp_linear")
 F32 = jnp.float32

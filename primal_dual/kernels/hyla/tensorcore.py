@@ -1,6 +1,6 @@
 """Fused HYLA in Triton with the head-coupled products on tensor cores.
 
-Computes the function of :mod:`hyla_blockwise` (formulas there). For one example, heads ``h, g``,
+Computes the function of :mod:`blockwise` (formulas there). For one example, heads ``h, g``,
 queries ``i``, keys ``j``, a tile holds the scores ``s, a [H, bq, bk]``; the products that couple
 the heads are written as batched matrix products (``tl.dot`` on 3-D blocks), so a GPU runs them
 on its matrix units (``mma``) instead of as elementwise multiply-adds::
@@ -60,11 +60,11 @@ are masked by index (rows at or beyond the lengths load zeros and are masked lik
 Why Triton through jax-triton (and not the other two tools), as checked with jax 0.10.2 on a
 CPU-only machine:
 
-* Pallas on Triton (``pallas_call`` on GPU, :mod:`hyla_pallas`) lowers ``dot_general`` without
-  batch dimensions, so the per-key and per-query products above cannot be written as batched
-  matrix products there (only as per-key 2-D dots in Python loops, or as the elementwise
-  multiply-adds that make that kernel spill); and JAX 0.11 deprecates Pallas's Triton backend in
-  favour of Mosaic GPU.
+* Pallas on Triton (``pallas_call`` on GPU; the project's Pallas HYLA kernel, since removed)
+  lowers ``dot_general`` without batch dimensions, so the per-key and per-query products above
+  cannot be written as batched matrix products there (only as per-key 2-D dots in Python loops, or
+  as the elementwise multiply-adds that made that kernel spill); and JAX 0.11 deprecates Pallas's
+  Triton backend in favour of Mosaic GPU.
 * Mosaic GPU (Pallas's Hopper backend): its interpret mode runs ``jnp``-level kernel code, but not
   its matrix instruction (``plgpu.wgmma`` fails in interpret mode), and a plain ``jnp.dot`` does
   not lower (``dot_general`` is unimplemented in its lane semantics); ``wgmma`` needs swizzled and
@@ -109,7 +109,7 @@ import triton
 import triton.language as tl
 
 from primal_dual.kernels import _common as C
-from primal_dual.kernels import hyla_blockwise as hb
+from primal_dual.kernels.hyla import blockwise as hb
 
 NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
@@ -768,7 +768,7 @@ def hyla_tensorcore_attention(
   interpret: bool | None = None,
   widen_16bit: bool | None = None,
 ):
-  """HYLA as fused Triton kernels; equals ``hyla_blockwise.hyla_blockwise_attention``.
+  """HYLA as fused Triton kernels; equals ``blockwise.hyla_blockwise_attention``.
 
   Args:
     query: ``[batch..., q_len, heads, d_qk]``. key: ``[batch..., kv_len, heads, d_qk]``.
