@@ -139,10 +139,17 @@ class Step(NamedTuple):
   config: ml_collections.ConfigDict
 
 
-def build_step(model_name: str, variant: str, quick: bool) -> Step:
-  """The task's model, optimizer and loss from its config, bound into ``steps.train_step``."""
+# Compute dtypes (``config.model.dtype``) and the config-string flag that selects each; the
+# parameters stay float32 (the configs' ``bf16`` shorthand).
+DTYPE_FLAGS = {"float32": "", "bfloat16": ",bf16"}
+
+
+def build_step(model_name: str, variant: str, quick: bool, dtype: str = "float32") -> Step:
+  """The task's model, optimizer and loss from its config (compute ``dtype``), bound into
+  ``steps.train_step``."""
   setup = MODELS[model_name]
   arg = f"{setup.config_arg},attention={variant}" + (",runlocal" if quick else "")
+  arg += DTYPE_FLAGS[dtype]
   config = configs.load(model_name, arg)
   task = task_registry.get_task(config.task)
   metadata = setup.metadata(config)
@@ -220,13 +227,22 @@ def _timed_step(built: Step, num_devices: int, repeats: int, warmup: int) -> dic
 
 
 def measure(
-  model_name: str, variant: str, num_devices: int, *, quick: bool, repeats: int, warmup: int
+  model_name: str,
+  variant: str,
+  num_devices: int,
+  *,
+  quick: bool,
+  repeats: int,
+  warmup: int,
+  dtype: str = "float32",
 ) -> dict[str, Any]:
-  """One record: the trainer's step of ``model_name`` with ``variant`` on ``num_devices``."""
+  """One record: the trainer's step of ``model_name`` with ``variant`` in compute ``dtype`` on
+  ``num_devices``."""
   record: dict[str, Any] = {
     "model": model_name,
     "variant": variant,
     "attention": variant,
+    "dtype": dtype,
     "num_devices": num_devices,
     "device_kind": jax.devices()[0].device_kind,
     **dict.fromkeys(RESULT_FIELDS),
@@ -235,7 +251,7 @@ def measure(
     "reason": "",
   }
   try:
-    built = build_step(model_name, variant, quick)
+    built = build_step(model_name, variant, quick, dtype)
     batch_size, length = built.batch["inputs"].shape[:2]
     record.update(
       attention_options=built.config.model.attention_options.to_dict(),
@@ -272,16 +288,18 @@ def run_in_process(args, log=print) -> list[dict[str, Any]]:
   for num_devices in args.device_counts:
     for model_name in args.models:
       for variant in selected_variants(args.variants):
-        record = measure(
-          model_name,
-          variant,
-          num_devices,
-          quick=args.quick,
-          repeats=args.repeats,
-          warmup=args.warmup,
-        )
-        log(_progress_line(record))
-        records.append(record)
+        for dtype in args.dtypes:
+          record = measure(
+            model_name,
+            variant,
+            num_devices,
+            quick=args.quick,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            dtype=dtype,
+          )
+          log(_progress_line(record))
+          records.append(record)
   return records
 
 
@@ -292,7 +310,8 @@ def _progress_line(r) -> str:
     else (f"{r['steps_per_s']:8.2f} steps/s {r['tokens_per_s']:10.0f} tokens/s")
   )
   return (
-    f"{r['model']:7s} {r['variant']:20s} devices={r['num_devices']} {speed} "
+    f"{r['model']:7s} {r['variant']:20s} {r.get('dtype', 'float32'):8s} "
+    f"devices={r['num_devices']} {speed} "
     f"{r['status']} {r['reason']}"
   )
 
@@ -323,6 +342,8 @@ def worker_command(args, num_devices: int, records_path: Path) -> list[str]:
     str(args.repeats),
     "--warmup",
     str(args.warmup),
+    "--dtypes",
+    ",".join(args.dtypes),
     "--records-out",
     str(records_path),
   ]
@@ -360,7 +381,7 @@ def run_in_subprocesses(args, log=print) -> list[dict[str, Any]]:
 
 
 DETAIL_COLUMNS = (
-  *common.plain_columns("model", "variant"),
+  *common.plain_columns("model", "variant", "dtype"),
   common.Column("devices", "num_devices"),
   common.Column("batch", "batch"),
   common.Column("tokens/step", "tokens_per_step"),
@@ -376,14 +397,20 @@ DETAIL_COLUMNS = (
 )
 
 
+def _dtype(record) -> str:
+  return record.get("dtype", "float32")  # reports before --dtypes measured float32 only
+
+
 def steps_per_second_table(records, device_counts) -> str:
-  """Rows: model/variant; columns: steps/s per device count."""
-  by_key = {(r["model"], r["variant"], r["num_devices"]): r for r in records}
+  """Rows: model/variant/dtype; columns: steps/s per device count."""
+  by_key = {(r["model"], r["variant"], _dtype(r), r["num_devices"]): r for r in records}
   rows = []
-  for model_name, variant in dict.fromkeys((r["model"], r["variant"]) for r in records):
-    row = {"model": model_name, "variant": variant}
+  for model_name, variant, dtype in dict.fromkeys(
+    (r["model"], r["variant"], _dtype(r)) for r in records
+  ):
+    row = {"model": model_name, "variant": variant, "dtype": dtype}
     for n in device_counts:
-      r = by_key.get((model_name, variant, n))
+      r = by_key.get((model_name, variant, dtype, n))
       row[str(n)] = (
         None
         if r is None or r["steps_per_s"] is None
@@ -392,10 +419,40 @@ def steps_per_second_table(records, device_counts) -> str:
       if r is not None and r["status"] != "ok":
         row[str(n)] = r["status"]
     rows.append(row)
-  columns = [common.Column("model", "model"), common.Column("variant", "variant")] + [
+  columns = [*common.plain_columns("model", "variant", "dtype")] + [
     common.Column(f"{n} device(s): steps/s (tokens/s)", str(n)) for n in device_counts
   ]
   return common.render_markdown_table(columns, rows)
+
+
+def bfloat16_speedups(records) -> list[dict[str, Any]]:
+  """Per (model, variant, devices) measured in both dtypes: bfloat16 steps/s over float32's."""
+  by_key = {
+    (r["model"], r["variant"], r["num_devices"], _dtype(r)): r
+    for r in records
+    if r["steps_per_s"] is not None
+  }
+  return [
+    dict(
+      model=model_name,
+      variant=variant,
+      num_devices=n,
+      float32_ms=1e3 / r["steps_per_s"],
+      bfloat16_ms=1e3 / by_key[(model_name, variant, n, "bfloat16")]["steps_per_s"],
+      speedup=by_key[(model_name, variant, n, "bfloat16")]["steps_per_s"] / r["steps_per_s"],
+    )
+    for (model_name, variant, n, dtype), r in by_key.items()
+    if dtype == "float32" and (model_name, variant, n, "bfloat16") in by_key
+  ]
+
+
+SPEEDUP_COLUMNS = (
+  *common.plain_columns("model", "variant"),
+  common.Column("devices", "num_devices"),
+  common.Column("float32 ms/step", "float32_ms", lambda v: f"{v:.3g}"),
+  common.Column("bfloat16 ms/step", "bfloat16_ms", lambda v: f"{v:.3g}"),
+  common.Column("bfloat16 speed-up", "speedup", common.format_ratio),
+)
 
 
 def render_markdown(payload) -> str:
@@ -413,6 +470,16 @@ def render_markdown(payload) -> str:
       "",
       steps_per_second_table(payload["records"], config["device_counts"]),
       "",
+      *(
+        [
+          "## bfloat16 compute against float32 (float32 parameters)",
+          "",
+          common.render_markdown_table(SPEEDUP_COLUMNS, bfloat16_speedups(payload["records"])),
+          "",
+        ]
+        if bfloat16_speedups(payload["records"])
+        else []
+      ),
       "## All records",
       "",
       common.render_markdown_table(DETAIL_COLUMNS, payload["records"]),
@@ -437,6 +504,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--repeats", type=int, default=None, help="timed steps (default 10; 2 with --quick)"
   )
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+  parser.add_argument(
+    "--dtypes",
+    type=common.comma_list(choices=DTYPE_FLAGS),
+    default=["float32"],
+    help="compute dtypes (config.model.dtype; parameters float32), e.g. float32,bfloat16",
+  )
   common.add_output_arguments(parser)
   parser.add_argument("--quick", action="store_true", help="tiny models and batches")
   parser.add_argument(
@@ -459,6 +532,7 @@ def run(args, log=print) -> dict[str, Path]:
     models=list(args.models),
     variants=args.variants,
     device_counts=list(args.device_counts),
+    dtypes=list(args.dtypes),
     repeats=args.repeats,
     warmup=args.warmup,
     quick=args.quick,

@@ -30,6 +30,7 @@ from primal_dual import kernels, registry
 
 ATTENTION_ARGS = ["--quick", "--dtypes", "float32"]
 TRAIN_ARGS = ["--quick", "--variants", "softmax", "--device-counts", "2"]
+TRAIN_ARGS += ["--dtypes", "float32,bfloat16"]
 OK_STATUSES = {"ok", "skipped_memory", "skipped_time", "skipped_buffer"}
 
 
@@ -188,16 +189,22 @@ def test_train_throughput_writes_json_and_markdown(outputs):
   payload = json.loads((folder / "train_throughput.json").read_text())
   assert set(payload) == {"metadata", "config", "records"}
   records = payload["records"]
-  assert {(r["model"], r["variant"], r["num_devices"]) for r in records} == {
-    ("uea", "softmax", 2),
-    ("listops", "softmax", 2),
+  assert {(r["model"], r["variant"], r["num_devices"], r["dtype"]) for r in records} == {
+    (model, "softmax", 2, dtype)
+    for model in ("uea", "listops")
+    for dtype in ("float32", "bfloat16")
   }
   for r in records:
     assert r["status"] == "ok", r
     for field in ("time_s", "steps_per_s", "tokens_per_s", "compile_s", "num_params"):
       assert _positive_finite(r[field]), (field, r)
     assert math.isclose(r["tokens_per_s"], r["steps_per_s"] * r["tokens_per_step"])
-  assert "## Steps per second" in (folder / "train_throughput.md").read_text()
+  speedups = train_throughput.bfloat16_speedups(records)
+  assert {(s["model"], s["num_devices"]) for s in speedups} == {("uea", 2), ("listops", 2)}
+  for s in speedups:
+    assert math.isclose(s["speedup"], s["float32_ms"] / s["bfloat16_ms"])
+  markdown = (folder / "train_throughput.md").read_text()
+  assert "## Steps per second" in markdown and "bfloat16 compute against float32" in markdown
 
 
 # --- Pure helpers (no compilation) ---------------------------------------------------------------
