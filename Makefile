@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 # A packaged config's name (primal_dual/configs/<name>.py) or a config file's path.
 CONFIG ?= default
 
-.PHONY: install dist install-gpu-dev gpu-compile device-suite lint test test-soak train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
+.PHONY: install dist install-gpu-dev test-fast test-durations gpu-compile device-suite lint test test-soak train eval bench reproduce-uea reproduce-listops reproduce-images reproduce-sraven reproduce-logic clean clean-data
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,15 @@ lint: $(STAMP)
 test: $(GPU_DEV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
+# The fast tier: every test measured under 1 s (tests/durations.json; tests/conftest.py marks the
+# rest slow), in a couple of minutes. It needs no [gpu-dev] extra: what needs one skips, saying so.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+# Re-measures tests/durations.json (what the fast tier leaves out): the whole suite, idle machine.
+test-durations: $(GPU_DEV_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --record-durations=tests/durations.json tests
+
 # Every property test (the files with @given) at 50x its examples, freshly drawn, and nothing else
 # (tests/conftest.py, profile 'soak'); CI's 'ci' profile is derandomized and never draws new ones.
 PROPERTY_TESTS = $(shell grep -lE "^ *@(hypothesis\.)?given" tests/test_*.py)
@@ -66,7 +75,7 @@ bench: $(STAMP)
 # gpu_compile.{json,md}; each ptxas capped in memory and time). One family or tile, e.g.:
 # make gpu-compile GPU_COMPILE_FLAGS="--families tensorcore --tiles 16"
 gpu-compile: $(GPU_DEV_STAMP)
-	$(PY) -m benchmarks.gpu_compile --out-dir benchmarks/results $(GPU_COMPILE_FLAGS)
+	$(PY) -m tools.device.gpu_compile --out-dir benchmarks/results $(GPU_COMPILE_FLAGS)
 
 # Every GPU figure the targets read, within 8 minutes of one GPU (benchmarks/README.md says how to
 # run it through a lent device): benchmarks/results/device_suite_<label>.{json,md}.

@@ -714,7 +714,7 @@ SEQUENCE_GRID_FLAGS: dict[str, dict[str, Any]] = {
     action="store_true",
     help="keep no checkpoint of each run's selected step (its metrics are recorded all the "
     "same): halves the state of a program, so that the 12 replicas of an sRAVEN paper-grid "
-    "program (4.8 MB each) come back from a device call in one carry (reproduce/lease.py)",
+    "program (4.8 MB each) come back from a device call in one carry (tools/device/lease.py)",
   ),
   "--sweep_variants": dict(
     type=grid.comma_list(),

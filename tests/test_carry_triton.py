@@ -7,9 +7,10 @@ import sys
 import tarfile
 import zipfile
 
+import gpu_dev
 import pytest
 
-from benchmarks import carry_triton
+from tools.device import carry_triton
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ def test_wheel_version_reads_the_name_and_refuses_other_wheels(tmp_path):
 def test_packed_archive_imports_first_with_the_previous_ptxas(tmp_path):
   """A fake wheel's package, packed and activated, shadows the installed one; both ptxas
   settings name the installed Triton's ptxas (the PTX version the image's jaxlib takes)."""
-  pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
+  gpu_dev.require("triton")
   wheel = tmp_path / "triton-9.9.9-cp312-abi3-manylinux_2_28_x86_64.whl"
   with zipfile.ZipFile(wheel, "w") as fake:
     fake.writestr("triton/__init__.py", "__version__ = '9.9.9'\n")

@@ -13,13 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import gpu_dev
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import gpu_compile
+from tools.device import gpu_compile
 
 # What the triton wheel's ptxas printed for a HYLA forward kernel (sm_90a).
 PTXAS_LOG = """\
@@ -223,6 +224,7 @@ TINY = gpu_compile.Shape(batch=1, length=32, heads=2, head_dim=16)
 
 
 def test_default_settings():
+  gpu_dev.require("triton")  # the settings come from the kernel module
   tensorcore = gpu_compile.tensorcore_settings()
   assert len(tensorcore) == 3 * 2 + 7 + 1 + 2 and sum(s.causal for s in tensorcore) == 2
   widened = [s for s in tensorcore if s.operands == "fp32"]
@@ -236,7 +238,7 @@ def test_default_settings():
 
 
 def test_tensorcore_jobs_name_every_pointer_and_constant():
-  pytest.importorskip("triton")
+  gpu_dev.require("triton")
   from primal_dual.kernels.hyla import tensorcore as ht
 
   setting = gpu_compile.tensorcore_settings()[0]
@@ -259,7 +261,7 @@ def test_tensorcore_jobs_name_every_pointer_and_constant():
 @pytest.fixture
 def tiny_forward_job():
   """The forward launch of the default tensorcore setting at the tiny shape."""
-  pytest.importorskip("triton")
+  gpu_dev.require("triton")
   setting = gpu_compile.tensorcore_default_setting()
   return gpu_compile.tensorcore_job(setting, TINY, "forward")
 
@@ -296,7 +298,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
     _record("tensorcore", tensorcore[1], "dq", status="timeout", reason="over 420 s (killed)"),
   ]
   payload = {
-    "metadata": {"command": "python -m benchmarks.gpu_compile"},
+    "metadata": {"command": "python -m tools.device.gpu_compile"},
     "config": {
       "families": ["tensorcore"],
       "shapes": {"tensorcore": [1, 8192, 8, 64]},
@@ -322,7 +324,7 @@ def test_report_has_a_section_per_family_with_measured_and_failed_kernels():
 
 CALLER = """
 import sys
-from benchmarks import gpu_compile
+from tools.device import gpu_compile
 gpu_compile.exit_on_sigterm()
 sleeper = "import os, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
 gpu_compile.run_capped([sys.executable, "-c", "import sys;" + sleeper, sys.argv[1]], 120)

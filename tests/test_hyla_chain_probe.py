@@ -1,15 +1,15 @@
-"""benchmarks/hyla_chain_probe.py: the chained-products HYLA forward (a design probe, not a library
-path) computes HYLA, run as its own source in Triton's interpreter, so that its compile report
-(benchmarks/results/hyla_chain_probe.md) measures a kernel that is right."""
+"""tools/device/hyla_chain_probe.py: the chained-products HYLA forward (a design probe, not a
+library path) computes HYLA, run as its own source in Triton's interpreter, so that its compile
+report (benchmarks/results/hyla_chain_probe.md) measures a kernel that is right."""
 
 import ml_dtypes
 import numpy as np
+import gpu_dev
 import pytest
 
-pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
-pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+gpu_dev.require()  # triton and torch: skipped, saying so, without them
 
-from benchmarks import hyla_chain_probe as probe  # noqa: E402
+from tools.device import hyla_chain_probe as probe  # noqa: E402
 from numpy_reference import hyla_ref  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numpy_reference import hyla_ref
 
-from benchmarks import hyla_latency_model as hlm
+from tools.device import hyla_latency_model as hlm
 from primal_dual.kernels import hyla
 from primal_dual.kernels.hyla import staged as hs
 

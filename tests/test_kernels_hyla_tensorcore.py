@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import helpers
 import numpy as np
+import gpu_dev
 import pytest
 
-pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
-pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+gpu_dev.require()  # triton and torch: skipped, saying so, without them
 
 from numpy_reference import hyla_ref  # noqa: E402
 from primal_dual.kernels import hyla  # noqa: E402
@@ -210,10 +210,11 @@ def test_gpu_launches_take_the_default_tuning_of_their_operands(
   jax-triton's own default is 3 stages), recorded here by a stand-in for jax-triton."""
   launches = []
 
-  def triton_call(*inputs, kernel, out_shape, grid, num_warps, num_stages, **constants):
+  def triton_call(*inputs, kernel, out_type, grid, num_warps, num_stages, **constants):
     operands = {x.dtype for x in inputs[:3]}
     launches.append((grid, num_warps, num_stages, constants["BV"], operands))
-    return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    assert out_type == () and "zeroed_outputs" not in constants  # outputs: the zeroed refs
+    return ()
 
   monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
   q, k, v = (
@@ -232,6 +233,40 @@ def test_gpu_launches_take_the_default_tuning_of_their_operands(
     for name in ("forward", "dq_dk", "dv")
   ]
   assert launches[0][0] == (1, 3, 64 // chunk)  # forward grid: example, query tiles, chunks
+
+
+@pytest.mark.parametrize("api", ["0.4", "0.3"])
+def test_gpu_launches_use_the_installed_jax_triton_api(monkeypatch, api):
+  """jax-triton 0.4's API: ``out_type`` and the outputs as zeroed ``jax.Ref`` arguments the kernel
+  writes (``out_shape`` and ``zeroed_outputs`` deprecated); 0.3's (the device image's): those two.
+  A stand-in of each signature writes ones into every output (refs: the dq_dk launch's atomic
+  adds into zeros); the call returns them."""
+  calls = []
+
+  def current(*args, kernel, out_type, grid, num_warps, num_stages, **constants):
+    refs = [a for a in args if isinstance(a, jax.Ref)]  # after the inputs: out; dq, dk, dv, dbias
+    assert out_type == () and args[len(args) - len(refs) :] == tuple(refs)
+    assert len(refs) == (1 if kernel is ht.forward_kernel else 4)
+    for ref in refs:
+      ref[...] += 1
+    calls.append(("out_type", kernel))
+    return ()
+
+  def previous(*inputs, kernel, out_shape, zeroed_outputs, grid, num_warps, num_stages, **consts):
+    assert zeroed_outputs == tuple(range(len(out_shape)))
+    calls.append(("out_shape", kernel))
+    return tuple(jnp.ones(s.shape, s.dtype) for s in out_shape)
+
+  triton_call = current if api == "0.4" else previous
+  assert ht.jax_triton_uses_refs(triton_call) == (api == "0.4")
+  monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
+  q, k, v = helpers.random_qkv(np.random.default_rng(0), (1,), 20, 20, 2, d=4)
+  attend = functools.partial(ht.hyla_tensorcore_attention, interpret=False)
+  out, vjp = jax.vjp(jax.jit(attend), q, k, v)
+  grads = vjp(out)
+  keyword = "out_type" if api == "0.4" else "out_shape"
+  assert set(calls) == {(keyword, ht.forward_kernel), (keyword, ht.dkv_kernel)}
+  assert np.all(np.asarray(out) == 1) and all(np.all(np.asarray(g) == 1) for g in grads)
 
 
 @pytest.mark.parametrize(
@@ -256,7 +291,7 @@ def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
   """With a key-padding mask (as in lease 7's failing test), Triton 3.6 and 3.7 give the
   forward's head-coupled bfloat16 products operands of kWidth 8 at K = 16, which an H100
   computed wrong; the installed Triton must keep them within K / 4 (Triton 3.8 and 3.9: 4)."""
-  from benchmarks import gpu_compile
+  from tools.device import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
   setting = gpu_compile.tensorcore_default_setting()
@@ -264,7 +299,8 @@ def test_masked_16bit_products_keep_operand_widths_within_k(launch, tmp_path):
   masked = gpu_compile.tensorcore_config(setting, family.shape)._replace(
     mask_shape=(1, 1, 1, family.shape.length)
   )
-  constants = {**job.source["constants"], **ht._constants(masked)}  # keeps the launch's WANT_DK
+  # The launch's WANT_DK kept.
+  constants = {**job.source["constants"], **ht.kernel_constants(masked)}
   job = job._replace(source={**job.source, "constants": constants})
   figures = gpu_compile.compile_kernel(job, tmp_path, memory_cap_gib=6, timeout_s=300)
   assert figures["status"] == "ok", figures
@@ -289,7 +325,7 @@ def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(
   """At the issue's shape (bfloat16 values, H = 8, d = 64) and the default tuning of the
   operands: no spills, shared memory within an H100 block, the loop's products on mma (more of
   them than FFMAs)."""
-  from benchmarks import gpu_compile
+  from tools.device import gpu_compile
 
   family = gpu_compile.FAMILIES["tensorcore"]
   setting = gpu_compile.tensorcore_default_setting(operands, causal)
@@ -301,7 +337,7 @@ def test_default_kernels_compile_for_sm90a_without_spills_on_matrix_units(
   assert figures["shared_bytes"] <= gpu_compile.SHARED_MEMORY_LIMIT_BYTES
   loop = figures["sass_loop"]
   assert loop["hmma"] + loop["hgmma"] > loop["ffma"], loop
-  # The 16-bit products (the forward's; the backward multiplies float32 outside _mix_heads) with
+  # The 16-bit products (the forward's; the backward multiplies float32 outside mix_heads) with
   # operands of at most a quarter of K per thread: the Triton 3.6 fault of lease 7 is absent.
   widths = figures["dot_operands"]
   assert all(w["fits"] for w in widths) and (launch != "forward" or len(widths) == 3), widths

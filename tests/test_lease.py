@@ -1,4 +1,4 @@
-"""reproduce/lease.py: a job detached from the call that starts it, and what `collect` packs into
+"""tools/device/lease.py: a job detached from the call that starts it, and what `collect` packs into
 `$OUT` within the device tool's limits (docs/reproduction.md, the lease recipe)."""
 
 import json
@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from reproduce import lease
+from tools.device import lease
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ def test_the_detached_command_runs_in_its_own_session_and_records_its_status():
 def test_a_job_outlives_the_process_that_started_it(tmp_path):
   jobs = str(tmp_path / "jobs")
   starter = (
-    "import sys; from reproduce import lease; "
+    "import sys; from tools.device import lease; "
     f"lease.start({jobs!r}, 'slow', [sys.executable, '-c', "
     "'import time; time.sleep(1); print(\"finished\")'])"
   )
@@ -105,7 +105,7 @@ def test_a_tiny_training_run_through_the_lease_commands(tmp_path):
 
   def call(*argv):
     return subprocess.run(
-      [sys.executable, "-m", "reproduce.lease", f"--jobs_dir={jobs}", *argv],
+      [sys.executable, "-m", "tools.device.lease", f"--jobs_dir={jobs}", *argv],
       cwd=REPO_ROOT,
       env=env,
       capture_output=True,

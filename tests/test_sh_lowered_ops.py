@@ -1,4 +1,4 @@
-"""Attention-SH and BN+SH lowered for CUDA on this CPU (``benchmarks.lowered_ops``): no gather and
+"""Attention-SH and BN+SH lowered for CUDA on this CPU (``tools.device.lowered_ops``): no gather and
 no scatter in any layout, and a small program at the benchmark's shape.
 
 Head groups are static slices, window pooling is pad + reshape + reduction (a broadcast in the
@@ -20,11 +20,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import lowered_ops
+from tools.device import lowered_ops
 from primal_dual.kernels import scaled_head as sh
 
 # Ops of the forward + backward at B 1, N 4096, 8 heads, head dim 64, bfloat16, ratios (1, 1, 2,
-# 2, 4, 4, 8, 8), lowered for CUDA (benchmarks/README.md): measured 132 and 260 (softmax: 25) on
+# 2, 4, 4, 8, 8), lowered for CUDA (tools/device/README.md): measured 132 and 260 (softmax: 25) on
 # jax 0.10.2, from 577 and 1208 with 21 gathers and 18 scatters each. Per pooled group ~25 ops
 # (a reduction of keys and values side by side, its broadcast backward, the pad to the longest).
 MAX_OPS = {"sh": 150, "bn_sh": 290}

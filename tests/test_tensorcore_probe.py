@@ -1,15 +1,15 @@
-"""The tensor-core kernels' device probe (benchmarks/tensorcore_probe.py), run by Triton's
+"""The tensor-core kernels' device probe (tools/device/tensorcore_probe.py), run by Triton's
 interpreter on the CPU: every pattern right here, so that a wrong row on a GPU is the compiler's."""
 
 import json
 
 import numpy as np
+import gpu_dev
 import pytest
 
-pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
-pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+gpu_dev.require()  # triton and torch: skipped, saying so, without them
 
-from benchmarks import tensorcore_probe as probe  # noqa: E402
+from tools.device import tensorcore_probe as probe  # noqa: E402
 
 
 def test_every_pattern_and_operand_dtype_is_right_in_the_interpreter(tmp_path):

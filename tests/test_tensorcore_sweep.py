@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import gpu_dev
 import pytest
 
-pytest.importorskip("triton", reason="the gpu-dev extra (triton, torch) is not installed")
-pytest.importorskip("torch", reason="the gpu-dev extra (triton, torch) is not installed")
+gpu_dev.require()  # triton and torch: skipped, saying so, without them
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package.
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import gpu_compile, tensorcore_sweep  # noqa: E402
+from tools.device import gpu_compile, tensorcore_sweep  # noqa: E402
 from primal_dual.kernels.hyla import tensorcore as ht  # noqa: E402
 
 

@@ -21,7 +21,7 @@ Speed. Measured on one H100 80GB HBM3 (JAX 0.11.2, ``python3 -m benchmarks.devic
 --budget-s 370``; bfloat16, forward + backward, B = 1, H = 8, d = 64) with the previous launches
 (a separate dq launch; tile 16, value chunk 16, warps 4 forward / 8 backward): 34.1 ms at N = 4096
 and 131 ms at 8192, against cuDNN's fused softmax at 0.559 and 1.31 ms (100×; the target is 3×).
-The SASS of those launches (``benchmarks/gpu_compile.py``, its time estimate) explains it: the
+The SASS of those launches (``tools/device/gpu_compile.py``, its time estimate) explains it: the
 instructions alone would take about 15 ms at one per cycle per scheduler (the ``HMMA`` are only
 4–6 % of them), but each main-loop iteration is a chain of 22–111 stages separated by barriers —
 shared-memory round trips that turn ``tl.permute``/``tl.join`` results and 3-D ``tl.dot``
@@ -34,7 +34,7 @@ forward and of the ``da`` loop (causal calls keep 16: at 32 their dq_dk spills);
 (two programs per SM); the query loop of a non-causal dq_dk is rotated per key tile so that
 concurrent atomic adds land on different rows. Estimated 52 ms at 8k (forward 5, dq_dk 32, dv 15;
 the atomic adds unmodelled), still latency-bound; not yet timed on a GPU
-(``benchmarks/tensorcore_sweep.py`` times each launch). Tiles, chunk, warps and pipelining
+(``tools/device/tensorcore_sweep.py`` times each launch). Tiles, chunk, warps and pipelining
 stages (:func:`default_tuning`, by operand width and causality) are the clean settings (no
 spills, ≤ 255 registers) with the least estimated time in the sm_90a compile report at H = 8,
 d = 64 (``benchmarks/results/gpu_compile.md``, its tensorcore section), and the launches ask
@@ -74,12 +74,16 @@ CPU-only machine:
   very same ``@triton.jit`` source on a CPU (NumPy for the maths, torch tensors as buffers), which
   is what the test-suite does; and ``triton.compile`` builds it for sm_90a on a CPU with the
   wheel's own ``ptxas``, giving registers, spills, shared memory and the matrix instructions
-  (``benchmarks/gpu_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
+  (``tools/device/gpu_compile.py``). From JAX, ``jax_triton.triton_call`` launches it on a GPU;
   jax-triton imports only with a CUDA jaxlib, so its lowering for CUDA cannot be checked on a
   CPU (the one thing left to a GPU machine, with every timing).
 
 Off GPU the kernels run in Triton's interpreter inside ``jax.pure_callback`` (slow; for tests),
-with two bfloat16 faults of the interpreter mended so that it computes what the GPU does.
+with two bfloat16 faults of the interpreter mended so that it computes what the GPU does
+(:mod:`primal_dual.kernels.triton_interpreter`, the one place that patches the interpreter, and
+the Triton versions it was checked on). On a GPU, ``jax_triton.triton_call`` with jax-triton's
+current API (0.4: ``out_type``, the outputs as zeroed ``jax.Ref`` arguments), or 0.3's where that
+is installed (:func:`jax_triton_uses_refs`).
 Dependencies: ``triton`` (and ``torch`` for the interpreter, ``jax-triton`` on a GPU), the
 ``gpu-dev`` extra; this module is imported only when ``implementation='tensorcore'`` is asked for.
 
@@ -96,10 +100,8 @@ weights. Reverse-mode differentiation only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-import threading
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -109,12 +111,15 @@ import triton
 import triton.language as tl
 
 from primal_dual.kernels import _common as C
+from primal_dual.kernels import triton_interpreter
 from primal_dual.kernels.hyla import blockwise as hb
 
 NORMALIZATIONS = hb.NORMALIZATIONS
 VALUE_NETWORKS = hb.VALUE_NETWORKS
 HEAD_PAD = 16  # smallest dimension of a matrix instruction (and of tl.dot)
 DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; untimed on a GPU)
+# Whether a call with ``interpret=None`` runs in Triton's interpreter: off GPU.
+interpret_off_gpu = C.interpret_off_gpu
 
 
 # Lease 7 (one H100, the device image's Triton 3.6.0 through jax-triton 0.3.1, 2026-11-26): with
@@ -122,10 +127,10 @@ DEFAULT_BLOCK_SIZE = 16  # query and key tile (from the sm_90a compile report; u
 # elements, errors up to 33 on values up to 11), while every float32 case matched it and the
 # float64 reference; Triton 3.9's interpreter computes the bfloat16 kernels right. Compiled with a
 # mask, Triton 3.6 and 3.7 give the coupled products 16-bit operands of kWidth 8 at K = 16 (3.8
-# and 3.9: 4), the fault upstream fixed in triton-lang/triton#11691 (benchmarks/README.md). Until a
-# device run shows the 16-bit kernels right (``benchmarks/tensorcore_probe.py``), a GPU call widens
-# 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``); once one has,
-# only under a Triton older than FIRST_TRITON_WITHOUT_16BIT_FAULT.
+# and 3.9: 4), the fault upstream fixed in triton-lang/triton#11691 (tools/device/README.md).
+# Until a device run shows the 16-bit kernels right (``tools/device/tensorcore_probe.py``), a GPU
+# call widens 16-bit inputs to float32 (see ``widen_16bit`` of ``hyla_tensorcore_attention``);
+# once one has, only under a Triton older than FIRST_TRITON_WITHOUT_16BIT_FAULT.
 NATIVE_16BIT_ON_GPU = False
 FIRST_TRITON_WITHOUT_16BIT_FAULT = (3, 8)
 _ROUNDING_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
@@ -264,7 +269,7 @@ def _tile_scores(q, k_ptr, bias_ptr, mask_ptr, b, rows, cols,
 
 
 @triton.jit
-def _mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
+def mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
   """``(z, u)`` float32 ``[bk, bq, chunk]``: ``z_j = A_j[bq, H] @ V_j[H, chunk]`` per key, from
   ``a_v [HP, bq, bk]`` and ``v [HP, bk, chunk]`` in the value dtype."""
   z = tl.dot(tl.permute(a_v, (2, 1, 0)), tl.permute(v, (1, 0, 2)), input_precision=PRECISION)
@@ -273,7 +278,7 @@ def _mix_heads(a_v, v, RELU: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _rounded_as(x, ROUNDING: tl.constexpr):
+def rounded_as(x, ROUNDING: tl.constexpr):
   """``x`` in the 16-bit dtype ``ROUNDING`` names (``'bf16'``, ``'fp16'``); otherwise unchanged."""
   if ROUNDING == "bf16":
     x = x.to(tl.bfloat16)
@@ -287,7 +292,7 @@ def _as_value_operand(x, v, VALUE_ROUNDING: tl.constexpr):
   """``x`` rounded to the inputs' value dtype (``VALUE_ROUNDING``: ``'bf16'``, ``'fp16'`` or
   ``'fp32'``), held in ``v``'s dtype: the value dtype itself, or float32 when a GPU call widened
   16-bit inputs (products of the rounded values are then exact in TF32, as in a 16-bit product)."""
-  return _rounded_as(x, VALUE_ROUNDING).to(v.dtype)
+  return rounded_as(x, VALUE_ROUNDING).to(v.dtype)
 
 
 @triton.jit
@@ -313,7 +318,7 @@ def _first_query_tile(kt, Q_LEN: tl.constexpr, BQ: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _pad_heads(x, HX: tl.constexpr):
+def pad_heads(x, HX: tl.constexpr):
   """``[n, m, k] -> [n·2^HX, m, k]``, zero heads appended (the head-coupled products contract
   or stack the heads, and a matrix instruction takes at least 16)."""
   for unused in tl.static_range(HX):
@@ -324,7 +329,7 @@ def _pad_heads(x, HX: tl.constexpr):
 
 @triton.jit
 def _cut_heads(x, HX: tl.constexpr):
-  """Inverse of :func:`_pad_heads`: the first ``n / 2^HX`` heads of ``[n, m, k]``."""
+  """Inverse of :func:`pad_heads`: the first ``n / 2^HX`` heads of ``[n, m, k]``."""
   for unused in tl.static_range(HX):
     halves = tl.reshape(x, (2, x.shape[0] // 2, x.shape[1], x.shape[2]))
     x, padding = tl.split(tl.permute(halves, (1, 2, 3, 0)))
@@ -333,23 +338,23 @@ def _cut_heads(x, HX: tl.constexpr):
 
 # --- Kernels -------------------------------------------------------------------------------------
 
-# The constants every kernel takes (constexpr keyword arguments; see ``_constants``).
+# The constants every kernel takes (constexpr keyword arguments; see :func:`kernel_constants`).
 _TILE_PARAMS = """Q_LEN KV_LEN H D DV HP HB HX DP BQ BK BV SCALE CAUSAL OFFSET HAS_BIAS BS0 BS1 BS2 BS3
 HAS_MASK MS0 MS1 MS2 MS3 RMS EPS MLP RELU PRECISION VALUE_ROUNDING""".split()
 
 
 @triton.jit
-def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
-                    Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                    DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                 HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-                    CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
-                    HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
-                    MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
-                    MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
-                    VALUE_ROUNDING: tl.constexpr):  # fmt: skip
+def forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
+                   Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                   DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+                   HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+                   CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+                   HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+                   MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+                   MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+                   VALUE_ROUNDING: tl.constexpr):  # fmt: skip
   """Program ``(b, query tile, value chunk)``: float32 ``out [B, Q_LEN, H, DV]`` of the chunk."""
   b, qt, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   rows = qt * BQ + tl.arange(0, BQ)
@@ -363,8 +368,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
                                   BS2, BS3, HAS_MASK, MS0, MS1, MS2, MS3, RMS, EPS, PRECISION)  # fmt: skip
     if MLP:
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
-      a_v = _as_value_operand(_pad_heads(a, HX), v, VALUE_ROUNDING)
-      z, u = _mix_heads(a_v, v, RELU, PRECISION)
+      a_v = _as_value_operand(pad_heads(a, HX), v, VALUE_ROUNDING)
+      z, u = mix_heads(a_v, v, RELU, PRECISION)
       # out_i = A_i[H, bk] @ U_i[bk, chunk] per query.
       acc += tl.dot(
         tl.permute(a_v, (1, 0, 2)),
@@ -374,7 +379,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
     else:  # per head: out_h = A_h @ V_h
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HB, BV, False)
       out = tl.dot(_as_value_operand(a, v, VALUE_ROUNDING), v, input_precision=PRECISION)
-      acc += tl.permute(_pad_heads(out, HX), (1, 0, 2))
+      acc += tl.permute(pad_heads(out, HX), (1, 0, 2))
   hs = tl.arange(0, HP)[None, :, None]
   fs = chunk * BV + tl.arange(0, BV)[None, None, :]
   r3 = rows[:, None, None]
@@ -399,7 +404,7 @@ def _chunk_backward(a, a_v, v, dout, RELU: tl.constexpr, PRECISION: tl.constexpr
   (this chunk's part) and ``dz [bk, bq, chunk]``; ``a`` float32 and ``a_v`` rounded to the value
   dtype ``[HP, bq, bk]`` (heads padded), ``v [HP, bk, chunk]``, ``dout`` float32
   ``[HP, bq, chunk]``."""
-  z, u = _mix_heads(a_v, v, RELU, PRECISION)  # [bk, bq, chunk], as in the forward
+  z, u = mix_heads(a_v, v, RELU, PRECISION)  # [bk, bq, chunk], as in the forward
   v32 = v.to(tl.float32)
   dout_i = tl.permute(dout, (1, 0, 2))  # [bq, HP, chunk]
   # da_i = dout_i [H, chunk] @ U_iᵀ [chunk, bk] per query.
@@ -424,7 +429,7 @@ def _tile_ds(a, s, r, valid, b, rows, cols, v_ptr, dout_ptr,
   chunks, then through the normalisation."""
   n_chunks = (DV + BV - 1) // BV
   if MLP:
-    a_p = _pad_heads(a, HX)
+    a_p = pad_heads(a, HX)
     da_p = tl.zeros((HP, BQ, BK), tl.float32)
     for chunk in range(0, n_chunks):
       v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
@@ -458,17 +463,17 @@ def _add_rows(ptr, x, b, idx, LEN: tl.constexpr, H: tl.constexpr, F: tl.constexp
 
 
 @triton.jit
-def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr,
-                dbias_ptr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr,
-                D: tl.constexpr, DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
-                HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-                CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
-                HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
-                MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
-                MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
-                VALUE_ROUNDING: tl.constexpr, WANT_DK: tl.constexpr):  # fmt: skip
+def dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr,
+               dbias_ptr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, H: tl.constexpr,
+               D: tl.constexpr, DV: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr,
+               HX: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+               CAUSAL: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+               HAS_MASK: tl.constexpr, MS0: tl.constexpr, MS1: tl.constexpr,
+               MS2: tl.constexpr, MS3: tl.constexpr, RMS: tl.constexpr, EPS: tl.constexpr,
+               MLP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+               VALUE_ROUNDING: tl.constexpr, WANT_DK: tl.constexpr):  # fmt: skip
   """Program ``(b, key tile, value chunk)``. ``WANT_DK`` (launched with one chunk program): float32
   ``dk [B, KV_LEN, H, D]``, and the program's part of ``dq [B, Q_LEN, H, D]`` (and of the bias's
   gradient, the bias's broadcast shape) added atomically into zeroed float32 arrays; otherwise
@@ -504,7 +509,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
       if MLP:  # dv_j = A_j [H, bq] @ dz_j [bq, chunk] per key
         v = _load_rows(v_ptr, b, cols, chunk * BV, KV_LEN, H, DV, HP, BV, False)
         dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HP, BV, False)
-        a_p = _pad_heads(a, HX)
+        a_p = pad_heads(a, HX)
         da_chunk, dz = _chunk_backward(
           a_p, _as_value_operand(a_p, v, VALUE_ROUNDING), v, dout, RELU, PRECISION
         )
@@ -512,7 +517,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, dout_ptr, dq_ptr, dk_pt
       else:  # dv_h = A_hᵀ @ dout_h per head
         dout = _load_rows(dout_ptr, b, rows, chunk * BV, Q_LEN, H, DV, HB, BV, False)
         dv_h = tl.dot(tl.permute(a, (0, 2, 1)), dout, input_precision=PRECISION)
-        dv += tl.permute(_pad_heads(dv_h, HX), (1, 0, 2))
+        dv += tl.permute(pad_heads(dv_h, HX), (1, 0, 2))
   if WANT_DK:
     _store_rows(dk_ptr, dk * SCALE, b, cols, KV_LEN, H, D, HB, DP)
   else:
@@ -565,7 +570,7 @@ def _input_precision(precision) -> str:
   return "ieee" if highest else "tf32"
 
 
-def _constants(cfg: Config) -> dict:
+def kernel_constants(cfg: Config) -> dict:
   """The constexpr arguments of every kernel (names of ``_TILE_PARAMS``)."""
   bias, mask = _broadcast_strides(cfg.bias_shape), _broadcast_strides(cfg.mask_shape)
   # Heads batch the per-head products (a power of two) and are padded further where the coupled
@@ -625,87 +630,11 @@ def launch_grids(cfg: Config) -> dict[str, tuple[int, int, int]]:
 # --- Launching: Triton's interpreter on a CPU, jax-triton on a GPU -------------------------------
 
 
-def _to_torch(x: np.ndarray):
-  import torch  # the interpreter's buffers; only needed off GPU
-
-  if x.dtype == jnp.bfloat16:
-    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-  return torch.from_numpy(np.ascontiguousarray(x))
-
-
-_INTERPRETER_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _helpers_interpreted(*namespaces: dict):
-  """Every ``@triton.jit`` function a kernel may call (this module's helpers, those in the other
-  module ``namespaces`` given, Triton's standard library such as ``tl.zeros``) swapped for an
-  interpreted one while a kernel runs in the interpreter, which resolves calls through module
-  globals. Setting ``TRITON_INTERPRET=1`` before importing Triton does the same for the whole
-  process, but would stop this process from compiling kernels for a GPU."""
-  import triton.experimental.gluon.language  # noqa: F401 (imported by the interpreter; needs
-
-  # the compiled library in place when it first loads)
-  from triton.runtime.interpreter import InterpretedFunction
-
-  namespaces = [globals(), *namespaces] + [
-    vars(m) for name, m in list(sys.modules.items()) if name.startswith("triton.language")
-  ]
-  saved = [
-    (ns, {n: f for n, f in ns.items() if isinstance(f, triton.runtime.JITFunction)})
-    for ns in namespaces
-  ]
-  with _INTERPRETER_LOCK:
-    for ns, compiled in saved:
-      ns.update({n: InterpretedFunction(f.fn) for n, f in compiled.items()})
-    try:
-      with _bfloat16_mended():
-        yield
-    finally:
-      for ns, compiled in saved:
-        ns.update(compiled)
-
-
-@contextlib.contextmanager
-def _bfloat16_mended():
-  """Two bfloat16 faults of Triton 3.9's interpreter (which holds bfloat16 as uint16 bit
-  patterns), mended while active so that it computes what the GPU does: ``tl.dot`` multiplies
-  the bit patterns as integers (its bfloat16 operands are widened to float32 first, exactly), and
-  ``x.to(tl.bfloat16)`` truncates float32 (rounded to nearest even instead, as the GPU's
-  ``fptrunc`` does)."""
-  import ml_dtypes
-  from triton.runtime import interpreter
-
-  builder = interpreter.interpreter_builder
-  dot, truncate = builder.create_dot, builder.create_fp_trunc
-
-  def widened(x):
-    return builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-
-  def rounded(src, dst_type):
-    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-      return truncate(src, dst_type)
-    bits = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-    return interpreter.TensorHandle(bits, tl.bfloat16)
-
-  builder.create_dot = lambda a, b, *rest: dot(widened(a), widened(b), *rest)
-  builder.create_fp_trunc = rounded
-  try:
-    yield
-  finally:
-    del builder.create_dot, builder.create_fp_trunc  # back to the class's methods
-
-
-def _interpret(kernel, grid, out_shapes, constants, *inputs):
-  """Runs ``kernel``'s own source in Triton's interpreter; outputs start as zeros."""
-  from triton.runtime.interpreter import InterpretedFunction
-
-  outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
-  # torch tensors share the NumPy buffers, so the kernel's stores land in ``outs``.
-  args = [_to_torch(np.array(x)) for x in inputs] + [_to_torch(o) for o in outs]
-  with _helpers_interpreted():
-    InterpretedFunction(kernel.fn)[grid](*args, **constants)
-  return tuple(outs)
+def jax_triton_uses_refs(triton_call) -> bool:
+  """Whether ``jax_triton.triton_call`` is of jax-triton's current API (0.4: ``out_type``, and
+  outputs to start as zeros passed as ``jax.Ref`` arguments, ``out_shape`` and ``zeroed_outputs``
+  deprecated) rather than 0.3's (``out_shape``, ``zeroed_outputs``)."""
+  return "out_type" in inspect.signature(triton_call).parameters
 
 
 def _launch(name: str, kernel, out_shapes, cfg: Config, *inputs, **extra_constants):
@@ -713,29 +642,33 @@ def _launch(name: str, kernel, out_shapes, cfg: Config, *inputs, **extra_constan
   its warps; outputs (float32) start as zeros."""
   grid = launch_grids(cfg)[name]
   num_warps = getattr(cfg.num_warps, name)
-  constants = {**_constants(cfg), **extra_constants}
+  constants = {**kernel_constants(cfg), **extra_constants}
   if cfg.interpret:
-    run = functools.partial(_interpret, kernel, grid, out_shapes, constants)
+    run = functools.partial(triton_interpreter.launch, kernel, grid, out_shapes, constants)
     return jax.pure_callback(run, tuple(out_shapes), *inputs)
   import jax_triton  # imports only with a CUDA jaxlib
 
-  return jax_triton.triton_call(
-    *inputs,
+  launch = functools.partial(
+    jax_triton.triton_call,
     kernel=kernel,
-    out_shape=tuple(out_shapes),
     grid=grid,
     num_warps=num_warps,
     num_stages=cfg.num_stages,  # as the compile report checks (jax-triton's own default is 3)
-    zeroed_outputs=tuple(range(len(out_shapes))),
     **constants,
   )
+  if not jax_triton_uses_refs(jax_triton.triton_call):  # jax-triton 0.3
+    zeroed = tuple(range(len(out_shapes)))
+    return launch(*inputs, out_shape=tuple(out_shapes), zeroed_outputs=zeroed)
+  outs = [jax.new_ref(jnp.zeros(s.shape, s.dtype)) for s in out_shapes]
+  launch(*inputs, *outs, out_type=())  # the kernel writes into the zeroed refs
+  return tuple(out[...] for out in outs)
 
 
 def forward(q, k, v, bias, mask, cfg: Config):
   """Float32 ``out [B, Q, H, d_v]`` (Flax layout in and out; bias/mask at their broadcast
   shapes, or ``[1]`` placeholders)."""
   out_shape = jax.ShapeDtypeStruct((cfg.batch, cfg.q_len, cfg.heads, cfg.d_v), C.F32)
-  (out,) = _launch("forward", _forward_kernel, [out_shape], cfg, q, k, v, bias, mask)
+  (out,) = _launch("forward", forward_kernel, [out_shape], cfg, q, k, v, bias, mask)
   return out
 
 
@@ -877,7 +810,7 @@ def backward_launch(name: str, q, k, v, bias, mask, dout, cfg: Config):
   else:
     outputs = [placeholder, placeholder, f32(v.shape), placeholder]
   inputs = (q, k, v, bias, mask, dout.astype(C.F32))
-  return _launch(name, _dkv_kernel, outputs, cfg, *inputs, WANT_DK=want_dk)
+  return _launch(name, dkv_kernel, outputs, cfg, *inputs, WANT_DK=want_dk)
 
 
 def backward(q, k, v, bias, mask, dout, cfg: Config):

@@ -18,7 +18,7 @@ batch of two 3-D ``tl.dot``. What it costs instead: ``B1`` and ``B2`` are permut
 tile, which the compiler builds through shared memory (``tl.permute``/``tl.reshape``), once per key
 tile.
 
-  python -m benchmarks.hyla_chain_probe --out-dir benchmarks/results   # compile report (sm_90a)
+  python -m tools.device.hyla_chain_probe --out-dir benchmarks/results   # compile report (sm_90a)
 """
 
 from __future__ import annotations
@@ -97,9 +97,8 @@ def constants(length: int, heads: int, head_dim: int, value_dim: int, chunk: int
 def run_interpreted(q, k, v, chunk: int, relu: bool) -> np.ndarray:
   """The kernel's own source in Triton's interpreter (float32 inputs rounded to bfloat16)."""
   import torch
-  from triton.runtime.interpreter import InterpretedFunction
 
-  from primal_dual.kernels.hyla import tensorcore as ht
+  from primal_dual.kernels import triton_interpreter
 
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]
@@ -109,23 +108,19 @@ def run_interpreted(q, k, v, chunk: int, relu: bool) -> np.ndarray:
   out = torch.zeros((batch, length, heads, value_dim), dtype=torch.float32)
   grid = (batch, length // TILE, value_dim // chunk)
   # Triton's library interpreted and its bfloat16 faults mended, as for the library's kernels.
-  with ht._helpers_interpreted():
-    InterpretedFunction(chain_forward.fn)[grid](
-      *args,
-      out,
-      1.0 / math.sqrt(head_dim),
-      **constants(length, heads, head_dim, value_dim, chunk, relu),
-    )
+  scale = 1.0 / math.sqrt(head_dim)
+  consts = constants(length, heads, head_dim, value_dim, chunk, relu)
+  triton_interpreter.run(chain_forward, grid, [*args, out, scale], consts)
   return out.numpy()
 
 
 def compile_report(out_dir: Path, length: int = 8192, chunks=(16, 32), warps=(4, 8)) -> Path:
   """Compiles the probe for sm_90a at H = 8, d = 64 (bfloat16) for each value chunk and warp count;
   writes ``hyla_chain_probe.json`` and ``.md`` (registers, spills, shared memory, per key-tile
-  SASS counts, the time estimate of ``benchmarks/gpu_compile.py``)."""
+  SASS counts, the time estimate of ``tools/device/gpu_compile.py``)."""
   import tempfile
 
-  from benchmarks import gpu_compile as gc
+  from tools.device import gpu_compile as gc
 
   records = []
   heads, head_dim = 8, 64
@@ -156,8 +151,8 @@ def compile_report(out_dir: Path, length: int = 8192, chunks=(16, 32), warps=(4,
   lines = [
     "# HYLA chained-products probe: sm_90a compile report (forward only)",
     "",
-    f"`python -m benchmarks.hyla_chain_probe`; H = 8, d = d_v = 64, bfloat16, N = {length}, one "
-    "example; estimate: `benchmarks/gpu_compile.py`'s model (not a measurement).",
+    f"`python -m tools.device.hyla_chain_probe`; H = 8, d = d_v = 64, bfloat16, N = {length}, one "
+    "example; estimate: `tools/device/gpu_compile.py`'s model (not a measurement).",
     "",
     "| value chunk | warps | status | registers | spill bytes | shared KiB | HMMA / key tile | "
     "barriers / key tile | instructions / key tile | programs per SM | estimate ms |",

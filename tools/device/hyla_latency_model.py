@@ -21,7 +21,7 @@ another (``lax.map``/``lax.scan`` over (N/128)² tiles, batch 1): per tile step,
 products' FLOPs and bytes (counted from the jaxpr of ``hyla.blockwise``'s tile functions) and a
 fixed cost per kernel, ``kernel_s``, fitted.
 
-  python -m benchmarks.hyla_latency_model --out-dir benchmarks/results
+  python -m tools.device.hyla_latency_model --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Device(NamedTuple):
   tuning guide)."""
 
   sms: int = 132
-  clock_hz: float = 1.98e9  # boost clock, as benchmarks/gpu_compile.py
+  clock_hz: float = 1.98e9  # boost clock, as tools/device/gpu_compile.py
   tensor_flops: float = 989e12  # dense bfloat16 (wgmma; mma.sync reaches less: a lower bound)
   schedulers_per_sm: int = 4  # one warp instruction per clock each
   lanes_per_sm: int = 128  # 4 × 32: thread-level ALU operations per clock
@@ -117,9 +117,9 @@ def combine(terms: Mapping[str, float]) -> dict[str, float]:
 
 # The measured form: tile 16, value chunk 16, warps 4 (forward) / 8 (dq, dk, dv). Its forward and
 # dv launches are records of gpu_compile.json as they are; its dq launch is the dq_dk record of the
-# same setting (the dq_dk launch has the dq launch's loop; benchmarks/README.md), and its dk launch
-# the same counts with 109 barriers per iteration, as benchmarks/README.md gives it (no SASS record
-# of it is committed).
+# same setting (the dq_dk launch has the dq launch's loop; tools/device/README.md), and its dk
+# launch the same counts with 109 barriers per iteration, as tools/device/README.md gives it (no
+# SASS record of it is committed).
 FOUR_LAUNCH_SETTING = {"block_size": 16, "value_chunk": 16, "launch_warps": [4, 8, 8]}
 FOUR_LAUNCHES = (("forward", "forward", None), ("dq", "dq_dk", None), ("dk", "dq_dk", 109))
 FOUR_LAUNCHES += (("dv", "dv", None),)
@@ -415,7 +415,7 @@ def render(payload: Mapping[str, Any]) -> str:
     [
       "# HYLA latency model (H100, bf16, forward + backward, B 1, H 8, d 64)",
       "",
-      "A model, not a measurement (`benchmarks/hyla_latency_model.py`). Fitted: "
+      "A model, not a measurement (`tools/device/hyla_latency_model.py`). Fitted: "
       f"{fitted['stage_cycles']:.0f} cycles per barrier stage "
       f"({fitted['stage_cycles_fitted_on']}), "
       f"{fitted['kernel_us']:.2f} µs per XLA kernel ({fitted['kernel_us_fitted_on']}); every other "

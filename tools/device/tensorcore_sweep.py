@@ -1,6 +1,6 @@
 """Each launch of the tensor-core HYLA kernels timed alone on a GPU, over a few clean settings.
 
-``python -m benchmarks.tensorcore_sweep --budget-s 150`` times, for the default setting of
+``python -m tools.device.tensorcore_sweep --budget-s 150`` times, for the default setting of
 ``primal_dual/kernels/hyla/tensorcore.py``, the default of float32 operands (bfloat16 inputs
 widened, as a GPU call runs them by default) and a handful of other tiles, value chunks and warps
 (each one clean in the sm_90a compile report: no spills, shared memory within a block), the three
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import common, device_suite, gpu_compile
-from primal_dual.kernels import _common
+from benchmarks import common, device_suite
+from tools.device import gpu_compile
 
 STEM = "tensorcore_sweep"
 LAUNCHES = ("forward", "dq_dk", "dv")
@@ -279,7 +279,7 @@ def render_markdown(payload) -> str:
       "rms_head, mlp_relu, no mask or bias; float32 dout. Median of "
       f"{config['repeats']} warm calls after a compiling one; TFLOP/s of the analytic FLOPs "
       f"(per (query, key) pair and head: {LAUNCH_FLOPS} × 2·d); estimate: the sm_90a compile "
-      "report's (`benchmarks/gpu_compile.py`, a model of the SASS) at this shape, where it has "
+      "report's (`tools/device/gpu_compile.py`, a model of the SASS) at this shape, where it has "
       "the setting. The first row checks the "
       "default kernels' output and gradients against the blockwise XLA path (float32, with and "
       f"without causal; fails past {CHECK_TOLERANCE:g} of the largest value). "
@@ -295,7 +295,7 @@ def render_markdown(payload) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.tensorcore_sweep",
+    prog="python -m tools.device.tensorcore_sweep",
     description=__doc__.split("\n\n")[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
@@ -320,7 +320,9 @@ def run(args, rows=None, budget=None, log=print) -> dict[str, Path]:
   budget = device_suite.Budget(args.budget_s) if budget is None else budget
   sizes = TINY if args.tiny else FULL
   label = args.device_label or device_suite.device_label()
-  interpret = _common.interpret_off_gpu()
+  from primal_dual.kernels.hyla import tensorcore as ht
+
+  interpret = ht.interpret_off_gpu()
   estimates = compile_estimates(args.compile_report, sizes.shape)
   rows = build_rows(sizes, interpret, estimates) if rows is None else list(rows)
   config = dict(

@@ -32,8 +32,8 @@ SASS counts of one main-loop iteration (nested loops once per trip), the program
 once, and the larger of an issue bound and a latency bound (barrier-separated stages per iteration
 × ``STAGE_CYCLES``, fitted to the one H100 measurement of these kernels).
 
-  python -m benchmarks.gpu_compile                      # writes benchmarks/results/gpu_compile.*
-  python -m benchmarks.gpu_compile --families tensorcore --tiles 16 --out-dir /tmp/gc
+  python -m tools.device.gpu_compile                      # writes benchmarks/results/gpu_compile.*
+  python -m tools.device.gpu_compile --families tensorcore --tiles 16 --out-dir /tmp/gc
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ARCH = "sm_90a"
 CAPABILITY = 90
 # An H100's shared memory per block (227 KiB usable of its 228 KiB).
@@ -95,9 +95,9 @@ class LaunchShape(NamedTuple):
 TENSORCORE_MODULE = "primal_dual.kernels.hyla.tensorcore"
 # (function, extra constants, pointer types after q, k, v in argument order) of each launch.
 TENSORCORE_LAUNCHES = {
-  "forward": ("_forward_kernel", {}, ("fp32", "i8", "fp32")),
-  "dq_dk": ("_dkv_kernel", {"WANT_DK": True}, ("fp32", "i8") + ("fp32",) * 5),
-  "dv": ("_dkv_kernel", {"WANT_DK": False}, ("fp32", "i8") + ("fp32",) * 5),
+  "forward": ("forward_kernel", {}, ("fp32", "i8", "fp32")),
+  "dq_dk": ("dkv_kernel", {"WANT_DK": True}, ("fp32", "i8") + ("fp32",) * 5),
+  "dv": ("dkv_kernel", {"WANT_DK": False}, ("fp32", "i8") + ("fp32",) * 5),
 }
 
 
@@ -181,7 +181,7 @@ def tensorcore_constants(setting: TensorcoreSetting, shape: Shape) -> dict[str, 
   """The kernels' constexpr constants for ``tensorcore_config``."""
   from primal_dual.kernels.hyla import tensorcore as ht
 
-  return ht._constants(tensorcore_config(setting, shape))
+  return ht.kernel_constants(tensorcore_config(setting, shape))
 
 
 def tensorcore_launch_shape(setting: TensorcoreSetting, shape: Shape, launch: str) -> LaunchShape:
@@ -629,7 +629,7 @@ def compile_kernel(job: CompileJob, workdir: Path, memory_cap_gib: float, timeou
   out_path.unlink(missing_ok=True)
   spec_path.write_text(json.dumps({"job": job._asdict(), "out_path": str(out_path)}))
   cap = str(int(memory_cap_gib * 2**30))
-  command = [sys.executable, "-m", "benchmarks.gpu_compile", "--worker", str(spec_path), cap]
+  command = [sys.executable, "-m", "tools.device.gpu_compile", "--worker", str(spec_path), cap]
   code, _, stderr = run_capped(command, timeout_s)
   if code is None:
     return {"status": "timeout", "reason": f"over {timeout_s:g} s (killed)"}
@@ -955,7 +955,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   from primal_dual.kernels.hyla import blockwise
 
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.gpu_compile",
+    prog="python -m tools.device.gpu_compile",
     description=__doc__.split("\n\n")[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )

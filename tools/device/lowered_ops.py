@@ -11,9 +11,9 @@ the terminators ``func.return`` and ``stablehlo.return``. Constants count. XLA l
 into one kernel, so this is a proxy for a program's launch overhead, not a launch count; gathers
 and scatters are counted apart (on a GPU a bfloat16 scatter-add is atomics).
 
-``python -m benchmarks.lowered_ops`` prints the counts of the forward + backward (``jax.grad`` of
+``python -m tools.device.lowered_ops`` prints the counts of the forward + backward (``jax.grad`` of
 ``sum(out)`` in float32 with respect to q, k and v) of softmax, SH and BN+SH, bfloat16, batch 1,
-N 4096, 8 heads, head dim 64, ratios ``(1, 1, 2, 2, 4, 4, 8, 8)`` (benchmarks/README.md).
+N 4096, 8 heads, head dim 64, ratios ``(1, 1, 2, 2, 4, 4, 8, 8)`` (tools/device/README.md).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def render(counts: dict[str, OpCount]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.lowered_ops", description=__doc__.split("\n\n")[0]
+    prog="python -m tools.device.lowered_ops", description=__doc__.split("\n\n")[0]
   )
   parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
   parser.add_argument("--length", type=int, default=4096)

@@ -9,15 +9,15 @@ bfloat16 kernels right. Each pattern is a small ``@triton.jit`` kernel launched 
 torch tensors (no JAX in the launch):
 
 * ``loaded``: a 3-D ``tl.dot`` of two loaded blocks (``q · k``: heads batched);
-* ``mix_heads``: the kernels' ``_mix_heads`` on loaded ``a [16, bq, bk]`` and ``v [16, bk, chunk]``
+* ``mix_heads``: the kernels' ``mix_heads`` on loaded ``a [16, bq, bk]`` and ``v [16, bk, chunk]``
   (``z_j = A_j @ V_j``, both operands permuted in registers);
 * ``mix_heads_permuted_wide``: the same with both loaded as float32, permuted, then rounded to the
   operand dtype (a candidate repair: the permutes on 32-bit values);
 * ``read_out``: ``z`` rounded to the operand dtype and fed, permuted, to the second product
   (``out_i = A_i @ U_i``: a product's accumulator as another's operand);
-* ``padded``: the forward's chain from a float32 scores tile ``[4, bq, bk]``: ``_pad_heads`` to 16
-  heads, rounded, ``_mix_heads``, the read-out;
-* ``forward``: the module's ``_forward_kernel`` itself (``rms_head``, ``mlp_relu``, a padding mask;
+* ``padded``: the forward's chain from a float32 scores tile ``[4, bq, bk]``: ``pad_heads`` to 16
+  heads, rounded, ``mix_heads``, the read-out;
+* ``forward``: the module's ``forward_kernel`` itself (``rms_head``, ``mlp_relu``, a padding mask;
   3 heads, 12 queries, 20 keys, d = d_v = 8: the failing test's shape), against the blockwise path
   run on the CPU; ``forward_widened``: float32 inputs rounded as ``bf16``/``fp16`` inside, what a
   GPU call runs today (``widen_16bit``); ``forward_unmasked``: the 16-bit forward without the mask.
@@ -25,7 +25,7 @@ torch tensors (no JAX in the launch):
 Compiled here for sm_90a, Triton 3.6 and 3.7 give the masked forward's head-coupled 16-bit
 products operands of ``kWidth`` 8 at K = 16 (without the mask, and in every pattern above, 2 or 4;
 Triton 3.8 and 3.9: 4 everywhere), past the quarter of K a thread holds per ``mma.m16n8k16``
-(``benchmarks/gpu_compile.py``, ``dot_operand_widths``); upstream fixed wrong results of exactly
+(``tools/device/gpu_compile.py``, ``dot_operand_widths``); upstream fixed wrong results of exactly
 that (triton-lang/triton#11691). If the device shows the 16-bit ``forward`` wrong, and
 ``forward_unmasked`` and the patterns right, that is the fault.
 
@@ -33,8 +33,8 @@ Operands: ``bf16``, ``fp16``, ``fp32`` (TF32 products) and ``ieee`` (float32 pro
 8. A row is right when ‖out − ref‖ / ‖ref‖ is within its operands' tolerance
 (:data:`TOLERANCES`); a row that raises is recorded with its error.
 
-  python3 -m benchmarks.tensorcore_probe --out "$OUT/tensorcore_probe.json"   # on a GPU
-  python3 -m benchmarks.tensorcore_probe --interpret --out /tmp/probe.json      # CPU (the test)
+  python3 -m tools.device.tensorcore_probe --out "$OUT/tensorcore_probe.json"   # on a GPU
+  python3 -m tools.device.tensorcore_probe --interpret --out /tmp/probe.json      # CPU (the test)
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from primal_dual.kernels import triton_interpreter
 from primal_dual.kernels.hyla import blockwise as hb
 from primal_dual.kernels.hyla import tensorcore as ht
 
@@ -119,11 +120,11 @@ def _mix_heads_kernel(a_ptr, v_ptr, out_ptr, HP: tl.constexpr, BQ: tl.constexpr,
   a = tl.load(a_ptr + _block_offsets(HP, BQ, BK))
   v = tl.load(v_ptr + _block_offsets(HP, BK, BV))
   if WIDE_PERMUTE:
-    a_t = ht._rounded_as(tl.permute(a, (2, 1, 0)), OPERANDS)
-    v_t = ht._rounded_as(tl.permute(v, (1, 0, 2)), OPERANDS)
+    a_t = ht.rounded_as(tl.permute(a, (2, 1, 0)), OPERANDS)
+    v_t = ht.rounded_as(tl.permute(v, (1, 0, 2)), OPERANDS)
     z = tl.dot(a_t, v_t, input_precision=PRECISION)
   else:
-    z, u = ht._mix_heads(a, v, False, PRECISION)
+    z, u = ht.mix_heads(a, v, False, PRECISION)
   tl.store(out_ptr + _block_offsets(BK, BQ, BV), z)
 
 
@@ -132,18 +133,16 @@ def _read_out_kernel(a_ptr, v_ptr, out_ptr, HP: tl.constexpr, BQ: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, OPERANDS: tl.constexpr,
                      PRECISION: tl.constexpr, FROM_SCORES: tl.constexpr, HX: tl.constexpr):  # fmt: skip
   """``out [BQ, HP, BV]`` of the forward's inner step. ``FROM_SCORES``: ``a`` is a float32 scores
-  tile ``[HP / 2^HX, BQ, BK]`` padded by ``_pad_heads`` and rounded, as the forward does."""
+  tile ``[HP / 2^HX, BQ, BK]`` padded by ``pad_heads`` and rounded, as the forward does."""
   v = tl.load(v_ptr + _block_offsets(HP, BK, BV))
   if FROM_SCORES:
-    a = ht._rounded_as(
-      ht._pad_heads(tl.load(a_ptr + _block_offsets(HP >> HX, BQ, BK)), HX), OPERANDS
-    )
+    a = ht.rounded_as(ht.pad_heads(tl.load(a_ptr + _block_offsets(HP >> HX, BQ, BK)), HX), OPERANDS)
   else:
     a = tl.load(a_ptr + _block_offsets(HP, BQ, BK))
-  z, u = ht._mix_heads(a, v, True, PRECISION)
+  z, u = ht.mix_heads(a, v, True, PRECISION)
   out = tl.dot(
     tl.permute(a, (1, 0, 2)),
-    tl.permute(ht._rounded_as(u, OPERANDS), (1, 0, 2)),
+    tl.permute(ht.rounded_as(u, OPERANDS), (1, 0, 2)),
     input_precision=PRECISION,
   )
   tl.store(out_ptr + _block_offsets(BQ, HP, BV), out)
@@ -176,10 +175,8 @@ class Launcher(NamedTuple):
     """``kernel[grid](*args)``; ``num_stages`` None: Triton's default (the patterns have no
     loop to pipeline)."""
     if self.interpret:
-      from triton.runtime.interpreter import InterpretedFunction
-
-      with ht._helpers_interpreted(globals()):
-        InterpretedFunction(kernel.fn)[grid](*args, **constants)
+      # This module's helpers and the kernels' (``ht.rounded_as`` etc.) interpreted.
+      triton_interpreter.run(kernel, grid, args, constants, vars(ht))
     else:
       stages = {} if num_stages is None else {"num_stages": num_stages}
       kernel[grid](*args, **constants, num_warps=num_warps, **stages)
@@ -276,7 +273,7 @@ def _forward(launch: Launcher, operands: str, warps: int, rng, widened=False, ma
   placeholders = [launch.tensor(np.zeros(1), "fp32"), launch.tensor(mask.astype(np.int8), "i8")]
   grid = ht.launch_grids(cfg)["forward"]
   args = [*inputs, *placeholders, out]
-  launch.run(ht._forward_kernel, grid, args, ht._constants(cfg), warps, cfg.num_stages)
+  launch.run(ht.forward_kernel, grid, args, ht.kernel_constants(cfg), warps, cfg.num_stages)
   # The blockwise path on the CPU, on the values the kernel rounds as (np_dtype).
   with jax.default_device(jax.devices("cpu")[0]):
     ref = hb.hyla_blockwise_attention(

@@ -7,11 +7,11 @@ starts in a session of its own (`setsid`, which the end of the call does not sto
 waits for it, and the last one packs its metrics (and, when it has not finished, what resuming
 needs) into `$OUT`::
 
-  python3 -m reproduce.lease start NAME -- COMMAND ...   # returns at once
-  python3 -m reproduce.lease wait NAME SECONDS           # until the job ends or SECONDS pass
-  python3 -m reproduce.lease collect NAME ROOT [FILE ...]
-  python3 -m reproduce.lease restore NAME                # in a later lease: unpack the state
-  python3 -m reproduce.lease progress ROOT STEM          # curves of runs, finished or not
+  python3 -m tools.device.lease start NAME -- COMMAND ...   # returns at once
+  python3 -m tools.device.lease wait NAME SECONDS           # until the job ends or SECONDS pass
+  python3 -m tools.device.lease collect NAME ROOT [FILE ...]
+  python3 -m tools.device.lease restore NAME                # in a later lease: unpack the state
+  python3 -m tools.device.lease progress ROOT STEM          # curves of runs, finished or not
 
 `collect` writes `NAME_metrics.tar.gz` (every run's metrics.jsonl, final_metrics.json, config.json,
 experiment.json and grid_run.json under ROOT, the FILEs, e.g. the grid's results JSON, and the
@@ -396,7 +396,7 @@ def write_progress(root: str, stem: str, every: int, note: str) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-    prog="python3 -m reproduce.lease", description=__doc__.split("\n")[0]
+    prog="python3 -m tools.device.lease", description=__doc__.split("\n")[0]
   )
   parser.add_argument("--jobs_dir", default=JOBS_DIR, help="where the job's log, pid and rc go")
   commands = parser.add_subparsers(dest="action", required=True)

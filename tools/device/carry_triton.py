@@ -16,12 +16,12 @@ Here (the registry is reachable; about 3 minutes, mostly xz)::
 
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d /tmp/w triton==3.9.0
-  python3 -m benchmarks.carry_triton /tmp/w/triton-3.9.0-*.whl
+  python3 -m tools.device.carry_triton /tmp/w/triton-3.9.0-*.whl
 
 writes ``.triton/triton-3.9.0.tar.xz`` (an ignored folder: carry ``.triton``). On the device,
 first, before anything imports triton::
 
-  eval "$(python3 -m benchmarks.carry_triton --activate .triton/triton-3.9.0.tar.xz)"
+  eval "$(python3 -m tools.device.carry_triton --activate .triton/triton-3.9.0.tar.xz)"
 """
 
 from __future__ import annotations

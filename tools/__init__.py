@@ -1,0 +1,1 @@
+"""Tooling beside the library, neither shipped in the package nor a paper study (tools/device/)."""
