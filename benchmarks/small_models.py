@@ -148,19 +148,23 @@ def time_steps(m: Measurement, repeats: int) -> dict[str, Any]:
 
 
 def traced_program(m: Measurement):
-  """The K-step training program of ``m`` traced from abstract arguments (``jax.stages.Traced``:
-  ``.lower(lowering_platforms=...)`` for any platform, ``.lower().compile()`` for this machine's);
-  nothing is initialised or run."""
+  """The K-step training program of ``m`` traced from abstract arguments (`trace_steps`)."""
+  return trace_steps(build(m, initialize=False)[0], m.steps_per_call)
+
+
+def trace_steps(program, steps_per_call: int):
+  """``program``'s ``steps_per_call``-step training program traced from abstract arguments
+  (``jax.stages.Traced``: ``.lower(lowering_platforms=...)`` for any platform,
+  ``.lower().compile()`` for this machine's); nothing is initialised or run."""
   from primal_dual.training import sharding
 
-  program, _ = build(m, initialize=False)
   runner = program.run_steps
   abstract = functools.partial(
     jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   )
   state = jax.eval_shape(program.init.__wrapped__)
   with sharding.mesh_context(program.mesh):
-    return runner._compile(m.steps_per_call).__wrapped__.trace(
+    return runner._compile(steps_per_call).__wrapped__.trace(
       state, None, abstract(runner.stream_arguments), abstract(runner.hyperparameters)
     )
 

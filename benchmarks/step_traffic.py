@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -62,17 +63,15 @@ def written_bytes(hlo_text: str, seq_len: int) -> dict[str, int]:
     if dtype not in DTYPE_BYTES or not dims:
       continue
     shape = [int(d) for d in dims.split(",")]
-    size = DTYPE_BYTES[dtype]
-    for d in shape:
-      size *= d
-    split["attention_matrix" if shape.count(seq_len) >= 2 else "other"] += size
+    kind = "attention_matrix" if shape.count(seq_len) >= 2 else "other"
+    split[kind] += DTYPE_BYTES[dtype] * math.prod(shape)
   return dict(split)
 
 
 def traffic_row(m: small_models.Measurement) -> dict[str, Any]:
   """XLA:CPU's cost analysis of ``m``'s compiled one-step program, per model-step."""
   program, _ = small_models.build(m, initialize=False)
-  compiled = small_models.traced_program(m).lower().compile()
+  compiled = small_models.trace_steps(program, m.steps_per_call).lower().compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   per_model_step = m.steps_per_call * m.num_replicas

@@ -457,6 +457,7 @@ SPEEDUP_COLUMNS = (
 
 def render_markdown(payload) -> str:
   config = payload["config"]
+  speedups = bfloat16_speedups(payload["records"])
   return "\n".join(
     [
       *common.report_header("Training-step throughput", payload["metadata"]),
@@ -474,10 +475,10 @@ def render_markdown(payload) -> str:
         [
           "## bfloat16 compute against float32 (float32 parameters)",
           "",
-          common.render_markdown_table(SPEEDUP_COLUMNS, bfloat16_speedups(payload["records"])),
+          common.render_markdown_table(SPEEDUP_COLUMNS, speedups),
           "",
         ]
-        if bfloat16_speedups(payload["records"])
+        if speedups
         else []
       ),
       "## All records",

@@ -123,3 +123,33 @@ def records_without_timing(workdir) -> list[dict]:
   from primal_dual.training import metrics_logging
 
   return [without_timing(r) for r in metrics_logging.read_metrics(str(workdir))]
+
+
+def dot_product_attention_keywords(monkeypatch) -> list[dict]:
+  """From now on every ``jax.nn.dot_product_attention`` call runs as before and appends its
+  keyword arguments to the returned list (what the kernels decide: mask, bias, lengths,
+  implementation)."""
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def recording(*args, **kwargs):
+    calls.append(kwargs)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+  return calls
+
+
+def run_cudnn_operands_on_xla(monkeypatch) -> None:
+  """From now on ``fused.attend`` prepares cuDNN's operands (as on a GPU), which then run through
+  XLA's implementation: the CPU has no cuDNN."""
+  from primal_dual.kernels import fused
+
+  monkeypatch.setattr(fused, "backend_implementation", lambda query, **_: "cudnn")
+  original = jax.nn.dot_product_attention
+
+  def xla(*args, implementation=None, **kwargs):
+    assert implementation == "cudnn"
+    return original(*args, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", xla)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import helpers
 from jax._src.cudnn import fused_attention_stablehlo  # its cuDNN version check is stubbed
 
 from primal_dual.kernels import fused
@@ -73,29 +75,16 @@ def _value_and_grads(case, inputs):
   return out, grads
 
 
-def run_cudnn_operands_on_xla(patch: pytest.MonkeyPatch) -> None:
-  """From now on ``fused.attend`` prepares cuDNN's operands, which then run through XLA's
-  implementation."""
-  patch.setattr(fused, "backend_implementation", lambda query, **_: "cudnn")
-  original = jax.nn.dot_product_attention
-
-  def xla(*args, implementation=None, **kwargs):
-    assert implementation == "cudnn"
-    return original(*args, implementation="xla", **kwargs)
-
-  patch.setattr(jax.nn, "dot_product_attention", xla)
-
-
 @pytest.fixture
 def cudnn_on_xla(monkeypatch):
-  run_cudnn_operands_on_xla(monkeypatch)
+  helpers.run_cudnn_operands_on_xla(monkeypatch)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cudnn_operands_leave_outputs_and_gradients_unchanged(case, monkeypatch):
   inputs = _inputs(q_len=S if CASES[case][3] else T)
   expected = _value_and_grads(case, inputs)
-  run_cudnn_operands_on_xla(monkeypatch)
+  helpers.run_cudnn_operands_on_xla(monkeypatch)
   got = _value_and_grads(case, inputs)
   for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 from primal_dual.kernels import batchnorm_attention, fused, scaled_head_attention, softmax_attention
 
 KERNELS = {
@@ -95,17 +97,10 @@ def test_grouped_heads_bfloat16_and_batch_dims(kernel):
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_auto_takes_the_fused_path_only_when_it_applies(kernel, monkeypatch):
-  calls = []
-  original = jax.nn.dot_product_attention
-
-  def counting(*args, **kwargs):
-    calls.append(kwargs["implementation"])
-    return original(*args, **kwargs)
-
-  monkeypatch.setattr(jax.nn, "dot_product_attention", counting)
+  calls = helpers.dot_product_attention_keywords(monkeypatch)
   q, k, v, mask, _ = _inputs()
   KERNELS[kernel](q, k, v, mask=mask)
-  assert calls and set(calls) == {"xla"}  # CPU: XLA's implementation
+  assert calls and {c["implementation"] for c in calls} == {"xla"}  # CPU: XLA's implementation
   calls.clear()
   KERNELS[kernel](q, k, v, mask=mask, return_weights=True)
   KERNELS[kernel](q, k, v, dropout_rate=0.5, deterministic=False, dropout_rng=jax.random.key(1))
@@ -148,18 +143,6 @@ def _lengths_and_mask(queries: bool) -> tuple[dict, np.ndarray]:
   return lengths, keys[:, None, None, :] & real[:, None, :, None]
 
 
-def _prepared_for_cudnn(monkeypatch) -> None:
-  """From now on ``fused.attend`` prepares cuDNN's operands (padded head size and lengths, both
-  lengths given), which XLA's implementation then runs: the CPU has no cuDNN."""
-  monkeypatch.setattr(fused, "backend_implementation", lambda query, **_: "cudnn")
-  original = jax.nn.dot_product_attention
-  monkeypatch.setattr(
-    jax.nn,
-    "dot_product_attention",
-    lambda *args, implementation, **kwargs: original(*args, implementation="xla", **kwargs),
-  )
-
-
 @pytest.mark.parametrize("operands", ["as_given", "prepared_for_cudnn"])
 @pytest.mark.parametrize("case", sorted(LENGTH_CASES))
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -170,7 +153,7 @@ def test_lengths_give_their_masks_outputs_and_gradients(kernel, case, operands, 
   queries, is_causal = LENGTH_CASES[case]["queries"], LENGTH_CASES[case]["is_causal"]
   lengths, mask = _lengths_and_mask(queries)
   if operands == "prepared_for_cudnn":
-    _prepared_for_cudnn(monkeypatch)
+    helpers.run_cudnn_operands_on_xla(monkeypatch)  # padded heads, both lengths
 
   def loss(q, k, v, implementation, **masking):
     out = KERNELS[kernel](
@@ -197,14 +180,7 @@ def test_lengths_reach_jax_nn_as_lengths_and_a_mask_as_a_mask(kernel, monkeypatc
   """What decides cuDNN's path (tests/test_lowering.py pins it): lengths alone are passed as
   ``key_value_seq_lengths``/``query_seq_lengths`` ``[B]`` with no mask or bias; a mask (a padding
   one too: its values are data) as a mask; lengths with a mask, folded into it."""
-  calls = []
-  original = jax.nn.dot_product_attention
-
-  def spy(*args, **kwargs):
-    calls.append(kwargs)
-    return original(*args, **kwargs)
-
-  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  calls = helpers.dot_product_attention_keywords(monkeypatch)
   q, k, v, _, _ = _inputs(batch=(3,))
   lengths, mask = _lengths_and_mask(queries=True)
   KERNELS[kernel](q, k, v, **lengths)

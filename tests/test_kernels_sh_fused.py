@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 from primal_dual.kernels import fused
 from primal_dual.kernels import scaled_head as sh
 from primal_dual.kernels.softmax import softmax_attention
@@ -199,14 +201,7 @@ def test_padding_given_as_lengths_stays_unmasked_in_one_launch(variant, monkeypa
     sh.scaled_head_attention, ratios=ratios, num_prefix_tokens=prefix, **VARIANTS[variant]
   )
   expected = attention(q, k, v, mask=mask, implementation="reference")
-  calls = []
-  original = jax.nn.dot_product_attention
-
-  def spy(*args, **kwargs):
-    calls.append(kwargs)
-    return original(*args, **kwargs)
-
-  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  calls = helpers.dot_product_attention_keywords(monkeypatch)
   lengths = {"key_value_seq_lengths": key_lengths, "query_seq_lengths": query_lengths}
   for single_launch in (True, False):
     out = attention(q, k, v, single_launch=single_launch, implementation="fused", **lengths)
