@@ -11,6 +11,7 @@ from numpy_reference import hyla_ref
 
 from tools.device import hyla_latency_model as hlm
 from primal_dual.kernels import hyla
+from primal_dual.kernels.hyla import mosaic
 from primal_dual.kernels.hyla import staged as hs
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bfloat16: 8 significand bits, round to nearest
@@ -153,3 +154,23 @@ def test_the_committed_report_is_current(payload):
   assert [r["predicted_ms"] for r in rows] == pytest.approx(
     [r["predicted_ms"] for r in payload["rows"]]
   )
+
+
+def test_the_mosaic_forward_counts_follow_the_kernel():
+  """One program's block: 64 × 16 pairs, (2H + 1)·e_tile CUDA-core operations per pair for the
+  value network and 2·16 per head for the columns, four warps on four schedulers."""
+  design = hlm.MosaicForward()
+  assert (design.q_tile, design.k_tile) == (mosaic.Q_TILE, mosaic.K_TILE)
+  row = hlm.mosaic_forward_prediction(8192, 32)
+  ops = 64 * 16 * ((2 * 8 + 1) * 32 + 8 * 32)
+  assert row["cycles_per_block"]["issue"] == pytest.approx(ops / 32 / 4)
+  assert row["programs"] == 8192 // 64 * 2 and row["registers_for_accumulators"] == 128
+
+
+def test_the_mosaic_forward_time_follows_its_waves(payload):
+  rows = {(r["length"], r["e_tile"]): r for r in payload["mosaic_forward"]}
+  # 64 programs at 4k (e_tile 64) half-fill 132 SMs; 128 and 256 programs are one and two waves.
+  assert rows[(8192, 64)]["forward_ms"] / rows[(4096, 64)]["forward_ms"] == pytest.approx(2)
+  assert rows[(8192, 32)]["waves"] == 2 and rows[(4096, 32)]["waves"] == 1
+  committed = Path(__file__).parent.parent / "benchmarks/results/hyla_latency_model.json"
+  assert json.loads(committed.read_text())["mosaic_forward"] == payload["mosaic_forward"]

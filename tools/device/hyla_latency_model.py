@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from benchmarks import common
+from primal_dual.kernels.hyla import mosaic
 
 LENGTHS = (4096, 8192, 32768)
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
@@ -295,6 +296,63 @@ def staged_prediction(length: int, stage_cycles: float, design=STAGED, device=H1
   return out
 
 
+# --- The Mosaic GPU forward kernel of hyla.mosaic (its first stage) ------------------------------
+
+
+class MosaicForward(NamedTuple):
+  """Counts of :mod:`primal_dual.kernels.hyla.mosaic`'s forward kernel, read off its code: one
+  warpgroup (4 warps) per program of 64 queries × ``e_tile`` value columns, key blocks of 16,
+  each loaded and waited for before it is used (no pipelining)."""
+
+  q_tile: int = mosaic.Q_TILE
+  k_tile: int = mosaic.K_TILE
+  e_tile: int = 32
+  # Thread-level operations per (query, key) pair and program, on the CUDA cores: per value
+  # column, H FMAs for z, one max for relu and H FMAs for out (2H + 1); per head, the column
+  # a_h[:, j] by a masked row sum over the block's 16 keys (a select and an add per element).
+  column_ops_per_head: int = 2 * 16
+  # The TMA round trip of an unpipelined key block (L2 hit latency, an assumption: ~700 cycles).
+  load_cycles: float = 700.0
+  warps: int = 4
+
+
+MOSAIC_TILES = (64, 32)  # e_tile: one program per query tile, or two (fills the SMs at 4k)
+
+
+def mosaic_forward_prediction(length: int, e_tile: int, device=H100) -> dict[str, Any]:
+  """The forward kernel's time at ``length`` (batch 1, H 8, d 64): per program, key blocks ×
+  (the larger of its tensor and issue cycles per block + the block's load latency), programs in
+  waves of one per SM (its float32 accumulators, H·e_tile/2 registers per thread, leave no room
+  for a second program). Registers and spills are not modelled: no SASS of it exists on the CPU."""
+  design = MosaicForward(e_tile=e_tile)
+  programs = BATCH * (length // design.q_tile) * (HEAD_DIM // e_tile)
+  waves = math.ceil(programs / device.sms)
+  blocks = length // design.k_tile
+  pairs = design.q_tile * design.k_tile  # per program per block
+  ops = pairs * ((2 * HEADS + 1) * e_tile + HEADS * design.column_ops_per_head)
+  issue_cycles = ops / 32 / min(design.warps, device.schedulers_per_sm)
+  tensor_cycles = (
+    pairs * 2 * HEADS * HEAD_DIM / (device.tensor_flops / device.sms / device.clock_hz)
+  )
+  block_cycles = max(issue_cycles, tensor_cycles) + design.load_cycles
+  forward_s = waves * blocks * block_cycles / device.clock_hz
+  return {
+    "e_tile": e_tile,
+    "programs": programs,
+    "waves": waves,
+    "registers_for_accumulators": HEADS * e_tile * design.q_tile // 128,
+    "cycles_per_block": {
+      "issue": issue_cycles,
+      "tensor": tensor_cycles,
+      "load": design.load_cycles,
+    },
+    "forward_ms": 1e3 * forward_s,
+    "vs_cudnn_fwd_bwd": None
+    if length not in MEASURED_MS["cudnn"]
+    else 1e3 * forward_s / MEASURED_MS["cudnn"][length],
+  }
+
+
 # --- Fitting and the report -----------------------------------------------------------------------
 
 
@@ -335,7 +393,7 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
   kernel_s = fit_kernel_s(
     step_counts, MEASURED_MS["blockwise"][FITTED_ON["blockwise"]], FITTED_ON["blockwise"]
   )
-  rows, launches = [], []
+  rows, launches, mosaic_rows = [], [], []
   for length in lengths:
     for kernel, per_launch in (
       ("tensorcore", tensorcore_launches(records, length, stage_cycles)),
@@ -349,6 +407,9 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
     staged = staged_prediction(length, stage_cycles)
     rows.append(_row("staged", length, staged["low"]["total_ms"], staged["high"]["total_ms"]))
     launches.append({"kernel": "staged", "launch": "forward+backward", "length": length, **staged})
+    mosaic_rows.extend(
+      mosaic_forward_prediction(length, e) | {"length": length} for e in MOSAIC_TILES
+    )
   return {
     "device": H100._asdict(),
     "fitted": {
@@ -362,6 +423,7 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
     "four_launch_records": records,
     "rows": rows,
     "launches": launches,
+    "mosaic_forward": mosaic_rows,
   }
 
 
@@ -411,6 +473,14 @@ def render(payload: Mapping[str, Any]) -> str:
     common.Column("ms", "ms", f),
     common.Column("bound", "bound"),
   )
+  mosaic_columns = (
+    common.Column("N", "length"),
+    common.Column("e_tile", "e_tile"),
+    common.Column("programs", "programs"),
+    common.Column("accumulator registers", "registers_for_accumulators"),
+    common.Column("forward ms (predicted)", "forward_ms", f),
+    common.Column("forward / cuDNN fwd+bwd", "vs_cudnn_fwd_bwd", f),
+  )
   return "\n".join(
     [
       "# HYLA latency model (H100, bf16, forward + backward, B 1, H 8, d 64)",
@@ -427,6 +497,14 @@ def render(payload: Mapping[str, Any]) -> str:
       f"{1 + payload['staged_design']['backward_factor']:.3g})",
       "",
       common.render_markdown_table(launch_columns, launch_rows),
+      "",
+      "## The Mosaic GPU forward kernel (`hyla/mosaic.py`, first stage: forward only, coupled "
+      "products on CUDA cores, no pipelining)",
+      "",
+      "Per program: key blocks × (max(issue, tensor) + load) cycles; one program per SM. "
+      "`accumulator registers`: per thread, before anything else (255 is the limit).",
+      "",
+      common.render_markdown_table(mosaic_columns, payload["mosaic_forward"]),
       "",
     ]
   )

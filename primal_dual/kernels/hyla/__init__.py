@@ -4,7 +4,9 @@
 Modules: :mod:`.dense` (the formulas and the dense XLA path), :mod:`.blockwise` (the XLA tiles,
 a recomputing custom VJP), :mod:`.tensorcore` (fused Triton kernels launched by jax-triton, the
 ``gpu-dev`` extra; the oracle of a planned Gluon kernel) and :mod:`.staged` (a pure-JAX emulation
-of that kernel's tiling, issue #52: no implementation, imported by the latency model only).
+of that kernel's tiling, issue #52: no implementation, imported by the latency model only) and
+:mod:`.mosaic` (HYLA's forward pass as one Pallas Mosaic GPU kernel, a first stage: no backward
+yet, so no implementation).
 
 Implementations (:data:`IMPLEMENTATIONS`, name -> function, as in tokamax's ``api.py``):
 

@@ -1,0 +1,81 @@
+"""The Mosaic GPU HYLA forward kernel (primal_dual/kernels/hyla/mosaic.py), its own code run by
+JAX's Mosaic GPU interpreter on the CPU against the float64 loop reference and the library's XLA
+path, and lowered for CUDA at the issue's shapes."""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numpy_reference import hyla_ref
+
+from primal_dual.kernels import mosaic_interpreter
+from primal_dual.kernels.hyla import hyla_attention, mosaic
+
+# q 70 queries: two query tiles, the second padded; 20 keys: two key blocks, the second padded.
+SHAPE = dict(batch=1, q_len=70, kv_len=20, heads=2, d_qk=16, d_v=16)
+COMBINATIONS = list(itertools.product(mosaic.NORMALIZATIONS, mosaic.VALUE_NETWORKS))
+
+
+def bfloat16_operands(seed, batch, q_len, kv_len, heads, d_qk, d_v):
+  """q, k, v already on the bfloat16 grid (the kernel's operands), held as float32."""
+  rng = np.random.default_rng(seed)
+  shapes = [(batch, q_len, heads, d_qk), (batch, kv_len, heads, d_qk), (batch, kv_len, heads, d_v)]
+  return [np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), np.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("normalization,value_network", COMBINATIONS)
+def test_interpreted_kernel_equals_the_float64_reference_and_the_xla_path(
+  normalization, value_network
+):
+  q, k, v = bfloat16_operands(0, **SHAPE)
+  options = dict(normalization=normalization, value_network=value_network)
+  # e_tile 8 of d_v 16: two value-column programs per query tile (the grid's third axis).
+  out = mosaic.hyla_mosaic_forward(q, k, v, e_tile=8, interpret=mosaic_interpreter.params(),
+                                   **options)  # fmt: skip
+  reference, _ = hyla_ref(q, k, v, **options)
+  scale = np.abs(reference).max()
+  # float32 accumulation in another order than the float64 loops: relative to the output's size.
+  np.testing.assert_allclose(np.asarray(out) / scale, reference / scale, rtol=0, atol=2e-6)
+  xla = hyla_attention(q, k, v, implementation="xla", block_size=None, **options)
+  np.testing.assert_allclose(np.asarray(out) / scale, np.asarray(xla) / scale, rtol=0, atol=2e-6)
+
+
+def test_the_comparison_can_fail_a_kernel_that_drops_a_key_block():
+  """The same check against a reference missing the second key block (keys 16–19): what the
+  kernel would give if its loop stopped one block short."""
+  q, k, v = bfloat16_operands(1, **SHAPE)
+  out = mosaic.hyla_mosaic_forward(q, k, v, interpret=mosaic_interpreter.params())
+  short, _ = hyla_ref(q, k[:, :16], v[:, :16])
+  assert np.abs(np.asarray(out) - short).max() / np.abs(short).max() > 1e-2
+
+
+@pytest.mark.parametrize("e_tile", [64, 32])
+def test_lowers_for_cuda_at_the_benchmark_shapes(e_tile):
+  """H 8, d 64 (the device suite's HYLA rows), 128 queries, 256 keys: one Mosaic GPU launch."""
+  q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 256, 8, 64), jnp.bfloat16)
+  text = (
+    jax.jit(lambda q, k, v: mosaic.hyla_mosaic_forward(q, k, v, e_tile=e_tile))
+    .trace(q, k, k)
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize(
+  "shapes,options,message",
+  [
+    (((1, 8, 2, 16), (1, 8, 2, 16), (1, 8, 3, 16)), {}, r"shapes do not match: q \(1, 8, 2, 16\)"),
+    (((1, 8, 2, 12), (1, 8, 2, 12), (1, 8, 2, 16)), {}, r"D a multiple of 16.*q \(1, 8, 2, 12\)"),
+    (((1, 8, 2, 16), (1, 8, 2, 16), (1, 8, 2, 16)), {"e_tile": 12}, r"e_tile 12"),
+    (((1, 8, 2, 16), (1, 8, 2, 16), (1, 8, 2, 16)), {"normalization": "softmax"}, "softmax"),
+  ],
+)
+def test_bad_input_is_a_value_error_naming_it(shapes, options, message):
+  q, k, v = (jnp.zeros(s, jnp.float32) for s in shapes)
+  with pytest.raises(ValueError, match=message):
+    mosaic.hyla_mosaic_forward(q, k, v, **options)
