@@ -75,6 +75,7 @@ PRIOR_ESTIMATES_S = {
   "small_models/24": 25.0,
   "step_breakdown": 45.0,
   "call_cost": 10.0,
+  "hyla_mosaic/32768": 30.0,
 }
 DEFAULT_ESTIMATE_S = 5.0
 
@@ -194,6 +195,53 @@ def small_model_rows(sizes: Sizes, models: Sequence[str], variants: Sequence[str
           )
         )
   return rows
+
+
+# --- The Mosaic GPU HYLA forward kernel beside its predicted time --------------------------------
+
+
+def _measure_mosaic_forward(length: int, e_tile: int, sizes: Sizes) -> dict[str, Any]:
+  """Median forward time of ``hyla.mosaic.hyla_mosaic_forward`` (bfloat16, batch 1), and the
+  latency model's prediction where the shape is the model's (H 8, d 64). Off GPU the kernel runs
+  in JAX's Mosaic GPU interpreter (the CPU test: a time of no meaning)."""
+  from primal_dual.kernels import mosaic_interpreter
+  from primal_dual.kernels.hyla import mosaic
+  from tools.device import hyla_latency_model
+
+  heads, head_dim = sizes.heads, max(sizes.head_dim, 16)  # the kernel's D is a multiple of 16
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, length, heads, head_dim), jnp.bfloat16) for key in keys)
+  interpret = mosaic_interpreter.params() if jax.default_backend() == "cpu" else None
+  forward = jax.jit(
+    functools.partial(mosaic.hyla_mosaic_forward, e_tile=e_tile, interpret=interpret)
+  )
+  measured_ms = 1e3 * common.time_warm(forward, q, k, v, repeats=sizes.repeats).median_s
+  predicted_ms = None
+  if (heads, head_dim) == (hyla_latency_model.HEADS, hyla_latency_model.HEAD_DIM):
+    predicted_ms = hyla_latency_model.mosaic_forward_prediction(length, e_tile)["forward_ms"]
+  return {
+    "length": length,
+    "e_tile": e_tile,
+    "time_ms": measured_ms,
+    "predicted_ms": predicted_ms,
+    "predicted_over_measured": None if predicted_ms is None else predicted_ms / measured_ms,
+  }
+
+
+def hyla_mosaic_rows(sizes: Sizes) -> list[Row]:
+  """The Mosaic GPU HYLA forward at every length, one program per query tile (``e_tile`` = d)
+  and two (``d / 2``): the rows that check ``tools/device/hyla_latency_model.py``'s prediction."""
+  head_dim = max(sizes.head_dim, 16)
+  return [
+    Row(
+      "hyla_mosaic",
+      f"hyla mosaic forward N={length} e_tile={e_tile}",
+      f"hyla_mosaic/{length}",
+      functools.partial(_measure_mosaic_forward, length, e_tile, sizes),
+    )
+    for length in sizes.lengths
+    for e_tile in (head_dim, head_dim // 2)
+  ]
 
 
 # --- Where the sRAVEN step's time goes -----------------------------------------------------------
@@ -421,6 +469,14 @@ BREAKDOWN_COLUMNS = (
   common.Column("status", "status"),
   common.Column("reason", "reason"),
 )
+HYLA_MOSAIC_COLUMNS = (
+  common.Column("row", "row"),
+  common.Column("measured ms", "time_ms", common.format_ratio),
+  common.Column("predicted ms", "predicted_ms", common.format_ratio),
+  common.Column("predicted / measured", "predicted_over_measured", common.format_ratio),
+  common.Column("status", "status"),
+  common.Column("reason", "reason"),
+)
 SECTIONS = {
   "attention": ("Attention, bfloat16, forward + backward", ATTENTION_COLUMNS),
   "call_cost": (
@@ -429,6 +485,10 @@ SECTIONS = {
   ),
   "small_models": ("Small models, model-steps per second", SMALL_MODEL_COLUMNS),
   "step_breakdown": ("Where the sRAVEN step's time goes (each part alone)", BREAKDOWN_COLUMNS),
+  "hyla_mosaic": (
+    "HYLA's Mosaic GPU forward kernel (bfloat16), the latency model's prediction beside",
+    HYLA_MOSAIC_COLUMNS,
+  ),
 }
 TARGET_COLUMNS = tuple(c for c in attention.TARGET_COLUMNS if c.key != "description") + (
   common.Column("what", "description"),
@@ -521,6 +581,8 @@ def build_rows(args, sizes: Sizes) -> list[Row]:
     rows += small_model_rows(sizes, models, args.model_variants)
   if "step_breakdown" in wanted:
     rows += breakdown_rows(sizes, args.model_variants)
+  if "hyla_mosaic" in wanted:
+    rows += hyla_mosaic_rows(sizes)
   return rows + others
 
 

@@ -200,3 +200,29 @@ def test_call_cost_rows_of_softmax_sh_and_bn_sh(tmp_path):
     assert record["one_call_s"] > 0 and record["calls_s"] > 0
     assert record["per_call_s"] + record["fixed_s"] == pytest.approx(record["one_call_s"])
   assert "## A call's fixed cost" in (tmp_path / "device_suite.md").read_text()
+
+
+def test_hyla_mosaic_rows_run_the_kernel_and_carry_the_prediction(tmp_path, monkeypatch):
+  full = device_suite.hyla_mosaic_rows(device_suite.FULL)
+  assert [r.name for r in full][:2] == [
+    "hyla mosaic forward N=4096 e_tile=64",
+    "hyla mosaic forward N=4096 e_tile=32",
+  ]
+  assert len(full) == 2 * len(device_suite.FULL.lengths)
+  args = _args(tmp_path, "--sections", "hyla_mosaic", "--lengths", "16")
+  # At the latency model's shape (H 8, d 64) the prediction is attached: the model's shape set to
+  # the toy one here, so that the interpreted kernel stays small.
+  from tools.device import hyla_latency_model
+
+  monkeypatch.setattr(hyla_latency_model, "HEADS", device_suite.TINY.heads)
+  monkeypatch.setattr(hyla_latency_model, "HEAD_DIM", 16)
+  device_suite.run(args, log=lambda line: None)
+  records = _read(tmp_path)["records"]
+  assert [r["status"] for r in records] == ["ok"] * 2, records
+  assert [r["e_tile"] for r in records] == [16, 8]
+  for record in records:
+    assert record["time_ms"] > 0 and record["predicted_ms"] > 0
+    assert record["predicted_over_measured"] == pytest.approx(
+      record["predicted_ms"] / record["time_ms"]
+    )
+  assert "## HYLA's Mosaic GPU forward kernel" in (tmp_path / "device_suite.md").read_text()

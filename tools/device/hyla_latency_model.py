@@ -325,9 +325,10 @@ def mosaic_forward_prediction(length: int, e_tile: int, device=H100) -> dict[str
   waves of one per SM (its float32 accumulators, H·e_tile/2 registers per thread, leave no room
   for a second program). Registers and spills are not modelled: no SASS of it exists on the CPU."""
   design = MosaicForward(e_tile=e_tile)
-  programs = BATCH * (length // design.q_tile) * (HEAD_DIM // e_tile)
+  # The kernel pads the queries to whole tiles and the keys to whole blocks.
+  programs = BATCH * math.ceil(length / design.q_tile) * (HEAD_DIM // e_tile)
   waves = math.ceil(programs / device.sms)
-  blocks = length // design.k_tile
+  blocks = math.ceil(length / design.k_tile)
   pairs = design.q_tile * design.k_tile  # per program per block
   ops = pairs * ((2 * HEADS + 1) * e_tile + HEADS * design.column_ops_per_head)
   issue_cycles = ops / 32 / min(design.warps, device.schedulers_per_sm)
