@@ -24,8 +24,9 @@ from tools.device import lowered_ops
 from primal_dual.kernels import scaled_head as sh
 
 # Ops of the forward + backward at B 1, N 4096, 8 heads, head dim 64, bfloat16, ratios (1, 1, 2,
-# 2, 4, 4, 8, 8), lowered for CUDA (tools/device/README.md): measured 132 and 260 (softmax: 25) on
-# jax 0.10.2, from 577 and 1208 with 21 gathers and 18 scatters each. Per pooled group ~25 ops
+# 2, 4, 4, 8, 8), lowered for CUDA (tools/device/README.md): measured 142 and 270 (softmax: 25) on
+# jax 0.10.2 (132 and 260 when first measured), from 577 and 1208 with 21 gathers and 18
+# scatters each. Per pooled group ~25 ops
 # (a reduction of keys and values side by side, its broadcast backward, the pad to the longest).
 MAX_OPS = {"sh": 150, "bn_sh": 290}
 
