@@ -43,6 +43,47 @@ def test_interpreted_kernel_equals_the_float64_reference_and_the_xla_path(
   np.testing.assert_allclose(np.asarray(out) / scale, np.asarray(xla) / scale, rtol=0, atol=2e-6)
 
 
+def prefix_mask(batch, heads, q_len, kv_len, key_lengths, query_lengths):
+  """bool ``[B, H, q_len, kv_len]``: query ``i`` sees key ``j`` iff both are within their lengths."""
+  i = np.arange(q_len)[None, :, None]
+  j = np.arange(kv_len)[None, None, :]
+  mask = (j < np.asarray(key_lengths)[:, None, None]) & (
+    i < np.asarray(query_lengths)[:, None, None]
+  )
+  return np.broadcast_to(mask[:, None], (batch, heads, q_len, kv_len))
+
+
+@pytest.mark.parametrize(
+  "masking",
+  [
+    dict(key_lengths=[20, 7], query_lengths=[70, 33]),  # ragged: example 1 skips a key block
+    dict(is_causal=True, causal_alignment="top_left"),
+    dict(
+      is_causal=True, causal_alignment="bottom_right"
+    ),  # 70 queries, 36 keys: rows 0-33 see none
+    dict(is_causal=True, causal_alignment="bottom_right", key_lengths=[36, 30]),
+  ],
+)
+def test_lengths_and_causal_masks_give_the_masked_reference(masking):
+  shape = dict(SHAPE, batch=2, kv_len=36)
+  q, k, v = bfloat16_operands(2, **shape)
+  out = mosaic.hyla_mosaic_forward(q, k, v, interpret=mosaic_interpreter.params(), **masking)
+  lengths = {
+    name: masking.pop(name) for name in ("key_lengths", "query_lengths") if name in masking
+  }
+  mask = None
+  if lengths:
+    mask = prefix_mask(2, shape["heads"], shape["q_len"], shape["kv_len"],
+                       lengths.get("key_lengths", [shape["kv_len"]] * 2),
+                       lengths.get("query_lengths", [shape["q_len"]] * 2))  # fmt: skip
+  reference, _ = hyla_ref(q, k, v, None, mask, **masking)
+  scale = np.abs(reference).max()
+  np.testing.assert_allclose(np.asarray(out) / scale, reference / scale, rtol=0, atol=2e-6)
+  hidden_rows = ~reference.any(axis=(2, 3))
+  assert hidden_rows.any() == (masking.get("causal_alignment") == "bottom_right" or bool(lengths))
+  assert not np.asarray(out)[hidden_rows].any()  # a query that sees no key gets exact zeros
+
+
 def test_the_comparison_can_fail_a_kernel_that_drops_a_key_block():
   """The same check against a reference missing the second key block (keys 16–19): what the
   kernel would give if its loop stopped one block short."""
@@ -52,13 +93,15 @@ def test_the_comparison_can_fail_a_kernel_that_drops_a_key_block():
   assert np.abs(np.asarray(out) - short).max() / np.abs(short).max() > 1e-2
 
 
-@pytest.mark.parametrize("e_tile", [64, 32])
-def test_lowers_for_cuda_at_the_benchmark_shapes(e_tile):
+@pytest.mark.parametrize(
+  "e_tile,masking", [(64, {}), (32, {}), (64, dict(is_causal=True, key_lengths=jnp.array([200])))]
+)
+def test_lowers_for_cuda_at_the_benchmark_shapes(e_tile, masking):
   """H 8, d 64 (the device suite's HYLA rows), 128 queries, 256 keys: one Mosaic GPU launch."""
   q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
   k = jnp.zeros((1, 256, 8, 64), jnp.bfloat16)
   text = (
-    jax.jit(lambda q, k, v: mosaic.hyla_mosaic_forward(q, k, v, e_tile=e_tile))
+    jax.jit(lambda q, k, v: mosaic.hyla_mosaic_forward(q, k, v, e_tile=e_tile, **masking))
     .trace(q, k, k)
     .lower(lowering_platforms=("cuda",))
     .as_text()

@@ -32,12 +32,16 @@ value columns); it loops over the keys in blocks of 16:
    the issue's design moves them there with a shared-memory relayout; the latency model
    (``tools/device/hyla_latency_model.py``) prices both.
 
+Masking: per-example key and query lengths and causality (both alignments) make a hidden pair's
+score 0 under every head (so its ``a``, ``z`` and ``u`` are 0, as ``hyla_attention`` under the
+equivalent mask), and the key blocks past an example's keys or a tile's last visible key are
+skipped. Lengths that are not multiples of the tiles are zero-padded outside the kernel: a padded
+key has ``s = 0`` under every head and adds exactly nothing; padded queries are dropped.
+
 Not in this stage (so not in :data:`primal_dual.kernels.hyla.IMPLEMENTATIONS`): the backward
-pass, masks, bias, causal alignment, per-example lengths, pipelined loads (each key block is
-loaded, waited for and used), and bfloat16 stages of ``a`` and ``u`` (held in float32 here).
-Lengths that are not multiples of the tiles are zero-padded outside the kernel: a padded key has
-``s = 0`` under every head, so ``a = 0``, ``z = 0`` and it adds exactly nothing; padded queries are
-dropped.
+pass (``tools/device/README.md`` shows why none fits one CTA as simply), general masks, bias,
+pipelined loads (each key block is loaded, waited for and used), and bfloat16 stages of ``a`` and
+``u`` (held in float32 here).
 """
 
 from __future__ import annotations
@@ -63,12 +67,15 @@ def _pad_to(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def _key_block(q_smem, kt_smem, v_smem, out, *, heads, scale, normalization, value_network):
+def _key_block(
+  q_smem, kt_smem, v_smem, out, visible, *, heads, scale, normalization, value_network
+):
   """Stages 1–3 of the module docstring for one block of ``K_TILE`` keys.
 
   Args:
     q_smem: ``[H, 64, D]`` bfloat16 (this program's queries). kt_smem: ``[H, D, 16]`` bfloat16.
     v_smem: ``[16, H, e_tile]`` bfloat16. out: a tuple of ``H`` float32 ``[64, e_tile]`` arrays.
+    visible: bool ``[64, 16]`` (which query sees which key), or None (all).
 
   Returns:
     the updated ``out``.
@@ -88,6 +95,8 @@ def _key_block(q_smem, kt_smem, v_smem, out, *, heads, scale, normalization, val
     pl.run_scoped(functools.partial(scores, h=h), plgpu.ACC((Q_TILE, K_TILE), F32)) * scale
     for h in range(heads)
   ]
+  if visible is not None:  # a hidden pair's score is 0 under every head, so its a, z and u are 0
+    s = [jnp.where(visible, x, 0.0) for x in s]
   if normalization == "rms_head":
     inverse_rms = jax.lax.rsqrt(sum(x * x for x in s) * (1.0 / heads) + RMS_EPS)
     s = [x * inverse_rms for x in s]
@@ -114,6 +123,7 @@ def _kernel(
   q_gmem,
   kt_gmem,
   v_gmem,
+  bounds_gmem,
   out_gmem,
   q_smem,
   kt_smem,
@@ -130,7 +140,8 @@ def _kernel(
 
   heads, key_blocks, e_tile = config["heads"], config["key_blocks"], config["e_tile"]
   example = jax.lax.axis_index("example")
-  queries = pl.ds(jax.lax.axis_index("query_tile") * Q_TILE, Q_TILE)
+  first_query = jax.lax.axis_index("query_tile") * Q_TILE
+  queries = pl.ds(first_query, Q_TILE)
   columns = pl.ds(jax.lax.axis_index("value_tile") * e_tile, e_tile)
   for h in range(heads):
     plgpu.copy_gmem_to_smem(q_gmem.at[example, queries, h], q_smem.at[h], q_ready.at[0])
@@ -138,8 +149,25 @@ def _kernel(
   out = tuple(plgpu.layout_cast(jnp.zeros((Q_TILE, e_tile), F32), plgpu.Layout.WGMMA)
               for _ in range(heads))  # fmt: skip
 
+  key_length, query_length = bounds_gmem[example, 0], bounds_gmem[example, 1]
+  causal_offset = config["causal_offset"]
+  wgmma = plgpu.Layout.WGMMA
+  query_position = first_query + plgpu.broadcasted_iota(
+    jnp.int32, (Q_TILE, K_TILE), 0, layout=wgmma
+  )
+  key_offset = plgpu.broadcasted_iota(jnp.int32, (Q_TILE, K_TILE), 1, layout=wgmma)
+  # Blocks past the example's keys (and, causal, past the tile's last visible key) are skipped.
+  last_key = key_length
+  if causal_offset is not None:
+    last_key = jnp.minimum(last_key, first_query + Q_TILE + causal_offset)
+  blocks = jnp.clip((last_key + K_TILE - 1) // K_TILE, 0, key_blocks)
+
   def body(block, out):
     keys = pl.ds(block * K_TILE, K_TILE)
+    key_position = block * K_TILE + key_offset
+    visible = (key_position < key_length) & (query_position < query_length)
+    if causal_offset is not None:
+      visible = visible & (key_position <= query_position + causal_offset)
     for h in range(heads):
       plgpu.copy_gmem_to_smem(kt_gmem.at[example, h, :, keys], kt_smem.at[h], block_ready.at[0])
     plgpu.copy_gmem_to_smem(v_gmem.at[example, keys, :, columns], v_smem, block_ready.at[0])
@@ -149,13 +177,14 @@ def _kernel(
       kt_smem,
       v_smem,
       out,
+      visible if config["masked"] else None,
       heads=heads,
       scale=config["scale"],
       normalization=config["normalization"],
       value_network=config["value_network"],
     )
 
-  out = jax.lax.fori_loop(0, key_blocks, body, out)
+  out = jax.lax.fori_loop(0, blocks, body, out)
   for h in range(heads):
     out_smem[h] = out[h]
   plgpu.commit_smem()
@@ -172,6 +201,10 @@ def hyla_mosaic_forward(
   normalization: str = "rms_head",
   value_network: str = "mlp_relu",
   scale: float | None = None,
+  key_lengths=None,
+  query_lengths=None,
+  is_causal: bool = False,
+  causal_alignment: str = "top_left",
   e_tile: int | None = None,
   interpret=None,
 ):
@@ -183,6 +216,11 @@ def hyla_mosaic_forward(
     normalization: ``'rms_head'`` or ``'none'``. value_network: ``'mlp_relu'``,
       ``'mlp_linear'`` or ``'linear'``.
     scale: multiplies ``qᵀk``; default ``1/√D``.
+    key_lengths, query_lengths: int ``[B]`` or None: each example's valid keys and queries (a
+      prefix); a hidden pair's score is 0 (as ``hyla_attention`` under the equivalent mask), a
+      query past its length gets zeros. Key blocks past an example's keys are skipped.
+    is_causal: key ``j`` visible to query ``i`` iff ``j <= i`` (``causal_alignment='top_left'``)
+      or ``j <= i + kv_len - q_len`` (``'bottom_right'``); blocks past the last visible key skipped.
     e_tile: value columns per program (``d_v`` by default; a divisor of ``d_v``, a multiple of 8).
     interpret: None on a GPU; ``mosaic_interpreter.params()`` runs the kernel's code on the CPU.
 
@@ -205,7 +243,11 @@ def hyla_mosaic_forward(
   batch, q_len, heads, d_qk = query.shape
   if key.shape[0] != batch or key.shape[2:] != (heads, d_qk) or value.shape[:3] != key.shape[:3]:
     raise ValueError(f"shapes do not match: q {query.shape}, k {key.shape}, v {value.shape}")
-  d_v = value.shape[-1]
+  d_v, kv_len = value.shape[-1], key.shape[1]
+  if causal_alignment not in ("top_left", "bottom_right"):
+    raise ValueError(
+      f"causal_alignment must be 'top_left' or 'bottom_right'; got {causal_alignment!r}"
+    )
   e_tile = d_v if e_tile is None else e_tile
   if d_qk % 16 or d_v % e_tile or e_tile % 8:
     raise ValueError(
@@ -217,6 +259,17 @@ def hyla_mosaic_forward(
   k = _pad_to(key.astype(jnp.bfloat16), 1, K_TILE)
   v = _pad_to(value.astype(jnp.bfloat16), 1, K_TILE)
   kt = jnp.transpose(k, (0, 2, 3, 1))  # [B, H, D, N]: the wgmma's B operand in its natural order
+  # Per example (key length, query length); int32 [B, 2], read by each program.
+  bounds = jnp.stack(
+    [
+      jnp.broadcast_to(jnp.asarray(kv_len if key_lengths is None else key_lengths), (batch,)),
+      jnp.broadcast_to(jnp.asarray(q_len if query_lengths is None else query_lengths), (batch,)),
+    ],
+    axis=1,
+  ).astype(jnp.int32)
+  causal_offset = None
+  if is_causal:
+    causal_offset = 0 if causal_alignment == "top_left" else kv_len - q_len
   q_tiles, key_blocks = q.shape[1] // Q_TILE, k.shape[1] // K_TILE
   # 32-byte swizzle: the key block's 16 bfloat16 columns are 32 bytes, and wgmma wants one swizzle
   # on both operands.
@@ -228,6 +281,9 @@ def hyla_mosaic_forward(
     scale=scale,
     normalization=normalization,
     value_network=value_network,
+    causal_offset=causal_offset,
+    # The padding to whole tiles needs no mask (its scores are 0); lengths and causality do.
+    masked=is_causal or key_lengths is not None or query_lengths is not None,
   )
   call = plgpu.kernel(
     functools.partial(_kernel, config=config),
@@ -245,4 +301,4 @@ def hyla_mosaic_forward(
     grid_names=("example", "query_tile", "value_tile"),
     interpret=interpret,
   )
-  return call(q, kt, v)[:, :q_len]
+  return call(q, kt, v, bounds)[:, :q_len]
