@@ -28,7 +28,7 @@ value columns); it loops over the keys in blocks of 16:
 3. per key ``j`` (unrolled): the column ``a_h[:, j]`` of every head by a masked row sum (no trip
    through shared memory: the interpreter and the lowering both take it), ``z = Σ_h a_h[:, j] ⊗
    v_jh`` and ``out_h += a_h[:, j] ⊗ u`` as float32 outer-product updates on the CUDA cores. The
-   value network's 16·H·e_tile FMAs per (query, key) pair are not on tensor cores in this stage:
+   value network's 2·H·e_tile FMAs per (query, key) pair are not on tensor cores in this stage:
    the issue's design moves them there with a shared-memory relayout; the latency model
    (``tools/device/hyla_latency_model.py``) prices both.
 
@@ -156,8 +156,9 @@ def _kernel(
     jnp.int32, (Q_TILE, K_TILE), 0, layout=wgmma
   )
   key_offset = plgpu.broadcasted_iota(jnp.int32, (Q_TILE, K_TILE), 1, layout=wgmma)
-  # Blocks past the example's keys (and, causal, past the tile's last visible key) are skipped.
-  last_key = key_length
+  # Blocks past the example's keys (and, causal, past the tile's last visible key) are skipped,
+  # all of them for a tile past the example's queries.
+  last_key = jnp.where(first_query < query_length, key_length, 0)
   if causal_offset is not None:
     last_key = jnp.minimum(last_key, first_query + Q_TILE + causal_offset)
   blocks = jnp.clip((last_key + K_TILE - 1) // K_TILE, 0, key_blocks)
