@@ -15,7 +15,7 @@ import pytest
 
 from primal_dual.models import EncoderClassifier, SequenceTransformer, ViT
 from primal_dual.tasks import _common, synthetic
-from primal_dual.training import config_lib, optim
+from primal_dual.training import config_lib, optim, steps
 
 SIZES = dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 4, 6
@@ -183,3 +183,11 @@ def test_float32_parameters_take_the_optimizer_unchanged():
   got, want = _steps(tx, params, grads)[0], _steps(inner, params, grads)[0]
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_the_gradient_norm_metric_is_float32_under_bfloat16_parameters():
+  _, grads = _parameters_and_gradients(jnp.bfloat16)
+  norm = steps.gradient_norm(grads[0])
+  assert norm.dtype == jnp.float32
+  squares = sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads[0]))
+  np.testing.assert_allclose(norm, np.sqrt(squares), rtol=1e-6)

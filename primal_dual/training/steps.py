@@ -86,11 +86,17 @@ def train_step(
   )
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
+  metrics = dict(metrics, grad_norm=(gradient_norm(grads), jnp.ones((), jnp.float32)))
   new_state = state.replace(
     step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
   )
   return new_state, loss, metrics
+
+
+def gradient_norm(grads) -> jax.Array:
+  """The global L2 norm of ``grads`` in float32 (bfloat16 parameters give bfloat16 gradients,
+  whose sum of squares would lose the metric's precision)."""
+  return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
 
 def train_steps(
