@@ -136,7 +136,11 @@ def test_vmapped_gradient_with_a_shared_mask_lowers_to_cudnn_for_cuda(case, monk
   finally:
     jax.clear_caches()  # traces made while the backend reported 'gpu'
   shapes = _cudnn_call_shapes(text)
-  assert len(shapes) == 2, shapes  # forward and backward
+  # Forward and backward; a mask alone is also looked at as padding (fused.attend): a second pair,
+  # with the lengths it implies, in the other branch of a cond.
+  assert len(shapes) == (4 if case == "key_padding_mask" else 2), shapes
+  if case == "key_padding_mask":
+    assert ["4", "4"] in [operands[3:] for operands in shapes], shapes  # replicas × examples
   for operands in shapes:
     rows = int(operands[0].split("x")[0])  # the queries' batch: replicas × examples (× heads)
     assert rows == 2 * B * (H if case == "key_lengths" else 1), operands

@@ -527,7 +527,9 @@ PATH_MASKINGS = {
 # '__cudnn$fmha', cuDNN's mask type). 'ScaleBias…' carries a bias [B, 1, N, N] made of a mask;
 # 'PADDING' takes the lengths themselves. float32 calls take XLA's path (no cuDNN call).
 # Attention-SH sends its ratio groups in one launch with each row's pooled key length: PADDING
-# even unmasked, and a bias beside it under a mask or a causal constraint.
+# even unmasked, and a bias beside it under a mask or a causal constraint. Softmax and BN look at a
+# mask given alone inside the program (fused.attend): a lax.cond holds both calls, the lengths it
+# implies when it is padding, the mask as a bias otherwise (tests/test_padding_mask_as_lengths.py).
 BY_LENGTHS, BY_BIAS = ("Softmax", "PADDING"), ("ScaleBiasSoftmax", "NO_MASK")
 BY_BIAS_AND_LENGTHS = ("ScaleBiasSoftmax", "PADDING")
 CUDNN_PATHS = {
@@ -535,24 +537,24 @@ CUDNN_PATHS = {
     (variant, masking): path
     for variant in ("softmax", "bn")
     for masking, path in {
-      "none": ("Softmax", "NO_MASK"),
-      "lengths": BY_LENGTHS,
-      "query_and_key_lengths": BY_LENGTHS,
-      "lengths_and_causal": ("Softmax", "PADDING_CAUSAL"),
-      "padding_mask": BY_BIAS,
-      "general_mask": BY_BIAS,
+      "none": {("Softmax", "NO_MASK")},
+      "lengths": {BY_LENGTHS},
+      "query_and_key_lengths": {BY_LENGTHS},
+      "lengths_and_causal": {("Softmax", "PADDING_CAUSAL")},
+      "padding_mask": {BY_LENGTHS, BY_BIAS},
+      "general_mask": {BY_LENGTHS, BY_BIAS},
     }.items()
   },
   **{
     (variant, masking): path
     for variant in ("sh", "bn_sh")
     for masking, path in {
-      "none": BY_LENGTHS,
-      "lengths": BY_LENGTHS,
-      "query_and_key_lengths": BY_LENGTHS,
-      "lengths_and_causal": BY_BIAS_AND_LENGTHS,
-      "padding_mask": BY_BIAS_AND_LENGTHS,
-      "general_mask": BY_BIAS_AND_LENGTHS,
+      "none": {BY_LENGTHS},
+      "lengths": {BY_LENGTHS},
+      "query_and_key_lengths": {BY_LENGTHS},
+      "lengths_and_causal": {BY_BIAS_AND_LENGTHS},
+      "padding_mask": {BY_BIAS_AND_LENGTHS},
+      "general_mask": {BY_BIAS_AND_LENGTHS},
     }.items()
   },
 }
@@ -590,11 +592,12 @@ def kernel_program(variant: str, masking: str, dtype):
 @pytest.mark.parametrize("masking", list(PATH_MASKINGS))
 @pytest.mark.parametrize("variant", FUSED_VARIANTS)
 def test_each_variant_and_masking_takes_its_cudnn_path(variant, masking, device_backend):
-  """bfloat16 forward and backward on CUDA: lengths reach cuDNN as lengths (no bias), any mask as
-  a bias; float32 stays on XLA."""
+  """bfloat16 forward and backward on CUDA: lengths reach cuDNN as lengths (no bias), a mask as
+  a bias or, for softmax and BN, as the lengths it implies when it is padding; float32 stays on
+  XLA."""
   device_backend("cuda")
   text = lowered_text(*kernel_program(variant, masking, jnp.bfloat16), "cuda")
-  assert cudnn_paths(text) == {CUDNN_PATHS[variant, masking]}
+  assert cudnn_paths(text) == CUDNN_PATHS[variant, masking]
   assert cudnn_attention_calls(text)[1], "no backward cuDNN call"
   assert cudnn_attention_calls(
     lowered_text(*kernel_program(variant, masking, jnp.float32), "cuda")

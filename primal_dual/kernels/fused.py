@@ -25,9 +25,12 @@ to cuDNN, which takes them as its own padding mask: no bias ``[B, 1, T, S]`` is 
 blocks are skipped. Softmax and Attention-BN pass them per example (``attend``'s
 ``query_lengths``/``key_lengths [B]``); Attention-SH sends all its ratio groups in one call, heads
 folded into the batch and each row's pooled length as its key length (``key_lengths [B, H]``).
-Any mask goes as a mask (a bias on cuDNN): a program cannot tell at trace time whether a mask's
-values hide a suffix, so the models whose padding is a suffix by construction (the UEA and ListOps
-encoders) give it as lengths.
+A mask given alone (no bias, no lengths) to a cuDNN call is looked at inside the program, since
+its values are data: when it is a padding mask (each example's visible queries and visible keys
+are prefixes, what ``nn.make_attention_mask`` of two padding vectors gives), a ``lax.cond`` sends
+the lengths it implies to cuDNN; any other mask goes as a bias. Both calls are in the program and
+one runs (under a ``vmap`` whose replicas have different masks both run, as a select). The models
+whose padding is a suffix by construction (the UEA and ListOps encoders) give it as lengths.
 
 Two rules of the fused path, exactly:
 
@@ -44,6 +47,7 @@ Two rules of the fused path, exactly:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -307,6 +311,43 @@ def attend(
       )
       for x in (bias, mask)
     )
+  run = functools.partial(
+    _dot_product_attention, scale=scale, is_causal=is_causal, implementation=implementation
+  )
+  mask_alone = mask is not None and bias is None and key_lengths is None and query_lengths is None
+  if implementation == "cudnn" and mask_alone:  # a padding mask goes as its lengths
+    implied_keys, implied_queries, is_padding = padding_lengths(mask, batch, q_len, k.shape[2])
+    out = jax.lax.cond(
+      is_padding,
+      lambda q, k, v: run(q, k, v, None, None, implied_keys, implied_queries),
+      lambda q, k, v: run(q, k, v, None, mask, None, None),
+      q,
+      k,
+      v,
+    )
+  else:
+    out = run(q, k, v, bias, mask, key_lengths, query_lengths)
+  return out.reshape((batch, heads, q_len, head_size))
+
+
+def padding_lengths(mask, batch: int, q_len: int, kv_len: int) -> tuple:
+  """``(key_lengths [B], query_lengths [B], is_padding [])``: the lengths a bool ``mask`` ``[B | 1,
+  H | 1, q_len | 1, kv_len]`` implies (per example, how many keys some query sees and how many
+  queries see some key), and whether the mask is exactly those prefixes under every head."""
+  mask = jnp.broadcast_to(mask, (batch, mask.shape[1], q_len, kv_len))
+  key_lengths = jnp.sum(jnp.any(mask, axis=(1, 2)), axis=-1, dtype=jnp.int32)
+  query_lengths = jnp.sum(jnp.any(mask, axis=(1, 3)), axis=-1, dtype=jnp.int32)
+  queries = jnp.arange(q_len)[None, :, None] < query_lengths[:, None, None]
+  keys = jnp.arange(kv_len)[None, None, :] < key_lengths[:, None, None]
+  return key_lengths, query_lengths, jnp.all(mask == (queries & keys)[:, None])
+
+
+def _dot_product_attention(
+  q, k, v, bias, mask, key_lengths, query_lengths, *, scale, is_causal, implementation
+):
+  """``attend``'s product once its rows are laid out: ``[N, H, q_len, d_v]`` (rows with no
+  visible key 0)."""
+  q_len, head_size = q.shape[2], v.shape[-1]
   seen = _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len)
   lengths = {
     name: x
@@ -327,4 +368,4 @@ def attend(
   out = jnp.swapaxes(out, 1, 2)[:, :, :q_len, :head_size]
   if seen is not None:
     out = jnp.where(seen, out, jnp.zeros((), out.dtype))
-  return out.reshape((batch, heads, q_len, head_size))
+  return out
