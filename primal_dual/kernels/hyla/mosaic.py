@@ -52,19 +52,13 @@ import jax
 import jax.numpy as jnp
 
 from primal_dual.kernels.hyla.dense import RMS_EPS
+from primal_dual.kernels.hyla.staged import pad_to
 
 Q_TILE = 64  # queries per program: one wgmma's M
 K_TILE = 16  # keys per block: one bfloat16 wgmma's N (and K granularity)
 NORMALIZATIONS = ("rms_head", "none")
 VALUE_NETWORKS = ("mlp_relu", "mlp_linear", "linear")
 F32 = jnp.float32
-
-
-def _pad_to(x, axis: int, multiple: int):
-  """``x`` zero-padded at the end of ``axis`` to a multiple of ``multiple``."""
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, -x.shape[axis] % multiple)
-  return jnp.pad(x, widths)
 
 
 def _key_block(
@@ -256,9 +250,9 @@ def hyla_mosaic_forward(
       f"q {query.shape}, v {value.shape}, e_tile {e_tile}"
     )
   scale = d_qk**-0.5 if scale is None else scale
-  q = _pad_to(query.astype(jnp.bfloat16), 1, Q_TILE)
-  k = _pad_to(key.astype(jnp.bfloat16), 1, K_TILE)
-  v = _pad_to(value.astype(jnp.bfloat16), 1, K_TILE)
+  q = pad_to(query.astype(jnp.bfloat16), 1, Q_TILE)
+  k = pad_to(key.astype(jnp.bfloat16), 1, K_TILE)
+  v = pad_to(value.astype(jnp.bfloat16), 1, K_TILE)
   kt = jnp.transpose(k, (0, 2, 3, 1))  # [B, H, D, N]: the wgmma's B operand in its natural order
   # Per example (key length, query length); int32 [B, 2], read by each program.
   bounds = jnp.stack(

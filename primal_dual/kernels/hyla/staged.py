@@ -68,7 +68,7 @@ def _product(spec: str, x, y):
   return jnp.einsum(spec, x, y, precision=_HIGHEST)
 
 
-def _pad_to(x, axis: int, multiple: int):
+def pad_to(x, axis: int, multiple: int):
   """``x`` zero-padded at the end of ``axis`` to a multiple of ``multiple``."""
   size = x.shape[axis]
   widths = [(0, 0)] * x.ndim
@@ -142,9 +142,9 @@ def hyla_staged(
   d_v = value.shape[-1]
   scale = d_qk**-0.5 if scale is None else scale
   # Loaded tiles are in the stage dtype; zero padding adds nothing (module docstring).
-  q = _pad_to(_round(query, stage_dtype), 1, Q_TILE)
-  k = _pad_to(_round(key, stage_dtype), 1, K_TILE)
-  v = _pad_to(_round(value, stage_dtype), 1, K_TILE)
+  q = pad_to(_round(query, stage_dtype), 1, Q_TILE)
+  k = pad_to(_round(key, stage_dtype), 1, K_TILE)
+  v = pad_to(_round(value, stage_dtype), 1, K_TILE)
   q_tiles = q.shape[1] // Q_TILE
   k_blocks = k.shape[1] // K_TILE
   programs = batch * q_tiles
