@@ -228,10 +228,10 @@ def test_the_output_grows_about_as_the_square_root_of_the_key_count():
 @pytest.mark.parametrize("unknown", ["pallas", "triton", "dense"])
 def test_an_unknown_implementation_raises_naming_the_known_ones(unknown):
   q, k, v = random_qkv(np.random.default_rng(40), (2,), 3, 4, 2)
-  with pytest.raises(ValueError, match=r"one of \['tensorcore', 'xla'\]") as raised:
+  with pytest.raises(ValueError, match=r"one of \['mosaic', 'tensorcore', 'xla'\]") as raised:
     hyla.hyla_attention(q, k, v, implementation=unknown)
   assert "'auto'" in str(raised.value) and repr(unknown) in str(raised.value)
-  assert sorted(hyla.IMPLEMENTATIONS) == ["tensorcore", "xla"]
+  assert sorted(hyla.IMPLEMENTATIONS) == ["mosaic", "tensorcore", "xla"]
 
 
 def test_every_backends_order_names_known_implementations_and_ends_with_xla():

@@ -2,6 +2,7 @@
 JAX's Mosaic GPU interpreter on the CPU against the float64 loop reference and the library's XLA
 path, and lowered for CUDA at the issue's shapes."""
 
+import functools
 import itertools
 import re
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from numpy_reference import hyla_ref
 
-from primal_dual.kernels import mosaic_interpreter
+from primal_dual.kernels import hyla, mosaic_interpreter
 from primal_dual.kernels.hyla import hyla_attention, mosaic
 
 # q 70 queries: two query tiles, the second padded; 20 keys: two key blocks, the second padded.
@@ -122,3 +123,63 @@ def test_bad_input_is_a_value_error_naming_it(shapes, options, message):
   q, k, v = (jnp.zeros(s, jnp.float32) for s in shapes)
   with pytest.raises(ValueError, match=message):
     mosaic.hyla_mosaic_forward(q, k, v, **options)
+
+
+# --- implementation='mosaic': the kernel's forward, the blockwise path's gradient ---------------
+
+
+@pytest.mark.parametrize(
+  "masking",
+  [dict(), dict(key_lengths=np.array([20, 9]), query_lengths=np.array([70, 40]), is_causal=True)],
+)
+def test_the_implementation_is_the_kernel_forward_with_the_blockwise_gradient(masking):
+  shape = dict(SHAPE, batch=2)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in bfloat16_operands(3, **shape))
+  options = dict(is_causal=masking.get("is_causal", False), normalization="rms_head",
+                 value_network="mlp_relu", scale=None, causal_alignment="top_left")  # fmt: skip
+  lengths = (masking.get("key_lengths"), masking.get("query_lengths"))
+  attend = functools.partial(
+    hyla.mosaic_forward_blockwise_backward, interpret=mosaic_interpreter.params(), **options
+  )
+  cotangent = jnp.asarray(np.random.default_rng(4).standard_normal((2, 70, 2, 16)), jnp.float32)
+  out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, *lengths), q, k, v)
+  mask = None
+  if masking:
+    mask = prefix_mask(2, 2, 70, 20, *lengths)
+  reference, _ = hyla_ref(q, k, v, None, mask, is_causal=options["is_causal"])
+  scale = np.abs(reference).max()
+  np.testing.assert_allclose(np.asarray(out) / scale, reference / scale, rtol=0, atol=2e-6)
+
+  def blockwise(q, k, v):
+    return hyla.blockwise.hyla_blockwise_attention(
+      q, k, v, None, None if mask is None else mask[:, :1], block_size=hyla.AUTO_BLOCK_SIZE,
+      dtype=jnp.float32, **options,
+    )  # fmt: skip
+
+  want = jax.vjp(blockwise, q, k, v)[1](cotangent)
+  for got, expected in zip(pullback(cotangent), want):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+def test_the_implementation_refuses_what_it_does_not_serve():
+  q, k, v = (jnp.zeros((1, 8, 2, 16), jnp.bfloat16) for _ in range(3))
+  with pytest.raises(ValueError, match="it runs on NVIDIA GPUs"):
+    hyla_attention(q, k, v, implementation="mosaic")
+  call = hyla.driver.AttentionCall(q, k, v, bias=jnp.zeros((1, 2, 8, 8)))
+  reasons = hyla.mosaic_blockers(call, "softmax")
+  assert any("softmax" in r for r in reasons) and "a bias" in reasons
+
+
+def test_the_implementation_lowers_for_cuda_forward_and_backward():
+  """bfloat16, H 8, d 64: the kernel's launch in the forward; the blockwise backward beside it."""
+  from tools.device import lowered_ops
+
+  q = jax.ShapeDtypeStruct((1, 128, 8, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = hyla_attention(q, k, v, implementation="mosaic", is_causal=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2))  # the value needs the forward's launch
+  text = lowered_ops.lower_for(step, (q, q, q), "cuda").as_text()
+  assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 1

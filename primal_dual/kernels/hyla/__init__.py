@@ -6,7 +6,7 @@ a recomputing custom VJP), :mod:`.tensorcore` (fused Triton kernels launched by 
 ``gpu-dev`` extra; the oracle of a planned Gluon kernel) and :mod:`.staged` (a pure-JAX emulation
 of that kernel's tiling, issue #52: no implementation, imported by the latency model only) and
 :mod:`.mosaic` (HYLA's forward pass as one Pallas Mosaic GPU kernel, a first stage: no backward
-yet, so no implementation).
+yet; ``'mosaic'`` below).
 
 Implementations (:data:`IMPLEMENTATIONS`, name -> function, as in tokamax's ``api.py``):
 
@@ -22,6 +22,10 @@ Implementations (:data:`IMPLEMENTATIONS`, name -> function, as in tokamax's ``ap
 * ``'tensorcore'``: :func:`.tensorcore.hyla_tensorcore_attention` (Triton's interpreter off GPU),
   the blockwise function with the kernels' own tile for ``block_size='auto'``; it refuses what
   the blockwise path refuses and ``block_size=None``.
+* ``'mosaic'``: the forward pass by the Pallas Mosaic GPU kernel (:mod:`.mosaic`), the gradient
+  by the blockwise path's recomputing backward on the same operands (the kernel has no backward
+  yet): for evaluation and inference. NVIDIA GPUs only, bfloat16 operands, head size a multiple
+  of 16, masks as lengths and ``is_causal`` only (:func:`mosaic_blockers`); not timed on a GPU yet.
 
 ``implementation='auto'`` (default) walks :data:`DEFAULT_ORDER` of ``jax.default_backend()`` and
 takes the first implementation that serves the call (one that cannot raises :class:`Unsupported`
@@ -38,9 +42,11 @@ at 8k on that H100, 17× the tensorcore kernel.)
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from primal_dual.kernels import _common as C
 from primal_dual.kernels import driver
@@ -183,9 +189,102 @@ def tensorcore_attention(
   )
 
 
+def mosaic_blockers(call: driver.AttentionCall, normalization: str) -> list[str]:
+  """What keeps a call off the Mosaic GPU forward kernel (empty: it serves the call)."""
+  reasons = blockwise_blockers(call, normalization)
+  if jax.default_backend() != "gpu":
+    reasons.append("it runs on NVIDIA GPUs (off GPU, JAX's interpreter runs it in the tests)")
+  if call.bias is not None:
+    reasons.append("a bias")
+  if call.mask is not None and not call.lengths_only:
+    reasons.append("a mask (lengths and is_causal are served)")
+  if call.query.dtype != jnp.bfloat16 or call.key.dtype != jnp.bfloat16:
+    reasons.append("operands other than bfloat16 (the kernel's)")
+  if call.shapes.d_qk % 16:
+    reasons.append(f"a head size {call.shapes.d_qk} that is not a multiple of 16")
+  return reasons
+
+
+def mosaic_attention(call, *, normalization, value_network, query_chunk_size, scale, block_size):
+  """The forward pass by the Mosaic GPU kernel (:mod:`.mosaic`), its gradient by the blockwise
+  path's recomputing backward (the kernel has no backward yet): fast where only the forward runs
+  (evaluation, inference). ``query_chunk_size`` and ``block_size`` do not apply."""
+  del query_chunk_size, block_size
+  reasons = mosaic_blockers(call, normalization)
+  if reasons:
+    raise Unsupported(", ".join(reasons))
+  return mosaic_forward_blockwise_backward(
+    call.query,
+    call.key,
+    call.value,
+    call.key_value_seq_lengths,
+    call.query_seq_lengths,
+    is_causal=call.is_causal,
+    causal_alignment=call.causal_alignment,
+    normalization=normalization,
+    value_network=value_network,
+    scale=scale,
+  ).astype(call.dtype)
+
+
+def mosaic_forward_blockwise_backward(
+  query, key, value, key_lengths=None, query_lengths=None, *, interpret=None, **options
+):
+  """``[batch..., q_len, H, d_v]`` float32 by :func:`.mosaic.hyla_mosaic_forward` (batch axes
+  flattened), differentiable in q, k and v through :func:`.blockwise.hyla_blockwise_attention`
+  on the same bfloat16 operands and masks. ``options``: ``is_causal``, ``causal_alignment``,
+  ``normalization``, ``value_network``, ``scale``; ``interpret`` as the kernel's."""
+  from primal_dual.kernels.hyla import mosaic
+
+  batch_shape = query.shape[:-3]
+  lengths = {
+    name: None if x is None else jnp.broadcast_to(jnp.asarray(x), batch_shape).reshape(-1)
+    for name, x in (("key_lengths", key_lengths), ("query_lengths", query_lengths))
+  }
+
+  def forward(q, k, v):
+    flat = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    out = mosaic.hyla_mosaic_forward(*flat, **lengths, **options, interpret=interpret)
+    return out.reshape(*batch_shape, *out.shape[1:])
+
+  def reference(q, k, v):
+    mask = None
+    if key_lengths is not None or query_lengths is not None:
+      q_len, kv_len = q.shape[-3], k.shape[-3]
+      mask = _prefix_mask(*lengths.values(), math.prod(batch_shape), q_len, kv_len)
+      mask = mask.reshape(*batch_shape, 1, q_len, kv_len)
+    return blockwise.hyla_blockwise_attention(
+      q, k, v, None, mask, block_size=AUTO_BLOCK_SIZE, dtype=jnp.float32, **options
+    )
+
+  @jax.custom_vjp
+  def attend(q, k, v):
+    return forward(q, k, v)
+
+  def attend_forward(q, k, v):
+    return forward(q, k, v), (q, k, v)
+
+  def attend_backward(operands, cotangent):
+    return jax.vjp(reference, *operands)[1](cotangent)
+
+  attend.defvjp(attend_forward, attend_backward)
+  return attend(query, key, value)
+
+
+def _prefix_mask(key_lengths, query_lengths, count: int, q_len: int, kv_len: int):
+  """bool ``[count, q_len, kv_len]``: each example's first keys and queries (None: all)."""
+  mask = jnp.ones((count, q_len, kv_len), bool)
+  if key_lengths is not None:
+    mask &= (jnp.arange(kv_len)[None, :] < key_lengths[:, None])[:, None, :]
+  if query_lengths is not None:
+    mask &= (jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, :, None]
+  return mask
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
   "xla": xla_attention,
   "tensorcore": tensorcore_attention,
+  "mosaic": mosaic_attention,
 }
 
 # What implementation='auto' tries, first to last, per jax.default_backend() (module docstring);

@@ -38,8 +38,9 @@ equivalent mask), and the key blocks past an example's keys or a tile's last vis
 skipped. Lengths that are not multiples of the tiles are zero-padded outside the kernel: a padded
 key has ``s = 0`` under every head and adds exactly nothing; padded queries are dropped.
 
-Not in this stage (so not in :data:`primal_dual.kernels.hyla.IMPLEMENTATIONS`): the backward
-pass (``tools/device/README.md`` shows why none fits one CTA as simply), general masks, bias,
+``hyla_attention(..., implementation='mosaic')`` runs it, with the blockwise path's gradient.
+Not in this stage: the backward pass (``tools/device/README.md`` shows why none fits one CTA as
+simply), general masks, bias,
 pipelined loads (each key block is loaded, waited for and used), and bfloat16 stages of ``a`` and
 ``u`` (held in float32 here).
 """
