@@ -2,6 +2,9 @@
 
 Each case runs `train.py` or `eval.py` as a subprocess, the way a user meets it. The cases fail
 before any training step, most of them before JAX is imported, so the table runs in seconds.
+
+The module's subprocesses share one persistent compilation cache (a program one command compiled
+is loaded by the next), and the cases that need a trained UEA workdir copy one trained once.
 """
 
 import json
@@ -26,6 +29,18 @@ from primal_dual.training import setup
 from primal_dual.training import workdir as workdir_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def subprocess_compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for every command this module starts (they inherit the
+  environment): the synthetic and UEA programs are compiled once, not once per command."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    yield
+
 
 # A tiny synthetic-task config file; `steps=` is its only argument.
 SYNTHETIC_CONFIG = """
@@ -127,6 +142,34 @@ def _workdir_with_a_garbled(tmp_path, name: str) -> str:
   return str(workdir)
 
 
+# An argument naming this folder names a copy, in the test's tmp_path, of the UEA workdir trained
+# once for the module (a case may write into its copy).
+TRAINED_UEA = "<trained UEA workdir>"
+
+
+@pytest.fixture(scope="module")
+def trained_uea_workdir(tmp_path_factory) -> str:
+  """A UEA workdir (default:runlocal, 2 tiny epochs) with its checkpoints at steps 33 and 66."""
+  workdir = str(tmp_path_factory.mktemp("trained") / "uea")
+  trained = _run("train.py", ["--config=default:runlocal", f"--workdir={workdir}"])
+  assert trained.returncode == 0, trained.stderr
+  return workdir
+
+
+def _copy_of_trained_uea(request, tmp_path) -> str:
+  workdir = tmp_path / "uea"
+  shutil.copytree(request.getfixturevalue("trained_uea_workdir"), workdir)
+  return str(workdir)
+
+
+def _with_trained_uea(args: list[str], request, tmp_path) -> list[str]:
+  """`args` with TRAINED_UEA replaced by a fresh copy of the trained UEA workdir."""
+  if not any(TRAINED_UEA in arg for arg in args):
+    return args
+  workdir = _copy_of_trained_uea(request, tmp_path)
+  return [arg.replace(TRAINED_UEA, workdir) for arg in args]
+
+
 # (script, arguments given the synthetic config file and tmp_path, expected message regex)
 CASES = {
   "unknown config field": (
@@ -166,7 +209,7 @@ CASES = {
   ),
   "eval of a step never saved": (
     "eval.py",
-    lambda c, t: [f"--workdir={_trained_uea_workdir(t)}", "--checkpoint=7"],
+    lambda c, t: [f"--workdir={TRAINED_UEA}", "--checkpoint=7"],
     r"no checkpoint at step 7 in .*/uea/checkpoints; its checkpoints: steps 33, 66",
   ),
   "zero model size": (
@@ -260,10 +303,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_user_error_is_one_line_with_exit_status_2(name, tmp_path):
+def test_user_error_is_one_line_with_exit_status_2(name, tmp_path, request):
   script, make_args, expected = CASES[name]
   try:
-    result = _run(script, make_args(_synthetic_config_file(tmp_path), tmp_path))
+    args = make_args(_synthetic_config_file(tmp_path), tmp_path)
+    result = _run(script, _with_trained_uea(args, request, tmp_path))
   finally:
     while _MOUNTS:
       subprocess.run(["umount", "-l", _MOUNTS.pop()], check=True)
@@ -505,7 +549,7 @@ COMMAND_CASES = {
     r"--report_only reads --results, --finished_only reads the runs under --root: pass one",
   ),
   "latent_code analysis of a UEA workdir": (
-    lambda t: ["eval.py", f"--workdir={_trained_uea_workdir(t)}", "--analyses=latent_code"],
+    lambda t: ["eval.py", f"--workdir={TRAINED_UEA}", "--analyses=latent_code"],
     r"the latent_code analysis reads sRAVEN rules; the workdir's task is 'uea': leave latent_code "
     r"out of --analyses",
   ),
@@ -532,18 +576,10 @@ COMMAND_CASES = {
 }
 
 
-def _trained_uea_workdir(tmp_path) -> str:
-  """A UEA workdir (default:runlocal, 2 tiny epochs) with its checkpoint."""
-  workdir = str(tmp_path / "uea")
-  trained = _run("train.py", ["--config=default:runlocal", f"--workdir={workdir}"])
-  assert trained.returncode == 0, trained.stderr
-  return workdir
-
-
 @pytest.mark.parametrize("name", sorted(COMMAND_CASES))
-def test_command_user_error_is_one_line_with_exit_status_2(name, tmp_path):
+def test_command_user_error_is_one_line_with_exit_status_2(name, tmp_path, request):
   make_argv, expected = COMMAND_CASES[name]
-  script, *args = make_argv(tmp_path)
+  script, *args = _with_trained_uea(make_argv(tmp_path), request, tmp_path)
   result = _run(script, args) if script != "-c" else _run_python_code(args[0], args[1:])
   lines = result.stderr.splitlines()
   assert result.returncode == 2, result.stderr
@@ -552,7 +588,13 @@ def test_command_user_error_is_one_line_with_exit_status_2(name, tmp_path):
 
 
 def _run_python_code(code: str, args: list[str]) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)
+  # One device, as _run's commands have: the same programs, loaded from the compilation cache.
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    PYTHONPATH=REPO_ROOT,
+  )
   return subprocess.run(
     [sys.executable, "-c", code, *args],
     capture_output=True,
@@ -617,8 +659,8 @@ def _make_read_only(folder: str) -> None:
   subprocess.run(["mount", "-o", "remount,bind,ro", folder], check=True)
 
 
-def test_eval_of_a_read_only_workdir_prints_its_metrics_and_one_error_line(tmp_path):
-  workdir = _trained_uea_workdir(tmp_path)
+def test_eval_of_a_read_only_workdir_prints_its_metrics_and_one_error_line(tmp_path, request):
+  workdir = _copy_of_trained_uea(request, tmp_path)
   try:
     _make_read_only(workdir)
     result = _run("eval.py", [f"--workdir={workdir}"])

@@ -21,14 +21,15 @@ KERNELS = {
 
 
 def _inputs(dtype=jnp.float32, kv_heads=4, batch=(2,)):
-  keys = jax.random.split(jax.random.key(0), 5)
-  q = jax.random.normal(keys[0], (*batch, 5, 4, 8), dtype)
-  k = jax.random.normal(keys[1], (*batch, 7, kv_heads, 8), dtype)
-  v = jax.random.normal(keys[2], (*batch, 7, kv_heads, 8), dtype)
-  mask = jax.random.bernoulli(keys[3], 0.6, (*batch, 1, 5, 7))
-  mask = mask.at[(0,) * len(batch) + (0, 1)].set(False)  # a query that sees no key
-  bias = 0.5 * jax.random.normal(keys[4], (1, 4, 5, 7))
-  return q, k, v, mask, bias
+  # Drawn by NumPy: jax.random compiles a sampler per shape and dtype (~2 s each on CPU).
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(*batch, 5, 4, 8)), dtype)
+  k = jnp.asarray(rng.normal(size=(*batch, 7, kv_heads, 8)), dtype)
+  v = jnp.asarray(rng.normal(size=(*batch, 7, kv_heads, 8)), dtype)
+  mask = rng.random((*batch, 1, 5, 7)) < 0.6
+  mask[(0,) * len(batch) + (0, 1)] = False  # a query that sees no key
+  bias = jnp.asarray(0.5 * rng.normal(size=(1, 4, 5, 7)), jnp.float32)
+  return q, k, v, jnp.asarray(mask), bias
 
 
 CASES = {
@@ -41,13 +42,22 @@ CASES = {
 }
 
 
+# The kernels run jitted here, as in a model: one XLA compilation per program. Eagerly, every
+# primitive compiles on its own (hundreds per gradient of Attention-BN, ~0.05 s each on CPU).
+def _jitted_kernel(kernel, **static_options):
+  return jax.jit(functools.partial(KERNELS[kernel], **static_options))
+
+
 def _call(kernel, q, k, v, mask, bias, case, implementation):
-  options = {"is_causal": case.get("is_causal", False)}
+  options = {}
   if case.get("mask"):
     options["mask"] = mask.astype(jnp.float32) if case["mask"] == "float" else mask
   if case.get("bias"):
     options["bias"] = bias
-  return KERNELS[kernel](q, k, v, implementation=implementation, **options)
+  attention = _jitted_kernel(
+    kernel, implementation=implementation, is_causal=case.get("is_causal", False)
+  )
+  return attention(q, k, v, **options)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -62,33 +72,50 @@ def test_fused_equals_reference(kernel, case):
     np.testing.assert_array_equal(np.asarray(fused_out)[0, 1], 0.0)  # the query with no key
 
 
+def _gradients_and_output(kernel, implementation, is_causal=False):
+  """Jitted ``(q, k, v, **masking) -> (grads of Σ sin(out) w.r.t. q, k, v; out)``."""
+
+  def loss(q, k, v, **masking):
+    out = KERNELS[kernel](q, k, v, is_causal=is_causal, implementation=implementation, **masking)
+    return jnp.sum(jnp.sin(out)), out
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+# The reference path never calls what the tests patch (jax.nn.dot_product_attention,
+# fused.backend_implementation), so one program per kernel and causal flag serves every test of
+# a mask and bias of the same shapes: the gradient test's and all the lengths tests'.
+@functools.cache
+def _reference_gradients_and_output(kernel, *, is_causal):
+  return _gradients_and_output(kernel, "reference", is_causal)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_fused_gradients_equal_reference(kernel):
-  q, k, v, mask, bias = _inputs()
-
-  def loss(implementation, q, k, v):
-    out = KERNELS[kernel](q, k, v, mask=mask, bias=bias, implementation=implementation)
-    return jnp.sum(jnp.sin(out))
-
-  for got, want in zip(
-    jax.grad(functools.partial(loss, "fused"), argnums=(0, 1, 2))(q, k, v),
-    jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(q, k, v),
-  ):
+  q, k, v, mask, bias = _inputs(batch=(3,))  # the lengths tests' shapes: one reference program
+  got_grads, _ = _gradients_and_output(kernel, "fused")(q, k, v, mask=mask, bias=bias)
+  want_grads, _ = _reference_gradients_and_output(kernel, is_causal=False)(
+    q, k, v, mask=mask, bias=bias
+  )
+  for got, want in zip(got_grads, want_grads):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_grouped_heads_bfloat16_and_batch_dims(kernel):
+  fused_path, reference_path = (
+    _jitted_kernel(kernel, implementation=i) for i in ("fused", "reference")
+  )
   q, k, v, mask, _ = _inputs(kv_heads=2, batch=(2, 3))
   np.testing.assert_allclose(
-    KERNELS[kernel](q, k, v, mask=mask, implementation="fused"),
-    KERNELS[kernel](q, k, v, mask=mask, implementation="reference"),
+    fused_path(q, k, v, mask=mask),
+    reference_path(q, k, v, mask=mask),
     rtol=2e-5,
     atol=2e-6,
   )
   q, k, v, mask, _ = _inputs(jnp.bfloat16)
-  out = KERNELS[kernel](q, k, v, mask=mask, implementation="fused")
-  reference = KERNELS[kernel](q, k, v, mask=mask, implementation="reference")
+  out = fused_path(q, k, v, mask=mask)
+  reference = reference_path(q, k, v, mask=mask)
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(out, np.float32), np.asarray(reference, np.float32), rtol=3e-2, atol=3e-2
@@ -99,15 +126,19 @@ def test_grouped_heads_bfloat16_and_batch_dims(kernel):
 def test_auto_takes_the_fused_path_only_when_it_applies(kernel, monkeypatch):
   calls = helpers.dot_product_attention_keywords(monkeypatch)
   q, k, v, mask, _ = _inputs()
-  KERNELS[kernel](q, k, v, mask=mask)
+
+  def trace(**options):  # the path is chosen while tracing: nothing needs compiling
+    return jax.eval_shape(functools.partial(KERNELS[kernel], **options), q, k, v)
+
+  trace(mask=mask)
   assert calls and {c["implementation"] for c in calls} == {"xla"}  # CPU: XLA's implementation
   calls.clear()
-  KERNELS[kernel](q, k, v, mask=mask, return_weights=True)
-  KERNELS[kernel](q, k, v, dropout_rate=0.5, deterministic=False, dropout_rng=jax.random.key(1))
-  KERNELS[kernel](q, k, v, implementation="reference")
+  trace(mask=mask, return_weights=True)
+  trace(dropout_rate=0.5, deterministic=False, dropout_rng=jax.random.key(1))
+  trace(implementation="reference")
   assert not calls
   with pytest.raises(ValueError, match="implementation='fused' cannot serve this call"):
-    KERNELS[kernel](q, k, v, return_weights=True, implementation="fused")
+    trace(return_weights=True, implementation="fused")
 
 
 def test_linear_kernels_and_unknown_names_refuse_the_fused_path():
@@ -155,15 +186,10 @@ def test_lengths_give_their_masks_outputs_and_gradients(kernel, case, operands, 
   if operands == "prepared_for_cudnn":
     helpers.run_cudnn_operands_on_xla(monkeypatch)  # padded heads, both lengths
 
-  def loss(q, k, v, implementation, **masking):
-    out = KERNELS[kernel](
-      q, k, v, bias=bias, is_causal=is_causal, implementation=implementation, **masking
-    )
-    return jnp.sum(jnp.sin(out)), out
-
-  grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-  got_grads, got = grad(q, k, v, "fused", **lengths)
-  want_grads, want = grad(q, k, v, "reference", mask=mask)
+  fused_path = _gradients_and_output(kernel, "fused", is_causal)
+  got_grads, got = fused_path(q, k, v, bias=bias, **lengths)
+  reference_path = _reference_gradients_and_output(kernel, is_causal=is_causal)
+  want_grads, want = reference_path(q, k, v, bias=bias, mask=mask)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -22,12 +22,10 @@ VARIANTS = {"sh": {}, "bn_sh": {"batchnorm": True}}
 
 
 def _qkv(q_len, kv_len, heads, d=8, seed=0, dtype=jnp.float32):
-  keys = jax.random.split(jax.random.key(seed), 3)
-  return (
-    jax.random.normal(keys[0], (1, q_len, heads, d), dtype),
-    jax.random.normal(keys[1], (1, kv_len, heads, d), dtype),
-    jax.random.normal(keys[2], (1, kv_len, heads, d), dtype),
-  )
+  # Drawn by NumPy: jax.random compiles a sampler per shape and dtype (~2 s each on CPU).
+  rng = np.random.default_rng(seed)
+  lengths = (q_len, kv_len, kv_len)
+  return tuple(jnp.asarray(rng.normal(size=(1, n, heads, d)), dtype) for n in lengths)
 
 
 def _all_shapes(jaxpr):
@@ -73,7 +71,8 @@ def test_groups_reach_dot_product_attention_unmasked_and_in_the_input_dtype(vari
 
   monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
   q, k, v = _qkv(5, 16, 4, dtype=jnp.bfloat16)
-  sh.scaled_head_attention(q, k, v, ratios=(1, 2, 4, 4), **VARIANTS[variant])
+  attention = functools.partial(sh.scaled_head_attention, ratios=(1, 2, 4, 4), **VARIANTS[variant])
+  jax.eval_shape(attention, q, k, v)  # the calls are made while tracing: nothing to compile
   # [B, len, heads, d]: one call per group, pooled key lengths 16, 8, 4; no mask, no bias.
   assert calls == [
     (5, 16, jnp.bfloat16, True, True),
@@ -115,11 +114,13 @@ def test_fused_equals_reference_without_and_with_a_mask(variant, masked):
   q, k, v = _qkv(6, 11, len(ratios), seed=3)
   mask = None
   if masked:
-    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (1, 1, 6, 11))
+    mask = np.random.default_rng(4).random((1, 1, 6, 11)) < 0.7
   outs = [
-    sh.scaled_head_attention(
-      q, k, v, mask=mask, ratios=ratios, implementation=impl, **VARIANTS[variant]
-    )
+    jax.jit(
+      functools.partial(
+        sh.scaled_head_attention, ratios=ratios, implementation=impl, **VARIANTS[variant]
+      )
+    )(q, k, v, mask=mask)
     for impl in ("fused", "reference")
   ]
   np.testing.assert_allclose(outs[0], outs[1], rtol=2e-5, atol=2e-5)
@@ -166,13 +167,17 @@ def test_every_ratio_group_in_one_launch_is_the_same_function(variant, case):
     for implementation in ("fused", "reference")
   }
   single = functools.partial(run["fused"], single_launch=True)
-  np.testing.assert_allclose(single(q, k, v), run["reference"](q, k, v), atol=2e-6)
 
-  def loss(fn):
-    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+  def gradients_and_output(fn):  # one jitted program per path: outputs and gradients
+    def loss(q, k, v):
+      out = fn(q, k, v)
+      return jnp.sum(jnp.sin(out)), out
 
-  grads = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
-  expected = jax.grad(loss(run["reference"]), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+  grads, out = gradients_and_output(single)
+  expected, expected_out = gradients_and_output(run["reference"])
+  np.testing.assert_allclose(out, expected_out, atol=2e-6)
   for grad, want in zip(grads, expected):
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5)
   products = {
@@ -200,16 +205,26 @@ def test_padding_given_as_lengths_stays_unmasked_in_one_launch(variant, monkeypa
   attention = functools.partial(
     sh.scaled_head_attention, ratios=ratios, num_prefix_tokens=prefix, **VARIANTS[variant]
   )
-  expected = attention(q, k, v, mask=mask, implementation="reference")
+  expected = jax.jit(functools.partial(attention, implementation="reference"))(q, k, v, mask=mask)
   calls = helpers.dot_product_attention_keywords(monkeypatch)
   lengths = {"key_value_seq_lengths": key_lengths, "query_seq_lengths": query_lengths}
-  for single_launch in (True, False):
+
+  @functools.partial(jax.jit, static_argnames="single_launch")
+  def fused_path(q, k, v, lengths, single_launch):
+    first = len(calls)
     out = attention(q, k, v, single_launch=single_launch, implementation="fused", **lengths)
-    np.testing.assert_allclose(out, expected, atol=2e-6)
+    # The key lengths this path's first call received, returned to be read (traced, they have
+    # no value here).
+    return out, calls[first].get("key_value_seq_lengths")
+
+  out, received_key_lengths = fused_path(q, k, v, lengths, single_launch=True)
+  np.testing.assert_allclose(out, expected, atol=2e-6)
+  out, _ = fused_path(q, k, v, lengths, single_launch=False)
+  np.testing.assert_allclose(out, expected, atol=2e-6)
   single_call = calls[0]
   assert single_call["mask"] is None and single_call["bias"] is None
   # One row per (example, head): the pooled lengths of each head's ratio.
-  rows = np.asarray(single_call["key_value_seq_lengths"]).reshape(3, len(ratios))
+  rows = np.asarray(received_key_lengths).reshape(3, len(ratios))
   expected_rows = [[1 + -(-(n - 1) // r) for r in ratios] for n in (10, 4, 7)]
   np.testing.assert_array_equal(rows, expected_rows)
   # The per-group path has the padding as a mask instead.
@@ -226,14 +241,14 @@ def test_lengths_mean_their_padding_mask_for_every_kernel_and_layer():
   mask = (np.arange(6)[None, :] < np.asarray(key_lengths)[:, None])[:, None, None, :]
   for name in sorted(registry.ATTENTION_REGISTRY):
     options = {"ratios": (1, 2)} if registry.lookup(name).takes_ratios else {}
-    fn = registry.make_attention_fn(name, options)
+    fn = jax.jit(registry.make_attention_fn(name, options))
     np.testing.assert_allclose(
       fn(q, k, v, key_value_seq_lengths=key_lengths), fn(q, k, v, mask=mask), atol=1e-6
     )
   layer = pd_nnx.MultiHeadAttention(
     2, 8, attention="sh", attention_options={"ratios": (1, 2)}, rngs=nnx.Rngs(0)
   )
-  x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 6, 8)), jnp.float32)
   np.testing.assert_allclose(
     layer(x, key_value_seq_lengths=key_lengths), layer(x, mask=mask), atol=1e-6
   )

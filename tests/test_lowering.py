@@ -363,6 +363,8 @@ TWO_REPLICAS = {"sweep.optimizer.lr": (1e-3, 3e-4)}
 # only the kernels' own path serves (jax.nn.dot_product_attention takes no dropout): their
 # training reaches cuDNN without it, their evaluation with it.
 NO_WEIGHT_DROPOUT = {"model.attention_dropout_rate": 0.0}
+# The tasks whose batches are padded (their padding should reach cuDNN as lengths).
+PADDED_TASKS = ("uea", "listops")
 BF16_PROGRAMS = [
   *((name, "softmax") for name in configs.packaged_names()),
   *(("default", variant) for variant in FUSED_VARIANTS[1:]),
@@ -408,6 +410,18 @@ def cudnn_attention_calls(text: str) -> tuple[int, int]:
   """(forward, backward) counts of ``cudnn_attention_operands``."""
   directions = [direction for direction, _ in cudnn_attention_operands(text)]
   return directions.count("forward"), directions.count("backward")
+
+
+def forward_bias_and_lengths(text: str) -> set[tuple[bool, bool]]:
+  """``(bias?, lengths?)`` of each forward cuDNN attention call of ``text``
+  (``cudnn_attention_operands``, partitioned calls included): whether an operand after q, k and v
+  is a bias ``[B, H | 1, T, S]`` or lengths ``[B]`` (0: an absent operand's placeholder)."""
+  kinds = set()
+  for direction, shapes in cudnn_attention_operands(text):
+    extra = [shape.split("x") for shape in shapes[3:] if shape and shape != "0"]
+    if direction == "forward":
+      kinds.add((any(len(s) == 4 for s in extra), any(len(s) == 1 for s in extra)))
+  return kinds
 
 
 def unpaired_cudnn_operands(text: str) -> list[list[str]]:
@@ -477,7 +491,9 @@ def test_bfloat16_train_programs_call_cudnn_and_no_float32_matmul(
   name, variant, replicas, device_backend, runlocal_program
 ):
   """Every packaged config with softmax, and the default one with BN, SH and BN+SH, single and
-  as two replicas (the vmap whose old batching rule needs ``kernels.fused``'s workaround)."""
+  as two replicas (the vmap whose old batching rule needs ``kernels.fused``'s workaround). The
+  tasks that pad (UEA, ListOps) give their padding as lengths: every forward cuDNN call of their
+  program takes lengths and no bias."""
   device_backend("cuda")
   lowered = bf16_train_program(runlocal_program, name, variant, replicas, "cuda")
   text = lowered.as_text()
@@ -485,6 +501,8 @@ def test_bfloat16_train_programs_call_cudnn_and_no_float32_matmul(
   assert forward and backward, custom_calls(text)
   assert not unpaired_cudnn_operands(text)
   assert not float32_matmuls(text)
+  if name in PADDED_TASKS:
+    assert forward_bias_and_lengths(text) == {(False, True)}
 
 
 def test_float32_train_programs_have_float32_matmuls_and_no_cudnn(device_backend, runlocal_program):
@@ -602,25 +620,3 @@ def test_each_variant_and_masking_takes_its_cudnn_path(variant, masking, device_
   assert cudnn_attention_calls(
     lowered_text(*kernel_program(variant, masking, jnp.float32), "cuda")
   ) == (0, 0)
-
-
-def forward_bias_and_lengths(text: str) -> set[tuple[bool, bool]]:
-  """``(bias?, lengths?)`` of each forward cuDNN attention call of ``text``
-  (``cudnn_attention_operands``, partitioned calls included): whether an operand after q, k and v
-  is a bias ``[B, H | 1, T, S]`` or lengths ``[B]`` (0: an absent operand's placeholder)."""
-  kinds = set()
-  for direction, shapes in cudnn_attention_operands(text):
-    extra = [shape.split("x") for shape in shapes[3:] if shape and shape != "0"]
-    if direction == "forward":
-      kinds.add((any(len(s) == 4 for s in extra), any(len(s) == 1 for s in extra)))
-  return kinds
-
-
-@pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("name", ["uea", "listops"])
-def test_padded_tasks_reach_cudnn_by_lengths(name, replicas, device_backend, runlocal_program):
-  """The tasks that pad (UEA, ListOps) give their padding as lengths: every forward cuDNN call of
-  their bfloat16 train program, one run or two replicas, takes lengths and no bias."""
-  device_backend("cuda")
-  lowered = bf16_train_program(runlocal_program, name, "softmax", replicas, "cuda")
-  assert forward_bias_and_lengths(lowered.as_text()) == {(False, True)}

@@ -19,6 +19,12 @@ from primal_dual.training import evaluation
 from primal_dual.training import setup
 from primal_dual.training import trainer
 
+# A fresh persistent compilation cache for the module: each test trains the same config more than
+# once (a reference, a crashed and a resumed run), and only the first compiles its programs.
+compilation_cache_dir = pytest.fixture(scope="module", autouse=True)(
+  helpers.fresh_compilation_cache
+)
+
 
 class Crash(Exception):
   pass

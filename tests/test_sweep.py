@@ -235,25 +235,31 @@ def test_seeds_with_their_own_held_out_splits_are_replicas_of_one_program(tmp_pa
 
 
 def test_dropout_points_on_device_batches_equal_runs_alone(tmp_path):
-  """Listed points that set the dropout rates apart: each replica (its rates traced inside the
-  program, 0 included) equals its setting trained alone (rates constants of the model)."""
+  """Listed points that set the dropout rates apart, at two seeds: each replica (its rates traced
+  inside the program, 0 included) equals its setting trained alone (rates constants of the model).
+  Four replicas, as in the seeds × learning rates sweep above: the same initialisation program."""
   points = ("attn_dropout=0.0,dropout=0.2", "lr=0.02,attn_dropout=0.3")
-  final = trainer.train_and_evaluate(_sraven(**{"sweep.points": points}), str(tmp_path / "sweep"))
+  sweep_config = _sraven(**{"sweep.points": points, "sweep.seed": (0, 3)})
+  final = trainer.train_and_evaluate(sweep_config, str(tmp_path / "sweep"))
   base_lr = _sraven().optimizer.lr
-  alone_values = {
-    f"lr={base_lr},dropout=0.2,attn_dropout=0.0": dict(
-      attention_dropout_rate=0.0, dropout_rate=0.2
-    ),
-    "lr=0.02,dropout=0.0,attn_dropout=0.3": dict(
-      attention_dropout_rate=0.3, dropout_rate=0.0, lr=0.02
-    ),
+  point_names = (
+    f"lr={base_lr},dropout=0.2,attn_dropout=0.0",
+    "lr=0.02,dropout=0.0,attn_dropout=0.3",
+  )
+  assert {k.split("/")[0] for k in final} == {
+    f"{point},seed={seed}" for point in point_names for seed in (0, 3)
   }
-  assert {k.split("/")[0] for k in final} == set(alone_values)
+  # The first point at the first seed, the second at the second: slices of both stacked axes.
+  alone_values = {
+    f"{point_names[0]},seed=0": dict(attention_dropout_rate=0.0, dropout_rate=0.2, seed=0),
+    f"{point_names[1]},seed=3": dict(attention_dropout_rate=0.3, dropout_rate=0.0, lr=0.02, seed=3),
+  }
   for index, (name, values) in enumerate(alone_values.items()):
-    lr = values.pop("lr", base_lr)
+    lr, seed = values.pop("lr", base_lr), values.pop("seed")
     fields = {f"model.{k}": v for k, v in values.items()}
     alone = tmp_path / f"alone{index}"
-    alone_final = trainer.train_and_evaluate(_sraven(**fields, **{"optimizer.lr": lr}), str(alone))
+    alone_config = _sraven(**fields, seed=seed, **{"optimizer.lr": lr})
+    alone_final = trainer.train_and_evaluate(alone_config, str(alone))
     _assert_replica_is_the_run_alone(tmp_path / "sweep" / name, alone, final, alone_final, name)
 
 
