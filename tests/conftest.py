@@ -11,8 +11,7 @@ marked ``slow``, by hand (end-to-end runs) or here at collection: every test who
 passes ``--record-durations``) is ``FAST_TIER_MAX_S`` or more. A test missing from the file (a new
 one) stays in the fast tier until the file is measured again.
 
-XLA_FLAGS must be set before JAX initialises its backends, hence at import time here (CPU code
-generation at optimisation level 0: see the comment there). Rank
+XLA_FLAGS must be set before JAX initialises its backends, hence at import time here. Rank
 promotion (implicit broadcasting between arrays of different rank, a common source of silent
 shape bugs) raises in every test, and, through the environment, in the commands tests start.
 """
@@ -24,14 +23,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  _flags += " --xla_force_host_platform_device_count=8"
-# The suite compiles thousands of small CPU programs and runs each a few times: LLVM's optimisation
-# of their machine code costs more than it saves (golden + sweep files 2 min 54 s -> 2 min 9 s).
-# XLA's own passes still run; results move by float32 rounding only (<= 1.4e-6 relative on the
-# variants' outputs and gradients), and the golden steps still match.
-if "xla_backend_optimization_level" not in _flags:
-  _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = _flags.strip()
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
