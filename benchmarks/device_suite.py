@@ -209,8 +209,7 @@ def _measure_mosaic_forward(length: int, e_tile: int, sizes: Sizes) -> dict[str,
   from tools.device import hyla_latency_model
 
   heads, head_dim = sizes.heads, max(sizes.head_dim, 16)  # the kernel's D is a multiple of 16
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(key, (1, length, heads, head_dim), jnp.bfloat16) for key in keys)
+  q, k, v = attention.make_inputs(attention.Shape(1, length, heads, head_dim), jnp.bfloat16)
   interpret = mosaic_interpreter.params() if jax.default_backend() == "cpu" else None
   forward = jax.jit(
     functools.partial(mosaic.hyla_mosaic_forward, e_tile=e_tile, interpret=interpret)

@@ -42,7 +42,6 @@ at 8k on that H100, 17× the tensorcore kernel.)
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -237,22 +236,22 @@ def mosaic_forward_blockwise_backward(
   from primal_dual.kernels.hyla import mosaic
 
   batch_shape = query.shape[:-3]
-  lengths = {
-    name: None if x is None else jnp.broadcast_to(jnp.asarray(x), batch_shape).reshape(-1)
-    for name, x in (("key_lengths", key_lengths), ("query_lengths", query_lengths))
-  }
+  key_lengths, query_lengths = (
+    None if x is None else jnp.broadcast_to(jnp.asarray(x), batch_shape)
+    for x in (key_lengths, query_lengths)
+  )
 
   def forward(q, k, v):
     flat = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    lengths = {
+      name: None if x is None else x.reshape(-1)
+      for name, x in (("key_lengths", key_lengths), ("query_lengths", query_lengths))
+    }
     out = mosaic.hyla_mosaic_forward(*flat, **lengths, **options, interpret=interpret)
     return out.reshape(*batch_shape, *out.shape[1:])
 
   def reference(q, k, v):
-    mask = None
-    if key_lengths is not None or query_lengths is not None:
-      q_len, kv_len = q.shape[-3], k.shape[-3]
-      mask = _prefix_mask(*lengths.values(), math.prod(batch_shape), q_len, kv_len)
-      mask = mask.reshape(*batch_shape, 1, q_len, kv_len)
+    mask = C.lengths_mask(query_lengths, key_lengths, C.validate_qkv(q, k, v))
     return blockwise.hyla_blockwise_attention(
       q, k, v, None, mask, block_size=AUTO_BLOCK_SIZE, dtype=jnp.float32, **options
     )
@@ -269,16 +268,6 @@ def mosaic_forward_blockwise_backward(
 
   attend.defvjp(attend_forward, attend_backward)
   return attend(query, key, value)
-
-
-def _prefix_mask(key_lengths, query_lengths, count: int, q_len: int, kv_len: int):
-  """bool ``[count, q_len, kv_len]``: each example's first keys and queries (None: all)."""
-  mask = jnp.ones((count, q_len, kv_len), bool)
-  if key_lengths is not None:
-    mask &= (jnp.arange(kv_len)[None, :] < key_lengths[:, None])[:, None, :]
-  if query_lengths is not None:
-    mask &= (jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, :, None]
-  return mask
 
 
 IMPLEMENTATIONS: dict[str, Callable] = {

@@ -52,6 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from primal_dual.kernels import _common as C
 from primal_dual.kernels.hyla.dense import RMS_EPS
 from primal_dual.kernels.hyla.staged import pad_to
 
@@ -160,10 +161,12 @@ def _kernel(
 
   def body(block, out):
     keys = pl.ds(block * K_TILE, K_TILE)
-    key_position = block * K_TILE + key_offset
-    visible = (key_position < key_length) & (query_position < query_length)
-    if causal_offset is not None:
-      visible = visible & (key_position <= query_position + causal_offset)
+    visible = None  # no lengths and no causality: every key of the block is visible
+    if config["masked"]:
+      key_position = block * K_TILE + key_offset
+      visible = (key_position < key_length) & (query_position < query_length)
+      if causal_offset is not None:
+        visible = visible & (key_position <= query_position + causal_offset)
     for h in range(heads):
       plgpu.copy_gmem_to_smem(kt_gmem.at[example, h, :, keys], kt_smem.at[h], block_ready.at[0])
     plgpu.copy_gmem_to_smem(v_gmem.at[example, keys, :, columns], v_smem, block_ready.at[0])
@@ -173,7 +176,7 @@ def _kernel(
       kt_smem,
       v_smem,
       out,
-      visible if config["masked"] else None,
+      visible,
       heads=heads,
       scale=config["scale"],
       normalization=config["normalization"],
@@ -240,10 +243,7 @@ def hyla_mosaic_forward(
   if key.shape[0] != batch or key.shape[2:] != (heads, d_qk) or value.shape[:3] != key.shape[:3]:
     raise ValueError(f"shapes do not match: q {query.shape}, k {key.shape}, v {value.shape}")
   d_v, kv_len = value.shape[-1], key.shape[1]
-  if causal_alignment not in ("top_left", "bottom_right"):
-    raise ValueError(
-      f"causal_alignment must be 'top_left' or 'bottom_right'; got {causal_alignment!r}"
-    )
+  offset = C.causal_offset(causal_alignment, q_len, kv_len)  # ValueError for an unknown name
   e_tile = d_v if e_tile is None else e_tile
   if d_qk % 16 or d_v % e_tile or e_tile % 8:
     raise ValueError(
@@ -263,9 +263,7 @@ def hyla_mosaic_forward(
     ],
     axis=1,
   ).astype(jnp.int32)
-  causal_offset = None
-  if is_causal:
-    causal_offset = 0 if causal_alignment == "top_left" else kv_len - q_len
+  causal_offset = offset if is_causal else None
   q_tiles, key_blocks = q.shape[1] // Q_TILE, k.shape[1] // K_TILE
   # 32-byte swizzle: the key block's 16 bfloat16 columns are 32 bytes, and wgmma wants one swizzle
   # on both operands.
