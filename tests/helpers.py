@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import ml_collections
+import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from primal_dual.training import config_lib
@@ -50,6 +51,18 @@ def fresh_compilation_cache(tmp_path_factory):
   for name, value in saved.items():
     jax.config.update(name, value)
   compilation_cache.reset_cache()
+
+
+def subprocess_compilation_cache(tmp_path_factory):
+  """Fixture body: one persistent compilation cache, through the environment, for every process
+  the module starts (a program one command compiled is loaded by the next). Use as
+  ``compilation_cache = pytest.fixture(scope='module', autouse=True)(subprocess_compilation_cache)``.
+  """
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    yield
 
 
 def random_qkv(rng, batch_shape, q_len, kv_len, heads, d=3, d_v=2, dtype=np.float32):

@@ -31,15 +31,10 @@ from primal_dual.training import workdir as workdir_lib
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def subprocess_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for every command this module starts (they inherit the
-  environment): the synthetic and UEA programs are compiled once, not once per command."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-    yield
+# The synthetic and UEA programs are compiled once, not once per command.
+compilation_cache = pytest.fixture(scope="module", autouse=True)(
+  helpers.subprocess_compilation_cache
+)
 
 
 # A tiny synthetic-task config file; `steps=` is its only argument.

@@ -10,19 +10,16 @@ import venv
 
 import pytest
 
+import helpers
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO_ROOT, "notebooks", "*.ipynb")))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernel_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for every notebook kernel of the module (they inherit the
-  environment): the clone's run compiles the notebook's programs, the wheel's run loads them."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-    yield
+# The clone's notebook run compiles the notebook's programs, the wheel's run loads them.
+compilation_cache = pytest.fixture(scope="module", autouse=True)(
+  helpers.subprocess_compilation_cache
+)
 
 
 def test_there_is_a_notebook():
