@@ -23,9 +23,8 @@ VARIANTS = {"sh": {}, "bn_sh": {"batchnorm": True}}
 
 def _qkv(q_len, kv_len, heads, d=8, seed=0, dtype=jnp.float32):
   # Drawn by NumPy: jax.random compiles a sampler per shape and dtype (~2 s each on CPU).
-  rng = np.random.default_rng(seed)
-  lengths = (q_len, kv_len, kv_len)
-  return tuple(jnp.asarray(rng.normal(size=(1, n, heads, d)), dtype) for n in lengths)
+  qkv = helpers.random_qkv(np.random.default_rng(seed), (1,), q_len, kv_len, heads, d, d, dtype)
+  return tuple(jnp.asarray(x) for x in qkv)
 
 
 def _all_shapes(jaxpr):
