@@ -190,6 +190,89 @@ def test_every_ratio_group_in_one_launch_is_the_same_function(variant, case):
   assert products[False] - products[True] == 2 * (groups - 1), products
 
 
+def _window_means(x, ratio):
+  """NumPy float64 reference: each head's window means in key order, ``[B, H, N / ratio, C]``."""
+  batch, heads, length, channels = x.shape
+  return np.asarray(x, np.float64).reshape(batch, heads, length // ratio, ratio, channels).mean(3)
+
+
+@pytest.mark.parametrize(
+  "ratios, length",
+  [((1, 1, 2, 2, 4, 4, 8, 8), 24), ((1, 2, 3, 6), 18), ((2, 4), 8), ((3, 3), 6)],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pooling_every_head_at_once_gives_each_heads_window_means(ratios, length, dtype):
+  rng = np.random.default_rng(len(ratios) + length)
+  x = jnp.asarray(rng.normal(size=(2, len(ratios), length, 5)), dtype)
+  pooled = np.asarray(jax.jit(sh.pool_every_head_at_once, static_argnums=1)(x, ratios), np.float64)
+  block = sh.pooling_block(ratios)
+  assert pooled.shape == (2, len(ratios), length // min(ratios), 5)
+  for head, ratio in enumerate(ratios):
+    means = _window_means(np.asarray(x[:, head : head + 1], np.float32), ratio)[:, 0]
+    count, per_block = length // ratio, block // ratio
+    # Row p·(N/L) + n holds window n·(L/r) + p (block-major); the rows after the head's N/r are 0.
+    rows = [p * (length // block) + n for p in range(per_block) for n in range(length // block)]
+    windows = [n * per_block + p for p in range(per_block) for n in range(length // block)]
+    got = pooled[:, head, rows]
+    want = np.asarray(jnp.asarray(means[:, windows], dtype), np.float64)  # rounded as x is
+    np.testing.assert_allclose(got, want, rtol=0 if dtype == jnp.bfloat16 else 1e-6, atol=1e-7)
+    assert not pooled[:, head, count:].any()
+  with pytest.raises(ValueError, match=r"\(2, 2, 8, 5\).*lcm\(ratios\) = 6"):
+    sh.pool_every_head_at_once(jnp.zeros((2, 2, 8, 5)), (2, 3))
+
+
+ONE_PRODUCT_CASES = {
+  "sh, powers of two": ("sh", (1, 2, 4, 4), 16, {}),
+  "sh, ratio 3 (a division)": ("sh", (1, 2, 3, 6), 12, {}),
+  "bn_sh, powers of two": ("bn_sh", (1, 2, 4, 4), 16, {}),
+  "bn_sh, ratio 3 (a division)": ("bn_sh", (1, 2, 3, 6), 12, {}),
+  "bn_sh, full statistics": ("bn_sh", (1, 2, 4, 4), 16, {"statistics": "full"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_PRODUCT_CASES))
+def test_unmasked_single_launch_pools_in_one_product_and_is_the_same_function(case):
+  """Without a mask (and ``kv_len`` a multiple of ``lcm(ratios)``) the one launch pools every head
+  at once: one product more than the launch's two, no per-group reduction; outputs and gradients
+  those of the reference path. At a length the block does not divide it pools group by group."""
+  variant, ratios, length, options = ONE_PRODUCT_CASES[case]
+  q, k, v = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in _qkv(7, length, len(ratios)))
+  run = {
+    implementation: functools.partial(
+      sh.scaled_head_attention,
+      ratios=ratios,
+      implementation=implementation,
+      single_launch=True,
+      **VARIANTS[variant],
+      **options,
+    )
+    for implementation in ("fused", "reference")
+  }
+
+  def gradients_and_output(fn, *args):
+    def loss(q, k, v):
+      out = fn(q, k, v)
+      return jnp.sum(jnp.sin(out)), out
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+
+  grads, out = gradients_and_output(run["fused"], q, k, v)
+  expected, expected_out = gradients_and_output(run["reference"], q, k, v)
+  np.testing.assert_allclose(out, expected_out, atol=2e-6)
+  for grad, want in zip(grads, expected):
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5)
+
+  def primitives(length):
+    shorter = [x[:, :length] for x in (k, v)]
+    jaxpr = jax.make_jaxpr(run["fused"])(q, *shorter).jaxpr
+    return _count_primitive(jaxpr, "dot_general"), _count_primitive(jaxpr, "reduce_sum")
+
+  assert primitives(length)[0] == 3, primitives(length)
+  uneven = length - 1 if length % 2 else length - 2  # a multiple of no block here but 1
+  dots, sums = primitives(uneven)
+  assert dots == 2 and sums >= len(set(ratios)) - 1, (dots, sums)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_padding_given_as_lengths_stays_unmasked_in_one_launch(variant, monkeypatch):
   """Key and query lengths (``jax.nn.dot_product_attention``'s arguments) mean the padding mask

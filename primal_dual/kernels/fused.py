@@ -52,6 +52,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from primal_dual.kernels import _common
 
@@ -218,7 +219,10 @@ def _lengths_by_row(key_lengths, query_lengths, batch: int, heads: int) -> tuple
     ValueError: ``key_lengths`` neither ``[B]`` nor ``[B, H]``, or ``query_lengths`` not ``[B]``.
   """
   if key_lengths is not None:
-    key_lengths = jnp.asarray(key_lengths, jnp.int32)
+    # Lengths known when tracing (NumPy) stay NumPy: rows they leave with no key are then known.
+    key_lengths = (np if isinstance(key_lengths, np.ndarray) else jnp).asarray(
+      key_lengths, jnp.int32
+    )
     if key_lengths.shape not in ((batch,), (batch, heads)):
       raise ValueError(
         f"key_lengths must be int [B] or [B, H] = [{batch}] or [{batch}, {heads}]; got shape "
@@ -246,7 +250,7 @@ def _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len: int):
   rows = []
   if mask is not None:
     rows.append(jnp.any(mask, axis=-1, keepdims=True))
-  if key_lengths is not None:
+  if key_lengths is not None and not (isinstance(key_lengths, np.ndarray) and key_lengths.all()):
     rows.append((key_lengths > 0)[:, None, None, None])
   if query_lengths is not None:
     rows.append((jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, None, :, None])
@@ -357,7 +361,7 @@ def _dot_product_attention(
   if implementation == "cudnn":
     q, k, v, bias, mask, lengths = _cudnn_operands(q, k, v, bias, mask, lengths)
   out = jax.nn.dot_product_attention(
-    *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+    *(_swap_heads_and_length(x) for x in (q, k, v)),
     bias=bias,
     mask=mask,
     scale=scale,
@@ -365,7 +369,15 @@ def _dot_product_attention(
     implementation=implementation,
     **lengths,
   )
-  out = jnp.swapaxes(out, 1, 2)[:, :, :q_len, :head_size]
+  out = _swap_heads_and_length(out)[:, :, :q_len, :head_size]
   if seen is not None:
     out = jnp.where(seen, out, jnp.zeros((), out.dtype))
   return out
+
+
+def _swap_heads_and_length(x):
+  """``[N, H, L, d]`` <-> ``[N, L, H, d]``; a reshape where one of the two axes has size 1 (one
+  head per row, as SH's single launch sends): no transpose in the program."""
+  if 1 in x.shape[1:3]:
+    return x.reshape(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+  return jnp.swapaxes(x, 1, 2)

@@ -20,7 +20,9 @@ heads are static slices, pooled once and attended on the pooled length, and the 
 back into the original head order by static slices. Pooling is padding and reshaping the key axis
 into windows and reducing them (a broadcast in the backward): no gather, whose backward would be a
 scatter-add. On the fused path keys and values are pooled side by side, and BN+SH's statistics of
-one set per sequence are reductions over every head at once.
+one set per sequence are reductions over every head at once. In one launch without a mask, average
+pooling is a single product for every head whatever its ratio (:func:`pool_every_head_at_once`):
+no groups at all, each head's pooled keys a prefix of its rows, given to the launch as lengths.
 
 Conventions (chosen here, where docs/maths.md is silent):
 
@@ -568,6 +570,119 @@ def pooled_key_lengths(key_lengths, ratio: int, num_prefix_tokens: int = 0):
   return prefix + (rest + ratio - 1) // ratio
 
 
+# The widest block of keys :func:`pool_every_head_at_once` takes: its product costs
+# ``N · L / min(ratios)`` multiply-adds per channel, a few copies of the keys for small blocks.
+MAX_POOLING_BLOCK = 16
+
+
+def pooling_block(ratios: Sequence[int]) -> int:
+  """The block of keys in which every head's windows tile exactly: ``lcm(ratios)``."""
+  return int(np.lcm.reduce(np.asarray(ratios, np.int64)))
+
+
+def _block_pooling_matrix(ratios: tuple[int, ...]) -> np.ndarray:
+  """0/1 float32 ``[H, L / min(ratios), L]``, ``L`` :func:`pooling_block`: row ``p`` of head
+  ``h`` picks window ``p`` of a block (keys ``[p r_h, (p + 1) r_h)``); rows ``p ≥ L / r_h`` are 0."""
+  block = pooling_block(ratios)
+  rows = np.arange(block // min(ratios))[None, :, None]
+  keys = np.arange(block)[None, None, :]
+  return (keys // np.asarray(ratios)[:, None, None] == rows).astype(np.float32)
+
+
+def pool_every_head_at_once(x, ratios: Sequence[int]):
+  """Average pooling of every head with its own ratio, as one product (no per-group ops).
+
+  The key axis is cut into blocks of ``L`` = :func:`pooling_block` keys, in which every head's
+  windows tile exactly; one einsum with a static 0/1 matrix per head sums each window (float32
+  accumulation, exact for 0/1 weights), and the sums are divided by the head's ratio, as the
+  per-group pooling does.
+
+  Args:
+    x: ``[B, H, N, C]`` (keys, or keys and values side by side), ``N`` a multiple of ``L``.
+    ratios: one per head.
+
+  Returns:
+    ``[B, H, N / min(ratios), C]`` in ``x``'s dtype. Head ``h``'s ``N / r_h`` pooled keys are its
+    first rows, block-major: row ``p · (N / L) + n`` is window ``n · (L / r_h) + p``. Softmax
+    attention and key statistics do not depend on the keys' order; the rows after them are 0.
+  """
+  batch, heads, length, channels = x.shape
+  ratios = tuple(ratios)
+  block = pooling_block(ratios)
+  if len(ratios) != heads or length % block:
+    raise ValueError(
+      f"x [B, H, N, C] = {tuple(x.shape)} needs one ratio per head and N a multiple of "
+      f"lcm(ratios) = {block}; got ratios={ratios}"
+    )
+  blocks = x.reshape(batch, heads, length // block, block, channels)
+  ratios_array = np.asarray(ratios)
+  # Powers of two: 1/r is exact in every float dtype and scaling by it is exact, so the matrix
+  # holds 1/r and no division follows (the same values as dividing the sums).
+  exact_inverse = bool(np.all(ratios_array & (ratios_array - 1) == 0))
+  matrix = _block_pooling_matrix(ratios)
+  if exact_inverse:
+    matrix = matrix / ratios_array[:, None, None]
+  # The matrix batched over the examples too, so that the product's axes come out as
+  # [B, H, p, n, C] (batch axes first, then the matrix's rows, then the blocks'): no transpose.
+  matrix = jnp.broadcast_to(jnp.asarray(matrix, x.dtype), (batch, *matrix.shape))
+  sums = jax.lax.dot_general(
+    matrix,
+    blocks,
+    (((3,), (3,)), ((0, 1), (0, 1))),
+    precision=jax.lax.Precision.HIGHEST,  # float32 keys are never rounded to TF32 or bfloat16
+    preferred_element_type=C.F32,
+  )
+  means = sums if exact_inverse else sums / ratios_array.reshape(1, -1, 1, 1, 1).astype(np.float32)
+  return means.astype(x.dtype).reshape(batch, heads, -1, channels)
+
+
+def pools_every_head_at_once(call, ratios, *, pool: str, grid_shape, num_prefix_tokens) -> bool:
+  """Whether a fused single-launch call pools by :func:`pool_every_head_at_once`: average
+  pooling in 1-D without prefix tokens, no mask, lengths, bias or causal constraint (each
+  head's pooled keys are then all valid, so a prefix of the block-major order), keys and values
+  of one dtype, and ``kv_len`` a multiple of a block of at most ``MAX_POOLING_BLOCK`` keys."""
+  block = pooling_block(ratios)
+  return (
+    pool == "avg"
+    and grid_shape is None
+    and num_prefix_tokens == 0
+    and call.mask is None
+    and call.bias is None
+    and not call.is_causal
+    and call.key.dtype == call.value.dtype
+    and block <= MAX_POOLING_BLOCK
+    and call.shapes.kv_len % block == 0
+  )
+
+
+def _attend_pooled_at_once(call, q, k, v, ratios, *, scale: float, batchnorm, statistics: str):
+  """Softmax SH / BN+SH in one ``jax.nn.dot_product_attention`` call on the pooling of
+  :func:`pool_every_head_at_once`: ``[B, H, q_len, d_v]`` in head order. Each (example, head)
+  row goes with its pooled length ``N / r_h`` as its key length."""
+  d_qk, (batch, heads, kv_len) = call.shapes.d_qk, k.shape[:3]
+  keys, values = jnp.split(
+    pool_every_head_at_once(jnp.concatenate([k, v], axis=-1), ratios), [d_qk], axis=-1
+  )
+  counts = kv_len // np.asarray(ratios)
+  if batchnorm is not None:
+    if statistics == "full":
+      stats = key_statistics(k, None)
+    else:
+      valid = jnp.arange(keys.shape[2])[None, None, :] < counts[None, :, None]
+      stats = key_statistics(keys, valid, counts.reshape(1, -1, 1, 1).astype(np.float32))
+    q, keys = _normalise((q, keys), *stats, batchnorm)
+  return fused.attend(
+    q,
+    keys,
+    values,
+    None,
+    None,
+    scale=scale,
+    dtype=call.compute_dtype,
+    key_lengths=np.broadcast_to(counts.astype(np.int32), (batch, heads)),
+  )
+
+
 class FusedOptions(NamedTuple):
   """The static choices of the fused path (``jax.nn.dot_product_attention``).
 
@@ -752,9 +867,10 @@ def scaled_head_attention(
       ``kernels.fused``), ``'fused'`` or ``'reference'``.
     single_launch: on the fused path, every ratio group in one ``jax.nn.dot_product_attention``
       call (heads folded into the batch, pooled keys padded to the longest group, each row's
-      pooled length as ``key_value_seq_lengths``) instead of one call per group. None (default):
-      on a GPU only, where one cuDNN launch replaces several; elsewhere XLA's dense product would
-      pay for the padding.
+      pooled length as ``key_value_seq_lengths``) instead of one call per group; without a mask,
+      lengths or bias (:func:`pools_every_head_at_once`) every head is pooled by one product.
+      None (default): on a GPU only, where one cuDNN launch replaces several; elsewhere XLA's
+      dense product would pay for the padding.
 
   Returns:
     ``[batch..., q_len, heads, d_v]`` (and the weights tuple if requested).
@@ -795,8 +911,20 @@ def scaled_head_attention(
   split = [_split_heads(x, groups, shapes.heads) for x in (q, k, v, bias, mask)]
   group_args = [[parts[index] for parts in split] for index in range(len(groups))]
   weights = None
-  if call.takes_fused(implementation, softmax_kernel=kernel == "softmax"):
-    single = jax.default_backend() == "gpu" if single_launch is None else single_launch
+  fused_path = call.takes_fused(implementation, softmax_kernel=kernel == "softmax")
+  single = jax.default_backend() == "gpu" if single_launch is None else single_launch
+  if (
+    fused_path
+    and single
+    and pools_every_head_at_once(
+      call, ratios, pool=pool, grid_shape=grid_shape, num_prefix_tokens=num_prefix_tokens
+    )
+  ):
+    out = _attend_pooled_at_once(
+      call, q, k, v, ratios, scale=scale, batchnorm=bn_options, statistics=statistics
+    )
+    return call.finish(out)
+  if fused_path:
     options = FusedOptions(
       single_launch=single,
       by_lengths=single and call.lengths_only and not call.is_causal and grid_shape is None,

@@ -131,14 +131,29 @@ def attention_op_counts(
   ratios: Sequence[int] = DEFAULT_RATIOS,
   dtype=jnp.bfloat16,
   platform: str = "cuda",
+  vmap_safe_jax: bool = False,
 ) -> dict[str, OpCount]:
   """Variant -> :class:`OpCount` of its forward + backward lowered for ``platform``, q, k, v
-  ``[1, length, heads, head_dim]``."""
+  ``[1, length, heads, head_dim]``.
+
+  ``vmap_safe_jax``: lower as the library does on a jax at or after ``fused.VMAP_SAFE_JAX``
+  (whatever this one is): without the operands it ties to the queries' vmap axis for older
+  jax's cuDNN batching rules (``fused._cudnn_operands``). Only the library's own branch is
+  emulated; jax's lowering of the rest is this jax's.
+  """
+  from primal_dual.kernels import fused
+
   qkv = jax.ShapeDtypeStruct((1, length, heads, head_dim), dtype)
-  return {
-    name: count_ops(lower_for(attention_forward_backward(name, ratios), (qkv,) * 3, platform))
-    for name in variants
-  }
+  saved = fused.VMAP_SAFE_JAX
+  if vmap_safe_jax:
+    fused.VMAP_SAFE_JAX = (0, 0, 0)
+  try:
+    return {
+      name: count_ops(lower_for(attention_forward_backward(name, ratios), (qkv,) * 3, platform))
+      for name in variants
+    }
+  finally:
+    fused.VMAP_SAFE_JAX = saved
 
 
 def render(counts: dict[str, OpCount]) -> str:
@@ -164,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)))
   parser.add_argument("--platform", default="cuda", choices=sorted(BACKENDS))
   parser.add_argument("--by-name", action="store_true", help="also each op name's count")
+  parser.add_argument(
+    "--vmap-safe-jax",
+    action="store_true",
+    help="lower as on a jax >= fused.VMAP_SAFE_JAX (no vmap workaround for older cuDNN rules)",
+  )
   args = parser.parse_args(argv)
   counts = attention_op_counts(
     [v for v in args.variants.split(",") if v],
@@ -172,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     head_dim=args.head_dim,
     ratios=tuple(int(r) for r in args.ratios.split(",")),
     platform=args.platform,
+    vmap_safe_jax=args.vmap_safe_jax,
   )
   print(render(counts))
   if args.by_name:
