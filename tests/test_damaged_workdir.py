@@ -354,3 +354,13 @@ def test_only_abandoned_orbax_reads_go_unreported():
   assert not shown(never_retrieved, infos["orbax"])
   assert shown(never_retrieved, infos["other"])
   assert shown("Unclosed event loop", infos["orbax"])
+  # A tensorstore future behind an Orbax read fails in C++: no traceback, tensorstore's spec in
+  # its message (as CI once printed it, nine lines after the one-line warning).
+  tensorstore = ValueError(
+    'OUT_OF_RANGE: Error opening "zarr" driver: Error reading "b/.zarray" '
+    "[tensorstore_spec='{\"driver\":\"zarr\"}']"
+  )
+  future_never_retrieved = "Future exception was never retrieved\nfuture: <Future finished ...>"
+  assert not shown(future_never_retrieved, (ValueError, tensorstore, None))
+  assert shown(future_never_retrieved, (ValueError, ValueError("OUT_OF_RANGE"), None))
+  assert shown(future_never_retrieved, infos["other"])

@@ -243,14 +243,20 @@ def hide_disk_full_logs() -> None:
 
 
 def not_an_abandoned_checkpoint_read(record) -> bool:
-  """A `logging` filter for the `asyncio` logger: False for its report of an Orbax read task
-  whose failure nobody retrieved. Orbax reads a checkpoint's arrays in concurrent tasks and
-  raises the first failure; each other failed task is reported, with its traceback, when it is
-  collected, or at exit (where formatting it fails again: `ImportError: sys.meta_path is None`).
-  The damaged checkpoint is reported in one line instead (`checkpointing`)."""
-  if not record.getMessage().startswith("Task exception was never retrieved"):
+  """A `logging` filter for the `asyncio` logger: False for its report of an Orbax read whose
+  failure nobody retrieved. Orbax reads a checkpoint's arrays in concurrent tasks and raises the
+  first failure; each other failed task, and each tensorstore future behind one, is reported, with
+  its traceback, when it is collected, or at exit (where formatting it fails again: `ImportError:
+  sys.meta_path is None`). The damaged checkpoint is reported in one line instead
+  (`checkpointing`)."""
+  message = record.getMessage()
+  if not message.startswith(("Task exception was never retrieved", "Future exception was never")):
     return True
+  error = record.exc_info[1] if record.exc_info else None
   traceback = record.exc_info[2] if record.exc_info else None
+  if traceback is None:
+    # A tensorstore future fails in C++: no Python frame, only tensorstore's spec in its message.
+    return not (isinstance(error, ValueError) and "tensorstore_spec" in str(error))
   while traceback is not None:  # frame by frame: nothing imported, it may run at exit
     if "/orbax/checkpoint/" in traceback.tb_frame.f_code.co_filename:
       return False
