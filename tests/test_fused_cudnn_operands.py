@@ -152,6 +152,7 @@ def test_vmapped_gradient_with_a_shared_mask_lowers_to_cudnn_for_cuda(case, monk
 
 def test_the_workaround_is_one_log_line_and_only_for_a_jax_that_needs_it(monkeypatch, caplog):
   q, k, v, bias, mask = (jnp.asarray(x) for x in _inputs(q_len=8, kv_len=8))
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # length-major, as attend lays them out
   monkeypatch.setattr(fused, "_workaround_logged", False)
   monkeypatch.setattr(fused, "VMAP_SAFE_JAX", (99, 0, 0))  # a jax without the fix
   with caplog.at_level("INFO", logger=fused.__name__):

@@ -221,11 +221,13 @@ def test_pooling_every_head_at_once_gives_each_heads_window_means(ratios, length
     sh.pool_every_head_at_once(jnp.zeros((2, 2, 8, 5)), (2, 3))
 
 
+# 24 keys where a ratio is 6: BN over the 2 pooled keys of 12 is so ill-conditioned that float32
+# rounding gives gradient errors of 2e-5 against float64 on one CPU and not another.
 ONE_PRODUCT_CASES = {
   "sh, powers of two": ("sh", (1, 2, 4, 4), 16, {}),
-  "sh, ratio 3 (a division)": ("sh", (1, 2, 3, 6), 12, {}),
+  "sh, ratio 3 (a division)": ("sh", (1, 2, 3, 6), 24, {}),
   "bn_sh, powers of two": ("bn_sh", (1, 2, 4, 4), 16, {}),
-  "bn_sh, ratio 3 (a division)": ("bn_sh", (1, 2, 3, 6), 12, {}),
+  "bn_sh, ratio 3 (a division)": ("bn_sh", (1, 2, 3, 6), 24, {}),
   "bn_sh, full statistics": ("bn_sh", (1, 2, 4, 4), 16, {"statistics": "full"}),
 }
 

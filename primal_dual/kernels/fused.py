@@ -167,20 +167,20 @@ def _pad_axis(x: jax.Array, axis: int, amount: int, fill=0) -> jax.Array:
 
 
 def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
-  """Heads-major ``q [N, H, T, d]``, ``k``/``v [N, H, S, d]``, ``bias``/``mask [N | 1, H | 1, T,
+  """Length-major ``q [N, T, H, d]``, ``k``/``v [N, S, H, d]``, ``bias``/``mask [N | 1, H | 1, T,
   S]`` (or None) and ``lengths`` (``query_seq_lengths`` and/or ``key_value_seq_lengths``, int32
   ``[N]``, or empty) as cuDNN takes them (module docstring): head size padded to a multiple of 8;
   T and S padded to even (the padded key masked or beyond the key lengths, the padded query row
   seeing the real keys or beyond the query lengths); a mask or bias of full lengths, the bias in
   the compute dtype; lengths both given once one is; on a jax older than ``VMAP_SAFE_JAX``, the
   mask full-size and the lengths batched with ``q``. The caller slices the output back to
-  ``[..., :T, :d_v]``."""
+  ``[:, :T, :, :d_v]``."""
   q, k, v = (_pad_axis(x, 3, -q.shape[-1] % _CUDNN_HEAD_MULTIPLE) for x in (q, k, v))
   # jax's check of a training call takes every call for one with a bias (jax 0.10.2 at least),
   # and cuDNN takes a bias in training with even lengths only.
-  t, s = q.shape[2], k.shape[2]
+  t, s = q.shape[1], k.shape[1]
   pad_t, pad_s = t % 2, s % 2
-  q, k, v = _pad_axis(q, 2, pad_t), _pad_axis(k, 2, pad_s), _pad_axis(v, 2, pad_s)
+  q, k, v = _pad_axis(q, 1, pad_t), _pad_axis(k, 1, pad_s), _pad_axis(v, 1, pad_s)
   if mask is not None:
     mask = jnp.broadcast_to(mask, (*mask.shape[:2], t, s))
     mask = _pad_axis(_pad_axis(mask, 2, pad_t, True), 3, pad_s, False)
@@ -202,11 +202,12 @@ def _cudnn_operands(q, k, v, bias, mask, lengths: dict) -> tuple:
   _log_vmap_workaround()
   # True everywhere, but computed from q: under vmap it carries q's batch axis, and so does
   # every operand combined with it (the old batching rules assume they all do).
-  tied = jnp.logical_or(jax.lax.stop_gradient(q[:, :, :1, :1]) != 0, True)
+  tied = jnp.logical_or(jax.lax.stop_gradient(q[:, :1, :1, :1]) != 0, True)  # [N, 1, 1, 1]
   if bias is not None or mask is not None:
     mask = tied if mask is None else mask
-    mask = jnp.broadcast_to(mask, (*q.shape[:3], k.shape[2])) & tied
-  lengths = {name: jnp.where(tied[:, 0, 0, 0], x, 0) for name, x in lengths.items()}
+    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])) & tied
+  ones = tied.reshape(-1).astype(jnp.int32)  # [N]: a product is cheaper to lower than a where
+  lengths = {name: x * ones for name, x in lengths.items()}
   return q, k, v, bias, mask, lengths
 
 
@@ -243,17 +244,17 @@ def _lengths_by_row(key_lengths, query_lengths, batch: int, heads: int) -> tuple
 
 
 def _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len: int):
-  """bool, broadcasting to the output ``[N, H, q_len, 1]`` of ``jax.nn.dot_product_attention``'s
+  """bool, broadcasting to the output ``[N, q_len, H, 1]`` of ``jax.nn.dot_product_attention``'s
   rows: the query rows with a visible key (True), or None when every row has one. ``mask`` ``[N |
   1, H | 1, q_len | 1, S]`` or None; ``key_lengths``/``query_lengths`` int ``[N]`` or None. XLA's
   implementation averages every value in the other rows; the kernels give them 0."""
   rows = []
   if mask is not None:
-    rows.append(jnp.any(mask, axis=-1, keepdims=True))
+    rows.append(_swap_heads_and_length(jnp.any(mask, axis=-1, keepdims=True)))
   if key_lengths is not None and not (isinstance(key_lengths, np.ndarray) and key_lengths.all()):
     rows.append((key_lengths > 0)[:, None, None, None])
   if query_lengths is not None:
-    rows.append((jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, None, :, None])
+    rows.append((jnp.arange(q_len)[None, :] < query_lengths[:, None])[:, :, None, None])
   if not rows:
     return None
   seen = rows[0]
@@ -305,8 +306,9 @@ def attend(
   head_size = v.shape[-1]
   key_lengths, query_lengths, per_head = _lengths_by_row(key_lengths, query_lengths, batch, heads)
   if per_head:
-    # One row per (example, head): [B·H, 1, L, d], and a mask or bias broadcast to match.
-    q, k, v = (x.reshape((batch * heads, 1, *x.shape[2:])) for x in (q, k, v))
+    # One row per (example, head), length-major as jax.nn.dot_product_attention takes it:
+    # [B·H, L, 1, d] by one reshape; a mask or bias broadcast to match.
+    q, k, v = (x.reshape((batch * heads, x.shape[2], 1, x.shape[3])) for x in (q, k, v))
     bias, mask = (
       None
       if x is None
@@ -315,12 +317,14 @@ def attend(
       )
       for x in (bias, mask)
     )
+  else:
+    q, k, v = (_swap_heads_and_length(x) for x in (q, k, v))
   run = functools.partial(
     _dot_product_attention, scale=scale, is_causal=is_causal, implementation=implementation
   )
   mask_alone = mask is not None and bias is None and key_lengths is None and query_lengths is None
   if implementation == "cudnn" and mask_alone:  # a padding mask goes as its lengths
-    implied_keys, implied_queries, is_padding = padding_lengths(mask, batch, q_len, k.shape[2])
+    implied_keys, implied_queries, is_padding = padding_lengths(mask, batch, q_len, k.shape[1])
     out = jax.lax.cond(
       is_padding,
       lambda q, k, v: run(q, k, v, None, None, implied_keys, implied_queries),
@@ -331,7 +335,9 @@ def attend(
     )
   else:
     out = run(q, k, v, bias, mask, key_lengths, query_lengths)
-  return out.reshape((batch, heads, q_len, head_size))
+  if per_head:
+    return out.reshape((batch, heads, q_len, head_size))
+  return _swap_heads_and_length(out)
 
 
 def padding_lengths(mask, batch: int, q_len: int, kv_len: int) -> tuple:
@@ -349,9 +355,10 @@ def padding_lengths(mask, batch: int, q_len: int, kv_len: int) -> tuple:
 def _dot_product_attention(
   q, k, v, bias, mask, key_lengths, query_lengths, *, scale, is_causal, implementation
 ):
-  """``attend``'s product once its rows are laid out: ``[N, H, q_len, d_v]`` (rows with no
-  visible key 0)."""
-  q_len, head_size = q.shape[2], v.shape[-1]
+  """``attend``'s product once its rows are laid out length-major, ``q [N, q_len, H, d]``, ``k``/``v
+  [N, kv_len, H, d]`` (a mask or bias ``[N | 1, H | 1, q_len, kv_len]``): ``[N, q_len, H, d_v]``
+  (rows with no visible key 0)."""
+  q_len, head_size = q.shape[1], v.shape[-1]
   seen = _rows_seeing_a_key(mask, key_lengths, query_lengths, q_len)
   lengths = {
     name: x
@@ -361,7 +368,9 @@ def _dot_product_attention(
   if implementation == "cudnn":
     q, k, v, bias, mask, lengths = _cudnn_operands(q, k, v, bias, mask, lengths)
   out = jax.nn.dot_product_attention(
-    *(_swap_heads_and_length(x) for x in (q, k, v)),
+    q,
+    k,
+    v,
     bias=bias,
     mask=mask,
     scale=scale,
@@ -369,15 +378,15 @@ def _dot_product_attention(
     implementation=implementation,
     **lengths,
   )
-  out = _swap_heads_and_length(out)[:, :, :q_len, :head_size]
+  out = out[:, :q_len, :, :head_size]
   if seen is not None:
     out = jnp.where(seen, out, jnp.zeros((), out.dtype))
   return out
 
 
 def _swap_heads_and_length(x):
-  """``[N, H, L, d]`` <-> ``[N, L, H, d]``; a reshape where one of the two axes has size 1 (one
-  head per row, as SH's single launch sends): no transpose in the program."""
+  """``[N, H, L, d]`` <-> ``[N, L, H, d]``; a reshape where one of the two axes has size 1: no
+  transpose in the program."""
   if 1 in x.shape[1:3]:
     return x.reshape(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
   return jnp.swapaxes(x, 1, 2)
