@@ -358,7 +358,7 @@ def test_only_abandoned_orbax_reads_go_unreported():
   # its message (as CI once printed it, nine lines after the one-line warning).
   tensorstore = ValueError(
     'OUT_OF_RANGE: Error opening "zarr" driver: Error reading "b/.zarray" '
-    "[tensorstore_spec='{\"driver\":\"zarr\"}']"
+    '[tensorstore_spec=\'{"driver":"zarr"}\']'
   )
   future_never_retrieved = "Future exception was never retrieved\nfuture: <Future finished ...>"
   assert not shown(future_never_retrieved, (ValueError, tensorstore, None))
