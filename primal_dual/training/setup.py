@@ -207,20 +207,33 @@ class ReplicaAxis:
     return jax.vmap(fn, in_axes=in_axes) if self._stacked else fn
 
   def stack(self, trees: list[Any]) -> Any:
-    """One tree per replica → the trees in this layout (`[R, ...]` leaves for R > 1)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees) if self._stacked else trees[0]
+    """One tree per replica → the trees in this layout (`[R, ...]` leaves for R > 1), by one
+    program (as `index`)."""
+    return _stack(trees) if self._stacked else trees[0]
 
   def from_host(self, tree: Any) -> Any:
     """A host tree of `[R, ...]` arrays in this layout."""
     return tree if self._stacked else jax.tree.map(lambda x: x[0], tree)
 
   def index(self, tree: Any, index: int) -> Any:
-    """Replica `index` of a tree in this layout."""
-    return jax.tree.map(lambda x: x[index], tree) if self._stacked else tree
+    """Replica `index` of a tree in this layout. By one program whatever the index, compiled once
+    per tree structure and shapes (each leaf sliced eagerly compiles a program per leaf shape
+    and index)."""
+    return _replica(tree, np.int32(index)) if self._stacked else tree
 
   def shardings(self, shardings: Any, mesh) -> Any:
     """Shardings of one replica's tree → of the tree in this layout (the axis kept whole)."""
     return sharding.with_leading_axis(shardings, mesh) if self._stacked else shardings
+
+
+@jax.jit
+def _stack(trees: list[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@jax.jit
+def _replica(tree: Any, index) -> Any:
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
 
 
 def _replica_step(
