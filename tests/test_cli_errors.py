@@ -699,3 +699,34 @@ def test_orbax_save_wait_warnings_are_hidden_unless_verbosity_is_given(verbosity
   assert shown.returncode == 0, shown.stderr
   assert "another warning" in shown.stderr
   assert ("Waiting for previous save" in shown.stderr) == bool(verbosity), shown.stderr
+
+
+# `train.py`'s own code, with the modules loaded once it stopped printed last.
+_TRAIN_THEN_LIST_MODULES = """
+import runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+try:
+  runpy.run_path("train.py", run_name="__main__")
+finally:
+  print(" ".join(sorted(m for m in ("jax", "flax") if m in sys.modules)), file=sys.stderr)
+"""
+
+
+def test_a_config_file_not_found_is_answered_before_jax_is_imported(tmp_path):
+  """`import primal_dual` loads neither jax nor flax (its submodules come on first access), so
+  an error found before any model is built needs neither; the submodules still load on access."""
+  result = subprocess.run(
+    [sys.executable, "-c", _TRAIN_THEN_LIST_MODULES, "--config=/no/such/config.py"],
+    capture_output=True,
+    text=True,
+    cwd=REPO_ROOT,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  *error, loaded = result.stderr.splitlines()
+  assert result.returncode == 2 and error, result.stderr
+  assert error[-1].startswith("error: config file /no/such/config.py not found"), result.stderr
+  assert loaded == "", result.stderr
+  code = "import primal_dual, sys; primal_dual.kernels; print('jax' in sys.modules)"
+  accessed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert accessed.stdout.strip() == "True", accessed.stderr
