@@ -174,3 +174,33 @@ def test_the_mosaic_forward_time_follows_its_waves(payload):
   assert rows[(8192, 32)]["waves"] == 2 and rows[(4096, 32)]["waves"] == 1
   committed = Path(__file__).parent.parent / "benchmarks/results/hyla_latency_model.json"
   assert json.loads(committed.read_text())["mosaic_forward"] == payload["mosaic_forward"]
+
+
+def test_the_cuda_core_backward_counts_follow_its_formulas():
+  """Per pair and program: the columns (2·16 per head), z, du and da (4H·e), u and dz (2e), ds
+  (7 per head), and dk_dv's dv of its group (G·e); a program per 64 rows and head group."""
+  for group in hlm.BACKWARD_HEAD_GROUPS:
+    row = hlm.mosaic_backward_prediction(8192, group)
+    recomputed = 8 * 32 + (4 * 8 + 2) * 64 + 8 * 7
+    assert row["launches"]["dq"]["ops_per_pair"] == recomputed
+    assert row["launches"]["dk_dv"]["ops_per_pair"] == recomputed + group * 64
+    assert row["launches"]["dq"]["issue_cycles_per_block"] == pytest.approx(
+      64 * 16 * recomputed / 32 / 4
+    )
+    assert row["programs_per_launch"] == 8192 // 64 * (8 // group)
+
+
+def test_no_cuda_core_backward_reaches_five_times_cudnn_at_8k(payload):
+  """The decision the model records: with the coupled products on CUDA cores the backward misses
+  the issue's 5× at 8k in every head grouping and even at its floor (each pair's work once on
+  every lane), and both groupings hold more accumulators than a thread has registers."""
+  rows = {(r["length"], r["head_group"]): r for r in payload["mosaic_backward_on_cuda_cores"]}
+  for group in hlm.BACKWARD_HEAD_GROUPS:
+    row = rows[(8192, group)]
+    assert row["vs_cudnn"] > row["floor_vs_cudnn"] > 5, row
+    assert row["registers_for_accumulators"] > 255, row
+  # Half the programs per launch with twice the heads each: half the time.
+  assert rows[(8192, 2)]["backward_ms"] == pytest.approx(rows[(8192, 1)]["backward_ms"] / 2, 0.05)
+  committed = Path(__file__).parent.parent / "benchmarks/results/hyla_latency_model.json"
+  saved = json.loads(committed.read_text())["mosaic_backward_on_cuda_cores"]
+  assert saved == payload["mosaic_backward_on_cuda_cores"]

@@ -354,6 +354,89 @@ def mosaic_forward_prediction(length: int, e_tile: int, device=H100) -> dict[str
   }
 
 
+# --- A Mosaic GPU backward with the coupled products on CUDA cores (priced, not written) --------
+
+
+class MosaicBackwardOnCudaCores(NamedTuple):
+  """A backward in the forward kernel's style, priced before it is written: two launches, ``dq``
+  (a program per 64 queries, looping over blocks of 16 keys) and ``dk_dv`` (a program per 64
+  keys, looping over blocks of 16 queries), each program accumulating the gradients of a group of
+  ``head_group`` heads (all eight do not fit: ``tools/device/README.md``) and so recomputing per
+  pair what every head's ``ds`` needs (the scores couple the heads through the RMS, the value
+  network through ``z``). Thread-level operations per (query, key) pair and program, with ``e``
+  the value columns (all of them: ``da`` sums over ``e``):
+
+  * recomputed: the columns ``a_h[:, j]`` (2·16 per head, as the forward), ``z`` (H·e), ``u``
+    (e), ``du = Σ_h a_h g_h`` (H·e), ``dz`` (e), ``da_h = g_h·u + dz·v_h`` (2·H·e), ``ds`` from
+    ``da`` through the RMS (``ds_h = r da_h − r³/H s_h Σ da·s``: 7 per head);
+  * ``dk_dv`` only: ``dv`` of the group's heads (``head_group``·e);
+  * on tensor cores: the scores of every head, and ``dq`` (or ``dk``) of the group's heads.
+  """
+
+  q_tile: int = mosaic.Q_TILE
+  k_tile: int = mosaic.K_TILE
+  head_group: int = 2
+  column_ops_per_head: int = 2 * 16
+  ds_ops_per_head: int = 7
+  load_cycles: float = 700.0
+  warps: int = 4
+
+
+BACKWARD_HEAD_GROUPS = (1, 2)
+
+
+def mosaic_backward_prediction(length: int, head_group: int, device=H100) -> dict[str, Any]:
+  """Both launches' time at ``length`` (batch 1, H 8, d 64) in the forward's model (per program,
+  blocks × (max(issue, tensor) + load) cycles, one program per SM), and the floor of any
+  CUDA-core backward: one launch that computes each pair's coupled work once (no recompute, no
+  register limit), at the forward's rate per operation."""
+  design = MosaicBackwardOnCudaCores(head_group=head_group)
+  e = HEAD_DIM
+  recomputed = (
+    HEADS * design.column_ops_per_head + (4 * HEADS + 2) * e + HEADS * design.ds_ops_per_head
+  )
+  ops_per_pair = {"dq": recomputed, "dk_dv": recomputed + head_group * e}
+  pairs = design.q_tile * design.k_tile
+  tensor_rate = device.tensor_flops / device.sms / device.clock_hz  # FLOPs per SM per clock
+  # The scores of every head, then the group's dq (or dk) by one product per head.
+  tensor_cycles = pairs * 2 * HEADS * HEAD_DIM / tensor_rate
+  tensor_cycles += pairs * 2 * head_group * HEAD_DIM / tensor_rate
+  programs = BATCH * math.ceil(length / design.q_tile) * (HEADS // head_group)
+  waves = math.ceil(programs / device.sms)
+  blocks = math.ceil(length / design.k_tile)
+  launches = {}
+  for name, ops in ops_per_pair.items():
+    issue_cycles = pairs * ops / 32 / min(design.warps, device.schedulers_per_sm)
+    block_cycles = max(issue_cycles, tensor_cycles) + design.load_cycles
+    launches[name] = {
+      "ops_per_pair": ops,
+      "issue_cycles_per_block": issue_cycles,
+      "ms": 1e3 * waves * blocks * block_cycles / device.clock_hz,
+    }
+  # Floor: every pair's coupled work once, spread over every SM's lanes.
+  once = recomputed - HEADS * design.column_ops_per_head + HEADS * e  # + dv, no re-extraction
+  floor_s = BATCH * length * length * once / (device.lanes_per_sm * device.sms * device.clock_hz)
+  backward_ms = sum(v["ms"] for v in launches.values())
+  forward_ms = min(mosaic_forward_prediction(length, t)["forward_ms"] for t in MOSAIC_TILES)
+  cudnn = MEASURED_MS["cudnn"].get(length)
+  return {
+    "head_group": head_group,
+    "programs_per_launch": programs,
+    "waves": waves,
+    # dq (or dk, and dv) of the group's heads, f32 [64, G, 64] each, plus a block's s, a and da
+    # of every head ([64, 16] f32 per head, three of them), per thread of the warpgroup.
+    "registers_for_accumulators": (2 * head_group * HEAD_DIM + 3 * HEADS * design.k_tile)
+    * design.q_tile
+    // 128,
+    "launches": launches,
+    "backward_ms": backward_ms,
+    "forward_backward_ms": forward_ms + backward_ms,
+    "vs_cudnn": None if cudnn is None else (forward_ms + backward_ms) / cudnn,
+    "floor_backward_ms": 1e3 * floor_s,
+    "floor_vs_cudnn": None if cudnn is None else (forward_ms + 1e3 * floor_s) / cudnn,
+  }
+
+
 # --- Fitting and the report -----------------------------------------------------------------------
 
 
@@ -394,7 +477,7 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
   kernel_s = fit_kernel_s(
     step_counts, MEASURED_MS["blockwise"][FITTED_ON["blockwise"]], FITTED_ON["blockwise"]
   )
-  rows, launches, mosaic_rows = [], [], []
+  rows, launches, mosaic_rows, backward_rows = [], [], [], []
   for length in lengths:
     for kernel, per_launch in (
       ("tensorcore", tensorcore_launches(records, length, stage_cycles)),
@@ -411,6 +494,9 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
     mosaic_rows.extend(
       mosaic_forward_prediction(length, e) | {"length": length} for e in MOSAIC_TILES
     )
+    backward_rows.extend(
+      mosaic_backward_prediction(length, g) | {"length": length} for g in BACKWARD_HEAD_GROUPS
+    )
   return {
     "device": H100._asdict(),
     "fitted": {
@@ -425,6 +511,7 @@ def build_payload(compile_report: Mapping[str, Any], lengths=LENGTHS) -> dict[st
     "rows": rows,
     "launches": launches,
     "mosaic_forward": mosaic_rows,
+    "mosaic_backward_on_cuda_cores": backward_rows,
   }
 
 
@@ -482,6 +569,22 @@ def render(payload: Mapping[str, Any]) -> str:
     common.Column("forward ms (predicted)", "forward_ms", f),
     common.Column("forward / cuDNN fwd+bwd", "vs_cudnn_fwd_bwd", f),
   )
+  backward_columns = (
+    common.Column("N", "length"),
+    common.Column("head group", "head_group"),
+    common.Column("programs per launch", "programs_per_launch"),
+    common.Column("accumulator registers", "registers_for_accumulators"),
+    common.Column("dq ms", "dq_ms", f),
+    common.Column("dk_dv ms", "dk_dv_ms", f),
+    common.Column("fwd+bwd ms", "forward_backward_ms", f),
+    common.Column("/ cuDNN", "vs_cudnn", f),
+    common.Column("floor: bwd ms", "floor_backward_ms", f),
+    common.Column("floor: fwd+bwd / cuDNN", "floor_vs_cudnn", f),
+  )
+  backward_rows = [
+    {**r, **{f"{name}_ms": v["ms"] for name, v in r["launches"].items()}}
+    for r in payload["mosaic_backward_on_cuda_cores"]
+  ]
   return "\n".join(
     [
       "# HYLA latency model (H100, bf16, forward + backward, B 1, H 8, d 64)",
@@ -506,6 +609,15 @@ def render(payload: Mapping[str, Any]) -> str:
       "`accumulator registers`: per thread, before anything else (255 is the limit).",
       "",
       common.render_markdown_table(mosaic_columns, payload["mosaic_forward"]),
+      "",
+      "## A Mosaic GPU backward with the coupled products on CUDA cores (priced, not written)",
+      "",
+      "Two launches (`dq`; `dk_dv`) in the forward's model, each program the gradients of a "
+      "group of heads, recomputing per pair the coupled work every head's `ds` needs, with the "
+      "forward's best `e_tile` added. `floor`: one launch doing each pair's coupled work once "
+      "on every SM's lanes, no register limit (any CUDA-core backward is slower).",
+      "",
+      common.render_markdown_table(backward_columns, backward_rows),
       "",
     ]
   )
