@@ -4,7 +4,7 @@
 ``primal_dual.layers`` the multi-head layer and the registry of variants, and ``primal_dual.nnx``
 the same layer as a ``flax.nnx`` module. Each is imported on first access, so that ``import
 primal_dual`` loads neither jax nor flax: a command that stops at a user error before it needs them
-(a config file not found, a workdir it cannot use) answers in 0.1 s rather than 2.3 s. Training,
+(a config file not found) answers in 0.1 s rather than 2.3 s. Training,
 data and analysis modules need the ``[train]`` extra and are imported on their own.
 """
 

@@ -712,7 +712,7 @@ finally:
 """
 
 
-def test_a_config_file_not_found_is_answered_before_jax_is_imported(tmp_path):
+def test_a_config_file_not_found_is_answered_before_jax_is_imported():
   """`import primal_dual` loads neither jax nor flax (its submodules come on first access), so
   an error found before any model is built needs neither; the submodules still load on access."""
   result = subprocess.run(

@@ -319,6 +319,20 @@ class MosaicForward(NamedTuple):
 MOSAIC_TILES = (64, 32)  # e_tile: one program per query tile, or two (fills the SMs at 4k)
 
 
+def _blocked_launch(
+  *, programs, blocks, pairs, ops_per_pair, tensor_flops, warps, load_cycles, device
+) -> dict[str, float]:
+  """A Mosaic launch whose programs loop over ``blocks`` blocks of ``pairs`` (query, key) pairs,
+  each block ``pairs × ops_per_pair`` CUDA-core operations on ``warps`` warps and
+  ``tensor_flops`` of tensor work, then an unhidden load; programs in waves of one per SM.
+  Returns ``waves``, the per-block ``issue`` and ``tensor`` cycles, and ``seconds``."""
+  waves = math.ceil(programs / device.sms)
+  issue = pairs * ops_per_pair / 32 / min(warps, device.schedulers_per_sm)
+  tensor = tensor_flops / (device.tensor_flops / device.sms / device.clock_hz)
+  seconds = waves * blocks * (max(issue, tensor) + load_cycles) / device.clock_hz
+  return {"waves": waves, "issue": issue, "tensor": tensor, "seconds": seconds}
+
+
 def mosaic_forward_prediction(length: int, e_tile: int, device=H100) -> dict[str, Any]:
   """The forward kernel's time at ``length`` (batch 1, H 8, d 64): per program, key blocks ×
   (the larger of its tensor and issue cycles per block + the block's load latency), programs in
@@ -327,24 +341,26 @@ def mosaic_forward_prediction(length: int, e_tile: int, device=H100) -> dict[str
   design = MosaicForward(e_tile=e_tile)
   # The kernel pads the queries to whole tiles and the keys to whole blocks.
   programs = BATCH * math.ceil(length / design.q_tile) * (HEAD_DIM // e_tile)
-  waves = math.ceil(programs / device.sms)
-  blocks = math.ceil(length / design.k_tile)
   pairs = design.q_tile * design.k_tile  # per program per block
-  ops = pairs * ((2 * HEADS + 1) * e_tile + HEADS * design.column_ops_per_head)
-  issue_cycles = ops / 32 / min(design.warps, device.schedulers_per_sm)
-  tensor_cycles = (
-    pairs * 2 * HEADS * HEAD_DIM / (device.tensor_flops / device.sms / device.clock_hz)
+  launch = _blocked_launch(
+    programs=programs,
+    blocks=math.ceil(length / design.k_tile),
+    pairs=pairs,
+    ops_per_pair=(2 * HEADS + 1) * e_tile + HEADS * design.column_ops_per_head,
+    tensor_flops=pairs * 2 * HEADS * HEAD_DIM,
+    warps=design.warps,
+    load_cycles=design.load_cycles,
+    device=device,
   )
-  block_cycles = max(issue_cycles, tensor_cycles) + design.load_cycles
-  forward_s = waves * blocks * block_cycles / device.clock_hz
+  forward_s = launch["seconds"]
   return {
     "e_tile": e_tile,
     "programs": programs,
-    "waves": waves,
+    "waves": launch["waves"],
     "registers_for_accumulators": HEADS * e_tile * design.q_tile // 128,
     "cycles_per_block": {
-      "issue": issue_cycles,
-      "tensor": tensor_cycles,
+      "issue": launch["issue"],
+      "tensor": launch["tensor"],
       "load": design.load_cycles,
     },
     "forward_ms": 1e3 * forward_s,
@@ -397,21 +413,24 @@ def mosaic_backward_prediction(length: int, head_group: int, device=H100) -> dic
   )
   ops_per_pair = {"dq": recomputed, "dk_dv": recomputed + head_group * e}
   pairs = design.q_tile * design.k_tile
-  tensor_rate = device.tensor_flops / device.sms / device.clock_hz  # FLOPs per SM per clock
-  # The scores of every head, then the group's dq (or dk) by one product per head.
-  tensor_cycles = pairs * 2 * HEADS * HEAD_DIM / tensor_rate
-  tensor_cycles += pairs * 2 * head_group * HEAD_DIM / tensor_rate
   programs = BATCH * math.ceil(length / design.q_tile) * (HEADS // head_group)
-  waves = math.ceil(programs / device.sms)
-  blocks = math.ceil(length / design.k_tile)
   launches = {}
   for name, ops in ops_per_pair.items():
-    issue_cycles = pairs * ops / 32 / min(design.warps, device.schedulers_per_sm)
-    block_cycles = max(issue_cycles, tensor_cycles) + design.load_cycles
+    launch = _blocked_launch(
+      programs=programs,
+      blocks=math.ceil(length / design.k_tile),
+      pairs=pairs,
+      ops_per_pair=ops,
+      # The scores of every head, then the group's dq (or dk) by one product per head.
+      tensor_flops=pairs * 2 * (HEADS + head_group) * HEAD_DIM,
+      warps=design.warps,
+      load_cycles=design.load_cycles,
+      device=device,
+    )
     launches[name] = {
       "ops_per_pair": ops,
-      "issue_cycles_per_block": issue_cycles,
-      "ms": 1e3 * waves * blocks * block_cycles / device.clock_hz,
+      "issue_cycles_per_block": launch["issue"],
+      "ms": 1e3 * launch["seconds"],
     }
   # Floor: every pair's coupled work once, spread over every SM's lanes.
   once = recomputed - HEADS * design.column_ops_per_head + HEADS * e  # + dv, no re-extraction
@@ -422,7 +441,7 @@ def mosaic_backward_prediction(length: int, head_group: int, device=H100) -> dic
   return {
     "head_group": head_group,
     "programs_per_launch": programs,
-    "waves": waves,
+    "waves": launch["waves"],
     # dq (or dk, and dv) of the group's heads, f32 [64, G, 64] each, plus a block's s, a and da
     # of every head ([64, 16] f32 per head, three of them), per thread of the warpgroup.
     "registers_for_accumulators": (2 * head_group * HEAD_DIM + 3 * HEADS * design.k_tile)
